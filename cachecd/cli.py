@@ -1,0 +1,60 @@
+"""The ``cachecd`` command line. Each command lives in the module that owns it.
+
+A command module exposes ``register(sub)``: it adds its parser to the subparsers and sets
+``func`` (``args -> int`` exit code). Heavy imports (mlx, aiohttp) stay inside the functions
+so ``cachecd --help`` and the client-side commands start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from cachecd import __version__
+from cachecd.errors import CachecdError
+
+# Modules that own commands, in the order `--help` lists them.
+_COMMAND_MODULES: tuple[str, ...] = (
+    "cachecd.tiny_model",
+    "cachecd.hub_server",
+    "cachecd.manifest_cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cachecd",
+        description="Run a frontier MoE model on a machine too small for it.",
+    )
+    parser.add_argument("--version", action="version", version=f"cachecd {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except CachecdError as exc:
+        print(f"cachecd: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

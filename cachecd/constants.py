@@ -1,0 +1,83 @@
+"""Defaults and the environment, read once. Only this module and ``config`` read ``os.environ``.
+
+Hugging Face's own variables (HF_HOME, HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE) are read through
+``huggingface_hub.constants`` so cachecd agrees with every other HF tool on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from huggingface_hub import constants as hf_constants
+
+APP = "cachecd"
+VERSION = "0.1.0"
+
+# Index schema; bump with a migration in index.py.
+INDEX_SCHEMA_VERSION = 1
+MANIFEST_FORMAT_VERSION = 1
+
+# K3 facts (DESIGN.md); used by benches and the synthetic K3-sized manifest.
+K3_MOE_LAYERS = 92
+K3_EXPERTS_PER_LAYER = 896
+K3_EXPERT_BYTES = 17_547_264
+K3_EXPERTS_PER_TOKEN = 16
+
+
+def _user_cache_root() -> Path:
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / APP
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / APP
+
+
+def _user_runtime_dir() -> Path:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and sys.platform != "darwin":
+        return Path(runtime) / APP
+    return _user_cache_root() / "run"
+
+
+ENV_PREFIX = "CACHECD_"
+
+# Defaults (lowest precedence; config.py layers TOML, env and argv on top).
+DEFAULT_CACHE_ROOT = _user_cache_root()
+DEFAULT_CACHE_DIR = DEFAULT_CACHE_ROOT / "experts"
+DEFAULT_MODELS_DIR = DEFAULT_CACHE_ROOT / "models"
+DEFAULT_SOCKET = _user_runtime_dir() / "cachecd.sock"
+DEFAULT_CONFIG_FILE = Path(
+    os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+) / APP / "config.toml"
+DEFAULT_BUDGET = 0  # 0: no budget beyond the free space of the cache dirs
+DEFAULT_LOG_LEVEL = "INFO"
+
+# Upstream behaviour.
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 30.0
+TOTAL_TIMEOUT_S = 600.0
+MAX_RETRIES = 5
+BACKOFF_BASE_S = 0.5
+BACKOFF_CAP_S = 30.0
+MAX_PARALLEL_FETCHES = 8
+COALESCE_MAX_BYTES = 256 * 1024 * 1024
+COALESCE_MAX_EXPERTS = 16
+CHECKSUM_REFETCHES = 2
+SIGNED_URL_TTL_S = 3600.0
+
+# Daemon behaviour.
+SHUTDOWN_TIMEOUT_S = 10.0
+CLIENT_MAX_SIZE = 16 * 1024 * 1024
+MAX_BATCH_EXPERTS = 4096
+MAX_CONNECTIONS = 256
+LMDB_MAP_SIZE = 64 * 1024 * 1024
+LMDB_MAP_CEILING = 64 * 1024 * 1024 * 1024
+
+# Hugging Face environment, as huggingface_hub reads it.
+HF_ENDPOINT: str = hf_constants.ENDPOINT
+HF_HUB_OFFLINE: bool = bool(hf_constants.HF_HUB_OFFLINE)
+HF_HOME: str = hf_constants.HF_HOME
+
+# Test and fault-injection knobs (see RELIABILITY.md). Never set in production.
+CRASH_AT: str | None = os.environ.get("CACHECD_CRASH_AT") or None

@@ -1,0 +1,152 @@
+"""Every error cachecd raises, on both sides of the socket.
+
+Each error has a stable ``code`` (the wire name), the ``http_status`` the daemon answers with
+and ``retryable``: whether asking again later can succeed. The wire form is
+``{"error": code, "message": ..., "retryable": bool}``; the client turns it back into the same
+type with :func:`error_from_wire`. A message says what failed and what to do next.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class CachecdError(Exception):
+    code: ClassVar[str] = "internal"
+    http_status: ClassVar[int] = 500
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str = "", *, request_id: str | None = None) -> None:
+        super().__init__(message or self.code)
+        self.message = message or self.code
+        self.request_id = request_id
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"error": self.code, "message": self.message, "retryable": self.retryable}
+
+
+class InvalidRequest(CachecdError):
+    code, http_status = "invalid_request", 400
+
+
+class TooLarge(CachecdError):
+    """The request can never fit (bigger than the whole budget): retrying does not help."""
+
+    code, http_status = "too_large", 400
+
+
+class Unauthorized(CachecdError):
+    code, http_status = "unauthorized", 401
+
+
+class Forbidden(CachecdError):
+    """The peer is not the daemon's user."""
+
+    code, http_status = "forbidden", 403
+
+
+class Gated(CachecdError):
+    code, http_status = "gated", 403
+
+
+class RepoNotAllowed(CachecdError):
+    """No manifest is registered for this repo: the daemon fetches nothing it cannot verify."""
+
+    code, http_status = "repo_not_allowed", 403
+
+
+class NotFound(CachecdError):
+    code, http_status = "not_found", 404
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class ExpertNotFound(NotFound):
+    code = "expert_not_found"
+
+
+class ManifestInvalid(CachecdError):
+    code, http_status = "manifest_invalid", 422
+
+
+class Offline(CachecdError):
+    """A miss while HF_HUB_OFFLINE is set."""
+
+    code, http_status = "offline", 503
+
+
+class ChecksumMismatch(CachecdError):
+    code, http_status = "checksum_mismatch", 502
+
+
+class BadUpstreamRange(CachecdError):
+    code, http_status = "bad_upstream_range", 502
+
+
+class UpstreamError(CachecdError):
+    code, http_status, retryable = "upstream_error", 502, True
+
+
+class UpstreamRateLimited(CachecdError):
+    code, http_status, retryable = "upstream_rate_limited", 503, True
+
+
+class UpstreamTimeout(CachecdError):
+    code, http_status, retryable = "upstream_timeout", 504, True
+
+
+class ShuttingDown(CachecdError):
+    code, http_status, retryable = "shutting_down", 503, True
+
+
+class DaemonUnavailable(CachecdError):
+    """Raised by the client only: nothing listens on the socket."""
+
+    code, http_status, retryable = "daemon_unavailable", 503, True
+
+
+class DiskFull(CachecdError):
+    code, http_status, retryable = "disk_full", 507, True
+
+
+class ReservationsFull(CachecdError):
+    """Everything evictable is reserved or pinned right now; space frees as fetches finish."""
+
+    code, http_status, retryable = "reservations_full", 507, True
+
+
+class IndexFull(CachecdError):
+    code, http_status, retryable = "index_full", 507, True
+
+
+class CacheLocked(CachecdError):
+    """Another daemon holds the cache directory's lock."""
+
+    code, http_status = "cache_locked", 409
+
+
+class Internal(CachecdError):
+    code, http_status = "internal", 500
+
+
+def _all_subclasses(cls: type[CachecdError]) -> list[type[CachecdError]]:
+    out: list[type[CachecdError]] = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+ERRORS_BY_CODE: dict[str, type[CachecdError]] = {
+    cls.code: cls for cls in [CachecdError, *_all_subclasses(CachecdError)]
+}
+
+
+def error_from_wire(payload: Any, http_status: int | None = None) -> CachecdError:
+    """The typed error for a wire payload; an unknown code keeps its message as ``Internal``."""
+    if not isinstance(payload, dict) or "error" not in payload:
+        return Internal(f"daemon answered HTTP {http_status} without an error body: {payload!r}"[:500])
+    cls = ERRORS_BY_CODE.get(str(payload["error"]), Internal)
+    return cls(str(payload.get("message", "")))

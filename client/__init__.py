@@ -1,0 +1,1 @@
+"""Client library for the cachecd daemon."""

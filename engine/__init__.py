@@ -1,0 +1,1 @@
+"""MLX engine: mlx-lm models whose expert banks are streamed through the cachecd daemon."""
