@@ -32,7 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # a broken import inside the module must not be hidden
+                raise
+            continue
+        module.register(sub)
     return parser
 
 
