@@ -127,6 +127,10 @@ class CacheLocked(CachecdError):
     code, http_status = "cache_locked", 409
 
 
+class ConfigInvalid(CachecdError):
+    code, http_status = "config_invalid", 400
+
+
 class Internal(CachecdError):
     code, http_status = "internal", 500
 

@@ -1,0 +1,185 @@
+"""Daemon and client settings: argv > ``CACHECD_*`` environment > TOML file > constants.
+
+Validated once, at start; a bad value raises ``ConfigInvalid`` naming the key and where it came
+from. Besides ``constants``, this is the only module that reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from cachecd import constants
+from cachecd.errors import ConfigInvalid
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
+_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+
+def parse_size(text: str | int, key: str = "size") -> int:
+    """Bytes from '16MiB', '2G', '1.5TB' or a plain integer (binary units for i, decimal otherwise)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE_RE.match(str(text))
+        if not match:
+            raise ConfigInvalid(f"{key}: cannot read {text!r} as a size (examples: 500GB, 16MiB, 0)")
+        number, unit, binary = match.groups()
+        base = 1024 if (binary or unit.lower() == "") else 1000
+        value = int(float(number) * base ** _UNITS[unit.lower()])
+    if value < 0:
+        raise ConfigInvalid(f"{key}: a size cannot be negative ({text!r})")
+    return value
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+@dataclass
+class Settings:
+    cache_dirs: list[Path] = field(default_factory=lambda: [constants.DEFAULT_CACHE_DIR])
+    models_dir: Path = constants.DEFAULT_MODELS_DIR
+    socket: Path = constants.DEFAULT_SOCKET
+    budget: int = constants.DEFAULT_BUDGET
+    endpoint: str = constants.HF_ENDPOINT
+    offline: bool = constants.HF_HUB_OFFLINE
+    manifests: list[Path] = field(default_factory=list)
+    policy: str = "default"
+    max_parallel: int = constants.MAX_PARALLEL_FETCHES
+    map_size: int = constants.LMDB_MAP_SIZE
+    log_level: str = constants.DEFAULT_LOG_LEVEL
+    shutdown_timeout: float = constants.SHUTDOWN_TIMEOUT_S
+
+    @property
+    def data_socket(self) -> Path:
+        return data_socket_path(self.socket)
+
+
+def data_socket_path(control: Path) -> Path:
+    """The fd-passing socket lives beside the control socket, in the same 0700 directory."""
+    return control.with_name(control.name + ".data")
+
+
+# key -> (parser, env var). Keys are the TOML keys and the argparse dests.
+def _paths(value: Any, key: str) -> list[Path]:
+    if isinstance(value, str):
+        value = [v for v in value.split(os.pathsep) if v]
+    if not isinstance(value, list) or not value:
+        raise ConfigInvalid(f"{key}: expected one or more paths, got {value!r}")
+    return [Path(v).expanduser() for v in value]
+
+
+def _path(value: Any, key: str) -> Path:
+    if not isinstance(value, (str, Path)) or not str(value):
+        raise ConfigInvalid(f"{key}: expected a path, got {value!r}")
+    return Path(value).expanduser()
+
+
+def _bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(value).lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigInvalid(f"{key}: expected true/false, got {value!r}")
+
+
+def _positive_int(value: Any, key: str) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigInvalid(f"{key}: expected a whole number, got {value!r}") from None
+    if number < 1:
+        raise ConfigInvalid(f"{key}: must be at least 1, got {number}")
+    return number
+
+
+def _choice(*allowed: str):  # type: ignore[no-untyped-def]
+    def parse(value: Any, key: str) -> str:
+        if str(value) not in allowed:
+            raise ConfigInvalid(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+        return str(value)
+
+    return parse
+
+
+def _text(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigInvalid(f"{key}: expected text, got {value!r}")
+    return value
+
+
+_FIELDS = {
+    "cache_dirs": _paths,
+    "models_dir": _path,
+    "socket": _path,
+    "budget": lambda v, k: parse_size(v, k),
+    "endpoint": _text,
+    "offline": _bool,
+    "manifests": _paths,
+    "policy": _choice("default", "lru", "lfu"),
+    "max_parallel": _positive_int,
+    "map_size": lambda v, k: parse_size(v, k),
+    "log_level": _choice("DEBUG", "INFO", "WARNING", "ERROR"),
+    "shutdown_timeout": lambda v, k: float(v),
+}
+
+
+def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
+    layer = {}
+    for key in _FIELDS:
+        env_key = constants.ENV_PREFIX + key.upper()
+        if env_key in environ:
+            layer[key] = (environ[env_key], f"${env_key}")
+    return layer
+
+
+def _toml_layer(path: Path | None) -> dict[str, Any]:
+    if path is None or not path.exists():
+        return {}
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigInvalid(f"{path}: cannot read the config file: {exc}") from exc
+    unknown = set(data) - set(_FIELDS)
+    if unknown:
+        raise ConfigInvalid(f"{path}: unknown key(s) {', '.join(sorted(unknown))}")
+    return {k: (v, f"{path}:{k}") for k, v in data.items()}
+
+
+def load_settings(
+    argv_values: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    config_file: Path | None = None,
+) -> Settings:
+    """Merge the layers; ``argv_values`` holds only what the user gave on the command line."""
+    environ = os.environ if environ is None else environ
+    if config_file is None:
+        config_file = Path(environ.get("CACHECD_CONFIG", str(constants.DEFAULT_CONFIG_FILE)))
+    merged: dict[str, Any] = {}
+    merged.update(_toml_layer(config_file))
+    merged.update(_env_layer(environ))
+    for key, value in (argv_values or {}).items():
+        if value is not None and key in _FIELDS:
+            merged[key] = (value, f"--{key.replace('_', '-')}")
+    settings = Settings()
+    for key, (value, origin) in merged.items():
+        setattr(settings, key, _FIELDS[key](value, origin))
+    if "models_dir" not in merged and "cache_dirs" in merged:
+        settings.models_dir = settings.cache_dirs[0].parent / "models"
+    return settings
+
+
+def add_common_arguments(parser: Any) -> None:
+    """The flags every command that talks to a daemon takes."""
+    parser.add_argument("--socket", help="control socket of the daemon (default: per-user runtime dir)")
