@@ -131,6 +131,18 @@ class ConfigInvalid(CachecdError):
     code, http_status = "config_invalid", 400
 
 
+class UnsupportedFormat(CachecdError):
+    """The engine cannot decode this model type or quant format; no expert is approximated."""
+
+    code, http_status = "unsupported_format", 422
+
+
+class ExpertSizeMismatch(CachecdError):
+    """An expert buffer's length differs from its manifest entry: the bytes are not used."""
+
+    code, http_status = "expert_size_mismatch", 502
+
+
 class Internal(CachecdError):
     code, http_status = "internal", 500
 
