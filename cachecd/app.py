@@ -1,0 +1,124 @@
+"""The daemon's state and the operations both front doors (HTTP control, fd data path) share.
+
+Invariant: every expert handed out was verified against its manifest before it entered the
+store; a hit is served from the store only, and a miss goes through the single-flight fetcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cachecd import constants
+from cachecd.config import Settings
+from cachecd.errors import ExpertNotFound, InvalidRequest
+from cachecd.misses import Fetcher
+from cachecd.registry import Registry, RegisteredModel, check_repo
+from cachecd.store import Store
+
+if TYPE_CHECKING:
+    from cachecd.hub import Upstream
+    from cachecd.manifest import ExpertEntry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OpenedExpert:
+    expert: int
+    fd: int
+    size: int
+    digest: str
+
+
+def parse_repo(repo: str) -> str:
+    org, sep, name = repo.partition("/")
+    if not sep:
+        raise InvalidRequest(f"model {repo!r} must be ORG/NAME")
+    return check_repo(org, name)
+
+
+def _int(value: Any, what: str, limit: int = 1 << 20) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
+        raise InvalidRequest(f"{what} must be a whole number in [0, {limit}), got {value!r}")
+    return value
+
+
+class Daemon:
+    def __init__(self, settings: Settings, store: Store, upstream: "Upstream") -> None:
+        self.settings = settings
+        self.store = store
+        self.upstream = upstream
+        self.registry = Registry(store, settings.models_dir)
+        self.fetcher = Fetcher(store, upstream)
+        self.counters: Counter[str] = Counter()
+        self.started = time.time()
+        self.max_connections = constants.MAX_CONNECTIONS
+        self.draining = False
+
+    def model(self, repo: str) -> RegisteredModel:
+        return self.registry.get(parse_repo(repo))
+
+    def entries(self, model: RegisteredModel, layer: Any, ids: list[Any]) -> list["ExpertEntry"]:
+        layer = _int(layer, "layer")
+        if len(ids) > constants.MAX_BATCH_EXPERTS:
+            raise InvalidRequest(f"at most {constants.MAX_BATCH_EXPERTS} experts per request")
+        return [model.manifest.expert(layer, _int(e, "expert")) for e in ids]
+
+    async def ensure(self, model: RegisteredModel, entries: list["ExpertEntry"]) -> None:
+        missing = len(self.fetcher.missing(entries))
+        self.counters["expert_requests"] += len(entries)
+        self.counters["expert_misses"] += missing
+        self.counters["expert_hits"] += len(entries) - missing
+        await self.fetcher.ensure(model, entries)
+
+    async def open_experts(self, repo: str, layer: Any, ids: list[Any]) -> list[OpenedExpert]:
+        model = self.model(repo)
+        entries = self.entries(model, layer, ids)
+        await self.ensure(model, entries)
+        opened: list[OpenedExpert] = []
+        try:
+            for entry in entries:
+                opened.append(await self._open_one(model, entry))
+        except BaseException:
+            for o in opened:
+                os.close(o.fd)
+            raise
+        return opened
+
+    async def _open_one(self, model: RegisteredModel, entry: "ExpertEntry") -> OpenedExpert:
+        for _ in range(3):  # evicted between ensure and open: fetch again
+            try:
+                fd, size = self.store.open_blob(entry.digest_hex)
+            except ExpertNotFound:
+                await self.fetcher.ensure(model, [entry])
+                continue
+            self.store.touch(entry.digest_hex, model.manifest.key, entry.layer, entry.expert)
+            return OpenedExpert(entry.expert, fd, size, entry.digest_hex)
+        raise ExpertNotFound(f"layer {entry.layer} expert {entry.expert} vanished from the cache three "
+                             "times while being opened; the budget may be too small for one batch")
+
+    def prefetch(self, repo: str, layer: Any, ids: list[Any]) -> int:
+        model = self.model(repo)
+        return self.fetcher.prefetch(model, self.entries(model, layer, ids))
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "version": constants.VERSION,
+            "uptime_s": round(time.time() - self.started, 3),
+            "socket": str(self.settings.socket),
+            "cache_dirs": [str(d) for d in self.settings.cache_dirs],
+            "endpoint": self.settings.endpoint,
+            "offline": self.settings.offline,
+            "store": self.store.stats(),
+            "inflight": self.fetcher.inflight,
+            "counters": dict(self.counters) | dict(self.fetcher.counters),
+            "upstream": self.upstream.stats(),
+            "models": [m.describe() for m in self.registry.all()],
+            "refused_models": dict(self.registry.refused),
+        }

@@ -1,0 +1,153 @@
+"""Turning misses into verified cache entries: one upstream fetch per expert, however many ask.
+
+Invariants: an expert is fetched by at most one task at a time (callers for the same digest wait
+on the same future and all see the same bytes or the same error); the fetch runs in its own task,
+so a caller that disconnects does not cancel it; bytes reach the store only after the upstream
+verified them against the manifest; a digest is forgotten when its fetch ends, so the next
+request after a failure fetches again. Prefetch hints run below demand: at most
+``prefetch_parallel`` hint groups at a time, and hints for experts already in flight are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING, Iterable
+
+from cachecd.errors import CachecdError, Internal
+from cachecd.store import Store
+
+if TYPE_CHECKING:
+    from cachecd.hub import Upstream
+    from cachecd.manifest import ExpertEntry
+    from cachecd.registry import RegisteredModel
+
+log = logging.getLogger(__name__)
+
+
+def _swallow(fut: asyncio.Future[None]) -> None:
+    # Every waiter may be gone; the outcome must not be reported as "never retrieved".
+    if not fut.cancelled():
+        fut.exception()
+
+
+class Fetcher:
+    def __init__(self, store: Store, upstream: "Upstream", *, prefetch_parallel: int = 2) -> None:
+        self._store = store
+        self._upstream = upstream
+        self._inflight: dict[str, asyncio.Future[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._prefetch_slots = asyncio.Semaphore(prefetch_parallel)
+        self.counters: Counter[str] = Counter()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    def missing(self, entries: Iterable["ExpertEntry"]) -> list["ExpertEntry"]:
+        return [e for e in entries if not self._store.has(e.digest_hex)]
+
+    async def ensure(self, model: "RegisteredModel", entries: list["ExpertEntry"]) -> None:
+        """Return once every entry is in the store; raise the first typed error otherwise."""
+        missing = self.missing(entries)
+        if not missing:
+            return
+        waits = self._claim(model, missing)
+        results = await asyncio.gather(*(asyncio.shield(f) for f in waits), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    def prefetch(self, model: "RegisteredModel", entries: list["ExpertEntry"]) -> int:
+        """Queue a background fetch of the entries not cached or in flight; returns how many."""
+        wanted = [e for e in self.missing(entries) if e.digest_hex not in self._inflight]
+        if wanted:
+            self._spawn(self._prefetch_group(model, wanted))
+        self.counters["prefetch_hints"] += 1
+        return len(wanted)
+
+    def _claim(self, model: "RegisteredModel", missing: list["ExpertEntry"]) -> list[asyncio.Future[None]]:
+        loop = asyncio.get_running_loop()
+        waits, new = [], []
+        for entry in missing:
+            fut = self._inflight.get(entry.digest_hex)
+            if fut is None:
+                fut = loop.create_future()
+                fut.add_done_callback(_swallow)
+                self._inflight[entry.digest_hex] = fut
+                new.append(entry)
+            else:
+                self.counters["coalesced_waiters"] += 1
+            waits.append(fut)
+        if new:
+            self._spawn(self._fetch_group(model, new))
+        return waits
+
+    def _spawn(self, coro: "asyncio.coroutines.Coroutine[object, object, None]") -> None:  # type: ignore[name-defined]
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _prefetch_group(self, model: "RegisteredModel", entries: list["ExpertEntry"]) -> None:
+        async with self._prefetch_slots:
+            still = [e for e in self.missing(entries) if e.digest_hex not in self._inflight]
+            if not still:
+                return
+            waits = self._claim(model, still)
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    async def _fetch_group(self, model: "RegisteredModel", entries: list["ExpertEntry"]) -> None:
+        reservations = {}
+        try:
+            to_fetch = []
+            for entry in entries:
+                try:
+                    reservations[entry.digest_hex] = await self._store.reserve(entry.nbytes)
+                    to_fetch.append(entry)
+                except CachecdError as exc:
+                    self._settle(entry.digest_hex, exc)
+            if to_fetch:
+                await self._fetch_reserved(model, to_fetch, reservations)
+        except CachecdError as exc:
+            for entry in entries:
+                self._settle(entry.digest_hex, exc)
+        except Exception as exc:  # a bug must still release every waiter
+            log.exception("fetch group failed repo=%s", model.repo)
+            for entry in entries:
+                self._settle(entry.digest_hex, Internal(f"fetch failed: {exc!r}"))
+        finally:
+            for reservation in reservations.values():
+                reservation.release()
+            for entry in entries:
+                self._settle(entry.digest_hex, Internal("fetch ended without a result"))
+
+    async def _fetch_reserved(self, model, to_fetch, reservations) -> None:  # type: ignore[no-untyped-def]
+        async def commit(entry: "ExpertEntry", data: memoryview) -> None:
+            await self._store.commit(entry.digest_hex, data, reservations[entry.digest_hex])
+            self.counters["fetched_experts"] += 1
+            self.counters["fetched_bytes"] += entry.nbytes
+            self._settle(entry.digest_hex, None)
+
+        errors = await self._upstream.fetch_experts(model.manifest, to_fetch, commit)
+        for (layer, expert), exc in errors.items():
+            self.counters[f"fetch_error_{exc.code}"] += 1
+            digest = model.manifest.expert(layer, expert).digest_hex
+            self._settle(digest, exc)
+
+    def _settle(self, digest: str, exc: CachecdError | None) -> None:
+        fut = self._inflight.pop(digest, None)
+        if fut is None or fut.done():
+            return
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+    async def drain(self, timeout: float) -> None:
+        """Let fetches in flight finish (up to ``timeout``), then cancel what is left."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

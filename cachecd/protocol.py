@@ -1,0 +1,48 @@
+"""The zero-copy data path's wire format, shared by the daemon and the client.
+
+Hits must not be copied through HTTP, so expert bytes travel as open file descriptors: the
+client sends one frame ``{"op": "experts", "model": ..., "layer": L, "ids": [...]}`` and the
+daemon answers one frame ``{"ok": true, "experts": [{"expert": E, "size": N, "digest": hex}]}``
+with one fd per expert attached (SCM_RIGHTS) to the answer's first byte, in the same order. The
+client ``preadv``s each fd from offset 0 and closes it. An error answer is the wire error form
+``{"ok": false, "error": code, "message": ..., "retryable": bool}`` with no fds.
+
+A frame is a 4-byte big-endian length and that many bytes of UTF-8 JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+from cachecd.errors import InvalidRequest
+
+HEADER = struct.Struct(">I")
+MAX_FRAME = 1 << 20
+# The kernel caps fds per message (SCM_MAX_FD is 253 on Linux); batches stay under it.
+MAX_FDS_PER_FRAME = 240
+
+
+def encode(payload: dict[str, Any]) -> bytes:
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    if len(body) > MAX_FRAME:
+        raise InvalidRequest(f"frame of {len(body)} bytes is over the {MAX_FRAME}-byte limit")
+    return HEADER.pack(len(body)) + body
+
+
+def frame_length(header: bytes) -> int:
+    (length,) = HEADER.unpack(header)
+    if length > MAX_FRAME:
+        raise InvalidRequest(f"frame of {length} bytes is over the {MAX_FRAME}-byte limit")
+    return length
+
+
+def decode(body: bytes) -> dict[str, Any]:
+    try:
+        payload = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"frame is not JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise InvalidRequest("frame must be a JSON object")
+    return payload
