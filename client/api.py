@@ -1,0 +1,179 @@
+"""The cachecd client: experts by (model, layer, expert), prefetch hints, coverage, status.
+
+Expert bytes come through the zero-copy data path: the daemon hands over open file descriptors
+and the client reads them with ``preadv`` on a small thread pool, straight into the caller's
+buffers. Errors are cachecd's own typed errors (``cachecd.errors``), raised exactly as the
+daemon sent them; ``DaemonUnavailable`` when nothing listens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from cachecd.config import load_settings
+from cachecd.config import data_socket_path
+from cachecd.errors import InvalidRequest
+from cachecd.protocol import MAX_FDS_PER_FRAME
+from cachecd_client.transport import ControlTransport, DataTransport, parallel_preadv
+
+
+def default_socket() -> Path:
+    """The socket a daemon started with the same environment and config would use."""
+    return load_settings().socket
+
+
+class Client:
+    """A synchronous client. Thread-safe for ``experts``; one instance per process is enough.
+
+    Args:
+        socket: the daemon's control socket (default: from ``CACHECD_SOCKET``/config/defaults).
+        timeout: seconds to wait for an answer; a cold miss on a slow link can take long.
+        readers: threads reading expert bytes in parallel.
+    """
+
+    def __init__(self, socket: str | Path | None = None, *, timeout: float = 600.0,
+                 readers: int = 4) -> None:
+        self.socket = Path(socket) if socket else default_socket()
+        self._control = ControlTransport(self.socket, timeout)
+        self._data = DataTransport(data_socket_path(self.socket), timeout)
+        self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="cachecd-read")
+
+    # control ---------------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """The daemon's health (``{"ok": true, "pid": ...}``)."""
+        return self._control.request("GET", "/healthz")
+
+    def stats(self) -> dict[str, Any]:
+        """Daemon status: store usage, counters, upstream stats, registered models."""
+        return self._control.request("GET", "/v1/status")
+
+    def models(self) -> list[dict[str, Any]]:
+        """The registered models."""
+        return self._control.request("GET", "/v1/models")["models"]
+
+    def model(self, model: str) -> dict[str, Any]:
+        """One registered model: revision, manifest path, local dir, sizes."""
+        return self._control.request("GET", f"/v1/models/{model}")
+
+    def register(self, manifest: str | Path, local_dir: str | Path | None = None) -> dict[str, Any]:
+        """Register a model by its manifest file (the daemon keeps its own copy)."""
+        body = {"manifest": str(Path(manifest).resolve()),
+                "local_dir": str(local_dir) if local_dir else None}
+        return self._control.request("POST", "/v1/models", body)
+
+    def manifest_bytes(self, model: str) -> bytes:
+        """The registered manifest of ``model``, as stored by the daemon."""
+        data, _ = self._control.request("GET", f"/v1/models/{model}/manifest", raw=True)
+        return data
+
+    def prefetch(self, model: str, layer: int, ids: Sequence[int]) -> int:
+        """Hint that these experts will be wanted soon; returns how many were queued."""
+        body = {"layer": int(layer), "ids": [int(i) for i in ids]}
+        return self._control.request("POST", f"/v1/models/{model}/prefetch", body)["queued"]
+
+    def coverage(self, model: str) -> dict[str, Any]:
+        """Per-layer coverage: experts and bytes cached against the total, workload coverage."""
+        return self._control.request("GET", f"/v1/models/{model}/coverage")
+
+    def pin(self, model: str, layer: int, ids: Sequence[int]) -> int:
+        """Fetch if needed and pin these experts: they are never evicted."""
+        body = {"layer": int(layer), "ids": [int(i) for i in ids]}
+        return self._control.request("POST", f"/v1/models/{model}/pin", body)["pinned"]
+
+    def unpin(self, model: str, layer: int, ids: Sequence[int]) -> int:
+        body = {"layer": int(layer), "ids": [int(i) for i in ids]}
+        return self._control.request("POST", f"/v1/models/{model}/unpin", body)["unpinned"]
+
+    def evict(self, nbytes: int = 0, model: str | None = None, layer: int | None = None,
+              ids: Sequence[int] = ()) -> int:
+        """Evict ``nbytes`` by policy, or the given experts; returns bytes freed."""
+        body: dict[str, Any] = {"bytes": int(nbytes)}
+        if model is not None:
+            body.update(model=model, layer=layer, ids=[int(i) for i in ids])
+        return self._control.request("POST", "/v1/evict", body)["freed_bytes"]
+
+    # data ------------------------------------------------------------------------------------
+    def expert(self, model: str, layer: int, expert: int) -> np.ndarray:
+        """One expert's bytes (its tensors as they lie in the checkpoint) as a uint8 array."""
+        return self.experts(model, layer, [expert])[0]
+
+    def experts(self, model: str, layer: int, ids: Sequence[int],
+                out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """The bytes of several experts of one layer, in the order asked.
+
+        Misses are fetched, verified and cached by the daemon first. With ``out``, bytes land in
+        the caller's buffers (each at least the expert's size) and views of them are returned.
+        """
+        ids = [int(i) for i in ids]
+        if out is not None and len(out) != len(ids):
+            raise InvalidRequest(f"out has {len(out)} buffers for {len(ids)} experts")
+        results: list[np.ndarray] = []
+        for start in range(0, len(ids), MAX_FDS_PER_FRAME):
+            chunk = ids[start:start + MAX_FDS_PER_FRAME]
+            bufs = None if out is None else out[start:start + len(chunk)]
+            results.extend(self._experts_frame(model, layer, chunk, bufs))
+        return results
+
+    def _experts_frame(self, model: str, layer: int, ids: list[int],
+                       out: Sequence[np.ndarray] | None) -> list[np.ndarray]:
+        answer, fds = self._data.request({"op": "experts", "model": model, "layer": int(layer), "ids": ids})
+        try:
+            sizes = [int(e["size"]) for e in answer["experts"]]
+            if len(fds) != len(sizes):
+                raise InvalidRequest(f"daemon sent {len(fds)} descriptors for {len(sizes)} experts")
+            arrays = [np.empty(n, np.uint8) for n in sizes] if out is None else [
+                _fit(buf, n) for buf, n in zip(out, sizes)]
+            parallel_preadv(self._pool, fds, sizes, [memoryview(a) for a in arrays])
+            return arrays
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def close(self) -> None:
+        self._control.close()
+        self._data.close()
+        self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _fit(buf: np.ndarray, n: int) -> np.ndarray:
+    if buf.dtype != np.uint8 or buf.size < n or not buf.flags.c_contiguous:
+        raise InvalidRequest(f"an out buffer must be a contiguous uint8 array of at least {n} bytes")
+    return buf[:n]
+
+
+class AsyncClient:
+    """The same API for asyncio code: each call runs the synchronous client in a thread."""
+
+    def __init__(self, socket: str | Path | None = None, **kwargs: Any) -> None:
+        self._sync = Client(socket, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._sync, name)
+        if not callable(method) or name.startswith("_"):
+            return method
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await asyncio.to_thread(method, *args, **kwargs)
+
+        return call
+
+    async def aclose(self) -> None:
+        self._sync.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,163 @@
+"""Talking to the daemon: HTTP over the control socket, fd passing over the data socket.
+
+Connection failures become ``DaemonUnavailable`` at once (connect on a Unix socket fails in
+microseconds when nothing listens), with a message naming the commands that start a daemon.
+Requests here are idempotent, so a connection that broke (daemon restarted) is reopened and the
+request sent again, once.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import queue
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+from cachecd import protocol
+from cachecd.errors import DaemonUnavailable, error_from_wire
+
+START_HINT = "start one with `cachecd serve` (foreground) or `cachecd service install`"
+_CHUNK = 4 << 20
+
+
+def unavailable(path: Path, exc: OSError) -> DaemonUnavailable:
+    return DaemonUnavailable(f"no cachecd daemon answers on {path} ({exc.strerror or exc}); {START_HINT}")
+
+
+def connect_unix(path: Path, timeout: float) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(str(path))
+    except OSError as exc:
+        sock.close()
+        raise unavailable(path, exc) from None
+    return sock
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = connect_unix(self._path, self.timeout)  # type: ignore[arg-type]
+
+
+class ControlTransport:
+    def __init__(self, path: Path, timeout: float) -> None:
+        self.path = path
+        self._timeout = timeout
+        self._conn: _UnixHTTPConnection | None = None
+
+    def request(self, method: str, url: str, body: Any = None, raw: bool = False,
+                headers: dict[str, str] | None = None) -> Any:
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        hdrs = {"Content-Type": "application/json"} if data is not None and not isinstance(body, bytes) else {}
+        hdrs.update(headers or {})
+        for attempt in (0, 1):
+            conn = self._conn or _UnixHTTPConnection(self.path, self._timeout)
+            self._conn = conn
+            try:
+                conn.request(method, url, body=data, headers=hdrs)
+                resp = conn.getresponse()
+                payload = resp.read()
+                break
+            except (ConnectionError, http.client.RemoteDisconnected, BrokenPipeError) as exc:
+                conn.close()
+                self._conn = None
+                if attempt:
+                    raise unavailable(self.path, exc) from None
+        if resp.status >= 400:
+            try:
+                raise error_from_wire(json.loads(payload), resp.status)
+            except json.JSONDecodeError:
+                raise error_from_wire(payload[:200], resp.status) from None
+        if raw:
+            return payload, dict(resp.getheaders())
+        return json.loads(payload) if payload else None
+
+    def close(self) -> None:
+        if self._conn:
+            self._conn.close()
+            self._conn = None
+
+
+def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        msg, got_fds, _flags, _addr = socket.recv_fds(sock, n - len(buf), protocol.MAX_FDS_PER_FRAME)
+        fds.extend(got_fds)
+        if not msg:
+            raise ConnectionResetError("daemon closed the data connection")
+        buf += msg
+    return bytes(buf)
+
+
+class DataTransport:
+    """A small pool of data connections, so several threads can ask at once."""
+
+    def __init__(self, path: Path, timeout: float) -> None:
+        self.path = path
+        self._timeout = timeout
+        self._idle: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
+
+    def _take(self) -> socket.socket:
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            return connect_unix(self.path, self._timeout)
+
+    def request(self, payload: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        frame = protocol.encode(payload)
+        for attempt in (0, 1):
+            sock = self._take()
+            fds: list[int] = []
+            try:
+                sock.sendall(frame)
+                header = _recv_exact(sock, protocol.HEADER.size, fds)
+                answer = protocol.decode(_recv_exact(sock, protocol.frame_length(header), fds))
+            except (ConnectionError, BrokenPipeError, socket.timeout, OSError) as exc:
+                sock.close()
+                for fd in fds:
+                    os.close(fd)
+                if attempt:
+                    raise unavailable(self.path, exc) from None
+                continue
+            self._idle.put(sock)
+            if not answer.get("ok"):
+                for fd in fds:
+                    os.close(fd)
+                raise error_from_wire(answer)
+            return answer, fds
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                return
+
+
+def parallel_preadv(pool: ThreadPoolExecutor, fds: Sequence[int], sizes: Sequence[int],
+                    outs: Sequence[memoryview]) -> None:
+    """Fill ``outs[i]`` with the first ``sizes[i]`` bytes of ``fds[i]``, in 4 MiB pieces across the pool."""
+    jobs = []
+    for fd, size, out in zip(fds, sizes, outs):
+        for start in range(0, size, _CHUNK):
+            jobs.append(pool.submit(_read_piece, fd, out[start:min(size, start + _CHUNK)], start))
+    for job in jobs:
+        job.result()
+
+
+def _read_piece(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise EOFError(f"blob ended {len(view)} bytes early")
+        view, offset = view[n:], offset + n
