@@ -1,0 +1,134 @@
+"""HTTP details of talking to a Hub: status -> error, Content-Range, waits the server asks for,
+backoff, signed-URL lifetimes. Pure functions, no I/O, so each rule is tested on its own.
+
+Invariant: an error message built here never contains a request header (so never a token) and
+never a signed URL's query string; it keeps the server's own message and X-Request-Id.
+"""
+
+from __future__ import annotations
+
+import calendar
+import email.utils
+import random
+import re
+import time
+from collections.abc import Mapping
+from urllib.parse import parse_qs, urlsplit
+
+from cachecd import errors
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+_RATELIMIT_T = re.compile(r"(?:^|[;,\s])t=(\d+)")
+MAX_BODY_SNIPPET = 300
+
+
+def parse_content_range(value: str | None) -> tuple[int, int, int | None] | None:
+    """``bytes S-E/SIZE`` -> (S, E exclusive, SIZE or None for ``*``); anything else -> None."""
+    if value is None:
+        return None
+    m = _CONTENT_RANGE.fullmatch(value.strip())
+    if m is None:
+        return None
+    size = None if m.group(3) == "*" else int(m.group(3))
+    return int(m.group(1)), int(m.group(2)) + 1, size
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a Retry-After header: delta-seconds or an HTTP date."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def server_wait(headers: Mapping[str, str], now: float | None = None) -> float | None:
+    """The longest wait the server asked for: Retry-After, ``RateLimit: ...;t=N``, RateLimit-Reset."""
+    waits: list[float] = []
+    ra = parse_retry_after(headers.get("Retry-After"), now)
+    if ra is not None:
+        waits.append(ra)
+    rl = headers.get("RateLimit")
+    if rl:
+        m = _RATELIMIT_T.search(rl)
+        if m:
+            waits.append(float(m.group(1)))
+    reset = headers.get("RateLimit-Reset")
+    if reset and reset.strip().isdigit():
+        waits.append(float(reset.strip()))
+    return max(waits) if waits else None
+
+
+def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random | None = None) -> float:
+    """Capped exponential backoff with full jitter (attempt counts from 0)."""
+    ceiling = min(cap, base * (2 ** min(attempt, 30)))
+    return (rng or random).uniform(0.0, ceiling)
+
+
+def signed_url_expiry(url: str, now: float | None = None) -> float | None:
+    """Wall-clock epoch at which a signed CDN URL stops working, when the URL says so."""
+    query = {k.lower(): v[0] for k, v in parse_qs(urlsplit(url).query).items() if v}
+    for key in ("expires", "exp", "x-expires"):
+        if query.get(key, "").isdigit():
+            return float(query[key])
+    amz_date, amz_expires = query.get("x-amz-date"), query.get("x-amz-expires")
+    if amz_date and amz_expires and amz_expires.isdigit():
+        try:
+            start = calendar.timegm(time.strptime(amz_date, "%Y%m%dT%H%M%SZ"))
+        except ValueError:
+            return None
+        return start + float(amz_expires)
+    return None
+
+
+def redact_url(url: str) -> str:
+    """Scheme, host and path only: signed query strings stay out of logs and messages."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}{parts.path}"
+
+
+def describe(status: int, body: bytes, request_id: str | None, what: str) -> str:
+    text = body[:MAX_BODY_SNIPPET].decode("utf-8", "replace").strip()
+    rid = f" request_id={request_id}" if request_id else ""
+    return f"{what}: HTTP {status}{rid}: {text or '(no message)'}"
+
+
+def error_for_status(
+    status: int, body: bytes, request_id: str | None, what: str, *, on_resolve: bool
+) -> errors.CachecdError:
+    """The typed error for a final (not retried, or retries exhausted) status."""
+    msg = describe(status, body, request_id, what)
+    if status == 401:
+        return errors.Unauthorized(
+            f"{msg}. Set HF_TOKEN or run `hf auth login` with a token that can read this repo",
+            request_id=request_id,
+        )
+    if status == 403 and on_resolve:
+        return errors.Gated(
+            f"{msg}. Accept the model's terms on its Hub page with this account, then retry",
+            request_id=request_id,
+        )
+    if status == 404:
+        return errors.NotFound(
+            f"{msg}. Check the repo, revision and file name", request_id=request_id
+        )
+    if status == 416:
+        return errors.BadUpstreamRange(
+            f"{msg}. The range lies outside the file", request_id=request_id
+        )
+    if status == 429:
+        return errors.UpstreamRateLimited(
+            f"{msg}. Rate limited; retry later", request_id=request_id
+        )
+    return errors.UpstreamError(msg, request_id=request_id)
+
+
+def is_retryable_status(status: int) -> bool:
+    return status == 429 or status == 408 or status >= 500

@@ -1,0 +1,112 @@
+"""Turning a batch of wanted experts into as few exact Range requests as is sensible.
+
+Invariants:
+- Every byte range of every entry lies inside exactly one planned request, and a request covers
+  one file only.
+- A request spans at most ``max_bytes`` (unless a single range alone is bigger) and serves at most
+  ``max_experts`` experts; neighbours are merged only across a gap of at most ``max_gap`` bytes
+  (the gap is downloaded and thrown away, cheaper than another round trip).
+- Pieces of an entry are numbered by their position in ``entry.ranges``, so the expert's bytes are
+  the pieces concatenated in that order, whichever requests they came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+DEFAULT_MAX_GAP = 1 << 20
+
+
+class RangeLike(Protocol):
+    file: str
+    start: int
+    end: int
+
+
+class EntryLike(Protocol):
+    layer: int
+    expert: int
+    nbytes: int
+    xxh3: bytes
+
+    @property
+    def ranges(self) -> Sequence[RangeLike]: ...
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Range ``part`` of entry number ``entry``: absolute [start, end) in the request's file."""
+
+    entry: int
+    part: int
+    start: int
+    end: int
+
+
+@dataclass
+class RangeRequest:
+    file: str
+    start: int
+    end: int
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    def experts(self) -> set[int]:
+        return {p.entry for p in self.pieces}
+
+
+def plan_requests(
+    entries: Sequence[EntryLike],
+    *,
+    max_bytes: int,
+    max_experts: int,
+    max_gap: int = DEFAULT_MAX_GAP,
+) -> list[RangeRequest]:
+    """Coalesce the entries' ranges, file by file, in offset order."""
+    by_file: dict[str, list[Piece]] = {}
+    for i, entry in enumerate(entries):
+        for part, rng in enumerate(entry.ranges):
+            by_file.setdefault(rng.file, []).append(Piece(i, part, rng.start, rng.end))
+    out: list[RangeRequest] = []
+    for file in sorted(by_file):
+        out.extend(_coalesce_file(file, by_file[file], max_bytes, max_experts, max_gap))
+    return out
+
+
+def _coalesce_file(
+    file: str, pieces: list[Piece], max_bytes: int, max_experts: int, max_gap: int
+) -> list[RangeRequest]:
+    pieces.sort(key=lambda p: (p.start, p.end))
+    out: list[RangeRequest] = []
+    cur: RangeRequest | None = None
+    cur_experts: set[int] = set()
+    for piece in pieces:
+        if cur is not None and _fits(cur, cur_experts, piece, max_bytes, max_experts, max_gap):
+            cur.end = max(cur.end, piece.end)
+            cur.pieces.append(piece)
+            cur_experts.add(piece.entry)
+            continue
+        cur = RangeRequest(file, piece.start, piece.end, [piece])
+        cur_experts = {piece.entry}
+        out.append(cur)
+    return out
+
+
+def _fits(
+    cur: RangeRequest,
+    experts: set[int],
+    piece: Piece,
+    max_bytes: int,
+    max_experts: int,
+    max_gap: int,
+) -> bool:
+    if piece.start - cur.end > max_gap:
+        return False
+    if max(cur.end, piece.end) - cur.start > max_bytes:
+        return False
+    return piece.entry in experts or len(experts) < max_experts
