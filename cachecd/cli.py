@@ -20,6 +20,8 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.tiny_model",
     "cachecd.hub_server",
     "cachecd.manifest_cli",
+    "cachecd.serve",
+    "cachecd.ctl",
 )
 
 
