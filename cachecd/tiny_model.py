@@ -32,7 +32,7 @@ from cachecd.tiny_shards import ShardPlan, plan_shards, split_experts
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SHARD_BYTES = 512 * 1024
+DEFAULT_SHARD_BYTES = 256 * 1024  # 12 shards and 4 split experts at the default size
 INDEX_NAME = "model.safetensors.index.json"
 _NP_DTYPES = {"BF16": np.uint16, "F32": np.float32, "U8": np.uint8}
 _ST_DTYPES = {"BF16": "bfloat16", "F32": "float32", "U8": "uint8"}
@@ -144,7 +144,7 @@ def _write_index(out: Path, plan: ShardPlan) -> Path:
 
 
 def _write_configs(out: Path, opts: TinyOptions) -> list[Path]:
-    eos = tiny_tokenizer.token_id("<|im_end|>")
+    eos = tiny_tokenizer.token_id(tiny_tokenizer.EOS_CHAT)
     bos = tiny_tokenizer.token_id(tiny_tokenizer.BOS)
     eos_ids = [eos, tiny_tokenizer.token_id(tiny_tokenizer.EOS)]
     generation = {"bos_token_id": bos, "eos_token_id": eos_ids, "do_sample": False}

@@ -18,10 +18,13 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 BOS = "[BOS]"
 EOS = "[EOS]"
+# The token that ends a turn, and the tokenizer's eos: mlx-lm's tokenizer loader alone (without
+# config.json's eos_token_id) then stops where generation_config.json says to.
+EOS_CHAT = "<|im_end|>"
 SPECIALS = (
     BOS,
     EOS,
-    "<|im_end|>",
+    EOS_CHAT,
     "<|im_user|>",
     "<|im_assistant|>",
     "<|im_system|>",
@@ -89,7 +92,7 @@ def tokenizer_config(vocab_size: int) -> dict[str, Any]:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
-        "eos_token": EOS,
+        "eos_token": EOS_CHAT,
         "pad_token": "[PAD]",
         "unk_token": "[UNK]",
         "add_bos_token": False,
@@ -109,7 +112,7 @@ def write_tokenizer(out: Path, vocab_size: int) -> list[Path]:
         "special_tokens_map.json": _dumps(
             {
                 "bos_token": BOS,
-                "eos_token": EOS,
+                "eos_token": EOS_CHAT,
                 "pad_token": "[PAD]",
                 "unk_token": "[UNK]",
             }
