@@ -1,0 +1,30 @@
+"""Named crash points for the kill -9 test matrix (RELIABILITY.md scenario 1).
+
+``crash_point(name)`` SIGKILLs the process when ``constants.CRASH_AT`` equals ``name``. The
+variable is read once at import (``CACHECD_CRASH_AT``), so a test sets it in a child process's
+environment. SIGKILL, not an exception: nothing may clean up, exactly like a power cut of the
+process (the kernel still has the page cache, so this is not a power-loss test).
+
+Points on the blob write path, in order: after_tmp_write, after_fsync, after_rename,
+before_index_commit, after_index_commit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from cachecd import constants
+
+WRITE_PATH_POINTS: tuple[str, ...] = (
+    "after_tmp_write",
+    "after_fsync",
+    "after_rename",
+    "before_index_commit",
+    "after_index_commit",
+)
+
+
+def crash_point(name: str) -> None:
+    if constants.CRASH_AT is not None and constants.CRASH_AT == name:
+        os.kill(os.getpid(), signal.SIGKILL)

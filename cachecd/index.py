@@ -1,0 +1,410 @@
+"""The LMDB index: which blobs exist, where, how often they are used, pins and models.
+
+Lives at ``CACHE_DIR0/index.lmdb``. Named databases:
+
+    meta     b"schema_version" -> ascii int; b"fsck_checkpoint" -> last digest checked
+    entries  digest (16 raw bytes) -> dir index, size, created (struct ``<HQd``)
+    access   b"d" + digest -> count, last use;  b"m" + model key + NUL + layer, expert -> count,
+             last use (struct ``<Qd``); coverage reads the b"m" rows
+    pins     digest -> b""
+    models   model key (utf-8) -> JSON record
+
+Invariants:
+- Every write goes through one writer thread (``submit``); callers get a Future. So when the map
+  is full the writer holds no open write txn and may call ``set_mapsize`` (x2, up to a ceiling);
+  read txns (any thread) take the shared side of a lock that ``set_mapsize`` takes exclusively.
+- A failed commit leaves the index unchanged: the txn is aborted. MapFull past the ceiling raises
+  ``IndexFull``; any other ``lmdb.Error`` (a full tmpfs gives ``mdb_txn_commit: Input/output
+  error``) raises ``DiskFull``.
+- Access counts are recorded in memory and flushed every ``flush_every`` accesses or every
+  ``flush_interval`` seconds; a crash loses at most that window of statistics, never an entry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lmdb
+
+from cachecd import constants, errors
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_ENTRY = struct.Struct("<HQd")
+_ACCESS = struct.Struct("<Qd")
+_LAYER_EXPERT = struct.Struct(">ii")
+_STOP = object()
+
+# Migrations: schema version N -> N+1, run inside one write txn.
+MIGRATIONS: dict[int, Callable[[lmdb.Transaction, Index], None]] = {}
+
+
+@dataclass(frozen=True)
+class Entry:
+    dir_index: int
+    size: int
+    created: float
+
+
+def digest_key(digest_hex: str) -> bytes:
+    return bytes.fromhex(digest_hex)
+
+
+def coverage_prefix(model_key: str) -> bytes:
+    return b"m" + model_key.encode() + b"\x00"
+
+
+class _RWLock:
+    """Many readers or one writer; used only to keep read txns out of ``set_mapsize``."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+class Index:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        map_size: int | None = None,
+        map_ceiling: int | None = None,
+        flush_every: int = 1000,
+        flush_interval: float = 1.0,
+    ) -> None:
+        self.path = Path(path)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.map_ceiling = map_ceiling or constants.LMDB_MAP_CEILING
+        self.env = lmdb.open(
+            str(self.path), map_size=map_size or constants.LMDB_MAP_SIZE, max_dbs=8,
+            subdir=True, sync=True, metasync=True, readahead=False, meminit=False,
+        )
+        self.meta = self.env.open_db(b"meta")
+        self.entries = self.env.open_db(b"entries")
+        self.access = self.env.open_db(b"access")
+        self.pins = self.env.open_db(b"pins")
+        self.models = self.env.open_db(b"models")
+        self._rw = _RWLock()
+        self._flush_every = flush_every
+        self._flush_interval = flush_interval
+        self._pending_lock = threading.Lock()
+        self._pending: dict[bytes, tuple[int, float]] = {}
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._closed = False
+        self._migrate()
+        self._thread = threading.Thread(target=self._writer, name="cachecd-index", daemon=True)
+        self._thread.start()
+
+    # ---- the writer thread -------------------------------------------------------------
+
+    def submit(self, fn: Callable[[lmdb.Transaction], T]) -> Future[T]:
+        """Run ``fn(txn)`` in one write txn on the writer thread; it may be re-run on map full."""
+        fut: Future[T] = Future()
+        if self._closed:
+            fut.set_exception(errors.ShuttingDown("the index is closed"))
+            return fut
+        self._queue.put((fn, fut))
+        return fut
+
+    def _writer(self) -> None:
+        next_flush = time.monotonic() + self._flush_interval
+        while True:
+            try:
+                item = self._queue.get(timeout=max(next_flush - time.monotonic(), 0.01))
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                self._flush_pending()
+                return
+            if item is not None:
+                fn, fut = item
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(self._write(fn))
+                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(exc)
+            if self._pending_count() >= self._flush_every or time.monotonic() >= next_flush:
+                self._flush_pending()
+                next_flush = time.monotonic() + self._flush_interval
+
+    def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        while True:
+            try:
+                txn = self.env.begin(write=True)
+            except lmdb.Error as exc:
+                raise errors.DiskFull(f"index write failed to start: {exc}") from exc
+            try:
+                result = fn(txn)
+                txn.commit()
+                return result
+            except lmdb.MapFullError:
+                txn.abort()
+                self._grow()
+            except lmdb.Error as exc:
+                txn.abort()
+                log.error("event=index_commit_failed err=%s", exc)
+                raise errors.DiskFull(
+                    f"index commit failed ({exc}); the index is unchanged. Free space in "
+                    f"{self.path.parent} and retry"
+                ) from exc
+            except BaseException:
+                txn.abort()
+                raise
+
+    def _grow(self) -> None:
+        current = self.env.info()["map_size"]
+        if current >= self.map_ceiling:
+            raise errors.IndexFull(
+                f"index map is at its ceiling ({self.map_ceiling} bytes); evict entries"
+            )
+        new = min(current * 2, self.map_ceiling)
+        with self._rw.exclusive():
+            self.env.set_mapsize(new)
+        log.info("event=index_map_grown old=%d new=%d", current, new)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join()
+        self.env.close()
+
+    def sync(self) -> None:
+        """Block until everything submitted before now (and pending access stats) is written."""
+        self._wait(self.submit(lambda txn: None))
+        self.flush_access()
+
+    @staticmethod
+    def _wait(fut: Future[T]) -> T:
+        return fut.result()
+
+    # ---- reads (any thread) ------------------------------------------------------------
+
+    @contextmanager
+    def read(self) -> Iterator[lmdb.Transaction]:
+        with self._rw.shared(), self.env.begin(write=False, buffers=False) as txn:
+            yield txn
+
+    def load_entries(self) -> dict[str, Entry]:
+        out: dict[str, Entry] = {}
+        with self.read() as txn:
+            for k, v in txn.cursor(db=self.entries):
+                d, size, created = _ENTRY.unpack(v)
+                out[k.hex()] = Entry(d, size, created)
+        return out
+
+    def load_pins(self) -> set[str]:
+        with self.read() as txn:
+            return {k.hex() for k in txn.cursor(db=self.pins).iternext(values=False)}
+
+    def load_models(self) -> dict[str, dict[str, Any]]:
+        with self.read() as txn:
+            return {bytes(k).decode(): json.loads(bytes(v)) for k, v in txn.cursor(db=self.models)}
+
+    def load_digest_access(self) -> dict[str, tuple[int, float]]:
+        out: dict[str, tuple[int, float]] = {}
+        with self.read() as txn:
+            cur = txn.cursor(db=self.access)
+            if cur.set_range(b"d"):
+                for raw, v in cur:
+                    k = bytes(raw)
+                    if not k.startswith(b"d"):
+                        break
+                    out[k[1:].hex()] = _ACCESS.unpack(v)
+        return out
+
+    def access_counts(self, model_key: str) -> dict[tuple[int, int], tuple[int, float]]:
+        prefix = coverage_prefix(model_key)
+        out: dict[tuple[int, int], tuple[int, float]] = {}
+        with self.read() as txn:
+            cur = txn.cursor(db=self.access)
+            if cur.set_range(prefix):
+                for raw, v in cur:
+                    k = bytes(raw)
+                    if not k.startswith(prefix):
+                        break
+                    out[_LAYER_EXPERT.unpack(k[len(prefix):])] = _ACCESS.unpack(v)
+        with self._pending_lock:
+            for k, (n, last) in self._pending.items():
+                if k.startswith(prefix):
+                    le = _LAYER_EXPERT.unpack(k[len(prefix):])
+                    old = out.get(le, (0, 0.0))
+                    out[le] = (old[0] + n, max(old[1], last))
+        return out
+
+    def get_meta(self, key: bytes) -> bytes | None:
+        with self.read() as txn:
+            value = txn.get(key, db=self.meta)
+            return bytes(value) if value is not None else None
+
+    # ---- writes (Futures) --------------------------------------------------------------
+
+    def put_entry(self, digest_hex: str, entry: Entry) -> Future[None]:
+        key, val = digest_key(digest_hex), _ENTRY.pack(entry.dir_index, entry.size, entry.created)
+
+        def op(txn: lmdb.Transaction) -> None:
+            txn.put(key, val, db=self.entries)
+
+        return self.submit(op)
+
+    def put_entries(self, entries: dict[str, Entry]) -> Future[None]:
+        rows = [
+            (digest_key(d), _ENTRY.pack(e.dir_index, e.size, e.created)) for d, e in entries.items()
+        ]
+
+        def op(txn: lmdb.Transaction) -> None:
+            for k, v in rows:
+                txn.put(k, v, db=self.entries)
+
+        return self.submit(op)
+
+    def delete_entries(self, digests: list[str]) -> Future[None]:
+        keys = [digest_key(d) for d in digests]
+
+        def op(txn: lmdb.Transaction) -> None:
+            for k in keys:
+                txn.delete(k, db=self.entries)
+
+        return self.submit(op)
+
+    def set_pin(self, digest_hex: str, pinned: bool) -> Future[None]:
+        key = digest_key(digest_hex)
+
+        def op(txn: lmdb.Transaction) -> None:
+            if pinned:
+                txn.put(key, b"", db=self.pins)
+            else:
+                txn.delete(key, db=self.pins)
+
+        return self.submit(op)
+
+    def put_model(self, key: str, record: dict[str, Any]) -> Future[None]:
+        k, v = key.encode(), json.dumps(record, sort_keys=True).encode()
+
+        def op(txn: lmdb.Transaction) -> None:
+            txn.put(k, v, db=self.models)
+
+        return self.submit(op)
+
+    def delete_model(self, key: str) -> Future[None]:
+        k = key.encode()
+
+        def op(txn: lmdb.Transaction) -> None:
+            txn.delete(k, db=self.models)
+
+        return self.submit(op)
+
+    def put_meta(self, key: bytes, value: bytes | None) -> Future[None]:
+        def op(txn: lmdb.Transaction) -> None:
+            if value is None:
+                txn.delete(key, db=self.meta)
+            else:
+                txn.put(key, value, db=self.meta)
+
+        return self.submit(op)
+
+    # ---- access statistics (batched) ---------------------------------------------------
+
+    def record_access(
+        self, digest_hex: str, model_key: str | None, layer: int, expert: int, now: float
+    ) -> None:
+        keys = [b"d" + digest_key(digest_hex)]
+        if model_key is not None and layer >= 0 and expert >= 0:
+            keys.append(coverage_prefix(model_key) + _LAYER_EXPERT.pack(layer, expert))
+        with self._pending_lock:
+            for k in keys:
+                n, _ = self._pending.get(k, (0, 0.0))
+                self._pending[k] = (n + 1, now)
+
+    def flush_access(self) -> None:
+        """Write pending access stats now (from any thread; waits for the writer)."""
+        self._wait(self.submit(self._flush_op_from_pending()))
+
+    def _pending_count(self) -> int:
+        return len(self._pending)
+
+    def _take_pending(self) -> dict[bytes, tuple[int, float]]:
+        with self._pending_lock:
+            taken, self._pending = self._pending, {}
+        return taken
+
+    def _flush_op_from_pending(self) -> Callable[[lmdb.Transaction], None]:
+        taken = self._take_pending()
+
+        def op(txn: lmdb.Transaction) -> None:
+            for k, (n, last) in taken.items():
+                old = txn.get(k, db=self.access)
+                count, prev = _ACCESS.unpack(old) if old else (0, 0.0)
+                txn.put(k, _ACCESS.pack(count + n, max(prev, last)), db=self.access)
+
+        return op
+
+    def _flush_pending(self) -> None:
+        if not self._pending:
+            return
+        try:
+            self._write(self._flush_op_from_pending())
+        except errors.CachecdError as exc:
+            # Statistics are best effort: losing a batch must not take the writer down.
+            log.warning("event=access_flush_failed err=%s", exc)
+
+    # ---- schema ------------------------------------------------------------------------
+
+    def _migrate(self) -> None:
+        want = constants.INDEX_SCHEMA_VERSION
+
+        def op(txn: lmdb.Transaction) -> int:
+            raw = txn.get(b"schema_version", db=self.meta)
+            have = int(raw) if raw else want
+            if have > want:
+                raise errors.Internal(
+                    f"index {self.path} has schema {have}, newer than this cachecd ({want}); "
+                    "upgrade cachecd"
+                )
+            while have < want:
+                MIGRATIONS[have](txn, self)
+                have += 1
+            txn.put(b"schema_version", str(want).encode(), db=self.meta)
+            return have
+
+        self._write(op)
