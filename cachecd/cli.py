@@ -20,6 +20,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.tiny_model",
     "cachecd.hub_server",
     "cachecd.manifest_cli",
+    "cachecd.setup_stream",
     "cachecd.serve",
     "cachecd.ctl",
 )
