@@ -1,0 +1,461 @@
+"""Manifests: which bytes of one pinned model revision are which routed expert, with hashes.
+
+An expert's bytes (the blob the store keeps, the bytes the daemon serves, the buffer the engine
+parses) are ALWAYS its byte ranges concatenated in order, ranges ordered by (shard order, start);
+shard order is the safetensors files sorted by name. Invariants, checked on every load
+(vectorised in ``manifest_validate`` so a K3-sized manifest loads in well under a second):
+
+- ``revision`` is a 40-hex commit; every digest is 16 bytes (xxh3-128).
+- Rows are sorted by (layer, expert) and every MoE layer has experts 0..experts_per_layer-1.
+- An expert's ranges are maximal contiguous runs inside the data section of a shard, and its
+  tensors tile them exactly, in order; ``nbytes`` is the sum of the range lengths.
+- No range or resident tensor overlaps another or runs past its file; every tensor's nbytes
+  equals its dtype size times its shape.
+
+The file is a zip written by numpy (``savez_compressed``, never pickle): a JSON ``meta`` plus
+column arrays (experts, expert tensors, ranges). Expert tensor names are stored as a few
+templates (head + layer + mid + expert + tail) and expand to the exact checkpoint names.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cachecd import constants, errors
+from cachecd.manifest_validate import Checked, check_archive
+
+# group 1 = layer, group 2 = expert; everything that does not match is resident.
+EXPERT_PATTERN = r"(?:^|\.)layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+EXPERT_RE = re.compile(EXPERT_PATTERN)
+FORMAT_NAME = "cachecd-manifest"
+MANIFEST_SUFFIX = ".manifest"
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    name: str
+    size: int
+    sha256: str
+    header_len: int  # safetensors JSON header length (data starts at 8 + header_len); 0 otherwise
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    offset: int  # absolute offset of the tensor's data in `file`
+    nbytes: int
+    xxh3: bytes  # 16-byte xxh3-128 digest of the tensor's bytes
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    file: str
+    start: int  # absolute, inclusive
+    end: int  # absolute, exclusive
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ExpertEntry:
+    layer: int
+    expert: int
+    nbytes: int
+    xxh3: bytes
+    ranges: tuple[ByteRange, ...]
+    tensors: tuple[TensorInfo, ...]  # in the order their bytes appear in the expert's bytes
+    blob_offsets: tuple[int, ...]  # offset of each tensor inside the expert's bytes
+
+    @property
+    def digest_hex(self) -> str:
+        return self.xxh3.hex()
+
+
+def parse_expert_name(name: str) -> tuple[int, int] | None:
+    """(layer, expert) for a routed-expert tensor name, None for a resident tensor."""
+    m = EXPERT_RE.search(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+class Manifest:
+    """One pinned revision of a model repo; immutable once built. See the module docstring."""
+
+    def __init__(self, checked: Checked, source: str = "<memory>") -> None:
+        meta, c = checked.meta, checked
+        self.source = source
+        self.format_version: int = meta["format_version"]
+        self.repo: str = meta["repo"]
+        self.revision: str = meta["revision"]
+        self.model_type: str = meta["model_type"]
+        self.quant_format: str = meta["quant_format"]
+        self.config_sha256: str = meta["config_sha256"]
+        self.files: dict[str, FileInfo] = {
+            f[0]: FileInfo(f[0], f[1], f[2], f[3]) for f in meta["files"]
+        }
+        self._file_names: list[str] = [f[0] for f in meta["files"]]
+        self.shards: tuple[str, ...] = tuple(f[0] for f in meta["files"] if f[3] > 0)
+        self.experts_per_layer: int = meta["experts_per_layer"]
+        self.resident: tuple[TensorInfo, ...] = tuple(
+            TensorInfo(r[0], r[1], tuple(r[2]), r[3], r[4], r[5], bytes.fromhex(r[6]))
+            for r in meta["resident"]
+        )
+        self._meta = meta
+        self._arrays = c.arrays
+        self._dtypes: list[str] = meta["dtypes"]
+        self._shapes: list[tuple[int, ...]] = [tuple(s) for s in meta["shapes"]]
+        self._templates: list[list[str]] = meta["templates"]
+        self._t_ptr, self._r_ptr, self._blob = c.tensor_ptr, c.range_ptr, c.blob_offsets
+        self.layer_ids: np.ndarray = c.arrays["exp_layer"]
+        self.expert_ids: np.ndarray = c.arrays["exp_expert"]
+        self.sizes: np.ndarray = c.arrays["exp_nbytes"]
+        self.digests: np.ndarray = c.arrays["exp_xxh3"]
+        self.moe_layers: tuple[int, ...] = tuple(int(x) for x in np.unique(self.layer_ids))
+        self._layer_base = {
+            layer: i * self.experts_per_layer for i, layer in enumerate(self.moe_layers)
+        }
+        self.expert_bytes_total: int = int(self.sizes.sum())
+        self.resident_bytes_total: int = sum(t.nbytes for t in self.resident)
+        self.split_experts: int = c.split_experts
+
+    # -- identity --------------------------------------------------------------------------
+    @property
+    def key(self) -> str:
+        return f"{self.repo}@{self.revision}"
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.layer_ids.shape[0])
+
+    def __repr__(self) -> str:
+        return f"Manifest({self.key}, experts={self.n_experts}, files={len(self.files)})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Manifest):
+            return NotImplemented
+        if self._meta != other._meta or self._arrays.keys() != other._arrays.keys():
+            return False
+        return all(np.array_equal(v, other._arrays[k]) for k, v in self._arrays.items())
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # -- lookups ---------------------------------------------------------------------------
+    def row(self, layer: int, expert: int) -> int:
+        base = self._layer_base.get(layer)
+        if base is None or not 0 <= expert < self.experts_per_layer:
+            raise errors.ExpertNotFound(
+                f"{self.key} has no routed expert layer={layer} expert={expert} "
+                f"(MoE layers {self.moe_layers[:1]}..{self.moe_layers[-1:]}, "
+                f"{self.experts_per_layer} experts each)"
+            )
+        return base + expert
+
+    def expert(self, layer: int, expert: int) -> ExpertEntry:
+        return self.entry(self.row(layer, expert))
+
+    def entry(self, row: int) -> ExpertEntry:
+        """The expert at table row ``row`` (0 <= row < n_experts), built on demand."""
+        a, names = self._arrays, self._file_names
+        layer, expert = int(self.layer_ids[row]), int(self.expert_ids[row])
+        r0, r1 = int(self._r_ptr[row]), int(self._r_ptr[row + 1])
+        ranges = tuple(
+            ByteRange(names[f], s, e)
+            for f, s, e in zip(
+                a["r_file"][r0:r1].tolist(),
+                a["r_start"][r0:r1].tolist(),
+                a["r_end"][r0:r1].tolist(),
+            )
+        )
+        t0, t1 = int(self._t_ptr[row]), int(self._t_ptr[row + 1])
+        cols = zip(
+            a["t_template"][t0:t1].tolist(),
+            a["t_dtype"][t0:t1].tolist(),
+            a["t_shape"][t0:t1].tolist(),
+            a["t_file"][t0:t1].tolist(),
+            a["t_offset"][t0:t1].tolist(),
+            a["t_nbytes"][t0:t1].tolist(),
+        )
+        digests = a["t_xxh3"][t0:t1]
+        tensors = tuple(
+            TensorInfo(
+                self._tensor_name(tpl, layer, expert),
+                self._dtypes[dt],
+                self._shapes[sh],
+                names[f],
+                off,
+                nb,
+                digests[i].tobytes(),
+            )
+            for i, (tpl, dt, sh, f, off, nb) in enumerate(cols)
+        )
+        return ExpertEntry(
+            layer,
+            expert,
+            int(self.sizes[row]),
+            self.digests[row].tobytes(),
+            ranges,
+            tensors,
+            tuple(self._blob[t0:t1].tolist()),
+        )
+
+    def _tensor_name(self, template: int, layer: int, expert: int) -> str:
+        parts = self._templates[template]
+        if len(parts) == 1:  # a literal name (non-canonical digits such as "layers.03")
+            return parts[0]
+        return f"{parts[0]}{layer}{parts[1]}{expert}{parts[2]}"
+
+    def experts(self) -> list[ExpertEntry]:
+        """Every expert in row order (builds them all: for tools and tests, not hot paths)."""
+        return [self.entry(i) for i in range(self.n_experts)]
+
+    def digest_hex(self, row: int) -> str:
+        return self.digests[row].tobytes().hex()
+
+    # -- persistence -----------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        meta = np.frombuffer(json.dumps(self._meta, separators=(",", ":")).encode(), np.uint8)
+        np.savez_compressed(buf, meta=meta, **self._arrays)  # type: ignore[arg-type]
+        return buf.getvalue()
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically: a temp file in the same directory, fsync, then rename."""
+        write_atomic(Path(path), self.to_bytes())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Manifest:
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise errors.ManifestInvalid(f"{path}: cannot read the manifest ({exc})") from exc
+        return cls.from_bytes(data, source=str(path))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, source: str = "<bytes>") -> Manifest:
+        meta, arrays = read_archive(data, source)
+        return cls(check_archive(meta, arrays, source), source)
+
+    @classmethod
+    def from_parts(
+        cls, meta: dict[str, Any], arrays: dict[str, np.ndarray], source: str = "<memory>"
+    ) -> Manifest:
+        """A manifest from its meta and columns (what the builder assembles); validated."""
+        meta = json.loads(json.dumps(meta))  # the same plain-JSON form a load gives
+        return cls(check_archive(meta, dict(arrays), source), source)
+
+    @classmethod
+    def from_entries(
+        cls,
+        *,
+        repo: str,
+        revision: str,
+        model_type: str,
+        quant_format: str,
+        config_sha256: str,
+        files: Iterable[FileInfo],
+        experts: Iterable[ExpertEntry],
+        resident: Iterable[TensorInfo],
+        experts_per_layer: int | None = None,
+    ) -> Manifest:
+        """A validated manifest from objects (the builder, tests and benches use this)."""
+        experts = list(experts)
+        if experts_per_layer is None:
+            per_layer: dict[int, int] = {}
+            for e in experts:
+                per_layer[e.layer] = per_layer.get(e.layer, 0) + 1
+            experts_per_layer = max(per_layer.values(), default=0)
+        meta = build_meta(
+            repo=repo,
+            revision=revision,
+            model_type=model_type,
+            quant_format=quant_format,
+            config_sha256=config_sha256,
+            files=files,
+            experts_per_layer=experts_per_layer,
+            resident=resident,
+        )
+        arrays = encode_experts(meta, experts)
+        return cls.from_parts(meta, arrays)
+
+
+def build_meta(
+    *,
+    repo: str,
+    revision: str,
+    model_type: str,
+    quant_format: str,
+    config_sha256: str,
+    files: Iterable[FileInfo],
+    experts_per_layer: int,
+    resident: Iterable[TensorInfo],
+) -> dict[str, Any]:
+    """The JSON half of a manifest; ``dtypes``/``shapes``/``templates`` are filled by encoding."""
+    return {
+        "format": FORMAT_NAME,
+        "format_version": constants.MANIFEST_FORMAT_VERSION,
+        "repo": repo,
+        "revision": revision,
+        "model_type": model_type,
+        "quant_format": quant_format,
+        "config_sha256": config_sha256,
+        "files": [
+            [f.name, f.size, f.sha256, f.header_len] for f in sorted(files, key=lambda f: f.name)
+        ],
+        "experts_per_layer": experts_per_layer,
+        "expert_pattern": EXPERT_PATTERN,
+        "dtypes": [],
+        "shapes": [],
+        "templates": [],
+        "resident": [
+            [t.name, t.dtype, list(t.shape), t.file, t.offset, t.nbytes, t.xxh3.hex()]
+            for t in sorted(resident, key=lambda t: (t.file, t.offset, t.name))
+        ],
+    }
+
+
+def name_template(name: str, layer: int, expert: int) -> tuple[str, ...]:
+    """(head, mid, tail) with name == head + layer + mid + expert + tail, or (name,) if the
+    digits are not canonical (e.g. "layers.03"): the name must come back exactly."""
+    m = EXPERT_RE.search(name)
+    if m is None or (int(m.group(1)), int(m.group(2))) != (layer, expert):
+        raise errors.ManifestInvalid(f"{name!r} is not a tensor of layer {layer} expert {expert}")
+    if m.group(1) != str(layer) or m.group(2) != str(expert):
+        return (name,)
+    return (name[: m.start(1)], name[m.end(1) : m.start(2)], name[m.end(2) :])
+
+
+class _Vocab:
+    """Interns strings/tuples to small ints (dtypes, shapes, templates, files)."""
+
+    def __init__(self, items: Iterable[Any] = ()) -> None:
+        self.ids: dict[Any, int] = {}
+        for item in items:
+            self.id(item)
+
+    def id(self, item: Any) -> int:
+        return self.ids.setdefault(item, len(self.ids))
+
+    def items(self) -> list[Any]:
+        return list(self.ids)
+
+
+def encode_experts(meta: dict[str, Any], experts: Iterable[ExpertEntry]) -> dict[str, np.ndarray]:
+    """Column arrays for ``experts`` (any order; stored sorted by (layer, expert)); fills the
+    vocabularies in ``meta``. Validation happens when the manifest is constructed."""
+    rows = sorted(experts, key=lambda e: (e.layer, e.expert))
+    file_ids = {f[0]: i for i, f in enumerate(meta["files"])}
+    dtypes, shapes, templates = _Vocab(), _Vocab(), _Vocab()
+    t_cols: dict[str, list[int]] = {
+        k: [] for k in ("template", "file", "offset", "nbytes", "dtype", "shape")
+    }
+    t_xxh3: list[bytes] = []
+    r_file: list[int] = []
+    r_start: list[int] = []
+    r_end: list[int] = []
+    for e in rows:
+        for t in e.tensors:
+            t_cols["template"].append(templates.id(name_template(t.name, e.layer, e.expert)))
+            t_cols["file"].append(file_ids[t.file])
+            t_cols["offset"].append(t.offset)
+            t_cols["nbytes"].append(t.nbytes)
+            t_cols["dtype"].append(dtypes.id(t.dtype))
+            t_cols["shape"].append(shapes.id(tuple(t.shape)))
+            t_xxh3.append(t.xxh3)
+        for r in e.ranges:
+            r_file.append(file_ids[r.file])
+            r_start.append(r.start)
+            r_end.append(r.end)
+    meta["dtypes"] = dtypes.items()
+    meta["shapes"] = [list(s) for s in shapes.items()]
+    meta["templates"] = [list(t) for t in templates.items()]
+    return {
+        "exp_layer": np.array([e.layer for e in rows], np.int32),
+        "exp_expert": np.array([e.expert for e in rows], np.int32),
+        "exp_nbytes": np.array([e.nbytes for e in rows], np.int64),
+        "exp_xxh3": _digests([e.xxh3 for e in rows]),
+        "exp_ntensors": np.array([len(e.tensors) for e in rows], np.int32),
+        "exp_nranges": np.array([len(e.ranges) for e in rows], np.int32),
+        **{
+            f"t_{k}": np.array(v, np.int64 if k in ("offset", "nbytes") else np.int32)
+            for k, v in t_cols.items()
+        },
+        "t_xxh3": _digests(t_xxh3),
+        "r_file": np.array(r_file, np.int32),
+        "r_start": np.array(r_start, np.int64),
+        "r_end": np.array(r_end, np.int64),
+    }
+
+
+def _digests(values: list[bytes]) -> np.ndarray:
+    width = {len(v) for v in values}
+    if width - {16}:
+        raise errors.ManifestInvalid(f"digest of {min(width - {16})} bytes, expected 16 (xxh3-128)")
+    return np.frombuffer(b"".join(values), np.uint8).reshape(len(values), 16).copy()
+
+
+def read_archive(data: bytes, source: str) -> tuple[Any, dict[str, np.ndarray]]:
+    """The raw meta and arrays of a manifest file; only the container is checked here."""
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+    except Exception as exc:  # numpy raises zipfile, ValueError, OSError, EOFError...
+        raise errors.ManifestInvalid(
+            f"{source}: not a cachecd manifest archive ({type(exc).__name__}: {exc})"
+        ) from exc
+    raw = arrays.pop("meta", None)
+    if raw is None or raw.dtype != np.uint8 or raw.ndim != 1:
+        raise errors.ManifestInvalid(f"{source}: meta: missing or not a byte array")
+    try:
+        meta = json.loads(raw.tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise errors.ManifestInvalid(f"{source}: meta: bad JSON ({exc})") from exc
+    return meta, arrays
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def manifest_filename(repo: str) -> str:
+    """``org/name`` -> ``org--name.manifest``, the name shipped manifests use."""
+    return repo.replace("/", "--") + MANIFEST_SUFFIX
+
+
+def shipped_manifest(repo: str) -> Path | None:
+    """The manifest shipped for ``repo`` in the cachecd_manifests package, if any."""
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", repo) or ".." in repo:
+        return None
+    res = resources.files("cachecd_manifests").joinpath(manifest_filename(repo))
+    if not res.is_file():
+        return None
+    return Path(str(res))
