@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import zlib
@@ -224,7 +225,7 @@ def dequantize_mxfp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 def _dequantized_expert(t: TensorDef, opts: TinyOptions, seed: int) -> np.ndarray:
     base = t.name[: -len(".weight")]
-    mx_opts = TinyOptions(**{**opts.__dict__, "fmt": "mxfp4"})
+    mx_opts = dataclasses.replace(opts, fmt="mxfp4")
     prefix = base.rsplit(".", 1)[0]
     by_name = {d.name: d for d in expert_defs(prefix, mx_opts)}
     packed = tensor_values(by_name[f"{base}.weight_packed"], mx_opts, seed)
