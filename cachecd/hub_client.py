@@ -244,7 +244,9 @@ class HubClient:
         *,
         on_resolve: bool,
     ) -> Exception:
-        err = hh.error_for_status(resp.status, body, rid, what, on_resolve=on_resolve)
+        # A HEAD has no body: the Hub puts its message in X-Error-Message.
+        message = resp.headers.get("X-Error-Message", "").encode() or body
+        err = hh.error_for_status(resp.status, message, rid, what, on_resolve=on_resolve)
         if hh.is_retryable_status(resp.status):
             return Transient(err, f"status_{resp.status}", hh.server_wait(resp.headers))
         return err
