@@ -40,6 +40,7 @@ EXPERT_PATTERN = r"(?:^|\.)layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d
 EXPERT_RE = re.compile(EXPERT_PATTERN)
 FORMAT_NAME = "cachecd-manifest"
 MANIFEST_SUFFIX = ".manifest"
+ENTRY_CACHE_SIZE = 8192  # ~2 layers of K3; an entry is a few KB
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,17 @@ class Manifest:
         self.expert_bytes_total: int = int(self.sizes.sum())
         self.resident_bytes_total: int = sum(t.nbytes for t in self.resident)
         self.split_experts: int = c.split_experts
+        # Row-major copies and Python lists so expert() is a few slices, not dozens.
+        a = c.arrays
+        cols = ("t_template", "t_dtype", "t_shape", "t_file", "t_offset", "t_nbytes")
+        self._t_table = np.column_stack([a[k].astype(np.int64) for k in cols] + [self._blob])
+        self._r_table = np.column_stack([a["r_file"].astype(np.int64), a["r_start"], a["r_end"]])
+        self._t_ptr_list: list[int] = self._t_ptr.tolist()
+        self._r_ptr_list: list[int] = self._r_ptr.tolist()
+        self._layers_list: list[int] = self.layer_ids.tolist()
+        self._experts_list: list[int] = self.expert_ids.tolist()
+        self._sizes_list: list[int] = self.sizes.tolist()
+        self._cache: dict[int, ExpertEntry] = {}
 
     # -- identity --------------------------------------------------------------------------
     @property
@@ -169,28 +181,22 @@ class Manifest:
         return self.entry(self.row(layer, expert))
 
     def entry(self, row: int) -> ExpertEntry:
-        """The expert at table row ``row`` (0 <= row < n_experts), built on demand."""
-        a, names = self._arrays, self._file_names
-        layer, expert = int(self.layer_ids[row]), int(self.expert_ids[row])
-        r0, r1 = int(self._r_ptr[row]), int(self._r_ptr[row + 1])
-        ranges = tuple(
-            ByteRange(names[f], s, e)
-            for f, s, e in zip(
-                a["r_file"][r0:r1].tolist(),
-                a["r_start"][r0:r1].tolist(),
-                a["r_end"][r0:r1].tolist(),
-            )
-        )
-        t0, t1 = int(self._t_ptr[row]), int(self._t_ptr[row + 1])
-        cols = zip(
-            a["t_template"][t0:t1].tolist(),
-            a["t_dtype"][t0:t1].tolist(),
-            a["t_shape"][t0:t1].tolist(),
-            a["t_file"][t0:t1].tolist(),
-            a["t_offset"][t0:t1].tolist(),
-            a["t_nbytes"][t0:t1].tolist(),
-        )
-        digests = a["t_xxh3"][t0:t1]
+        """The expert at table row ``row`` (0 <= row < n_experts), built on demand; hot
+        entries are kept (they are immutable, so sharing them is safe)."""
+        hit = self._cache.get(row)
+        if hit is None:
+            if len(self._cache) >= ENTRY_CACHE_SIZE:
+                self._cache.clear()  # cheap and bounded; a hot set refills in microseconds
+            hit = self._cache[row] = self._build_entry(row)
+        return hit
+
+    def _build_entry(self, row: int) -> ExpertEntry:
+        names, layer, expert = self._file_names, self._layers_list[row], self._experts_list[row]
+        r0, r1 = self._r_ptr_list[row], self._r_ptr_list[row + 1]
+        ranges = tuple(ByteRange(names[f], s, e) for f, s, e in self._r_table[r0:r1].tolist())
+        t0, t1 = self._t_ptr_list[row], self._t_ptr_list[row + 1]
+        digests = self._arrays["t_xxh3"][t0:t1].tobytes()
+        rows = self._t_table[t0:t1].tolist()
         tensors = tuple(
             TensorInfo(
                 self._tensor_name(tpl, layer, expert),
@@ -199,18 +205,18 @@ class Manifest:
                 names[f],
                 off,
                 nb,
-                digests[i].tobytes(),
+                digests[16 * i : 16 * i + 16],
             )
-            for i, (tpl, dt, sh, f, off, nb) in enumerate(cols)
+            for i, (tpl, dt, sh, f, off, nb, _) in enumerate(rows)
         )
         return ExpertEntry(
             layer,
             expert,
-            int(self.sizes[row]),
+            self._sizes_list[row],
             self.digests[row].tobytes(),
             ranges,
             tensors,
-            tuple(self._blob[t0:t1].tolist()),
+            tuple(r[6] for r in rows),
         )
 
     def _tensor_name(self, template: int, layer: int, expert: int) -> str:
