@@ -1,0 +1,54 @@
+"""Session-wide real fixtures: a tiny K3 checkpoint, `cachecd hub serve` over it, its manifest."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.harness import TINY_REPO, DaemonProcess, HubProcess, run_cli, short_tmp
+
+
+@pytest.fixture(scope="session")
+def hub_root() -> Iterator[Path]:
+    from cachecd.tiny_model import write_tiny_model
+
+    root = short_tmp("cdhub")
+    write_tiny_model(root / TINY_REPO)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(hub_root: Path) -> Path:
+    return hub_root / TINY_REPO
+
+
+@pytest.fixture(scope="session")
+def hub(hub_root: Path) -> Iterator[HubProcess]:
+    proc = HubProcess(hub_root)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_manifest_path(hub: HubProcess, hub_root: Path) -> Path:
+    out = hub_root.parent / (hub_root.name + "-tiny.manifest")
+    run_cli("manifest", "build", f"{TINY_REPO}@main", "--endpoint", hub.url, "--output", str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_manifest(tiny_manifest_path: Path):  # type: ignore[no-untyped-def]
+    from cachecd.manifest import Manifest
+
+    return Manifest.load(tiny_manifest_path)
+
+
+@pytest.fixture
+def daemon(hub: HubProcess, tiny_manifest_path: Path) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(hub.url, [tiny_manifest_path]).start()
+    yield d
+    d.cleanup()

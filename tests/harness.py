@@ -1,0 +1,168 @@
+"""Real processes for functional tests: `cachecd hub serve` and `cachecd serve` as a user runs them.
+
+Sockets live under short /tmp dirs (a Unix socket path has a 108-byte limit).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CACHECD = [sys.executable, "-m", "cachecd.cli"]
+TINY_REPO = "cachecd/tiny-k3"
+
+
+def short_tmp(prefix: str = "cd") -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [*CACHECD, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"cachecd {' '.join(args)} exited {proc.returncode}\n"
+            f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        )
+    return proc
+
+
+class HubProcess:
+    """`cachecd hub serve ROOT` on 127.0.0.1, port chosen by the OS."""
+
+    def __init__(self, root: Path, token: str | None = None) -> None:
+        args = ["hub", "serve", str(root), "--port", "0"] + (["--token", token] if token else [])
+        self.proc = subprocess.Popen(
+            [*CACHECD, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        match = re.search(r"(http://\S+)", line)
+        if not match:
+            self.stop()
+            raise AssertionError(f"hub serve printed {line!r}")
+        self.url = match.group(1).rstrip("/")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class DaemonProcess:
+    """`cachecd serve` with its own cache dir and socket; started healthy or the test fails."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        manifests: list[Path] = (),
+        *,
+        cache_dir: Path | None = None,
+        socket: Path | None = None,
+        args: list[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.base = short_tmp("cdd")
+        self.cache_dir = cache_dir or self.base / "cache"
+        self.socket = socket or self.base / "run" / "s.sock"
+        self.log_path = self.base / "daemon.log"
+        self.endpoint = endpoint
+        self.manifests = list(manifests)
+        self.extra = list(args)
+        self.env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1", **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def argv(self) -> list[str]:
+        argv = [
+            *CACHECD,
+            "serve",
+            "--cache-dir",
+            str(self.cache_dir),
+            "--socket",
+            str(self.socket),
+            "--endpoint",
+            self.endpoint,
+            "--models-dir",
+            str(self.base / "models"),
+        ]
+        for m in self.manifests:
+            argv += ["--manifest", str(m)]
+        return argv + self.extra
+
+    def start(self, timeout: float = 60) -> "DaemonProcess":
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=log, env=self.env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log()}")
+            if self._healthy():
+                return self
+            time.sleep(0.05)
+        raise AssertionError(f"daemon not healthy after {timeout}s:\n{self.log()}")
+
+    def _healthy(self) -> bool:
+        from cachecd.errors import DaemonUnavailable
+        from cachecd_client import Client
+
+        try:
+            with Client(self.socket, timeout=5) as c:
+                return bool(c.health().get("ok"))
+        except DaemonUnavailable:
+            return False
+
+    def client(self, **kw: Any) -> Any:
+        from cachecd_client import Client
+
+        return Client(self.socket, **kw)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"daemon ignored signal {sig} for {timeout}s:\n{self.log()}")
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def expert_bytes_from_files(repo_dir: Path, entry: Any) -> bytes:
+    """An expert's bytes read straight from the checkpoint, independently of the daemon."""
+    out = bytearray()
+    for r in entry.ranges:
+        with open(repo_dir / r.file, "rb") as f:
+            f.seek(r.start)
+            out += f.read(r.end - r.start)
+    return bytes(out)
