@@ -346,7 +346,8 @@ def _check_identity(headers: Any, manifest: Any, file: str, rid: str | None) -> 
     commit = headers.get("X-Repo-Commit")
     if commit and commit != manifest.revision:
         raise errors.UpstreamError(
-            f"resolve {file}: the Hub answered for commit {commit}, not the pinned {manifest.revision}",
+            f"resolve {file}: the Hub answered for commit {commit}, "
+            f"not the pinned {manifest.revision}",
             request_id=rid,
         )
     info = manifest.files.get(file)
