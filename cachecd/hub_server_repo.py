@@ -1,0 +1,275 @@
+"""A folder seen as a Hub model repo: its files, their sha256, its content-derived commit.
+
+Invariants:
+- A repo's files are the regular files under its folder, walked without following directory
+  symlinks, minus any path with a ``.git`` component and the top-level ``.cache`` folder
+  (where ``hf download --local-dir`` keeps its bookkeeping). A file symlink counts only if its
+  real path stays inside the repo folder. Nothing outside that set is ever listed or served.
+- The commit is sha1 over ``f"{relpath}\\0{sha256hex}\\n"`` for every file, sorted by relative
+  posix path (Python string order): same bytes -> same commit, any change -> a new commit.
+- A file's sha256 is cached by (real path, size, mtime_ns) and computed once per key even when
+  many threads ask at the same time; hashing streams in fixed chunks and never holds a file.
+- Every file is presented as an LFS file (``lfs.sha256`` == the ETag) so that every client
+  sees one identity per file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 8 * 1024 * 1024
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+_MAX_PATH = 4096
+_EXCLUDED_TOP = frozenset({".cache"})
+_EXCLUDED_ANY = frozenset({".git"})
+_LFS_POINTER = "version https://git-lfs.github.com/spec/v1\noid sha256:{sha}\nsize {size}\n"
+
+
+@dataclass(frozen=True)
+class RepoFile:
+    relpath: str
+    real: Path
+    size: int
+    mtime_ns: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class RepoSnapshot:
+    repo_id: str
+    commit: str
+    files: dict[str, RepoFile]  # relpath -> file, in sorted order
+
+    @property
+    def last_modified(self) -> float:
+        return max((f.mtime_ns for f in self.files.values()), default=0) / 1e9
+
+
+# ---------------------------------------------------------------- names and paths
+
+
+def valid_repo_part(part: str) -> bool:
+    """An org or repo name: letters, digits, ``.``, ``_``, ``-``; never ``.`` or ``..``."""
+    return bool(_NAME_RE.match(part)) and ".." not in part
+
+
+def valid_commit(rev: str) -> bool:
+    return bool(_COMMIT_RE.match(rev))
+
+
+def valid_relpath(path: str) -> bool:
+    """A relative posix path with no empty, ``.`` or ``..`` part, no backslash and no NUL."""
+    if not path or len(path) > _MAX_PATH or "\\" in path or "\0" in path:
+        return False
+    return all(part not in ("", ".", "..") for part in path.split("/"))
+
+
+def excluded(relpath: str) -> bool:
+    parts = relpath.split("/")
+    return parts[0] in _EXCLUDED_TOP or any(p in _EXCLUDED_ANY for p in parts)
+
+
+# ---------------------------------------------------------------- hashing
+
+
+class HashCache:
+    """sha256 of files keyed by (real path, size, mtime_ns); one hashing per key at a time."""
+
+    def __init__(self) -> None:
+        self._done: dict[tuple[str, int, int], str] = {}
+        self._locks: dict[tuple[str, int, int], threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def seed(self, real: Path, size: int, mtime_ns: int, sha256: str) -> None:
+        """Trust a sha256 known from elsewhere (a manifest, an earlier run) for this exact stat."""
+        self._done[(str(real), size, mtime_ns)] = sha256
+
+    def sha256(self, real: Path, size: int, mtime_ns: int) -> str:
+        key = (str(real), size, mtime_ns)
+        found = self._done.get(key)
+        if found is not None:
+            return found
+        with self._guard:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            found = self._done.get(key)
+            if found is None:
+                found = self._done[key] = _hash_file(real)
+        with self._guard:
+            self._locks.pop(key, None)
+        return found
+
+
+def _hash_file(path: Path) -> str:
+    started = time.monotonic()
+    digest = hashlib.sha256()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    total = 0
+    with open(path, "rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            digest.update(view[:n])  # large updates release the GIL
+            total += n
+    log.debug("hashed path=%s bytes=%d seconds=%.3f", path.name, total, time.monotonic() - started)
+    return digest.hexdigest()
+
+
+_DEFAULT_CACHE = HashCache()
+
+
+# ---------------------------------------------------------------- listing and commit
+
+
+def _walk(repo_dir: Path) -> list[tuple[str, Path, os.stat_result]]:
+    """(relpath, real path, stat) of every file of the repo, sorted by relpath."""
+    real_root = repo_dir.resolve()
+    out: list[tuple[str, Path, os.stat_result]] = []
+    for dirpath, dirnames, filenames in os.walk(real_root, followlinks=False):
+        base = Path(dirpath)
+        rel_dir = base.relative_to(real_root).as_posix()
+        prefix = "" if rel_dir == "." else rel_dir + "/"
+        dirnames[:] = [d for d in dirnames if not excluded(prefix + d)]
+        for name in filenames:
+            relpath = prefix + name
+            if excluded(relpath) or not valid_relpath(relpath):
+                continue
+            entry = _regular_inside(base / name, real_root)
+            if entry is not None:
+                out.append((relpath, *entry))
+    out.sort(key=lambda item: item[0])
+    return out
+
+
+def _regular_inside(path: Path, real_root: Path) -> tuple[Path, os.stat_result] | None:
+    """The real path and stat of ``path`` if it is a regular file inside ``real_root``."""
+    try:
+        real = path.resolve(strict=True) if path.is_symlink() else path
+        st = real.stat()
+    except (OSError, RuntimeError):  # dangling or looping symlink, vanished file
+        return None
+    if not stat.S_ISREG(st.st_mode) or not real.is_relative_to(real_root):
+        return None
+    return real, st
+
+
+def snapshot(repo_dir: Path, repo_id: str = "", cache: HashCache | None = None) -> RepoSnapshot:
+    """The repo's files with their sha256 and the commit they make. Blocking: call in a thread."""
+    cache = cache or _DEFAULT_CACHE
+    files: dict[str, RepoFile] = {}
+    commit = hashlib.sha1()
+    for relpath, real, st in _walk(repo_dir):
+        sha = cache.sha256(real, st.st_size, st.st_mtime_ns)
+        files[relpath] = RepoFile(relpath, real, st.st_size, st.st_mtime_ns, sha)
+        commit.update(f"{relpath}\0{sha}\n".encode())
+    return RepoSnapshot(repo_id or repo_dir.name, commit.hexdigest(), files)
+
+
+def repo_commit(repo_dir: Path) -> str:
+    """The content-derived 40-hex commit of a repo folder (see the module docstring)."""
+    return snapshot(Path(repo_dir)).commit
+
+
+# ---------------------------------------------------------------- Hub JSON shapes
+
+
+def _git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _lfs_fields(f: RepoFile) -> tuple[str, dict[str, Any]]:
+    """(blob id, lfs dict without its hash key) as git would store the file's LFS pointer."""
+    pointer = _LFS_POINTER.format(sha=f.sha256, size=f.size).encode()
+    return _git_blob_sha1(pointer), {"size": f.size, "pointerSize": len(pointer)}
+
+
+def iso_time(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + ".000Z"
+
+
+def model_info_json(snap: RepoSnapshot) -> dict[str, Any]:
+    """What ``HfApi.model_info`` parses: id, sha, lastModified, siblings with sizes and LFS."""
+    siblings = []
+    for f in snap.files.values():
+        blob_id, lfs = _lfs_fields(f)
+        siblings.append(
+            {
+                "rfilename": f.relpath,
+                "size": f.size,
+                "blobId": blob_id,
+                "lfs": {**lfs, "sha256": f.sha256},
+            }
+        )
+    org = snap.repo_id.split("/")[0]
+    return {
+        "_id": snap.commit[:24],
+        "id": snap.repo_id,
+        "modelId": snap.repo_id,
+        "author": org,
+        "sha": snap.commit,
+        "lastModified": iso_time(snap.last_modified),
+        "createdAt": iso_time(snap.last_modified),
+        "private": False,
+        "gated": False,
+        "disabled": False,
+        "downloads": 0,
+        "likes": 0,
+        "tags": [],
+        "siblings": siblings,
+        "usedStorage": sum(f.size for f in snap.files.values()),
+    }
+
+
+def tree_json(snap: RepoSnapshot, prefix: str, recursive: bool) -> list[dict[str, Any]] | None:
+    """What ``HfApi.list_repo_tree`` parses, for the folder ``prefix`` ("" is the root).
+
+    None when ``prefix`` is not a folder of the repo (missing, or a file).
+    """
+    base = prefix + "/" if prefix else ""
+    below = [f for f in snap.files.values() if f.relpath.startswith(base)]
+    if prefix and not below:
+        return None
+    folders: dict[str, list[RepoFile]] = {}
+    entries: list[dict[str, Any]] = []
+    for f in below:
+        rest = f.relpath[len(base) :].split("/")
+        for depth in range(1, len(rest) if recursive else min(2, len(rest))):
+            folders.setdefault(base + "/".join(rest[:depth]), []).append(f)
+        if recursive or len(rest) == 1:
+            entries.append(_file_entry(f))
+    for path, members in folders.items():
+        entries.append(
+            {"type": "directory", "oid": _tree_oid(path, members), "size": 0, "path": path}
+        )
+    entries.sort(key=lambda e: e["path"])
+    return entries
+
+
+def _file_entry(f: RepoFile) -> dict[str, Any]:
+    blob_id, lfs = _lfs_fields(f)
+    return {
+        "type": "file",
+        "oid": blob_id,
+        "size": f.size,
+        "path": f.relpath,
+        "lfs": {**lfs, "oid": f.sha256},
+    }
+
+
+def _tree_oid(path: str, members: list[RepoFile]) -> str:
+    # Not git's tree hash, but stable and content-derived, which is all a client may rely on.
+    digest = hashlib.sha1(path.encode() + b"\0")
+    for f in members:
+        digest.update(f"{f.relpath}\0{f.sha256}\n".encode())
+    return digest.hexdigest()
