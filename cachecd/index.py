@@ -41,6 +41,7 @@ from cachecd import constants, errors
 
 log = logging.getLogger(__name__)
 
+INDEX_DIRNAME = "index.lmdb"  # inside cache dir 0
 T = TypeVar("T")
 _ENTRY = struct.Struct("<HQd")
 _ACCESS = struct.Struct("<Qd")
@@ -130,7 +131,11 @@ class Index:
         self._pending: dict[bytes, tuple[int, float]] = {}
         self._queue: queue.Queue[Any] = queue.Queue()
         self._closed = False
-        self._migrate()
+        try:
+            self._migrate()
+        except BaseException:
+            self.env.close()
+            raise
         self._thread = threading.Thread(target=self._writer, name="cachecd-index", daemon=True)
         self._thread.start()
 
@@ -392,6 +397,11 @@ class Index:
 
     def _migrate(self) -> None:
         want = constants.INDEX_SCHEMA_VERSION
+
+        with self.read() as rtxn:
+            raw = rtxn.get(b"schema_version", db=self.meta)
+        if raw is not None and int(raw) == want:
+            return  # no write at open: a full disk must not stop the cache from serving
 
         def op(txn: lmdb.Transaction) -> int:
             raw = txn.get(b"schema_version", db=self.meta)

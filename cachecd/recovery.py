@@ -59,11 +59,11 @@ def recover(blobs: BlobDirs, index: Index) -> tuple[RecoveryReport, dict[str, En
     for d in blobs.dirs:
         report.temps_removed += d.clear_tmp()
     entries = index.load_entries()
-    on_disk = _scan(blobs)
+    on_disk = scan_blobs(blobs)
     puts, drops = _check_rows(blobs, entries, on_disk, report)
     for found in on_disk.values():
         for item in found:
-            adopted = _handle_stray(blobs, item, entries, report)
+            adopted = handle_stray(blobs, item, entries, report)
             if adopted is not None:
                 entries[item.name] = adopted
                 puts[item.name] = adopted
@@ -74,7 +74,7 @@ def recover(blobs: BlobDirs, index: Index) -> tuple[RecoveryReport, dict[str, En
     return report, entries
 
 
-def _scan(blobs: BlobDirs) -> dict[str, list[OnDisk]]:
+def scan_blobs(blobs: BlobDirs) -> dict[str, list[OnDisk]]:
     out: dict[str, list[OnDisk]] = {}
     for d in blobs.dirs:
         for item in d.iter_blobs():
@@ -120,7 +120,7 @@ def _pick(found: list[OnDisk], entry: Entry) -> OnDisk | None:
     return good[0] if good else None
 
 
-def _handle_stray(
+def handle_stray(
     blobs: BlobDirs, item: OnDisk, entries: dict[str, Entry], report: RecoveryReport
 ) -> Entry | None:
     cdir = blobs.dirs[item.dir_index]

@@ -34,13 +34,11 @@ from cachecd import errors
 from cachecd.blobs import BlobDirs, validate_digest
 from cachecd.budget import Budget, Reservation
 from cachecd.crash import crash_point
-from cachecd.index import Entry, Index
+from cachecd.index import INDEX_DIRNAME, Entry, Index
 from cachecd.policies import EvictionPolicy, make_policy
 from cachecd.recovery import RecoveryReport, recover
 
 log = logging.getLogger(__name__)
-
-INDEX_DIRNAME = "index.lmdb"
 
 
 class Store:
@@ -188,12 +186,16 @@ class Store:
         Runs to completion in a thread even if the awaiting task is cancelled, so the blob, its
         row and the budget always agree.
         """
-        digest = validate_digest(digest_hex)
+        try:
+            digest = validate_digest(digest_hex)
+        except errors.InvalidRequest:
+            reservation.release()
+            raise
         await asyncio.shield(asyncio.to_thread(self.commit_sync, digest, data, reservation))
 
     def commit_sync(self, digest_hex: str, data: bytes | memoryview, res: Reservation) -> None:
-        digest = validate_digest(digest_hex)
         try:
+            digest = validate_digest(digest_hex)
             nbytes = memoryview(data).nbytes
             if res.done:
                 raise errors.Internal("commit with a reservation that already ended")
