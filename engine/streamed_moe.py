@@ -165,7 +165,7 @@ def install_streamed_banks(model: nn.Module, bank: ExpertBank) -> list[int]:
         glu = getattr(mlp, "switch_mlp", None)
         if isinstance(glu, StreamedSwitchGLU):
             layers.append(idx)
-        elif isinstance(glu, SwitchGLU):
+        elif mlp is not None and isinstance(glu, SwitchGLU):
             mlp.switch_mlp = StreamedSwitchGLU(idx, as_template(glu, bank.spec), bank)
             layers.append(idx)
     log.debug("streamed banks installed layers=%d", len(layers))

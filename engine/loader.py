@@ -1,0 +1,138 @@
+"""Load an mlx-lm model whose routed experts stream from an ExpertSource.
+
+Invariants:
+- Everything except the routed experts loads exactly as ``mlx_lm.utils.load_model`` loads it
+  (same classes, same sanitize, same quantization decisions, same dtypes).
+- No routed-expert byte is read at load: expert keys are dropped before mlx-lm's sanitize, and
+  ``mx.load`` is lazy, so even a full checkpoint directory costs only its resident bytes.
+- The streamed banks hold no parameters, so ``load_weights(strict=True)`` and ``nn.quantize``
+  never see them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import struct
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from cachecd_engine.formats import quant_spec
+from cachecd_engine.local_source import quant_format_of
+from cachecd_engine.ram_tier import RamTier
+from cachecd_engine.streamed_moe import (
+    EngineStats,
+    ExpertBank,
+    ExpertSource,
+    install_streamed_banks,
+)
+from mlx import nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load_model, load_tokenizer
+
+from cachecd import errors
+from cachecd.manifest import EXPERT_RE, Manifest, TensorInfo
+
+# Model types whose MoE layers expose ``mlp.switch_mlp`` as a SwitchGLU (the hook point).
+SUPPORTED_MODEL_TYPES = ("kimi_k3",)
+DEFAULT_RAM_BYTES = 2 * 1024**3
+RESIDENT_FILE = "model-resident.safetensors"
+
+
+def is_expert_weight(key: str) -> bool:
+    """A routed-expert key, per-expert (checkpoint) or already stacked (mlx format)."""
+    return EXPERT_RE.search(key) is not None or ".switch_mlp." in key
+
+
+def drop_expert_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    return {k: v for k, v in weights.items() if not is_expert_weight(k)}
+
+
+def streamed_classes(bank: ExpertBank) -> Callable[[dict], tuple[type[nn.Module], type]]:
+    """A ``get_model_classes`` for mlx-lm's ``load_model`` that builds streamed models."""
+
+    def get_classes(config: dict) -> tuple[type[nn.Module], type]:
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise errors.UnsupportedFormat(
+                f"model_type {model_type!r} cannot be streamed yet; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        arch = importlib.import_module(f"mlx_lm.models.{model_type}")
+
+        class StreamedModel(arch.Model):  # type: ignore[misc, name-defined]
+            def __init__(self, args: Any) -> None:
+                super().__init__(args)
+                install_streamed_banks(self, bank)
+
+            def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+                return super().sanitize(drop_expert_weights(weights))
+
+        StreamedModel.__name__ = f"Streamed{arch.Model.__name__}"
+        return StreamedModel, arch.ModelArgs
+
+    return get_classes
+
+
+def load(
+    model_dir: Path,
+    source: ExpertSource,
+    *,
+    ram_bytes: int = DEFAULT_RAM_BYTES,
+    stats: EngineStats | None = None,
+    lazy: bool = False,
+) -> tuple[nn.Module, TokenizerWrapper]:
+    """(model, tokenizer) for ``mlx_lm.generate``/``stream_generate``; the bank is ``model.bank``.
+
+    ``model_dir`` holds config.json, the tokenizer files and the resident weights
+    (``model*.safetensors``); expert tensors there, if any, are ignored.
+    """
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    spec = quant_spec(quant_format_of(config))
+    bank = ExpertBank(source, spec, RamTier(ram_bytes), stats or EngineStats())
+    model, config = load_model(model_dir, lazy=lazy, get_model_classes=streamed_classes(bank))
+    object.__setattr__(model, "bank", bank)  # outside the module tree: not a parameter
+    tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    return model, tokenizer
+
+
+def resident_tensor_names(manifest: Manifest) -> list[str]:
+    """Every tensor the resident model needs (all but the routed experts), in file order."""
+    return [t.name for t in manifest.resident]
+
+
+def write_resident_safetensors(path: Path, tensors: Iterable[tuple[TensorInfo, bytes]]) -> Path:
+    """Write resident tensors (their exact checkpoint bytes) as one safetensors file.
+
+    ``path`` should be named ``model*.safetensors`` so mlx-lm's loader picks it up. Written to a
+    temp name, fsynced, then renamed, so a crash leaves no half file under that pattern.
+    """
+    header: dict[str, Any] = {}
+    chunks: list[bytes] = []
+    pos = 0
+    for info, data in tensors:
+        if len(data) != info.nbytes:
+            raise errors.ExpertSizeMismatch(
+                f"{info.name}: {len(data)} bytes, expected {info.nbytes}"
+            )
+        header[info.name] = {
+            "dtype": info.dtype,
+            "shape": list(info.shape),
+            "data_offsets": [pos, pos + len(data)],
+        }
+        chunks.append(data)
+        pos += len(data)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.writelines(chunks)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,150 @@
+"""Streamed vs resident on the real tiny K3 checkpoint: every logit bitwise equal.
+
+The checkpoint comes from ``cachecd.tiny_model`` (mxfp4 experts with bf16 activations, and fp32)
+with small shards so some experts are split across two files. The reference is
+``mlx_lm.utils.load_model`` on the full checkpoint; the streamed model loads a directory with the
+resident weights only and reads experts from the checkpoint through its manifest's ranges.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from cachecd_engine.loader import (
+    RESIDENT_FILE,
+    is_expert_weight,
+    load,
+    resident_tensor_names,
+    write_resident_safetensors,
+)
+from cachecd_engine.local_source import LocalSource, manifest_from_dir
+from cachecd_engine.streamed_moe import StreamedSwitchGLU
+from mlx.utils import tree_flatten
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import load_model
+
+from cachecd.manifest import Manifest
+from cachecd.tiny_model import write_tiny_model
+
+DECODE_STEPS = 20
+PROMPT_TEXT = "The quick brown fox jumps over the lazy dog, then streams every expert."
+SHARD_BYTES = 96 * 1024  # small shards: several experts straddle two files
+
+
+def make_resident_dir(full: Path, manifest: Manifest, out: Path) -> Path:
+    """What setup installs: configs and tokenizer, plus the resident tensors' exact bytes."""
+    out.mkdir()
+    for f in full.iterdir():
+        if not f.name.startswith("model") or not f.name.endswith((".safetensors", ".json")):
+            shutil.copy(f, out / f.name)
+    items = []
+    for t in manifest.resident:
+        with open(full / t.file, "rb") as fh:
+            fh.seek(t.offset)
+            items.append((t, fh.read(t.nbytes)))
+    write_resident_safetensors(out / RESIDENT_FILE, items)
+    return out
+
+
+@pytest.fixture(scope="module", params=["mxfp4", "fp32"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    full = write_tiny_model(root / "full", seed=0, fmt=request.param, shard_bytes=SHARD_BYTES)
+    manifest = manifest_from_dir(full, repo="cachecd/tiny-k3")
+    assert manifest.split_experts > 0, "the test needs experts split across shards"
+    resident_dir = make_resident_dir(full, manifest, root / "resident")
+    reference, _ = load_model(full)
+    return request.param, full, manifest, resident_dir, reference
+
+
+def run_logits(model, tokens: list[int], forced: list[int] | None = None):
+    cache = model.make_cache()
+    logits = model(mx.array(tokens)[None], cache=cache)
+    outs = [np.array(logits.astype(mx.float32))]
+    chosen = []
+    for step in range(DECODE_STEPS):
+        tok = int(mx.argmax(logits[0, -1]).item()) if forced is None else forced[step]
+        chosen.append(tok)
+        logits = model(mx.array([[tok]]), cache=cache)
+        outs.append(np.array(logits.astype(mx.float32)))
+    return outs, chosen
+
+
+def assert_bitwise(ref: list[np.ndarray], got: list[np.ndarray]) -> None:
+    assert len(ref) == len(got) == DECODE_STEPS + 1
+    for step, (a, b) in enumerate(zip(ref, got, strict=True)):
+        diff = float(np.max(np.abs(a - b)))
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"step {step}: {diff}"
+
+
+def _prompt(tokenizer) -> list[int]:
+    tokens = tokenizer.encode(PROMPT_TEXT)
+    assert len(tokens) >= 16  # x top-4 >= 64 rows: mlx-lm's sorted gather path
+    return tokens
+
+
+def test_bitwise_cold_and_warm_from_resident_dir(checkpoint) -> None:
+    _, full, manifest, resident_dir, reference = checkpoint
+    with LocalSource(manifest, full) as source:
+        model, tokenizer = load(resident_dir, source, ram_bytes=1 << 30)
+        prompt = _prompt(tokenizer)
+        assert not source.calls, "loading must not ask for any expert"
+        ref, toks = run_logits(reference, prompt)
+        cold, _ = run_logits(model, prompt, toks)
+        assert_bitwise(ref, cold)
+        stats = model.bank.stats
+        assert stats.source_hits > 0 and stats.source_hits == len(model.bank.ram)
+        stats.reset()
+        warm, _ = run_logits(model, prompt, toks)
+        assert_bitwise(ref, warm)
+        assert stats.source_hits == 0 and stats.ram_hits == stats.experts_routed > 0
+    split = {(e.layer, e.expert) for e in manifest.experts() if len({r.file for r in e.ranges}) > 1}
+    fetched = {(layer, e) for layer, ids in source.calls for e in ids}
+    assert split & fetched, "some routed expert must be one split across shards"
+
+
+def test_bitwise_without_ram_tier_from_full_dir(checkpoint) -> None:
+    """Loading from the full checkpoint dir ignores its expert tensors; every call is a miss."""
+    _, full, manifest, _, reference = checkpoint
+    with LocalSource(manifest, full) as source:
+        model, tokenizer = load(full, source, ram_bytes=0)
+        prompt = _prompt(tokenizer)
+        ref, toks = run_logits(reference, prompt)
+        got, _ = run_logits(model, prompt, toks)
+        assert_bitwise(ref, got)
+        assert model.bank.stats.ram_hits == 0
+        assert len(source.calls) == model.bank.stats.layer_calls == 5 * (DECODE_STEPS + 1)
+
+
+def test_loaded_model_has_no_expert_parameters(checkpoint) -> None:
+    _, full, manifest, resident_dir, _ = checkpoint
+    with LocalSource(manifest, full) as source:
+        model, _ = load(resident_dir, source, ram_bytes=0)
+    names = [k for k, _ in tree_flatten(model.parameters())]
+    assert names and not any(is_expert_weight(k) for k in names)
+    banks = [layer.mlp.switch_mlp for layer in model.layers if hasattr(layer.mlp, "switch_mlp")]
+    assert [b.layer for b in banks] == list(manifest.moe_layers)
+    assert all(isinstance(b, StreamedSwitchGLU) for b in banks)
+    assert set(resident_tensor_names(manifest)).isdisjoint(
+        t.name for e in manifest.experts() for t in e.tensors
+    )
+
+
+def test_stream_generate_matches_resident_text(checkpoint) -> None:
+    _, full, manifest, resident_dir, reference = checkpoint
+    with LocalSource(manifest, full) as source:
+        model, tokenizer = load(resident_dir, source, ram_bytes=1 << 30)
+        greedy = make_sampler(temp=0.0)
+
+        def tokens(m) -> list[int]:
+            return [
+                r.token
+                for r in stream_generate(m, tokenizer, PROMPT_TEXT, max_tokens=24, sampler=greedy)
+            ]
+
+        assert tokens(model) == tokens(reference)
