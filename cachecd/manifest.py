@@ -416,6 +416,8 @@ def _digests(values: list[bytes]) -> np.ndarray:
 
 def read_archive(data: bytes, source: str) -> tuple[Any, dict[str, np.ndarray]]:
     """The raw meta and arrays of a manifest file; only the container is checked here."""
+    if not data.startswith(b"PK\x03\x04"):  # np.load would try .npy and pickle otherwise
+        raise errors.ManifestInvalid(f"{source}: not a cachecd manifest (not a zip archive)")
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}

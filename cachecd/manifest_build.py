@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -20,7 +21,7 @@ from typing import Any, Protocol
 import xxhash
 from tqdm import tqdm
 
-from cachecd import errors
+from cachecd import constants, errors
 from cachecd.manifest import (
     ByteRange,
     ExpertEntry,
@@ -88,8 +89,7 @@ def build_manifest(source: Source, *, progress: bool = True) -> Manifest:
     shard_files = _shard_files(source, files, by_name)
     plan = _plan(source, shard_files)
     total = sum(s.file.size for s in plan.shards)
-    tensor_digests: dict[str, bytes] = {}
-    expert_digests: dict[Key, bytes] = {}
+    digests = _Digests()
     shas: dict[str, str] = {}
     with tqdm(
         total=total,
@@ -102,11 +102,9 @@ def build_manifest(source: Source, *, progress: bool = True) -> Manifest:
     ) as bar:
         hashers: dict[Key, Any] = {}
         for shard in plan.shards:
-            shas[shard.file.name] = _hash_shard(
-                source, plan, shard, hashers, tensor_digests, expert_digests, bar
-            )
+            shas[shard.file.name] = _hash_shard(source, plan, shard, hashers, digests, bar)
     infos = [_file_info(source, f, shas, config_bytes, plan) for f in files]
-    return _assemble(source, config, infos, plan, tensor_digests, expert_digests, config_bytes)
+    return _assemble(source, config, infos, plan, digests.tensors, digests.experts, config_bytes)
 
 
 # -- config and shard list --------------------------------------------------------------------
@@ -195,60 +193,95 @@ def _plan(source: Source, shard_files: list[SourceFile]) -> _Plan:
 
 # -- hashing -----------------------------------------------------------------------------------
 def _hash_shard(
-    source: Source,
-    plan: _Plan,
-    shard: _Shard,
-    hashers: dict[Key, Any],
-    tensor_digests: dict[str, bytes],
-    expert_digests: dict[Key, bytes],
-    bar: tqdm,
+    source: Source, plan: _Plan, shard: _Shard, hashers: dict[Key, Any], out: _Digests, bar: tqdm
 ) -> str:
-    """Stream one shard; returns its sha256 (checked against the source's)."""
-    sha = hashlib.sha256()
-    tensors, i, cur = shard.tensors, 0, xxhash.xxh3_128()
-    pos = 0
-    for chunk in source.stream(shard.file.name):
-        sha.update(chunk)
+    """Stream one shard (retrying a broken transfer from the start); returns its sha256."""
+    if shard.file.sha256 is None and getattr(source, "requires_sha256", False):
+        raise errors.UpstreamError(
+            f"{shard.file.name}: the endpoint gives no sha256 (X-Linked-Etag) to check it against"
+        )
+    for attempt in range(constants.MAX_RETRIES + 1):
+        done = 0
+        try:
+            p = _ShardPass(plan, shard, hashers)
+            for chunk in source.stream(shard.file.name):
+                p.feed(chunk)
+                bar.update(len(chunk))
+                done += len(chunk)
+            digest = p.finish()
+        except errors.UpstreamError as exc:
+            bar.update(-done)
+            if attempt == constants.MAX_RETRIES:
+                raise
+            log.warning(
+                "shard_retry file=%s attempt=%d error=%s", shard.file.name, attempt + 1, exc
+            )
+            time.sleep(min(constants.BACKOFF_CAP_S, constants.BACKOFF_BASE_S * 2**attempt))
+            continue
+        _check_sha(shard.file, digest)
+        p.commit(hashers, out)
+        return digest
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class _Digests:
+    tensors: dict[str, bytes] = field(default_factory=dict)
+    experts: dict[Key, bytes] = field(default_factory=dict)
+
+
+class _ShardPass:
+    """One attempt at one shard. Works on copies of the carried expert hashers so a failed
+    attempt leaves nothing behind; ``commit`` publishes the results."""
+
+    def __init__(self, plan: _Plan, shard: _Shard, hashers: dict[Key, Any]) -> None:
+        self.plan, self.shard = plan, shard
+        self.hashers = {k: h.copy() for k, h in hashers.items()}
+        self.sha = hashlib.sha256()
+        self.i, self.pos, self.cur = 0, 0, xxhash.xxh3_128()
+        self.remaining: dict[Key, int] = {}
+        self.out = _Digests()
+
+    def feed(self, chunk: bytes) -> None:
+        self.sha.update(chunk)
+        tensors, pos = self.shard.tensors, self.pos
         mv, end = memoryview(chunk), pos + len(chunk)
-        while i < len(tensors) and tensors[i].start <= end:
-            t = tensors[i]
+        while self.i < len(tensors) and tensors[self.i].start <= end:
+            t = tensors[self.i]
             lo, hi = max(t.start, pos), min(t.end, end)
-            key = plan.owner[t.name]
+            key = self.plan.owner[t.name]
             if hi > lo:
                 piece = mv[lo - pos : hi - pos]
-                cur.update(piece)
+                self.cur.update(piece)
                 if key is not None:
-                    hashers.setdefault(key, xxhash.xxh3_128()).update(piece)
+                    self.hashers.setdefault(key, xxhash.xxh3_128()).update(piece)
             if t.end > end:
                 break
-            _finish_tensor(plan, t, key, cur, hashers, tensor_digests, expert_digests)
-            i, cur = i + 1, xxhash.xxh3_128()
-        pos = end
-        bar.update(len(chunk))
-    if pos != shard.file.size or i != len(tensors):
-        raise errors.UpstreamError(
-            f"{shard.file.name}: stream ended at {pos} of {shard.file.size} bytes; try again"
-        )
-    digest = sha.hexdigest()
-    _check_sha(shard.file, digest)
-    return digest
+            self._finish_tensor(t, key)
+            self.i, self.cur = self.i + 1, xxhash.xxh3_128()
+        self.pos = end
 
+    def _finish_tensor(self, t: HeaderTensor, key: Key | None) -> None:
+        self.out.tensors[t.name] = self.cur.digest()
+        if key is None:
+            return
+        left = self.remaining.get(key, self.plan.remaining[key]) - 1
+        self.remaining[key] = left
+        if left == 0:  # the expert's last byte: free its hasher early
+            self.out.experts[key] = self.hashers.pop(key, xxhash.xxh3_128()).digest()
 
-def _finish_tensor(
-    plan: _Plan,
-    t: HeaderTensor,
-    key: Key | None,
-    cur: Any,
-    hashers: dict[Key, Any],
-    tensor_digests: dict[str, bytes],
-    expert_digests: dict[Key, bytes],
-) -> None:
-    tensor_digests[t.name] = cur.digest()
-    if key is None:
-        return
-    plan.remaining[key] -= 1
-    if plan.remaining[key] == 0:  # the expert's last byte: free its hasher early
-        expert_digests[key] = hashers.pop(key, xxhash.xxh3_128()).digest()
+    def finish(self) -> str:
+        f = self.shard.file
+        if self.pos != f.size or self.i != len(self.shard.tensors):
+            raise errors.UpstreamError(f"{f.name}: stream ended at {self.pos} of {f.size} bytes")
+        return self.sha.hexdigest()
+
+    def commit(self, hashers: dict[Key, Any], out: _Digests) -> None:
+        hashers.clear()
+        hashers.update(self.hashers)
+        self.plan.remaining.update(self.remaining)
+        out.tensors.update(self.out.tensors)
+        out.experts.update(self.out.experts)
 
 
 def _check_sha(f: SourceFile, digest: str) -> None:

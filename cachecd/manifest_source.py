@@ -27,6 +27,8 @@ T = TypeVar("T")
 class LocalSource:
     """A folder laid out like a repo; the caller names the revision (no sha256 to check)."""
 
+    requires_sha256 = False
+
     def __init__(self, root: Path, repo: str, revision: str) -> None:
         self.root, self.repo, self.revision = Path(root), repo, revision
 
@@ -83,6 +85,8 @@ def _hub_errors(what: str, fn: Callable[[], T]) -> T:
 
 class HubSource:
     """A model repo on an HF-compatible endpoint, pinned to the commit ``rev`` resolves to."""
+
+    requires_sha256 = True  # every shard is checked against the hub's X-Linked-Etag
 
     def __init__(
         self, repo: str, rev: str = "main", *, endpoint: str | None = None, token: str | None = None
@@ -201,6 +205,8 @@ class HubSource:
                     )
                 yield from resp.iter_bytes(CHUNK_BYTES)
         except errors.CachecdError:
+            self._locations.pop(name, None)  # a retry re-resolves (the signature may have expired)
             raise
         except Exception as exc:  # httpx transport and protocol errors
+            self._locations.pop(name, None)
             raise errors.UpstreamError(f"{self.repo}/{name}: {type(exc).__name__}: {exc}") from exc
