@@ -23,6 +23,8 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.setup_stream",
     "cachecd.serve",
     "cachecd.ctl",
+    "cachecd_engine.run",
+    "cachecd.demo",
 )
 
 
@@ -53,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    # huggingface_hub's HTTP client logs every request at INFO; that is noise on a terminal.
+    for noisy in ("httpx", "httpx2", "httpcore", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

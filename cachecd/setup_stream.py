@@ -85,10 +85,13 @@ def _stale(repo: str, commit: str, path: Path) -> Path:
 
 
 def _build_manifest(repo: str, commit: str, endpoint: str, out: Path) -> None:
+    from huggingface_hub import get_token
+
     from cachecd.manifest_build import build_manifest
+    from cachecd.manifest_source import HubSource
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    build_manifest(f"{repo}@{commit}", endpoint=endpoint, output=out)
+    build_manifest(HubSource(repo, commit, endpoint=endpoint, token=get_token())).save(out)
 
 
 def fetch_small_files(manifest: Any, local: Path, endpoint: str) -> int:

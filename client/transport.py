@@ -68,10 +68,12 @@ class ControlTransport:
                 payload = resp.read()
                 break
             except (ConnectionError, http.client.RemoteDisconnected, BrokenPipeError) as exc:
-                conn.close()
-                self._conn = None
+                self.close()
                 if attempt:
                     raise unavailable(self.path, exc) from None
+            except BaseException:
+                self.close()  # a half-used connection cannot carry the next request
+                raise
         if resp.status >= 400:
             try:
                 raise error_from_wire(json.loads(payload), resp.status)

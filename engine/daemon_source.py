@@ -1,0 +1,63 @@
+"""The production ExpertSource: every expert byte comes through the cachecd daemon.
+
+The engine reads experts only through the daemon (fd data path, zero copy); the manifest it
+parses them with is the one the daemon registered, fetched from the daemon too, so engine and
+daemon always agree on the revision. Prefetch hints are fire-and-forget on one background
+thread: a slow or failed hint never delays or changes a token.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from cachecd.errors import CachecdError, ModelNotFound
+from cachecd.manifest import ExpertEntry, Manifest
+
+log = logging.getLogger(__name__)
+
+
+class DaemonSource:
+    def __init__(self, client: Any, repo: str, manifest: Manifest) -> None:
+        self.client = client
+        self.repo = repo
+        self.manifest = manifest
+        self.hints_failed = 0
+        self._hints = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachecd-hint")
+
+    @classmethod
+    def connect(cls, repo: str, socket: str | Path | None = None) -> tuple["DaemonSource", Path]:
+        """The source for a registered model, and the local dir holding its resident files."""
+        from cachecd_client import Client
+
+        client = Client(socket)
+        info = client.model(repo)
+        if not info.get("local_dir"):
+            raise ModelNotFound(f"{repo} is registered without resident files; run "
+                                f"`cachecd setup --stream {repo}`")
+        manifest = Manifest.from_bytes(client.manifest_bytes(repo), f"daemon:{repo}")
+        return cls(client, repo, manifest), Path(info["local_dir"])
+
+    def entry(self, layer: int, expert: int) -> ExpertEntry:
+        return self.manifest.expert(layer, expert)
+
+    def experts(self, layer: int, ids: list[int]) -> Sequence[np.ndarray]:
+        return self.client.experts(self.repo, layer, ids)
+
+    def prefetch(self, layer: int, ids: list[int]) -> None:
+        self._hints.submit(self._hint, layer, list(ids))
+
+    def _hint(self, layer: int, ids: list[int]) -> None:
+        try:
+            self.client.prefetch(self.repo, layer, ids)
+        except CachecdError as exc:
+            self.hints_failed += 1
+            log.debug("prefetch hint failed layer=%d err=%s", layer, exc.code)
+
+    def close(self) -> None:
+        self._hints.shutdown(wait=False)
+        self.client.close()

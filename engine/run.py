@@ -1,0 +1,106 @@
+"""``cachecd run``: greedy generation through the daemon, streaming text, with per-token stats.
+
+Before a prefill the user is told what a cold cache costs: a long prompt can route to nearly
+every expert of every layer, and each missing one is fetched from the Hub first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cachecd.config import format_size
+
+
+def load(repo: str, socket: str | Path | None = None, *, ram_bytes: int | None = None,
+         stats: Any = None) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of a registered model, as ``mlx_lm.load`` returns them.
+
+    The resident weights come from the local files ``cachecd setup --stream`` installed; every
+    routed expert comes through the daemon on ``socket``. ``mlx_lm.generate`` and
+    ``stream_generate`` work unchanged on the result.
+    """
+    from cachecd_engine.daemon_source import DaemonSource
+    from cachecd_engine.loader import DEFAULT_RAM_BYTES
+    from cachecd_engine.loader import load as load_dir
+
+    source, local_dir = DaemonSource.connect(repo, socket)
+    ram = DEFAULT_RAM_BYTES if ram_bytes is None else ram_bytes
+    return load_dir(local_dir, source, ram_bytes=ram, stats=stats)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("run", help="generate through the daemon (greedy)")
+    p.add_argument("--model", required=True, help="ORG/NAME, installed with setup --stream")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new", type=int, default=64, help="tokens to generate")
+    p.add_argument("--socket")
+    p.add_argument("--ram", default="2GiB", help="RAM tier for hot experts, e.g. 8GiB; 0 disables")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--stats", action="store_true", help="per-token stats on stderr")
+    p.add_argument("--json", action="store_true", help="print token ids and per-token stats as JSON")
+    p.set_defaults(func=run)
+
+
+def cold_cost_notice(client: Any, repo: str) -> str:
+    cov = client.coverage(repo)
+    missing = cov["bytes_total"] - cov["bytes_cached"]
+    if not missing:
+        return f"cache: every expert of {repo} is local"
+    return (f"cache: {format_size(cov['bytes_cached'])} of {format_size(cov['bytes_total'])} of experts "
+            f"are local; a long prefill can route to any expert, so up to {format_size(missing)} may "
+            f"be fetched first (warm it ahead: cachecd warm)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+
+    from cachecd.config import parse_size
+    from cachecd_engine.streamed_moe import EngineStats
+
+    stats = EngineStats()
+    model, tokenizer = load(args.model, args.socket, ram_bytes=parse_size(args.ram, "--ram"), stats=stats)
+    bank_source = model.bank.source
+    print(cold_cost_notice(bank_source.client, args.model), file=sys.stderr)
+    prompt: Any = args.prompt
+    if args.chat and getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                               add_generation_prompt=True)
+    records: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    last = None
+    for resp in stream_generate(model, tokenizer, prompt, max_tokens=args.max_new):
+        now = time.perf_counter()
+        step = {"token": int(resp.token), "text": resp.text, "s": round(now - t0, 6), **stats.snapshot()}
+        stats.reset()
+        t0, last = now, resp
+        records.append(step)
+        if not args.json:
+            sys.stdout.write(resp.text)
+            sys.stdout.flush()
+        if args.stats and not args.json:
+            print(_stat_line(len(records), step), file=sys.stderr)
+    mx.synchronize()
+    if args.json:
+        print(json.dumps({"model": args.model, "tokens": [r["token"] for r in records],
+                          "text": "".join(r["text"] for r in records), "per_token": records,
+                          "prompt_tps": last.prompt_tps if last else 0.0,
+                          "generation_tps": last.generation_tps if last else 0.0}))
+    else:
+        print()
+        if last is not None:
+            print(f"prompt {last.prompt_tokens} tokens at {last.prompt_tps:.1f} tok/s, generated "
+                  f"{last.generation_tokens} at {last.generation_tps:.1f} tok/s", file=sys.stderr)
+    bank_source.close()
+    return 0
+
+
+def _stat_line(i: int, s: dict[str, Any]) -> str:
+    return (f"token {i}: routed {s['experts_routed']} RAM hits {s['ram_hits']} daemon {s['source_hits']} "
+            f"({format_size(s['source_bytes'])}) waited {s['source_wait_s'] * 1000:.1f} ms "
+            f"total {s['s'] * 1000:.1f} ms")
