@@ -56,6 +56,7 @@ class ExpertLayout(Protocol):
     def blob_offsets(self) -> Sequence[int]: ...
 
 
+Buffer = bytes | bytearray | memoryview | np.ndarray  # anything exposing contiguous bytes
 Arrays = dict[str, dict[str, mx.array]]  # projection -> {"weight"/"scales"/"biases": array}
 Raw = dict[tuple[str, str], "np.ndarray | mx.array"]  # (projection, checkpoint suffix) -> tensor
 
@@ -98,11 +99,12 @@ def _to_mx(view: np.ndarray, dtype: str) -> mx.array:
     return arr.view(mx.bfloat16) if dtype == "BF16" else arr
 
 
-def tensor_views(entry: ExpertLayout, buf: memoryview | bytes | bytearray) -> Raw:
+def tensor_views(entry: ExpertLayout, buf: Buffer) -> Raw:
     """Split an expert's bytes into its tensors, keyed by (projection, checkpoint suffix)."""
-    if len(buf) != entry.nbytes:
+    buf = memoryview(buf).cast("B")  # any contiguous buffer: bytes, mmap, numpy array
+    if buf.nbytes != entry.nbytes:
         raise errors.ExpertSizeMismatch(
-            f"expert buffer has {len(buf)} bytes, its manifest entry says {entry.nbytes}"
+            f"expert buffer has {buf.nbytes} bytes, its manifest entry says {entry.nbytes}"
         )
     out: Raw = {}
     for tensor, offset in zip(entry.tensors, entry.blob_offsets, strict=True):
@@ -162,9 +164,7 @@ _DECODERS: dict[str, Callable[[Raw], Arrays]] = {
 }
 
 
-def decode_expert(
-    spec: QuantSpec, entry: ExpertLayout, buf: memoryview | bytes | bytearray
-) -> DecodedExpert:
+def decode_expert(spec: QuantSpec, entry: ExpertLayout, buf: Buffer) -> DecodedExpert:
     """Decode one expert's bytes; the arrays are materialized, so ``buf`` may be reused after."""
     arrays = _DECODERS[spec.fmt](tensor_views(entry, buf))
     flat = [a for proj in arrays.values() for a in proj.values()]

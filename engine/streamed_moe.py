@@ -22,14 +22,19 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
-from cachecd_engine.formats import Arrays, DecodedExpert, QuantSpec, decode_expert, stack_experts
+from cachecd_engine.formats import (
+    Arrays,
+    Buffer,
+    DecodedExpert,
+    QuantSpec,
+    decode_expert,
+    stack_experts,
+)
 from cachecd_engine.ram_tier import RamTier
 from mlx import nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
 
 log = logging.getLogger(__name__)
-
-Buffer = bytes | bytearray | memoryview
 
 
 class ExpertSource(Protocol):
@@ -96,7 +101,7 @@ class ExpertBank:
         for e, buf in zip(missing, bufs, strict=True):
             decoded = decode_expert(self.spec, self.source.entry(layer, e), buf)
             self.ram.put(layer, e, decoded)
-            self.stats.source_bytes += len(buf)
+            self.stats.source_bytes += memoryview(buf).nbytes
             out[e] = decoded
         self.stats.source_hits += len(missing)
         self.stats.source_wait_s += t1 - t0

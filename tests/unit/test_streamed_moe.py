@@ -9,12 +9,11 @@ gather path) and 20 greedy decode steps, with the RAM tier off, cold and warm.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from cachecd_engine.formats import QUANT_SPECS
+import xxhash
+from cachecd_engine.formats import QUANT_SPECS, DecodedExpert
 from cachecd_engine.ram_tier import RamTier
 from cachecd_engine.streamed_moe import (
     EngineStats,
@@ -27,6 +26,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import kimi_k3
 
 from cachecd import errors
+from cachecd.manifest import ByteRange, ExpertEntry, TensorInfo
 
 N_EXPERTS = 32
 DECODE_STEPS = 20
@@ -89,21 +89,6 @@ def build_resident(fmt: str, seed: int = 0) -> kimi_k3.Model:
     return model
 
 
-@dataclass(frozen=True)
-class _Tensor:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class _Entry:
-    nbytes: int
-    tensors: tuple[_Tensor, ...]
-    blob_offsets: tuple[int, ...]
-
-
 _CHECKPOINT_NAMES = (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))
 
 
@@ -121,7 +106,7 @@ def _expert_tensors(glu: nn.Module, expert: int, fmt: str) -> list[tuple[str, st
 
 def serialize_experts(
     model: kimi_k3.Model, fmt: str
-) -> dict[tuple[int, int], tuple[bytes, _Entry]]:
+) -> dict[tuple[int, int], tuple[bytes, ExpertEntry]]:
     """Each expert's bytes as a checkpoint lays them out (tensor names sorted, as safetensors does)."""
     out = {}
     for layer_idx, layer in enumerate(model.layers):
@@ -133,18 +118,31 @@ def serialize_experts(
             parts, tensors, offsets, pos = [], [], [], 0
             for suffix, dtype, arr in sorted(_expert_tensors(glu, e, fmt)):
                 data = arr.tobytes()
-                tensors.append(_Tensor(prefix + suffix, dtype, arr.shape, len(data)))
+                digest = xxhash.xxh3_128(data).digest()
+                tensors.append(
+                    TensorInfo(prefix + suffix, dtype, arr.shape, "m", pos, len(data), digest)
+                )
                 offsets.append(pos)
                 parts.append(data)
                 pos += len(data)
-            out[(layer_idx, e)] = (b"".join(parts), _Entry(pos, tuple(tensors), tuple(offsets)))
+            blob = b"".join(parts)
+            entry = ExpertEntry(
+                layer_idx,
+                e,
+                pos,
+                xxhash.xxh3_128(blob).digest(),
+                (ByteRange("m", 0, pos),),
+                tuple(tensors),
+                tuple(offsets),
+            )
+            out[(layer_idx, e)] = (blob, entry)
     return out
 
 
 class DictSource:
     """An ExpertSource over serialized experts; records every batch it is asked for."""
 
-    def __init__(self, blobs: dict[tuple[int, int], tuple[bytes, _Entry]]) -> None:
+    def __init__(self, blobs: dict[tuple[int, int], tuple[bytes, ExpertEntry]]) -> None:
         self.blobs = blobs
         self.calls: list[tuple[int, list[int]]] = []
 
@@ -152,7 +150,7 @@ class DictSource:
         self.calls.append((layer, list(ids)))
         return [memoryview(self.blobs[(layer, e)][0]) for e in ids]
 
-    def entry(self, layer: int, expert: int) -> _Entry:
+    def entry(self, layer: int, expert: int) -> ExpertEntry:
         return self.blobs[(layer, expert)][1]
 
     def prefetch(self, layer: int, ids: list[int]) -> None:
@@ -268,3 +266,30 @@ def test_one_wrong_expert_byte_changes_logits(resident) -> None:
     got, _ = run_logits(model, toks)
     with pytest.raises(AssertionError):
         assert_bitwise(ref, got)
+
+
+def _decoded(nbytes: int) -> DecodedExpert:
+    return DecodedExpert({}, nbytes)
+
+
+def test_ram_tier_is_lru_under_its_budget() -> None:
+    tier = RamTier(budget=300)
+    for e in range(3):
+        tier.put(1, e, _decoded(100))
+    found, missing = tier.get_many(1, [0, 5])  # 0 becomes most recent
+    assert list(found) == [0] and missing == [5]
+    tier.put(2, 0, _decoded(100))  # evicts the least recent: (1, 1)
+    assert (1, 1) not in tier and (1, 0) in tier and (2, 0) in tier
+    assert tier.bytes_used == 300 and len(tier) == 3
+    tier.put(2, 1, _decoded(301))  # bigger than the budget: not kept, nothing evicted
+    assert (2, 1) not in tier and len(tier) == 3
+    c = tier.counters
+    assert (c.hits, c.misses, c.evicted_bytes) == (1, 1, 100)
+
+
+def test_ram_tier_with_zero_budget_keeps_nothing() -> None:
+    tier = RamTier(budget=0)
+    tier.put(1, 0, _decoded(1))
+    assert len(tier) == 0 and tier.bytes_used == 0
+    with pytest.raises(ValueError):
+        RamTier(budget=-1)
