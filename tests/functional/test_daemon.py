@@ -179,6 +179,7 @@ def test_second_daemon_on_the_same_cache_exits(daemon, tiny_manifest_path):
 )
 def test_other_uid_is_refused(daemon):
     # Widen the modes on purpose: the uid check must hold even when the file modes do not.
+    os.chmod(daemon.base, 0o755)  # mkdtemp makes it 0700
     os.chmod(daemon.socket.parent, 0o777)
     os.chmod(daemon.socket, 0o666)
     os.chmod(daemon.socket.with_name(daemon.socket.name + ".data"), 0o666)
