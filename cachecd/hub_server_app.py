@@ -6,7 +6,8 @@ Invariants:
   ever served from the repo's own listing (so symlinks leaving the repo are never followed).
 - ``/resolve`` answers a 302 with an absolute, HMAC-signed ``/_cdn`` URL on this server, and the
   Hub's metadata headers (X-Repo-Commit, X-Linked-Etag = quoted sha256, X-Linked-Size). The
-  signed URL needs no token, expires, and stops working once the repo's commit changes.
+  signed URL needs no token and expires; it serves only the bytes it was signed for: once its
+  file changes (size or mtime) it answers 404 RevisionNotFound.
 - ``/_cdn`` honours one byte range exactly (206 + Content-Range, 416 past the end) and streams
   with sendfile; it never substitutes a pre-compressed sibling file. Its responses carry the
   same metadata headers, since huggingface_hub follows a same-origin redirect on HEAD.
@@ -24,6 +25,7 @@ import logging
 import re
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,7 @@ log = logging.getLogger("cachecd.hub_server")
 
 DEFAULT_URL_TTL_S = 3600.0
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$", re.IGNORECASE | re.ASCII)
+_SIGNED_SNAPSHOTS = 64
 _Handler = Callable[[web.Request], Awaitable[StreamResponse]]
 
 
@@ -122,6 +125,14 @@ def _unsatisfiable(range_header: str | None, size: int) -> bool:
     return int(start) >= size or (end != "" and int(end) < int(start))
 
 
+def _unchanged(f: RepoFile) -> bool:
+    try:
+        st = f.real.stat()
+    except OSError:
+        return False
+    return (st.st_size, st.st_mtime_ns) == (f.size, f.mtime_ns)
+
+
 # ---------------------------------------------------------------- the app
 
 
@@ -133,6 +144,8 @@ class _Hub:
         self.token = token
         self.signer = signer
         self.hashes = hashes
+        # Snapshots this server signed URLs from, newest last: the CDN's fast path.
+        self.signed: OrderedDict[tuple[str, str], RepoSnapshot] = OrderedDict()
 
     async def snapshot(self, request: web.Request) -> RepoSnapshot:
         org, name = request.match_info["org"], request.match_info["name"]
@@ -187,6 +200,7 @@ class _Hub:
         snap = await self.snapshot(request)
         self.check_rev(request.match_info["rev"], snap)
         f = self.entry(snap, request.match_info["path"])
+        self.remember(snap)
         resource = f"{snap.repo_id}/{snap.commit}/{f.relpath}"
         origin = str(request.url.origin())
         location = f"{origin}/_cdn/{snap.repo_id}/{snap.commit}/{quote(f.relpath)}"
@@ -201,14 +215,7 @@ class _Hub:
             raise _hf_error(
                 web.HTTPForbidden, None, "Signed URL is invalid or expired: resolve again"
             )
-        snap = await self.snapshot(request)
-        if snap.commit != info["commit"]:
-            raise _hf_error(
-                web.HTTPNotFound,
-                "RevisionNotFound",
-                f"{snap.repo_id} changed since this URL was signed: resolve again",
-            )
-        f = self.entry(snap, info["path"])
+        snap, f = await self.signed_file(request, info["commit"], info["path"])
         if "If-Range" not in request.headers and _unsatisfiable(
             request.headers.get("Range"), f.size
         ):
@@ -217,6 +224,36 @@ class _Hub:
         response.content_type = "application/octet-stream"
         response.headers.update(self.file_headers(snap, f))
         return response
+
+    async def signed_file(
+        self, request: web.Request, commit: str, path: str
+    ) -> tuple[RepoSnapshot, RepoFile]:
+        """The file a signed URL names, as long as its bytes are the ones that were signed.
+
+        Fast path: the snapshot this server signed from, and one stat showing the file untouched
+        (a CDN URL names content, so other files changing does not matter). Otherwise the repo is
+        walked again and must still be at ``commit``.
+        """
+        repo_id = f"{request.match_info['org']}/{request.match_info['name']}"
+        snap = self.signed.get((repo_id, commit))
+        f = snap.files.get(path) if snap is not None else None
+        if snap is not None and f is not None and await asyncio.to_thread(_unchanged, f):
+            return snap, f
+        snap = await self.snapshot(request)
+        if snap.commit != commit:
+            raise _hf_error(
+                web.HTTPNotFound,
+                "RevisionNotFound",
+                f"{snap.repo_id} changed since this URL was signed: resolve again",
+            )
+        self.remember(snap)
+        return snap, self.entry(snap, path)
+
+    def remember(self, snap: RepoSnapshot) -> None:
+        self.signed[(snap.repo_id, snap.commit)] = snap
+        self.signed.move_to_end((snap.repo_id, snap.commit))
+        while len(self.signed) > _SIGNED_SNAPSHOTS:
+            self.signed.popitem(last=False)
 
     async def model_info(self, request: web.Request) -> StreamResponse:
         snap = await self.snapshot(request)

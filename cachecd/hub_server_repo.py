@@ -170,7 +170,11 @@ def snapshot(repo_dir: Path, repo_id: str = "", cache: HashCache | None = None) 
     files: dict[str, RepoFile] = {}
     commit = hashlib.sha1()
     for relpath, real, st in _walk(repo_dir):
-        sha = cache.sha256(real, st.st_size, st.st_mtime_ns)
+        try:
+            sha = cache.sha256(real, st.st_size, st.st_mtime_ns)
+        except OSError as exc:  # removed or made unreadable since the walk: not part of it
+            log.warning("skipping file=%s error=%s", relpath, exc.__class__.__name__)
+            continue
         files[relpath] = RepoFile(relpath, real, st.st_size, st.st_mtime_ns, sha)
         commit.update(f"{relpath}\0{sha}\n".encode())
     return RepoSnapshot(repo_id or repo_dir.name, commit.hexdigest(), files)

@@ -8,13 +8,14 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import numpy as np
 import pytest
@@ -33,9 +34,12 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.hf_api import RepoFile, RepoFolder
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from cachecd.hub_server import HashCache, repo_commit, serve_in_thread, spawn_hub
+from cachecd.hub_server_repo import valid_relpath
 
 REPO = "acme/tiny"
 TOKEN = "hub-test-token-123"
@@ -156,17 +160,21 @@ def test_commit_is_stable_across_restarts_and_changes_with_content(tmp_path: Pat
         status, head, _ = _request(f"{url}/acme/mutable/resolve/main/a.bin", "HEAD")
         signed = head["location"]
         assert _request(signed, "GET")[0] == 200
+        untouched = _request(f"{url}/acme/mutable/resolve/main/b.txt", "HEAD")[1]["location"]
         (repo / "a.bin").write_bytes(b"A" + b"a" * 999)  # same size, new bytes
         changed = HfApi(endpoint=url).model_info("acme/mutable").sha
         assert changed not in commits and changed == repo_commit(repo)
         # The URL signed for the old commit stops serving: its bytes are gone.
         status, head, _ = _request(signed, "GET")
         assert status == 404 and head["x-error-code"] == "RevisionNotFound"
+        # A signed URL names content: an untouched file keeps serving the bytes it was signed for.
+        assert _request(untouched, "GET")[2] == b"b"
         with pytest.raises(RevisionNotFoundError):
             HfApi(endpoint=url).model_info("acme/mutable", revision=commits[0])
         assert HfApi(endpoint=url).model_info("acme/mutable", revision=changed).sha == changed
     finally:
-        assert _stop(proc) == 0
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
 
 
 # ---------------------------------------------------------------- huggingface_hub end to end
@@ -461,3 +469,46 @@ def test_mlx_lm_loads_a_snapshot_downloaded_through_the_hub(tmp_path: Path) -> N
     assert mx.isfinite(got).all().item()
     assert mx.array_equal(got, want).item()
     shutil.rmtree(tmp_path / "hf")
+
+
+_SEGMENTS = [
+    "..",
+    ".",
+    "",
+    "%2e%2e",
+    "%2E%2e",
+    "..%2f",
+    "%2f",
+    "%5c",
+    "%00",
+    "~",
+    "etc",
+    "passwd",
+    "sub",
+    "notes.txt",
+    "config.json",
+    "escape",
+    ".git",
+    "HEAD",
+    ".cache",
+    "link-inside.bin",
+]
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(parts=st.lists(st.sampled_from(_SEGMENTS), min_size=1, max_size=6))
+def test_fuzzed_paths_resolve_only_to_listed_files(hub: str, parts: list[str]) -> None:
+    status, head, _ = _request(hub, "HEAD", path=f"/{REPO}/resolve/main/" + "/".join(parts))
+    assert status in (302, 400, 404), (parts, status)
+    if status == 302:
+        served = unquote(urlsplit(head["location"]).path).split("/", 5)[5]
+        assert served in EXPECTED, (parts, served)
+
+
+@given(path=st.text(alphabet="./\\\0a%", max_size=12))
+def test_valid_relpath_never_leaves_its_root(path: str) -> None:
+    if valid_relpath(path):
+        joined = os.path.normpath(os.path.join("/r", path))
+        assert joined.startswith("/r/") and "\\" not in path and "\0" not in path
