@@ -27,6 +27,7 @@ from aiohttp import web
 CHUNK = 64 * 1024
 DEFAULT_REPO = "org/tiny"
 DEFAULT_REVISION = "0123456789abcdef0123456789abcdef01234567"
+ARRIVAL = web.RequestKey("t_arrival", float)
 
 
 @dataclass
@@ -83,7 +84,7 @@ class FakeHub:
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, port: int = 0) -> str:
-        app = web.Application()
+        app = web.Application(middlewares=[_stamp_arrival])
         app.router.add_route("*", "/{org}/{name}/resolve/{rev}/{file:.+}", self._resolve)
         app.router.add_route("*", "/cdn/{org}/{name}/{rev}/{file:.+}", self._cdn)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
@@ -129,13 +130,14 @@ class FakeHub:
 
     # -- handlers ----------------------------------------------------------------------------
     def _record(self, request: web.Request, kind: str, status: int) -> None:
+        # t is when the request arrived (set by the middleware), not when it was answered.
         self.records.append(
             Record(
                 kind,
                 request.path,
                 request.headers.get("Range"),
                 dict(request.headers),
-                time.monotonic(),
+                request.get(ARRIVAL, time.monotonic()),
                 status,
             )
         )
@@ -274,6 +276,12 @@ class FakeHub:
             transport.abort()
         else:
             transport.close()
+
+
+@web.middleware
+async def _stamp_arrival(request: web.Request, handler: Any) -> web.StreamResponse:
+    request[ARRIVAL] = time.monotonic()
+    return await handler(request)
 
 
 def _cut(f: Faults) -> tuple[str, int] | None:
