@@ -1,0 +1,130 @@
+"""The engine through a real daemon: setup --stream, run, demo, and bitwise-equal logits."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Iterator
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.harness import TINY_REPO, run_cli, short_tmp
+
+PROMPT = "Experts stream from the hub into a verified cache, layer after layer."
+DECODE_STEPS = 20
+
+
+class Installed:
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.socket = base / "run" / "s.sock"
+
+    def client(self):  # type: ignore[no-untyped-def]
+        from cachecd_client import Client
+
+        return Client(self.socket)
+
+    def stop(self) -> None:
+        from cachecd.errors import DaemonUnavailable
+
+        try:
+            with self.client() as c:
+                pid = c.health()["pid"]
+        except DaemonUnavailable:
+            return
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(400):
+            if not self.socket.exists():
+                return
+            time.sleep(0.05)
+
+
+@pytest.fixture
+def installed(hub, tiny_manifest_path) -> Iterator[Installed]:  # type: ignore[no-untyped-def]
+    inst = Installed(short_tmp("cdi"))
+    out = run_cli("setup", "--stream", TINY_REPO, "--endpoint", hub.url, "--socket", str(inst.socket),
+                  "--cache-dir", str(inst.base / "cache"), "--models-dir", str(inst.base / "models"),
+                  "--manifest", str(tiny_manifest_path)).stdout
+    assert "installed" in out and "started a daemon" in out
+    yield inst
+    inst.stop()
+
+
+def _logits(model, tokens: list[int], forced: list[int] | None = None):  # type: ignore[no-untyped-def]
+    cache = model.make_cache()
+    logits = model(mx.array(tokens)[None], cache=cache)
+    outs, chosen = [np.array(logits.astype(mx.float32))], []
+    for step in range(DECODE_STEPS):
+        tok = int(mx.argmax(logits[0, -1]).item()) if forced is None else forced[step]
+        chosen.append(tok)
+        logits = model(mx.array([[tok]]), cache=cache)
+        outs.append(np.array(logits.astype(mx.float32)))
+    return outs, chosen
+
+
+def _assert_bitwise(ref: list[np.ndarray], got: list[np.ndarray]) -> None:
+    for step, (a, b) in enumerate(zip(ref, got, strict=True)):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), \
+            f"step {step}: max |diff| = {float(np.max(np.abs(a - b)))}"
+
+
+def test_setup_is_idempotent_and_installs_no_expert(installed, hub, tiny_manifest, tiny_manifest_path):
+    local = installed.base / "models" / TINY_REPO / tiny_manifest.revision
+    resident = local / "model-resident.safetensors"
+    assert resident.exists()
+    size = sum(f.stat().st_size for f in local.rglob("*.safetensors"))
+    assert size < tiny_manifest.resident_bytes_total + 64 * 1024  # header only on top
+    with installed.client() as c:
+        assert c.stats()["store"]["entries"] == 0  # setup fetched no expert
+    again = run_cli("setup", "--stream", TINY_REPO, "--endpoint", hub.url, "--socket",
+                    str(installed.socket), "--manifest", str(tiny_manifest_path), "--models-dir",
+                    str(installed.base / "models")).stdout
+    assert "fetched 0 B now" in again and "started a daemon" not in again
+
+
+def test_streamed_logits_are_bitwise_resident_cold_and_warm(installed, tiny_dir):
+    from mlx_lm.utils import load_model
+
+    from cachecd_engine.run import load
+
+    reference, _ = load_model(tiny_dir)
+    model, tokenizer = load(TINY_REPO, installed.socket, ram_bytes=0)  # every layer asks the daemon
+    prompt = tokenizer.encode(PROMPT)
+    assert len(prompt) >= 16  # x top-4 >= 64 routed rows: mlx-lm's sorted gather path
+    ref, toks = _logits(reference, prompt)
+    cold, _ = _logits(model, prompt, toks)
+    _assert_bitwise(ref, cold)
+    with installed.client() as c:
+        after_cold = c.stats()["counters"]
+    assert after_cold["fetched_experts"] > 0
+    warm, _ = _logits(model, prompt, toks)
+    _assert_bitwise(ref, warm)
+    with installed.client() as c:
+        after_warm = c.stats()["counters"]
+    assert after_warm["fetched_experts"] == after_cold["fetched_experts"]  # all hits
+    assert after_warm["expert_hits"] > after_cold.get("expert_hits", 0)
+    model.bank.source.close()
+
+
+def test_run_json_streams_tokens_with_stats(installed):
+    out = run_cli("run", "--model", TINY_REPO, "--prompt", PROMPT, "--max-new", "8", "--socket",
+                  str(installed.socket), "--json").stdout
+    data = json.loads(out)
+    assert len(data["tokens"]) == 8
+    first = data["per_token"][0]
+    assert first["experts_routed"] > 0 and first["source_hits"] > 0 and first["source_bytes"] > 0
+    text = run_cli("run", "--model", TINY_REPO, "--prompt", PROMPT, "--max-new", "8", "--socket",
+                   str(installed.socket)).stdout
+    assert text.strip() and text.strip() == data["text"].strip()
+
+
+def test_demo_runs_end_to_end():
+    out = run_cli("demo", "--max-new", "8", timeout=600).stdout
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert 0 < summary["experts_cached"] <= summary["experts_total"]
+    assert "cachecd run" in out and "what the daemon fetched" in out
