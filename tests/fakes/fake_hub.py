@@ -77,6 +77,7 @@ class FakeHub:
         self.in_flight = 0
         self.peak_in_flight = 0
         self.url = ""
+        self.public_url = ""  # what Locations point at when set (a FaultProxy in front of us)
         self._secret = secrets.token_bytes(16)
         self._closing = asyncio.Event()
         self._runner: web.AppRunner | None = None
@@ -172,7 +173,7 @@ class FakeHub:
         file = request.match_info["file"]
         expires = int(time.time() + self.url_ttl)
         cdn_path = f"/cdn/{self.repo}/{self.revision}/{file}"
-        location = f"{self.url}{cdn_path}?expires={expires}&sig={self._sign(cdn_path, expires)}"
+        location = f"{self.public_url or self.url}{cdn_path}?expires={expires}&sig={self._sign(cdn_path, expires)}"
         headers = {
             "Location": location,
             "X-Repo-Commit": self.revision,

@@ -4,6 +4,7 @@ and no request goes out before the server said so."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 from cachecd import errors
 from cachecd.hub import Upstream
 from tests.fakes.fake_hub import FakeHub, FakeManifest, expert_bytes_of, write_expert_shards
+from tests.fakes.fault_proxy import FaultProxy
 from tests.unit.test_hub import Sink, keys, layer, run
 
 
@@ -203,3 +205,73 @@ def test_persistent_503_gives_upstream_error(repo: tuple[Path, FakeManifest]) ->
         assert hub.count("cdn_get") == 4
 
     run(*repo, scenario, max_retries=3)
+
+
+# -- through FaultProxy: faults below HTTP --------------------------------------------------------
+
+
+def via_proxy(folder: Path, m: FakeManifest, toxics: dict[str, Any], check: Any, **kw: Any) -> None:
+    """Fetch layer 0 with the CDN behind a FaultProxy (resolve goes straight to FakeHub, so the
+    proxy's connections are exactly the range GETs)."""
+
+    async def main() -> None:
+        async with FakeHub(folder, m.repo, m.revision) as hub:
+            port = int(hub.url.rsplit(":", 1)[1])
+            async with FaultProxy("127.0.0.1", port) as proxy:
+                hub.public_url = proxy.url
+                for k, v in toxics.items():
+                    setattr(proxy.toxics, k, v)
+                up = Upstream(hub.url, None, backoff_base=0.01, backoff_cap=0.05, **kw)
+                sink = Sink()
+                try:
+                    failures = await up.fetch_experts(m, layer(m, 0), sink)
+                finally:
+                    await up.close()
+                await check(hub, proxy, up, sink, failures)
+
+    asyncio.run(main())
+
+
+def test_proxy_latency_slicer_bandwidth_still_exact(repo: tuple[Path, FakeManifest]) -> None:
+    folder, m = repo
+
+    async def check(
+        hub: FakeHub, proxy: FaultProxy, up: Upstream, sink: Sink, failures: Any
+    ) -> None:
+        assert failures == {}
+        for e in layer(m, 0):
+            assert sink.got[(e.layer, e.expert)] == expert_bytes_of(folder, e)
+        assert hub.count("cdn_get") == 1 and up.stats().get("retries", 0) == 0
+
+    toxics = {"latency": 0.01, "slicer": 7000, "bandwidth": 40 << 20}
+    via_proxy(folder, m, toxics, check)
+
+
+@pytest.mark.parametrize("toxic", ["limit_data", "reset_peer"])
+def test_proxy_cut_connection_is_retried(repo: tuple[Path, FakeManifest], toxic: str) -> None:
+    folder, m = repo
+
+    async def check(
+        hub: FakeHub, proxy: FaultProxy, up: Upstream, sink: Sink, failures: Any
+    ) -> None:
+        assert failures == {} and proxy.toxic_hits >= 1
+        for e in layer(m, 0):
+            assert sink.got[(e.layer, e.expert)] == expert_bytes_of(folder, e)
+        assert up.stats()["retries"] >= 1 and hub.count("cdn_get") >= 2
+
+    # Only the first connection is cut, inside the body: the retry opens a clean one.
+    via_proxy(folder, m, {toxic: 100_000, "connections": 1}, check)
+
+
+def test_proxy_stall_gives_upstream_timeout(repo: tuple[Path, FakeManifest]) -> None:
+    folder, m = repo
+
+    async def check(
+        hub: FakeHub, proxy: FaultProxy, up: Upstream, sink: Sink, failures: Any
+    ) -> None:
+        assert sink.got == {}
+        assert {type(f) for f in failures.values()} == {errors.UpstreamTimeout}
+        assert up.stats()["faults_timeout"] == 2  # two attempts, no more
+        assert hub.count("cdn_get") == 2 and proxy.accepted == 2
+
+    via_proxy(folder, m, {"timeout": 0}, check, read_timeout=0.3, max_retries=1)
