@@ -43,6 +43,15 @@ def register(sub: Any) -> None:
     p.add_argument("--layer", type=int)
     p.add_argument("--experts", default="")
     p.set_defaults(func=evict)
+    p = sub.add_parser("fsck", help="verify every cached blob (daemon stopped); exit 1 corrupt, 4 unverifiable")
+    p.add_argument("--cache-dir", dest="cache_dirs", action="append", metavar="DIR",
+                   help="cache dir (repeat for each); default: the configured ones")
+    p.add_argument("--fast", action="store_true", help="check sizes only")
+    p.add_argument("--repair", action="store_true",
+                   help="quarantine corrupt blobs and drop their rows (refetched on next use)")
+    p.add_argument("--incremental", action="store_true", help="resume the last interrupted pass")
+    p.add_argument("--all", action="store_true", help="a full pass from the start (the default)")
+    p.set_defaults(func=fsck)
 
 
 def status(args: argparse.Namespace) -> int:
@@ -100,3 +109,28 @@ def evict(args: argparse.Namespace) -> int:
                              _ids(args.experts))
     print(f"freed {format_size(freed)}")
     return 0
+
+
+def fsck(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from cachecd.fsck import fsck as run_fsck
+
+    dirs = load_settings({"cache_dirs": args.cache_dirs}).cache_dirs
+    bar = tqdm(unit="blob", desc="fsck", disable=None)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    try:
+        report = run_fsck(dirs, fast=args.fast, repair=args.repair,
+                          incremental=args.incremental and not args.all, progress=progress)
+    finally:
+        bar.close()
+    for issue in report.corrupt + report.unverifiable:
+        state = " (repaired)" if issue.repaired else ""
+        print(f"{issue.kind:<13} {issue.digest} {issue.detail}{state}")
+    print(report.summary())
+    return report.exit_code

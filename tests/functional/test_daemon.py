@@ -220,3 +220,27 @@ def test_sigterm_drains_and_exits_zero(daemon, tiny_manifest):
 def test_socket_modes(daemon):
     assert oct(daemon.socket.parent.stat().st_mode & 0o777) == oct(0o700)
     assert oct(daemon.socket.stat().st_mode & 0o777) == oct(0o600)
+
+
+def test_fsck_finds_bit_rot_and_repair_leads_to_a_refetch(daemon, tiny_manifest, tiny_dir):
+    layer = tiny_manifest.moe_layers[0]
+    with daemon.client() as c:
+        c.experts(TINY_REPO, layer, [0, 1])
+    assert daemon.stop() == 0
+    assert run_cli("fsck", "--cache-dir", str(daemon.cache_dir)).returncode == 0
+    victim = tiny_manifest.expert(layer, 1).digest_hex
+    blob = next((daemon.cache_dir / "blobs").rglob(victim))
+    with open(blob, "r+b") as f:  # flip one byte in place, as bit rot would
+        f.seek(10)
+        byte = f.read(1)
+        f.seek(10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    bad = run_cli("fsck", "--cache-dir", str(daemon.cache_dir), check=False)
+    assert bad.returncode == 1 and victim in bad.stdout
+    assert run_cli("fsck", "--cache-dir", str(daemon.cache_dir), "--repair", check=False).returncode == 1
+    assert run_cli("fsck", "--cache-dir", str(daemon.cache_dir)).returncode == 0
+    daemon.start()
+    with daemon.client() as c:
+        got = c.expert(TINY_REPO, layer, 1)
+        assert c.stats()["counters"]["expert_misses"] == 1
+    assert got.tobytes() == expert_bytes_from_files(tiny_dir, tiny_manifest.expert(layer, 1))
