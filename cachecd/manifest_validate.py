@@ -9,40 +9,13 @@ invariants.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from cachecd import constants, errors
+from cachecd.manifest_meta import DTYPE_BITS, EXPERT_RE, Ctx, check_meta
 
-HEX40 = re.compile(r"[0-9a-f]{40}")
-HEX64 = re.compile(r"[0-9a-f]{64}")
-REPO_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-# Bits per element of each safetensors dtype (sub-byte float types pack).
-DTYPE_BITS: dict[str, int] = {
-    "BOOL": 8,
-    "U8": 8,
-    "I8": 8,
-    "F8_E5M2": 8,
-    "F8_E4M3": 8,
-    "F8_E8M0": 8,
-    "I16": 16,
-    "U16": 16,
-    "F16": 16,
-    "BF16": 16,
-    "I32": 32,
-    "U32": 32,
-    "F32": 32,
-    "I64": 64,
-    "U64": 64,
-    "F64": 64,
-    "C64": 64,
-    "F4": 4,
-    "F6_E2M3": 6,
-    "F6_E3M2": 6,
-}
 # name -> (numpy dtype it is stored as, number of dimensions); row counts are checked below.
 COLUMNS: dict[str, tuple[type, int]] = {
     "exp_layer": (np.int32, 1),
@@ -62,22 +35,6 @@ COLUMNS: dict[str, tuple[type, int]] = {
     "r_start": (np.int64, 1),
     "r_end": (np.int64, 1),
 }
-META_TYPES: dict[str, type | tuple[type, ...]] = {
-    "format": str,
-    "format_version": int,
-    "repo": str,
-    "revision": str,
-    "model_type": str,
-    "quant_format": str,
-    "config_sha256": str,
-    "files": list,
-    "experts_per_layer": int,
-    "expert_pattern": str,
-    "dtypes": list,
-    "shapes": list,
-    "templates": list,
-    "resident": list,
-}
 
 
 @dataclass
@@ -90,20 +47,9 @@ class Checked:
     split_experts: int  # experts whose ranges span more than one file
 
 
-class _Ctx:
-    def __init__(self, source: str, meta: dict[str, Any]) -> None:
-        self.source, self.meta = source, meta
-
-    def fail(self, field: str, msg: str) -> errors.ManifestInvalid:
-        return errors.ManifestInvalid(f"{self.source}: {field}: {msg}")
-
-    def expert_field(self, row: int, field: str) -> str:
-        return f"experts[{row}].{field}"
-
-
 def check_archive(meta: Any, arrays: dict[str, np.ndarray], source: str) -> Checked:
-    ctx = _Ctx(source, meta)
-    _check_meta(ctx, meta)
+    ctx = Ctx(source, meta)
+    check_meta(ctx, meta)
     a = _check_columns(ctx, arrays)
     t_ptr, r_ptr = _check_rows(ctx, a)
     _check_references(ctx, a)
@@ -120,149 +66,8 @@ def check_archive(meta: Any, arrays: dict[str, np.ndarray], source: str) -> Chec
     return Checked(meta, a, t_ptr, r_ptr, blob, split)
 
 
-# -- meta ----------------------------------------------------------------------------------
-def _check_meta(ctx: _Ctx, meta: Any) -> None:
-    if not isinstance(meta, dict):
-        raise ctx.fail("meta", "not a JSON object")
-    for key, typ in META_TYPES.items():
-        if key not in meta:
-            raise ctx.fail(key, "missing")
-        if not isinstance(meta[key], typ) or isinstance(meta[key], bool):
-            raise ctx.fail(key, f"expected {getattr(typ, '__name__', typ)}, got {meta[key]!r:.80}")
-    if meta["format"] != "cachecd-manifest":
-        raise ctx.fail("format", f"{meta['format']!r} is not a cachecd manifest")
-    if meta["format_version"] != constants.MANIFEST_FORMAT_VERSION:
-        raise ctx.fail(
-            "format_version",
-            f"{meta['format_version']} is not supported (this cachecd reads "
-            f"{constants.MANIFEST_FORMAT_VERSION}); upgrade cachecd or rebuild the manifest",
-        )
-    if not REPO_RE.fullmatch(meta["repo"]) or ".." in meta["repo"]:
-        raise ctx.fail("repo", f"{meta['repo']!r} is not ORG/NAME")
-    if not HEX40.fullmatch(meta["revision"]):
-        raise ctx.fail(
-            "revision", f"{meta['revision']!r} is not a 40-hex commit (pin a commit, not a branch)"
-        )
-    if meta["config_sha256"] and not HEX64.fullmatch(meta["config_sha256"]):
-        raise ctx.fail("config_sha256", f"{meta['config_sha256']!r} is not a 64-hex sha256")
-    from cachecd.manifest import EXPERT_PATTERN
-
-    if meta["expert_pattern"] != EXPERT_PATTERN:
-        raise ctx.fail(
-            "expert_pattern", "differs from this cachecd's expert naming; rebuild the manifest"
-        )
-    if meta["experts_per_layer"] < 0:
-        raise ctx.fail("experts_per_layer", "negative")
-    _check_files(ctx, meta["files"])
-    _check_vocab(ctx, meta)
-    _check_resident(ctx, meta)
-
-
-def _check_files(ctx: _Ctx, files: list[Any]) -> None:
-    prev = None
-    for i, f in enumerate(files):
-        field = f"files[{i}]"
-        if not (
-            isinstance(f, list)
-            and len(f) == 4
-            and isinstance(f[0], str)
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in (f[1], f[3]))
-            and isinstance(f[2], str)
-        ):
-            raise ctx.fail(field, f"expected [name, size, sha256, header_len], got {f!r:.120}")
-        name, size, sha, header_len = f
-        if (
-            not name
-            or name.startswith("/")
-            or ".." in name.split("/")
-            or "\\" in name
-            or "\0" in name
-        ):
-            raise ctx.fail(f"{field}.name", f"{name!r} is not a safe relative path")
-        if prev is not None and name <= prev:
-            raise ctx.fail(f"{field}.name", f"{name!r} is out of name order or repeated")
-        if size < 0 or header_len < 0 or (header_len and 8 + header_len > size):
-            raise ctx.fail(
-                f"{field}", f"{name}: size {size} / header_len {header_len} inconsistent"
-            )
-        if not HEX64.fullmatch(sha):
-            raise ctx.fail(f"{field}.sha256", f"{name}: {sha!r:.80} is not a 64-hex sha256")
-        prev = name
-
-
-def _check_vocab(ctx: _Ctx, meta: dict[str, Any]) -> None:
-    for i, d in enumerate(meta["dtypes"]):
-        if d not in DTYPE_BITS:
-            raise ctx.fail(f"dtypes[{i}]", f"unknown safetensors dtype {d!r:.40}")
-    for i, s in enumerate(meta["shapes"]):
-        if not isinstance(s, list) or not all(isinstance(x, int) and x >= 0 for x in s):
-            raise ctx.fail(f"shapes[{i}]", f"not a list of non-negative ints: {s!r:.80}")
-    seen: set[tuple[str, ...]] = set()
-    for i, t in enumerate(meta["templates"]):
-        if not (isinstance(t, list) and len(t) in (1, 3) and all(isinstance(x, str) for x in t)):
-            raise ctx.fail(
-                f"templates[{i}]", f"expected [head, mid, tail] or [name], got {t!r:.80}"
-            )
-        if tuple(t) in seen:
-            raise ctx.fail(f"templates[{i}]", "repeated")
-        seen.add(tuple(t))
-        if len(t) == 3:
-            _check_template(ctx, i, t)
-
-
-def _check_template(ctx: _Ctx, i: int, t: list[str]) -> None:
-    from cachecd.manifest import EXPERT_RE
-
-    sample = f"{t[0]}7{t[1]}11{t[2]}"
-    m = EXPERT_RE.search(sample)
-    ok = m is not None and m.groups() == ("7", "11") and m.start(1) == len(t[0])
-    if not ok:
-        raise ctx.fail(f"templates[{i}]", f"{sample!r} does not name a routed expert tensor")
-
-
-def _check_resident(ctx: _Ctx, meta: dict[str, Any]) -> None:
-    from cachecd.manifest import EXPERT_RE
-
-    files = {f[0]: f for f in meta["files"]}
-    names: set[str] = set()
-    for i, r in enumerate(meta["resident"]):
-        field = f"resident[{i}]"
-        if not (isinstance(r, list) and len(r) == 7):
-            raise ctx.fail(field, "expected [name, dtype, shape, file, offset, nbytes, xxh3]")
-        name, dtype, shape, file, offset, nbytes, digest = r
-        if not isinstance(name, str) or name in names or EXPERT_RE.search(name):
-            raise ctx.fail(f"{field}.name", f"{name!r:.120} is repeated or names a routed expert")
-        names.add(name)
-        if dtype not in DTYPE_BITS:
-            raise ctx.fail(f"{field}.dtype", f"{name}: unknown dtype {dtype!r:.40}")
-        if not isinstance(shape, list) or not all(isinstance(x, int) and x >= 0 for x in shape):
-            raise ctx.fail(f"{field}.shape", f"{name}: bad shape {shape!r:.80}")
-        if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{32}", digest)):
-            raise ctx.fail(
-                f"{field}.xxh3", f"{name}: digest must be 16 bytes (32 hex), got {digest!r:.80}"
-            )
-        if file not in files or files[file][3] == 0:
-            raise ctx.fail(
-                f"{field}.file", f"{name}: {file!r:.120} is not a safetensors shard of the manifest"
-            )
-        if not (isinstance(offset, int) and isinstance(nbytes, int)):
-            raise ctx.fail(field, f"{name}: offset/nbytes must be integers")
-        want = DTYPE_BITS[dtype] * int(np.prod(shape, dtype=np.int64))
-        if nbytes * 8 != want:
-            raise ctx.fail(
-                f"{field}.nbytes",
-                f"{name}: {nbytes} disagrees with {dtype}{shape} = {want / 8:g} bytes",
-            )
-        _, size, _, header_len = files[file]
-        if offset < 8 + header_len or offset + nbytes > size:
-            raise ctx.fail(
-                f"{field}.offset",
-                f"{name}: {offset}..{offset + nbytes} outside the data of {file} (size {size})",
-            )
-
-
 # -- columns -------------------------------------------------------------------------------
-def _check_columns(ctx: _Ctx, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _check_columns(ctx: Ctx, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for name, (dtype, ndim) in COLUMNS.items():
         arr = arrays.get(name)
@@ -291,7 +96,7 @@ def _check_columns(ctx: _Ctx, arrays: dict[str, np.ndarray]) -> dict[str, np.nda
     return out
 
 
-def _check_rows(ctx: _Ctx, a: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def _check_rows(ctx: Ctx, a: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     layer, expert, n_per = a["exp_layer"], a["exp_expert"], ctx.meta["experts_per_layer"]
     ptrs = []
     for col, table in (("exp_ntensors", "t_file"), ("exp_nranges", "r_file")):
@@ -325,7 +130,7 @@ def _check_rows(ctx: _Ctx, a: dict[str, np.ndarray]) -> tuple[np.ndarray, np.nda
     return ptrs[0], ptrs[1]
 
 
-def _check_references(ctx: _Ctx, a: dict[str, np.ndarray]) -> None:
+def _check_references(ctx: Ctx, a: dict[str, np.ndarray]) -> None:
     meta = ctx.meta
     is_shard = np.array([f[3] > 0 for f in meta["files"]], bool)
     limits = (
@@ -348,7 +153,7 @@ def _check_references(ctx: _Ctx, a: dict[str, np.ndarray]) -> None:
             raise ctx.fail(f"{col}[{bad[0]}]", f"{name} is not a safetensors shard of the manifest")
 
 
-def _check_tensor_sizes(ctx: _Ctx, a: dict[str, np.ndarray], t_ptr: np.ndarray) -> None:
+def _check_tensor_sizes(ctx: Ctx, a: dict[str, np.ndarray], t_ptr: np.ndarray) -> None:
     meta = ctx.meta
     bits = np.array([DTYPE_BITS[d] for d in meta["dtypes"]] or [0], np.int64)
     numel = np.array([int(np.prod(s, dtype=np.int64)) for s in meta["shapes"]] or [0], np.int64)
@@ -365,12 +170,12 @@ def _check_tensor_sizes(ctx: _Ctx, a: dict[str, np.ndarray], t_ptr: np.ndarray) 
         )
 
 
-def _range_at(ctx: _Ctx, r_ptr: np.ndarray, r: int) -> str:
+def _range_at(ctx: Ctx, r_ptr: np.ndarray, r: int) -> str:
     row = int(np.searchsorted(r_ptr, r, "right") - 1)
     return ctx.expert_field(row, f"ranges[{r - r_ptr[row]}]")
 
 
-def _check_ranges(ctx: _Ctx, a: dict[str, np.ndarray], r_ptr: np.ndarray) -> None:
+def _check_ranges(ctx: Ctx, a: dict[str, np.ndarray], r_ptr: np.ndarray) -> None:
     files = ctx.meta["files"]
     size = np.array([f[1] for f in files] or [0], np.int64)
     data0 = np.array([8 + f[3] for f in files] or [0], np.int64)
@@ -410,7 +215,7 @@ def _check_ranges(ctx: _Ctx, a: dict[str, np.ndarray], r_ptr: np.ndarray) -> Non
 
 
 def _check_tiling(
-    ctx: _Ctx, a: dict[str, np.ndarray], t_ptr: np.ndarray, r_ptr: np.ndarray
+    ctx: Ctx, a: dict[str, np.ndarray], t_ptr: np.ndarray, r_ptr: np.ndarray
 ) -> np.ndarray:
     """The tensors, laid end to end, are exactly the ranges concatenated: returns blob offsets."""
     nb = a["t_nbytes"]
@@ -446,10 +251,8 @@ def _check_tiling(
     return t_pos - np.repeat(t_pos[t_ptr[:-1]], np.diff(t_ptr))
 
 
-def _check_templates(ctx: _Ctx, a: dict[str, np.ndarray], t_ptr: np.ndarray) -> None:
+def _check_templates(ctx: Ctx, a: dict[str, np.ndarray], t_ptr: np.ndarray) -> None:
     """Names are unique: no template twice in one expert; literal names belong to their row."""
-    from cachecd.manifest import EXPERT_RE
-
     tpl = a["t_template"]
     if len(tpl) == 0:
         return
@@ -474,7 +277,7 @@ def _check_templates(ctx: _Ctx, a: dict[str, np.ndarray], t_ptr: np.ndarray) -> 
             )
 
 
-def _check_overlaps(ctx: _Ctx, a: dict[str, np.ndarray], r_ptr: np.ndarray) -> None:
+def _check_overlaps(ctx: Ctx, a: dict[str, np.ndarray], r_ptr: np.ndarray) -> None:
     """No byte belongs to two ranges or resident tensors; files laid end to end make it 1-d."""
     files = ctx.meta["files"]
     index = {f[0]: i for i, f in enumerate(files)}
@@ -505,7 +308,7 @@ def _check_overlaps(ctx: _Ctx, a: dict[str, np.ndarray], r_ptr: np.ndarray) -> N
     )
 
 
-def _what(ctx: _Ctx, i: int, r_ptr: np.ndarray, n_ranges: int) -> str:
+def _what(ctx: Ctx, i: int, r_ptr: np.ndarray, n_ranges: int) -> str:
     if i < n_ranges:
         return _range_at(ctx, r_ptr, i)
     return f"resident[{i - n_ranges}] ({ctx.meta['resident'][i - n_ranges][0]})"

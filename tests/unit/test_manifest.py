@@ -20,12 +20,12 @@ from cachecd import constants, errors
 from cachecd.manifest import (
     ExpertEntry,
     Manifest,
-    name_template,
     parse_expert_name,
     read_archive,
     shipped_manifest,
 )
 from cachecd.manifest_build import build_manifest
+from cachecd.manifest_encode import name_template
 from cachecd.manifest_source import LocalSource
 from cachecd.safetensors_header import parse_header
 
