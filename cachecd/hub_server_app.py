@@ -37,6 +37,7 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
 from cachecd.hub_server_repo import (
+    SHARED_HASHES,
     HashCache,
     RepoFile,
     RepoSnapshot,
@@ -306,8 +307,9 @@ def build_app(
     url_ttl_s: float = DEFAULT_URL_TTL_S,
     hashes: HashCache | None = None,
 ) -> web.Application:
-    """The hub over ``root``; ``hashes`` lets servers in one process share their sha256 cache."""
-    hub = _Hub(root, token, UrlSigner(url_ttl_s), hashes or HashCache())
+    """The hub over ``root``. Servers share the process-wide sha256 cache unless given their own,
+    so a server restarted in the same process does not hash again."""
+    hub = _Hub(root, token, UrlSigner(url_ttl_s), hashes or SHARED_HASHES)
     app = web.Application(middlewares=[hub.auth])
     app[HUB_KEY] = hub
     repo = "/{org}/{name}"

@@ -89,12 +89,22 @@ class HashCache:
 
     def __init__(self) -> None:
         self._done: dict[tuple[str, int, int], str] = {}
+        self._latest: dict[str, tuple[str, int, int]] = {}  # path -> its newest key
         self._locks: dict[tuple[str, int, int], threading.Lock] = {}
         self._guard = threading.Lock()
 
     def seed(self, real: Path, size: int, mtime_ns: int, sha256: str) -> None:
         """Trust a sha256 known from elsewhere (a manifest, an earlier run) for this exact stat."""
-        self._done[(str(real), size, mtime_ns)] = sha256
+        self._store((str(real), size, mtime_ns), sha256)
+
+    def _store(self, key: tuple[str, int, int], sha256: str) -> None:
+        # A file's older keys can never match again: drop them so a long-lived server stays small.
+        with self._guard:
+            old = self._latest.get(key[0])
+            if old is not None and old != key:
+                self._done.pop(old, None)
+            self._latest[key[0]] = key
+            self._done[key] = sha256
 
     def sha256(self, real: Path, size: int, mtime_ns: int) -> str:
         key = (str(real), size, mtime_ns)
@@ -106,7 +116,8 @@ class HashCache:
         with lock:
             found = self._done.get(key)
             if found is None:
-                found = self._done[key] = _hash_file(real)
+                found = _hash_file(real)
+                self._store(key, found)
         with self._guard:
             self._locks.pop(key, None)
         return found
@@ -126,7 +137,8 @@ def _hash_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-_DEFAULT_CACHE = HashCache()
+# One per process: repo_commit() and every in-process server reuse what was hashed.
+SHARED_HASHES = HashCache()
 
 
 # ---------------------------------------------------------------- listing and commit
@@ -155,7 +167,13 @@ def _walk(repo_dir: Path) -> list[tuple[str, Path, os.stat_result]]:
 def _regular_inside(path: Path, real_root: Path) -> tuple[Path, os.stat_result] | None:
     """The real path and stat of ``path`` if it is a regular file inside ``real_root``."""
     try:
-        real = path.resolve(strict=True) if path.is_symlink() else path
+        real = path
+        if path.is_symlink():
+            # Check the link text first so a link pointing out is never followed at all.
+            target = Path(os.path.normpath(path.parent / os.readlink(path)))
+            if not target.is_relative_to(real_root):
+                return None
+            real = path.resolve(strict=True)
         st = real.stat()
     except (OSError, RuntimeError):  # dangling or looping symlink, vanished file
         return None
@@ -166,7 +184,7 @@ def _regular_inside(path: Path, real_root: Path) -> tuple[Path, os.stat_result] 
 
 def snapshot(repo_dir: Path, repo_id: str = "", cache: HashCache | None = None) -> RepoSnapshot:
     """The repo's files with their sha256 and the commit they make. Blocking: call in a thread."""
-    cache = cache or _DEFAULT_CACHE
+    cache = cache or SHARED_HASHES
     files: dict[str, RepoFile] = {}
     commit = hashlib.sha1()
     for relpath, real, st in _walk(repo_dir):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import logging
 import os
 import random
 import shutil
@@ -58,6 +59,7 @@ def _write_repo(repo: Path) -> None:
     (repo / "sub" / "deeper").mkdir(parents=True)
     (repo / "sub" / "notes.txt").write_text("a file in a subfolder\n")
     (repo / "sub" / "deeper" / "x y.txt").write_text("space in the name\n")
+    (repo / "sub" / "odd #1 ü+%?.txt").write_text("a name that needs quoting\n")
     (repo / "pair.bin").write_bytes(b"plain bytes " * 100)
     (repo / "pair.bin.gz").write_bytes(b"not the gzip of pair.bin")
     (repo / "link-inside.bin").symlink_to("pair.bin")
@@ -75,6 +77,7 @@ EXPECTED = {
     "big.bin",
     "sub/notes.txt",
     "sub/deeper/x y.txt",
+    "sub/odd #1 ü+%?.txt",
     "pair.bin",
     "pair.bin.gz",
     "link-inside.bin",
@@ -177,6 +180,22 @@ def test_commit_is_stable_across_restarts_and_changes_with_content(tmp_path: Pat
         assert proc.wait(timeout=30) == 0
 
 
+def test_in_process_restart_does_not_hash_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    repo = tmp_path / "acme" / "again"
+    repo.mkdir(parents=True)
+    for i in range(3):
+        (repo / f"f{i}.bin").write_bytes(bytes([i]) * 1000)
+    commits = []
+    with caplog.at_level(logging.DEBUG, logger="cachecd.hub_server_repo"):
+        for _ in range(2):
+            with serve_in_thread(tmp_path) as url:
+                commits.append(HfApi(endpoint=url).model_info("acme/again").sha)
+    hashed = [r for r in caplog.records if r.getMessage().startswith("hashed ")]
+    assert len(hashed) == 3 and commits[0] == commits[1]
+
+
 # ---------------------------------------------------------------- huggingface_hub end to end
 
 
@@ -200,7 +219,7 @@ def test_resolve_302_carries_hub_headers(hub: str, root: Path) -> None:
 
 def test_hf_hub_download_is_byte_identical(hub: str, root: Path, tmp_path: Path) -> None:
     commit = repo_commit(root / REPO)
-    for name in ("big.bin", "sub/deeper/x y.txt", "model.safetensors"):
+    for name in ("big.bin", "sub/deeper/x y.txt", "sub/odd #1 ü+%?.txt", "model.safetensors"):
         for rev in ("main", commit):
             got = hf_hub_download(
                 REPO, name, revision=rev, endpoint=hub, cache_dir=tmp_path / rev[:4]
@@ -239,9 +258,9 @@ def test_model_info_and_tree_parse_in_hf_api(hub: str, root: Path) -> None:
     assert ("RepoFolder", "sub") in top and ("RepoFile", "big.bin") in top
     assert not any("/" in path for _, path in top)
     sub = {e.path for e in api.list_repo_tree(REPO, path_in_repo="sub")}
-    assert sub == {"sub/notes.txt", "sub/deeper"}
+    assert sub == {"sub/notes.txt", "sub/deeper", "sub/odd #1 ü+%?.txt"}
     deep = {e.path for e in api.list_repo_tree(REPO, path_in_repo="sub", recursive=True)}
-    assert deep == {"sub/notes.txt", "sub/deeper", "sub/deeper/x y.txt"}
+    assert deep == {"sub/notes.txt", "sub/deeper", "sub/deeper/x y.txt", "sub/odd #1 ü+%?.txt"}
 
 
 def test_api_routes_accept_trailing_slash(hub: str, root: Path) -> None:
