@@ -47,6 +47,7 @@ _ENTRY = struct.Struct("<HQd")
 _ACCESS = struct.Struct("<Qd")
 _LAYER_EXPERT = struct.Struct(">ii")
 _STOP = object()
+_FLUSH = object()
 
 # Migrations: schema version N -> N+1, run inside one write txn.
 MIGRATIONS: dict[int, Callable[[lmdb.Transaction, Index], None]] = {}
@@ -68,17 +69,19 @@ def coverage_prefix(model_key: str) -> bytes:
 
 
 class _RWLock:
-    """Many readers or one writer; used only to keep read txns out of ``set_mapsize``."""
+    """Many readers or one writer, writer first (``set_mapsize`` must not starve): only used to
+    keep read txns out of ``set_mapsize``."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._readers = 0
         self._writer = False
+        self._waiting_writers = 0
 
     @contextmanager
     def shared(self) -> Iterator[None]:
         with self._cond:
-            while self._writer:
+            while self._writer or self._waiting_writers:
                 self._cond.wait()
             self._readers += 1
         try:
@@ -91,8 +94,10 @@ class _RWLock:
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         with self._cond:
+            self._waiting_writers += 1
             while self._writer or self._readers:
                 self._cond.wait()
+            self._waiting_writers -= 1
             self._writer = True
         try:
             yield
@@ -129,6 +134,7 @@ class Index:
         self._flush_interval = flush_interval
         self._pending_lock = threading.Lock()
         self._pending: dict[bytes, tuple[int, float]] = {}
+        self._flush_requested = False
         self._queue: queue.Queue[Any] = queue.Queue()
         self._closed = False
         try:
@@ -141,13 +147,18 @@ class Index:
 
     # ---- the writer thread -------------------------------------------------------------
 
-    def submit(self, fn: Callable[[lmdb.Transaction], T]) -> Future[T]:
-        """Run ``fn(txn)`` in one write txn on the writer thread; it may be re-run on map full."""
+    def submit(self, fn: Callable[[lmdb.Transaction], T], *, frees: bool = False) -> Future[T]:
+        """Run ``fn(txn)`` in one write txn on the writer thread; it may be re-run on map full.
+
+        ``frees``: the op only deletes. LMDB needs fresh pages even to delete (copy-on-write),
+        so such ops may grow the map past the ceiling by a slack; otherwise a full index could
+        never be evicted from.
+        """
         fut: Future[T] = Future()
         if self._closed:
             fut.set_exception(errors.ShuttingDown("the index is closed"))
             return fut
-        self._queue.put((fn, fut))
+        self._queue.put((fn, fut, frees))
         return fut
 
     def _writer(self) -> None:
@@ -160,18 +171,20 @@ class Index:
             if item is _STOP:
                 self._flush_pending()
                 return
-            if item is not None:
-                fn, fut = item
+            if item is _FLUSH:
+                self._flush_requested = False
+            elif item is not None:
+                fn, fut, frees = item
                 if fut.set_running_or_notify_cancel():
                     try:
-                        fut.set_result(self._write(fn))
+                        fut.set_result(self._write(fn, frees))
                     except BaseException as exc:  # noqa: BLE001 - handed to the caller
                         fut.set_exception(exc)
             if self._pending_count() >= self._flush_every or time.monotonic() >= next_flush:
                 self._flush_pending()
                 next_flush = time.monotonic() + self._flush_interval
 
-    def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+    def _write(self, fn: Callable[[lmdb.Transaction], T], frees: bool = False) -> T:
         while True:
             try:
                 txn = self.env.begin(write=True)
@@ -183,7 +196,7 @@ class Index:
                 return result
             except lmdb.MapFullError:
                 txn.abort()
-                self._grow()
+                self._grow(frees)
             except lmdb.Error as exc:
                 txn.abort()
                 log.error("event=index_commit_failed err=%s", exc)
@@ -195,13 +208,14 @@ class Index:
                 txn.abort()
                 raise
 
-    def _grow(self) -> None:
+    def _grow(self, frees: bool) -> None:
         current = self.env.info()["map_size"]
-        if current >= self.map_ceiling:
+        limit = self.map_ceiling + (max(self.map_ceiling // 8, 256 * 1024) if frees else 0)
+        if current >= limit:
             raise errors.IndexFull(
                 f"index map is at its ceiling ({self.map_ceiling} bytes); evict entries"
             )
-        new = min(current * 2, self.map_ceiling)
+        new = min(current * 2, limit)
         with self._rw.exclusive():
             self.env.set_mapsize(new)
         log.info("event=index_map_grown old=%d new=%d", current, new)
@@ -310,7 +324,7 @@ class Index:
             for k in keys:
                 txn.delete(k, db=self.entries)
 
-        return self.submit(op)
+        return self.submit(op, frees=True)
 
     def set_pin(self, digest_hex: str, pinned: bool) -> Future[None]:
         key = digest_key(digest_hex)
@@ -321,7 +335,7 @@ class Index:
             else:
                 txn.delete(key, db=self.pins)
 
-        return self.submit(op)
+        return self.submit(op, frees=not pinned)
 
     def put_model(self, key: str, record: dict[str, Any]) -> Future[None]:
         k, v = key.encode(), json.dumps(record, sort_keys=True).encode()
@@ -337,7 +351,7 @@ class Index:
         def op(txn: lmdb.Transaction) -> None:
             txn.delete(k, db=self.models)
 
-        return self.submit(op)
+        return self.submit(op, frees=True)
 
     def put_meta(self, key: bytes, value: bytes | None) -> Future[None]:
         def op(txn: lmdb.Transaction) -> None:
@@ -360,6 +374,11 @@ class Index:
             for k in keys:
                 n, _ = self._pending.get(k, (0, 0.0))
                 self._pending[k] = (n + 1, now)
+            wake = len(self._pending) >= self._flush_every and not self._flush_requested
+            if wake:
+                self._flush_requested = True
+        if wake:
+            self._queue.put(_FLUSH)
 
     def flush_access(self) -> None:
         """Write pending access stats now (from any thread; waits for the writer)."""

@@ -222,7 +222,7 @@ class Store:
         crash_point("before_index_commit")
         entry = Entry(dir_index, nbytes, time.time())
         try:
-            self.index.put_entry(digest, entry).result()
+            self._put_row(digest, entry)
         except BaseException:
             # The row did not commit: take the file back so it neither counts as a stray nor
             # eats disk outside the budget.
@@ -237,6 +237,24 @@ class Store:
             self._entries[digest] = entry
             self.policy.on_insert(digest, nbytes)
             self._counters["inserts"] += 1
+
+    def _put_row(self, digest: str, entry: Entry) -> None:
+        try:
+            self.index.put_entry(digest, entry).result()
+        except errors.IndexFull:
+            # The map is at its ceiling: make room by evicting a slice of the cache, then
+            # try once more; if that is not enough the caller gets a retryable 507.
+            if not self._evict_for_index():
+                raise
+            log.warning("event=index_full_evicted digest=%s", digest)
+            self.index.put_entry(digest, entry).result()
+
+    def _evict_for_index(self) -> int:
+        with self._mu:
+            victims = self._pick(max(self.budget.used // 64, 1))
+            self.budget.remove_used(sum(size for _, size in victims))
+            detached = self._detach(victims)
+        return self._finish_eviction(detached)
 
     # ---- access, pins, eviction --------------------------------------------------------
 

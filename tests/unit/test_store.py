@@ -333,7 +333,7 @@ def test_crash_points(tmp_path: Path, point: str) -> None:
     env = {**os.environ, "CACHECD_CRASH_AT": point}
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, str(tmp_path), digest, "1", str(len(data))],
-        env=env, capture_output=True, timeout=60,
+        env=env, capture_output=True, timeout=60, check=False,
     )
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
 
@@ -366,11 +366,25 @@ def test_index_map_growth_through_store(tmp_path: Path) -> None:
     run(go())
 
 
+def test_index_full_at_ceiling_evicts_and_keeps_serving(tmp_path: Path) -> None:
+    async def go() -> None:
+        store = await Store.open([tmp_path], map_size=64 * 1024, map_ceiling=64 * 1024)
+        for i in range(900):
+            await put(store, i, 16)
+        st = store.stats()
+        assert st["evictions"] > 0 and st["entries"] + st["evictions"] == 900
+        assert store.has(blob(899, 16)[0])
+        await store.close()
+
+    run(go())
+    assert fsck([tmp_path]).exit_code == 0
+
+
 def _mount_tmpfs(size: str) -> Path:
     mnt = Path(tempfile.mkdtemp(prefix="cdfs", dir="/tmp"))
     proc = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
-        capture_output=True, text=True,
+        capture_output=True, text=True, check=False,
     )
     if proc.returncode != 0:
         mnt.rmdir()
@@ -420,14 +434,19 @@ def test_disk_full_with_a_filler_then_recovers() -> None:
         _umount(mnt)
 
 
+def _fill_file(path: Path) -> None:
+    with open(path, "wb") as f:
+        while True:
+            f.write(b"\0" * 65536)
+            f.flush()
+
+
 async def _filler_scenario(mnt: Path) -> None:
     store = await Store.open([mnt])
     before = await put(store, 1, 4096)
     filler = mnt / "filler"
-    with open(filler, "wb") as f, pytest.raises(OSError):
-        while True:
-            f.write(b"\0" * 65536)
-            f.flush()
+    with pytest.raises(OSError):
+        _fill_file(filler)
     failures = 0
     for i in range(2, 40):
         try:
