@@ -124,7 +124,7 @@ def main() -> None:
     t0 = time.perf_counter()
     m = synthetic_k3()
     print(
-        f"built experts={m.n_experts} tensors={sum(len(m.entry(i).tensors) for i in (0,)) * m.n_experts} "
+        f"built experts={m.n_experts} tensors={len(m._arrays['t_file'])} "
         f"split={m.split_experts} expert_bytes={m.expert_bytes_total} "
         f"build_s={time.perf_counter() - t0:.2f}"
     )

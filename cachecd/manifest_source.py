@@ -108,6 +108,7 @@ class HubSource:
             raise errors.UpstreamError(f"{repo}@{rev}: the endpoint gave no commit (X-Repo-Commit)")
         self.revision = commit
         self._locations: dict[str, str] = {}
+        self._sizes: dict[str, int] = {}
 
     def _head(self, name: str, rev: str) -> Any:
         return _hub_errors(
@@ -145,6 +146,7 @@ class HubSource:
                 f"{self.repo}/{name}: tree says {size} bytes, HEAD {meta.size}"
             )
         self._locations[name] = meta.location
+        self._sizes[name] = size
         etag = (meta.etag or "").lower()
         sha = etag if HEX64.fullmatch(etag) else lfs_sha
         if lfs_sha and sha != lfs_sha:
@@ -179,7 +181,8 @@ class HubSource:
         except Exception as exc:  # httpx transport errors
             raise errors.UpstreamError(f"{self.repo}/{name}: {type(exc).__name__}: {exc}") from exc
         got = resp.headers.get("Content-Range", "")
-        if resp.status_code != 206 or not got.startswith(f"bytes 0-{nbytes - 1}/"):
+        want = f"bytes 0-{nbytes - 1}/{self._sizes.get(name, '')}"
+        if resp.status_code != 206 or not got.startswith(want):
             raise errors.BadUpstreamRange(
                 f"{self.repo}/{name}: asked {rng}, got HTTP {resp.status_code} Content-Range {got!r}"
             )
