@@ -155,9 +155,8 @@ def _all_subclasses(cls: type[CachecdError]) -> list[type[CachecdError]]:
     return out
 
 
-ERRORS_BY_CODE: dict[str, type[CachecdError]] = {
-    cls.code: cls for cls in [CachecdError, *_all_subclasses(CachecdError)]
-}
+_ALL_ERRORS: list[type[CachecdError]] = [CachecdError, *_all_subclasses(CachecdError)]
+ERRORS_BY_CODE: dict[str, type[CachecdError]] = {cls.code: cls for cls in _ALL_ERRORS}
 
 
 def error_from_wire(payload: Any, http_status: int | None = None) -> CachecdError:
