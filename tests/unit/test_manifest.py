@@ -24,7 +24,7 @@ from cachecd.manifest import (
     read_archive,
     shipped_manifest,
 )
-from cachecd.manifest_build import build_manifest
+from cachecd.manifest_build import SourceFile, build_manifest
 from cachecd.manifest_encode import name_template
 from cachecd.manifest_source import LocalSource
 from cachecd.safetensors_header import parse_header
@@ -377,3 +377,50 @@ def test_header_parse_errors() -> None:
         parse_header((3).to_bytes(8, "little") + b"{{{")
     with pytest.raises(errors.ManifestInvalid, match="but the file has"):
         parse_header(len(good).to_bytes(8, "little") + good, len(good) + 99)
+
+
+# -- builder edge cases (real files; faults injected at the source, the network edge) ------------
+class ChoppySource(LocalSource):
+    """Streams in odd-sized pieces; the first stream of ``fail_file`` breaks past ``fail_at``."""
+
+    def __init__(self, root: Path, piece: int, fail_file: str | None = None, fail_at: int = 0):
+        super().__init__(root, "cachecd/test-moe", REV)
+        self.piece, self.fail_file, self.fail_at, self.calls = piece, fail_file, fail_at, 0
+
+    def stream(self, name: str):  # type: ignore[no-untyped-def]
+        data = (self.root / name).read_bytes()
+        if name == self.fail_file:
+            self.calls += 1
+        for i in range(0, len(data), self.piece):
+            if name == self.fail_file and self.calls == 1 and i > self.fail_at:
+                raise errors.UpstreamError(f"{name}: connection reset (injected)")
+            yield data[i : i + self.piece]
+
+
+def test_chunking_and_a_retried_shard_give_the_same_manifest(
+    manifest: Manifest, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(constants, "BACKOFF_BASE_S", 0.0)
+    assert build_manifest(ChoppySource(ckpt, 37), progress=False) == manifest
+    # Break the second shard in the middle of the tail of an expert whose head is in the first:
+    # the retry must restart from the carried hasher state, not from the broken attempt's.
+    second = manifest.shards[1]
+    split = next(
+        e for e in manifest.experts() if {r.file for r in e.ranges} == {manifest.shards[0], second}
+    )
+    tail = next(r for r in split.ranges if r.file == second)
+    flaky = ChoppySource(ckpt, 7, fail_file=second, fail_at=(tail.start + tail.end) // 2)
+    assert build_manifest(flaky, progress=False) == manifest
+    assert flaky.calls == 2
+
+
+def test_a_source_sha256_mismatch_writes_nothing(ckpt: Path, tmp_path: Path) -> None:
+    class Lying(LocalSource):
+        def list_files(self):  # type: ignore[no-untyped-def]
+            return [
+                SourceFile(f.name, f.size, "0" * 64 if f.name.endswith(".safetensors") else None)
+                for f in super().list_files()
+            ]
+
+    with pytest.raises(errors.ChecksumMismatch, match="model-00001-of-00003.safetensors"):
+        build_manifest(Lying(ckpt, "cachecd/test-moe", REV), progress=False)
