@@ -19,7 +19,7 @@ import xxhash
 from cachecd.hub_server_repo import repo_commit
 from cachecd.manifest import EXPERT_RE, Manifest, shipped_manifest
 from cachecd.manifest_build import build_manifest
-from cachecd.manifest_source import LocalSource
+from cachecd.manifest_source import HubSource, LocalSource
 from tests.harness import TINY_REPO, HubProcess, run_cli, short_tmp
 
 
@@ -138,6 +138,12 @@ def test_token_and_corrupted_shard(private_hub, tmp_path: Path) -> None:  # type
     run_cli(*build, *token)
     assert Manifest.load(out).revision == repo_commit(repo_dir)
     out.unlink()
+    source = HubSource(TINY_REPO, "main", endpoint=hub.url, token=token[1])
+    assert source.revision == repo_commit(repo_dir)
+    auth = source._request_headers(f"{hub.url}/_cdn/x", {}).get("authorization", "")
+    assert auth == f"Bearer {token[1]}"  # same origin as the endpoint
+    for other in ("http://cdn.example/x", hub.url.replace("127.0.0.1", "localhost") + "/x"):
+        assert not any(k.lower() == "authorization" for k in source._request_headers(other, {}))
 
     # Same size, same mtime: the hub keeps vouching for the old sha256 while serving new bytes.
     shard = repo_dir / "model-00003-of-00012.safetensors"
