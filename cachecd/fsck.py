@@ -17,8 +17,10 @@ check can be split over several runs (``limit`` bounds one run).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +43,7 @@ Progress = Callable[[int, int], None]  # (checked so far, total this run)
 @dataclass(frozen=True)
 class FsckIssue:
     digest: str
-    kind: str  # "corrupt" | "wrong_size" | "missing" | "unverifiable"
+    kind: str  # "corrupt" | "wrong_size" | "missing" | "not_a_file" | "unverifiable"
     detail: str
     repaired: bool = False
 
@@ -130,8 +132,12 @@ def check_one(blobs: BlobDirs, digest: str, entry: Entry, fast: bool) -> FsckIss
     except FileNotFoundError:
         return FsckIssue(digest, "missing", "the blob file is gone")
     except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symlink where a blob should be: never served
+            return FsckIssue(digest, "not_a_file", "a symlink sits at the blob path")
         return FsckIssue(digest, "unverifiable", f"cannot open: {exc}")
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return FsckIssue(digest, "not_a_file", "not a regular file")
         if size != entry.size:
             return FsckIssue(digest, "wrong_size", f"{size} bytes, expected {entry.size}")
         if fast:
