@@ -90,9 +90,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"serving it as an HF-compatible hub at {hub.url}")
         _step(f"cachecd setup --stream {REPO}")
         common = ["--socket", str(socket)]
-        extra = ["--build-manifest"] if os.environ.get("CACHECD_DEMO_BUILD_MANIFEST") else []
         _cli("setup", "--stream", REPO, "--endpoint", hub.url, *common, "--cache-dir",
-             str(tmp / "cache"), "--models-dir", str(tmp / "models"), *extra)
+             str(tmp / "cache"), "--models-dir", str(tmp / "models"))
         _step(f"cachecd run --prompt {args.prompt!r} --max-new {args.max_new}")
         _cli("run", "--model", REPO, "--prompt", args.prompt, "--max-new", str(args.max_new), *common)
         _step("what the daemon fetched")
