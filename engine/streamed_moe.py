@@ -8,15 +8,16 @@ Invariants (the bit-identity argument):
   ordering of rows after mlx-lm's argsort is the same as in the resident model.
 - The computation is mlx-lm's own SwitchGLU (and its QuantizedSwitchLinear/SwitchLinear): one
   gather per projection over all routed rows, the same activation.
-- Routing is read back once per layer; the layer's output is evaluated before returning so the
-  shrunk stack can be freed (memory holds one layer's routed experts, plus the RAM tier).
+- Routing is read back once per layer. The output stays lazy: the next MoE layer's read-back
+  evaluates it (its routing depends on it), so at most two layers' stacks are alive, plus the
+  RAM tier.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -84,6 +85,8 @@ class ExpertBank:
         self.spec = spec
         self.ram = ram
         self.stats = stats or EngineStats()
+        # Optional observer called with (layer, routed ids) once per layer call (engine.trace).
+        self.trace: Callable[[int, np.ndarray], None] | None = None
 
     def experts(self, layer: int, ids: list[int]) -> list[DecodedExpert]:
         found, missing = self.ram.get_many(layer, ids)
@@ -132,24 +135,39 @@ class StreamedSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         routed = np.array(indices)  # the one read-back of this layer's routing
-        ids = np.unique(routed)  # ascending
-        local = np.searchsorted(ids, routed).astype(routed.dtype)
+        ids, local = remap(routed)
         bank: ExpertBank = self._bank
+        if bank.trace is not None:
+            bank.trace(self.layer, routed)
         bank.stats.layer_calls += 1
         bank.stats.rows += routed.size
-        stacks = bank.stacks(self.layer, ids.tolist())
+        stacks = bank.stacks(self.layer, ids)
         glu: SwitchGLU = self._glu
         for proj, arrays in stacks.items():
             for name, arr in arrays.items():
                 setattr(getattr(glu, proj), name, arr)
         y = glu(x, mx.array(local))
-        mx.eval(y)
         for proj in stacks:
             _release(getattr(glu, proj))
         return y
 
     def _extra_repr(self) -> str:
         return f"layer={self.layer}, streamed"
+
+
+_SMALL = 64  # below this many rows (decode) plain Python beats numpy's per-call overhead
+
+
+def remap(routed: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """(distinct experts ascending, indices replaced by their position in that list)."""
+    if routed.size < _SMALL:
+        flat = routed.ravel().tolist()
+        ids = sorted(set(flat))
+        pos = {e: i for i, e in enumerate(ids)}
+        local = np.array([pos[e] for e in flat], dtype=routed.dtype).reshape(routed.shape)
+        return ids, local
+    uniq = np.unique(routed)
+    return uniq.tolist(), np.searchsorted(uniq, routed).astype(routed.dtype)
 
 
 _EMPTY = mx.zeros((0,), dtype=mx.uint8)

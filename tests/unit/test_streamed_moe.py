@@ -20,6 +20,7 @@ from cachecd_engine.streamed_moe import (
     ExpertBank,
     StreamedSwitchGLU,
     install_streamed_banks,
+    remap,
 )
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
@@ -293,3 +294,14 @@ def test_ram_tier_with_zero_budget_keeps_nothing() -> None:
     assert len(tier) == 0 and tier.bytes_used == 0
     with pytest.raises(ValueError):
         RamTier(budget=-1)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 4), (1, 20, 4), (2, 40, 4)])
+def test_remap_is_monotonic_and_complete(shape: tuple[int, ...]) -> None:
+    """Both paths (Python below 64 rows, numpy above) give ascending ids and an exact inverse."""
+    rng = np.random.default_rng(sum(shape))
+    routed = rng.integers(0, N_EXPERTS, size=shape).astype(np.uint32)
+    ids, local = remap(routed)
+    assert ids == sorted(set(routed.ravel().tolist()))
+    assert local.dtype == routed.dtype and local.shape == routed.shape
+    assert np.array_equal(np.array(ids, dtype=np.uint32)[local], routed)
