@@ -79,5 +79,29 @@ HF_ENDPOINT: str = hf_constants.ENDPOINT
 HF_HUB_OFFLINE: bool = bool(hf_constants.HF_HUB_OFFLINE)
 HF_HOME: str = hf_constants.HF_HOME
 
+# Engine: record the routing trace to this file (``cachecd_engine.trace``); `run --trace` wins.
+TRACE_PATH: str | None = os.environ.get("CACHECD_TRACE") or None
+
+# Managed service (service*.py): where unit files go and what of the installing shell the service
+# sees. HF_TOKEN is deliberately absent: a token never goes into a unit file; the service reads
+# huggingface_hub's token file instead.
+SERVICE_LABEL = "io.cachecd.daemon"
+SYSTEMD_UNIT = "cachecd.service"
+SYSTEMD_USER_DIR = Path(
+    os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+) / "systemd" / "user"
+LAUNCH_AGENTS_DIR = Path.home() / "Library" / "LaunchAgents"
+LAUNCHD_LOG_DIR = Path.home() / "Library" / "Logs" / APP
+_SERVICE_ENV_KEYS = (
+    "HF_HOME", "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_TOKEN_PATH", "HF_HUB_DISABLE_TELEMETRY",
+)
+_SERVICE_ENV_SKIP = ("CACHECD_CRASH_AT", "CACHECD_CONFIG")
+SERVICE_ENV: dict[str, str] = {
+    k: v for k, v in sorted(os.environ.items())
+    if k in _SERVICE_ENV_KEYS or (k.startswith(ENV_PREFIX) and k not in _SERVICE_ENV_SKIP)
+}
+HF_TOKEN_IN_ENV: bool = bool(os.environ.get("HF_TOKEN"))
+HF_TOKEN_PATH: str = hf_constants.HF_TOKEN_PATH
+
 # Test and fault-injection knobs (see RELIABILITY.md). Never set in production.
 CRASH_AT: str | None = os.environ.get("CACHECD_CRASH_AT") or None

@@ -143,6 +143,18 @@ class ExpertSizeMismatch(CachecdError):
     code, http_status = "expert_size_mismatch", 502
 
 
+class ServiceManagerUnavailable(CachecdError):
+    """launchd or a systemd user manager is not reachable here (containers, SSH without a session)."""
+
+    code, http_status = "service_manager_unavailable", 503
+
+
+class ServiceCommandFailed(CachecdError):
+    """A launchctl/systemctl command run by ``cachecd service`` exited non-zero."""
+
+    code, http_status = "service_command_failed", 500
+
+
 class Internal(CachecdError):
     code, http_status = "internal", 500
 
