@@ -116,6 +116,7 @@ class Upstream(HubClient):
             max_bytes=self.coalesce_max_bytes,
             max_experts=self.coalesce_max_experts,
             max_gap=self.coalesce_max_gap,
+            parallel=self.max_parallel,
         )
         failures: dict[ExpertKey, errors.CachecdError] = {}
 

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 _REDIRECTS = (301, 302, 303, 307, 308)
 _EXPIRY_MARGIN_S = 60.0
+# aiohttp pauses the socket when its buffer passes 2x this; 64 KiB (the default) stalls fast streams.
+READ_BUFSIZE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,9 @@ class HubClient:
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=self.max_parallel + 4, ttl_dns_cache=300)
             # auto_decompress off: the bytes we hash are the bytes on the wire.
-            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+            self._session = aiohttp.ClientSession(
+                connector=connector, auto_decompress=False, read_bufsize=READ_BUFSIZE
+            )
         return self._session
 
     # -- resolve -----------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Invariants:
 - Every byte range of every entry lies inside exactly one planned request, and a request covers
   one file only.
 - A request spans at most ``max_bytes`` (unless a single range alone is bigger) and serves at most
-  ``max_experts`` experts; neighbours are merged only across a gap of at most ``max_gap`` bytes
+  ``max_experts`` experts (fewer when that keeps ``parallel`` requests going); neighbours are merged only across a gap of at most ``max_gap`` bytes
   (the gap is downloaded and thrown away, cheaper than another round trip).
 - Pieces of an entry are numbered by their position in ``entry.ranges``, so the expert's bytes are
   the pieces concatenated in that order, whichever requests they came from.
@@ -66,8 +66,15 @@ def plan_requests(
     max_bytes: int,
     max_experts: int,
     max_gap: int = DEFAULT_MAX_GAP,
+    parallel: int = 1,
 ) -> list[RangeRequest]:
-    """Coalesce the entries' ranges, file by file, in offset order."""
+    """Coalesce the entries' ranges, file by file, in offset order.
+
+    With ``parallel`` > 1, a request serves at most ceil(len(entries) / parallel) experts, so a
+    small batch is still spread over ``parallel`` streams (one stream is slower than several,
+    on a CDN as on a local server) and coalescing only trims the per-request overhead.
+    """
+    max_experts = max(1, min(max_experts, -(-len(entries) // max(1, parallel))))
     by_file: dict[str, list[Piece]] = {}
     for i, entry in enumerate(entries):
         for part, rng in enumerate(entry.ranges):

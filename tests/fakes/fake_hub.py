@@ -215,35 +215,35 @@ class FakeHub:
             self._record(request, kind, status)
             return _error(status, f.retry_after if status in (429, 503) else None, f.ratelimit)
         assert path is not None
-        data = path.read_bytes()
         faulty = kind == "cdn_get" and (f.times is None or f.times > 0)
         if faulty and f.times is not None:
             f.times -= 1
-        return await self._send(request, kind, data, faulty)
+        return await self._send(request, kind, path, faulty)
 
     async def _send(
-        self, request: web.Request, kind: str, data: bytes, faulty: bool
+        self, request: web.Request, kind: str, path: Path, faulty: bool
     ) -> web.StreamResponse:
         f = self.faults
-        rng = _parse_range(request.headers.get("Range"), len(data))
+        size = path.stat().st_size
+        rng = _parse_range(request.headers.get("Range"), size)
         if rng is None or (faulty and f.ignore_range):
-            start, end, status = 0, len(data), 200
+            start, end, status = 0, size, 200
         else:
             start, end, status = rng[0], rng[1], 206
         if start >= end and status == 206:
             self._record(request, kind, 416)
             return _error(416, None, None)
-        body = bytearray(data[start:end])
+        body = bytearray(_read(path, start, end) if kind == "cdn_get" else b"")
         resp = web.StreamResponse(status=status)
         if status == 206:
             shift = 1 if faulty and f.wrong_content_range else 0
-            resp.headers["Content-Range"] = f"bytes {start + shift}-{end - 1 + shift}/{len(data)}"
+            resp.headers["Content-Range"] = f"bytes {start + shift}-{end - 1 + shift}/{size}"
         if faulty and f.flip_byte and body:
             body[len(body) // 2] ^= 0x01
         if faulty and f.pad_body:
             body += b"\0" * f.pad_body
         resp.headers["Accept-Ranges"] = "bytes"
-        resp.content_length = len(body)
+        resp.content_length = len(body) if kind == "cdn_get" else end - start
         self._record(request, kind, status)
         await resp.prepare(request)
         if kind == "cdn_head":
@@ -283,6 +283,12 @@ class FakeHub:
 async def _stamp_arrival(request: web.Request, handler: Any) -> web.StreamResponse:
     request[ARRIVAL] = time.monotonic()
     return await handler(request)
+
+
+def _read(path: Path, start: int, end: int) -> bytes:
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        return fh.read(end - start)
 
 
 def _cut(f: Faults) -> tuple[str, int] | None:

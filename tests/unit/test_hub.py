@@ -29,11 +29,13 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, FakeManifest]:
 def run(
     folder: Path, manifest: FakeManifest, scenario: Scenario, token: str | None = None, **kw: Any
 ) -> None:
-    """Run ``scenario`` against a fresh FakeHub and Upstream (fast backoff unless overridden)."""
+    """Run ``scenario`` against a fresh FakeHub and Upstream: fast backoff, and one stream unless
+    overridden, so request counts are exactly the coalescing plan."""
 
     async def main() -> None:
         async with FakeHub(folder, manifest.repo, manifest.revision) as hub:
-            up = Upstream(hub.url, token, **{"backoff_base": 0.01, "backoff_cap": 0.05, **kw})
+            opts = {"backoff_base": 0.01, "backoff_cap": 0.05, "max_parallel": 1, **kw}
+            up = Upstream(hub.url, token, **opts)
             try:
                 await scenario(hub, up, manifest, folder)
             finally:
@@ -91,6 +93,20 @@ def test_coalescing_respects_max_experts_and_gap(repo: tuple[Path, FakeManifest]
         assert len(sink.got) == 6
 
     run(*repo, scenario, coalesce_max_experts=2, coalesce_max_gap=1024)
+
+
+def test_small_batch_is_spread_over_max_parallel_streams(repo: tuple[Path, FakeManifest]) -> None:
+    async def scenario(hub: FakeHub, up: Upstream, m: FakeManifest, folder: Path) -> None:
+        sink = Sink()
+        wanted = layer(m, 0)  # six neighbours, three streams: two experts per request
+        assert await up.fetch_experts(m, wanted, sink) == {}
+        assert sorted(r.range for r in hub.records if r.kind == "cdn_get") == sorted(
+            f"bytes={a.ranges[0].start}-{b.ranges[0].end - 1}"
+            for a, b in zip(wanted[::2], wanted[1::2], strict=True)
+        )
+        assert len(sink.got) == 6
+
+    run(*repo, scenario, max_parallel=3)
 
 
 def test_split_expert_is_assembled_in_order(repo: tuple[Path, FakeManifest]) -> None:

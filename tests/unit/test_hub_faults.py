@@ -221,7 +221,8 @@ def via_proxy(folder: Path, m: FakeManifest, toxics: dict[str, Any], check: Any,
                 hub.public_url = proxy.url
                 for k, v in toxics.items():
                     setattr(proxy.toxics, k, v)
-                up = Upstream(hub.url, None, backoff_base=0.01, backoff_cap=0.05, **kw)
+                opts = {"backoff_base": 0.01, "backoff_cap": 0.05, "max_parallel": 1, **kw}
+                up = Upstream(hub.url, None, **opts)
                 sink = Sink()
                 try:
                     failures = await up.fetch_experts(m, layer(m, 0), sink)

@@ -131,3 +131,14 @@ def test_plan_a_range_bigger_than_the_limit_is_alone() -> None:
     es = entries([("a", 0, 500), ("a", 500, 510)])
     reqs = plan_requests(es, max_bytes=100, max_experts=4)
     assert [(r.start, r.end) for r in reqs] == [(0, 500), (500, 510)]
+
+
+def test_plan_keeps_enough_requests_for_parallel_streams() -> None:
+    es = entries([("a", i * 10, i * 10 + 10) for i in range(16)])
+    assert len(plan_requests(es, max_bytes=10_000, max_experts=16)) == 1
+    spread = plan_requests(es, max_bytes=10_000, max_experts=16, parallel=8)
+    assert [len(r.experts()) for r in spread] == [2] * 8
+    big = entries([("a", i * 10, i * 10 + 10) for i in range(200)])
+    assert {
+        len(r.experts()) for r in plan_requests(big, max_bytes=10_000, max_experts=16, parallel=8)
+    } == {16}
