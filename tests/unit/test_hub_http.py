@@ -139,6 +139,7 @@ def test_plan_keeps_enough_requests_for_parallel_streams() -> None:
     spread = plan_requests(es, max_bytes=10_000, max_experts=16, parallel=8)
     assert [len(r.experts()) for r in spread] == [2] * 8
     big = entries([("a", i * 10, i * 10 + 10) for i in range(200)])
-    assert {
+    counts = [
         len(r.experts()) for r in plan_requests(big, max_bytes=10_000, max_experts=16, parallel=8)
-    } == {16}
+    ]
+    assert counts == [16] * 12 + [8]  # plenty of requests: the usual bound applies
