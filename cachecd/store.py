@@ -36,7 +36,7 @@ from cachecd.budget import Budget, Reservation
 from cachecd.crash import crash_point
 from cachecd.index import INDEX_DIRNAME, Entry, Index
 from cachecd.policies import EvictionPolicy, make_policy
-from cachecd.recovery import RecoveryReport, recover
+from cachecd.recovery import RecoveryReport, mark_clean, recover
 
 log = logging.getLogger(__name__)
 
@@ -71,17 +71,22 @@ class Store:
     async def open(
         cls, dirs: list[Path], *, budget: int = 0, policy: str = "default",
         map_size: int | None = None, map_ceiling: int | None = None,
+        full_recovery: bool | None = None,
     ) -> Store:
-        """Lock the dirs, open the index, recover, evict down to the budget."""
+        """Lock the dirs, open the index, recover, evict down to the budget.
+
+        ``full_recovery`` None: scan every blob file only after an unclean shutdown.
+        """
         return await asyncio.to_thread(
             cls.open_sync, dirs, budget=budget, policy=policy, map_size=map_size,
-            map_ceiling=map_ceiling,
+            map_ceiling=map_ceiling, full_recovery=full_recovery,
         )
 
     @classmethod
     def open_sync(
         cls, dirs: list[Path], *, budget: int = 0, policy: str = "default",
         map_size: int | None = None, map_ceiling: int | None = None,
+        full_recovery: bool | None = None,
     ) -> Store:
         the_budget, the_policy = Budget(budget), make_policy(policy)
         blobs = BlobDirs([Path(d) for d in dirs])
@@ -90,7 +95,7 @@ class Store:
             index = Index(
                 Path(dirs[0]) / INDEX_DIRNAME, map_size=map_size, map_ceiling=map_ceiling
             )
-            report, entries = recover(blobs, index)
+            report, entries = recover(blobs, index, full=full_recovery)
             store = cls(blobs, index, the_budget, the_policy, report, entries)
             report.bytes_evicted = store.evict_sync()
             report.evicted = store._counters["evictions"]
@@ -111,6 +116,11 @@ class Store:
         self._closed = True
         try:
             self.index.flush_access()
+            mark_clean(self.index)
+        except errors.CachecdError as exc:
+            # A full disk loses the last access stats and forces a full scan at the next
+            # open; neither loses an entry, so close still succeeds.
+            log.warning("event=close_flush_failed err=%s", exc)
         finally:
             self.index.close()
             self.blobs.release()

@@ -464,3 +464,28 @@ async def _filler_scenario(mnt: Path) -> None:
     late = await put(again, 500, 64 * 1024)
     assert read_all(again, late) == blob(500, 64 * 1024)[1]
     await again.close()
+
+
+def test_full_scan_only_after_an_unclean_stop(tmp_path: Path) -> None:
+    async def go() -> None:
+        store = await Store.open([tmp_path])
+        assert store.recovery.full_scan  # a new cache was never closed cleanly
+        await put(store, 1)
+        await store.close()
+        stray, data = blob(2)
+        (tmp_path / "blobs" / stray[:2]).mkdir(exist_ok=True)
+        (tmp_path / "blobs" / stray[:2] / stray).write_bytes(data)
+        (tmp_path / "tmp" / "left.1.2").write_bytes(b"x")
+        quick = await Store.open([tmp_path])
+        assert not quick.recovery.full_scan and not quick.has(stray)
+        assert quick.recovery.temps_removed == 1  # temps are always cleared
+        quick.index.close()  # stop without the clean mark, like a crash
+        quick.blobs.release()
+        after_crash = await Store.open([tmp_path])
+        assert after_crash.recovery.full_scan and after_crash.has(stray)
+        await after_crash.close()
+        forced = await Store.open([tmp_path], full_recovery=True)
+        assert forced.recovery.full_scan and forced.recovery.strays_adopted == 0
+        await forced.close()
+
+    run(go())
