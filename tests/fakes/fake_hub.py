@@ -37,7 +37,9 @@ class Faults:
     flip_byte: bool = False
     ignore_range: bool = False
     wrong_content_range: bool = False
-    pad_body: int = 0
+    pad_body: int = 0  # append this many bytes (Content-Length grows, Content-Range does not)
+    short_body: int = 0  # drop this many bytes from the end (a clean, consistent short answer)
+    serve_from: Path | None = None  # serve the same file names from this folder (another revision)
     truncate_after: int | None = None
     reset_after: int | None = None
     stall_after: int | None = None
@@ -218,6 +220,8 @@ class FakeHub:
         faulty = kind == "cdn_get" and (f.times is None or f.times > 0)
         if faulty and f.times is not None:
             f.times -= 1
+        if faulty and f.serve_from is not None:
+            path = f.serve_from / request.match_info["file"]
         return await self._send(request, kind, path, faulty)
 
     async def _send(
@@ -242,6 +246,8 @@ class FakeHub:
             body[len(body) // 2] ^= 0x01
         if faulty and f.pad_body:
             body += b"\0" * f.pad_body
+        if faulty and f.short_body:
+            del body[max(0, len(body) - f.short_body) :]
         resp.headers["Accept-Ranges"] = "bytes"
         resp.content_length = len(body) if kind == "cdn_get" else end - start
         self._record(request, kind, status)

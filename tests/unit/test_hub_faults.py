@@ -64,6 +64,7 @@ def test_flipped_byte_in_a_coalesced_request_refetches_only_that_expert(
         ({"ignore_range": True}, "faults_ignored_range"),
         ({"wrong_content_range": True}, "faults_content_range"),
         ({"pad_body": 10}, "faults_content_length"),
+        ({"short_body": 10}, "faults_content_length"),
     ],
 )
 def test_bad_range_answers_are_rejected(
@@ -276,3 +277,19 @@ def test_proxy_stall_gives_upstream_timeout(repo: tuple[Path, FakeManifest]) -> 
         assert hub.count("cdn_get") == 2 and proxy.accepted == 2
 
     via_proxy(folder, m, {"timeout": 0}, check, read_timeout=0.3, max_retries=1)
+
+
+def test_same_length_bytes_of_another_revision_are_rejected(
+    repo: tuple[Path, FakeManifest], tmp_path: Path
+) -> None:
+    other = tmp_path / "other"
+    write_expert_shards(other, expert_bytes=200 * 1024, seed=99)  # same sizes, other bytes
+
+    async def scenario(hub: FakeHub, up: Upstream, m: FakeManifest, folder: Path) -> None:
+        hub.faults.serve_from = other
+        sink = Sink()
+        failures = await up.fetch_experts(m, layer(m, 1)[:2], sink)
+        assert sink.got == {} and set(failures) == keys(layer(m, 1)[:2])
+        assert all(isinstance(f, errors.ChecksumMismatch) for f in failures.values())
+
+    run(*repo, scenario, checksum_refetches=1)
