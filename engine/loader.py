@@ -22,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 from cachecd_engine.formats import quant_spec
 from cachecd_engine.local_source import quant_format_of
+from cachecd_engine.prefetch import install_prefetch
 from cachecd_engine.ram_tier import RamTier
 from cachecd_engine.streamed_moe import (
     EngineStats,
@@ -84,11 +85,13 @@ def load(
     ram_bytes: int = DEFAULT_RAM_BYTES,
     stats: EngineStats | None = None,
     lazy: bool = False,
+    prefetch: bool = False,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """(model, tokenizer) for ``mlx_lm.generate``/``stream_generate``; the bank is ``model.bank``.
 
     ``model_dir`` holds config.json, the tokenizer files and the resident weights
-    (``model*.safetensors``); expert tensors there, if any, are ignored.
+    (``model*.safetensors``); expert tensors there, if any, are ignored. With ``prefetch`` each
+    MoE layer sends the source a hint of the next layer's likely experts (``model.prefetcher``).
     """
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
@@ -96,6 +99,8 @@ def load(
     bank = ExpertBank(source, spec, RamTier(ram_bytes), stats or EngineStats())
     model, config = load_model(model_dir, lazy=lazy, get_model_classes=streamed_classes(bank))
     object.__setattr__(model, "bank", bank)  # outside the module tree: not a parameter
+    pf = install_prefetch(model, bank) if prefetch else None
+    object.__setattr__(model, "prefetcher", pf)
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer
 

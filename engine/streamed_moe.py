@@ -132,8 +132,13 @@ class StreamedSwitchGLU(nn.Module):
         # Kept out of the module tree: no parameter to load, nothing for nn.quantize to touch.
         object.__setattr__(self, "_glu", template)
         object.__setattr__(self, "_bank", bank)
+        self.prefetcher: Any = None  # set by cachecd_engine.prefetch.install_prefetch
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        guess = self.prefetcher.take(self.layer) if self.prefetcher is not None else None
+        if guess is not None:
+            mx.eval(indices, guess)  # one sync for the routing and the next layer's guess
+            self.prefetcher.send(self.layer, np.array(guess))
         routed = np.array(indices)  # the one read-back of this layer's routing
         ids, local = remap(routed)
         bank: ExpertBank = self._bank

@@ -109,16 +109,20 @@ def test_bitwise_cold_and_warm_from_resident_dir(checkpoint) -> None:
 
 
 def test_bitwise_without_ram_tier_from_full_dir(checkpoint) -> None:
-    """Loading from the full checkpoint dir ignores its expert tensors; every call is a miss."""
+    """Loading from the full checkpoint dir ignores its expert tensors; every call is a miss;
+    prefetch hints are on."""
     _, full, manifest, _, reference = checkpoint
     with LocalSource(manifest, full) as source:
-        model, tokenizer = load(full, source, ram_bytes=0)
+        model, tokenizer = load(full, source, ram_bytes=0, prefetch=True)
         prompt = _prompt(tokenizer)
         ref, toks = run_logits(reference, prompt)
         got, _ = run_logits(model, prompt, toks)
         assert_bitwise(ref, got)
         assert model.bank.stats.ram_hits == 0
         assert len(source.calls) == model.bank.stats.layer_calls == 5 * (DECODE_STEPS + 1)
+        # Next-layer hints went out (and, being hints, changed no logit).
+        assert len(source.prefetched) == model.prefetcher.hints == 4 * (DECODE_STEPS + 1)
+        assert {layer for layer, _ in source.prefetched} == set(manifest.moe_layers[1:])
 
 
 def test_loaded_model_has_no_expert_parameters(checkpoint) -> None:

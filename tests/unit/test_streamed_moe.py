@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import xxhash
 from cachecd_engine.formats import QUANT_SPECS, DecodedExpert
+from cachecd_engine.prefetch import install_prefetch
 from cachecd_engine.ram_tier import RamTier
 from cachecd_engine.streamed_moe import (
     EngineStats,
@@ -146,6 +147,7 @@ class DictSource:
     def __init__(self, blobs: dict[tuple[int, int], tuple[bytes, ExpertEntry]]) -> None:
         self.blobs = blobs
         self.calls: list[tuple[int, list[int]]] = []
+        self.hints: list[tuple[int, list[int]]] = []
 
     def experts(self, layer: int, ids: list[int]) -> list[memoryview]:
         self.calls.append((layer, list(ids)))
@@ -155,7 +157,7 @@ class DictSource:
         return self.blobs[(layer, expert)][1]
 
     def prefetch(self, layer: int, ids: list[int]) -> None:
-        pass
+        self.hints.append((layer, list(ids)))
 
 
 def run_logits(
@@ -305,3 +307,36 @@ def test_remap_is_monotonic_and_complete(shape: tuple[int, ...]) -> None:
     assert ids == sorted(set(routed.ravel().tolist()))
     assert local.dtype == routed.dtype and local.shape == routed.shape
     assert np.array_equal(np.array(ids, dtype=np.uint32)[local], routed)
+
+
+def test_prefetch_hints_next_layer_and_changes_no_logit(resident) -> None:
+    fmt, _, ref, toks = resident
+    model, source, bank = _streamed(fmt, ram_bytes=0)
+    prefetcher = install_prefetch(model, bank)
+    names = {k for k, _ in tree_flatten(model.parameters())}
+    got, _ = run_logits(model, toks)
+    assert_bitwise(ref, got)
+    assert names == {k for k, _ in tree_flatten(model.parameters())}
+    # Layers 1..4 hint layers 2..5 once per forward; the last MoE layer hints nothing.
+    assert [layer for layer, _ in source.hints[:4]] == [2, 3, 4, 5]
+    assert len(source.hints) == prefetcher.hints == 4 * (1 + DECODE_STEPS)
+    # Hints are guesses, but far better than chance (4 of 32 experts) on decode steps.
+    routed = {(i, layer): set(ids) for i, (layer, ids) in enumerate(source.calls)}
+    hits = total = 0
+    for n, (layer, ids) in enumerate(source.hints[4:], start=4):
+        step, pos = divmod(n, 4)
+        actual = routed[(step * 5 + pos + 1, layer)]
+        hits += len(actual & set(ids))
+        total += len(ids)
+    print(f"prefetch hint precision={hits / total:.2f}")
+    assert hits / total > 4 / N_EXPERTS
+
+
+def test_prefetch_skips_experts_in_the_ram_tier(resident) -> None:
+    fmt, _, _, toks = resident
+    model, source, bank = _streamed(fmt, ram_bytes=1 << 30)
+    for layer in range(1, 6):
+        bank.experts(layer, list(range(N_EXPERTS)))
+    install_prefetch(model, bank)
+    run_logits(model, toks)
+    assert source.hints == []
