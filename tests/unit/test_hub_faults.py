@@ -5,6 +5,7 @@ and no request goes out before the server said so."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 
 from cachecd import errors
 from cachecd.hub import Upstream
-from tests.fakes.fake_hub import FakeHub, FakeManifest, expert_bytes_of, write_expert_shards
+from tests.fakes.fake_hub import FakeHub, FakeManifest, Faults, expert_bytes_of, write_expert_shards
 from tests.fakes.fault_proxy import FaultProxy
 from tests.unit.test_hub import Sink, keys, layer, run
 
@@ -293,3 +294,28 @@ def test_same_length_bytes_of_another_revision_are_rejected(
         assert all(isinstance(f, errors.ChecksumMismatch) for f in failures.values())
 
     run(*repo, scenario, checksum_refetches=1)
+
+
+def test_fds_and_tasks_return_to_baseline_after_faults(repo: tuple[Path, FakeManifest]) -> None:
+    folder, m = repo
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def main() -> None:
+        async with FakeHub(folder, m.repo, m.revision) as hub:
+            await asyncio.sleep(0)
+            fd0, tasks0 = fds(), len(asyncio.all_tasks())
+            up = Upstream(hub.url, None, backoff_base=0.01, backoff_cap=0.02, read_timeout=0.2)
+            for knob in ("truncate_after", "reset_after", "stall_after"):
+                hub.faults = Faults(**{knob: 5000}, times=3)
+                await up.fetch_experts(m, list(m.entries.values()), Sink())
+            assert up.stats()["retries"] >= 3
+            await up.close()
+            for _ in range(50):  # transports close on the next loop turns
+                if fds() <= fd0 and len(asyncio.all_tasks()) <= tasks0:
+                    break
+                await asyncio.sleep(0.02)
+            assert fds() <= fd0 and len(asyncio.all_tasks()) <= tasks0
+
+    asyncio.run(main())
