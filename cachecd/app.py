@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from cachecd import constants
 from cachecd.config import Settings
+from cachecd.coverage import HitHistory
 from cachecd.errors import ExpertNotFound, InvalidRequest
 from cachecd.misses import Fetcher
 from cachecd.registry import Registry, RegisteredModel, check_repo
@@ -56,6 +57,7 @@ class Daemon:
         self.registry = Registry(store, settings.models_dir)
         self.fetcher = Fetcher(store, upstream)
         self.counters: Counter[str] = Counter()
+        self.history = HitHistory()
         self.started = time.time()
         self.max_connections = constants.MAX_CONNECTIONS
         self.draining = False
@@ -70,10 +72,13 @@ class Daemon:
         return [model.manifest.expert(layer, _int(e, "expert")) for e in ids]
 
     async def ensure(self, model: RegisteredModel, entries: list["ExpertEntry"]) -> None:
-        missing = len(self.fetcher.missing(entries))
-        self.counters["expert_requests"] += len(entries)
+        # One count per distinct expert per request, whatever the caller repeats.
+        distinct = list({(e.layer, e.expert): e for e in entries}.values())
+        missing = len(self.fetcher.missing(distinct))
+        self.counters["expert_requests"] += len(distinct)
         self.counters["expert_misses"] += missing
-        self.counters["expert_hits"] += len(entries) - missing
+        self.counters["expert_hits"] += len(distinct) - missing
+        self.history.record(model.manifest.key, len(distinct) - missing, missing)
         await self.fetcher.ensure(model, entries)
 
     async def open_experts(self, repo: str, layer: Any, ids: list[Any]) -> list[OpenedExpert]:
@@ -81,23 +86,27 @@ class Daemon:
         entries = self.entries(model, layer, ids)
         await self.ensure(model, entries)
         opened: list[OpenedExpert] = []
+        counted: set[int] = set()
         try:
             for entry in entries:
-                opened.append(await self._open_one(model, entry))
+                opened.append(await self._open_one(model, entry, entry.expert not in counted))
+                counted.add(entry.expert)
         except BaseException:
             for o in opened:
                 os.close(o.fd)
             raise
         return opened
 
-    async def _open_one(self, model: RegisteredModel, entry: "ExpertEntry") -> OpenedExpert:
+    async def _open_one(self, model: RegisteredModel, entry: "ExpertEntry",
+                        count: bool = True) -> OpenedExpert:
         for _ in range(3):  # evicted between ensure and open: fetch again
             try:
                 fd, size = self.store.open_blob(entry.digest_hex)
             except ExpertNotFound:
                 await self.fetcher.ensure(model, [entry])
                 continue
-            self.store.touch(entry.digest_hex, model.manifest.key, entry.layer, entry.expert)
+            if count:
+                self.store.touch(entry.digest_hex, model.manifest.key, entry.layer, entry.expert)
             return OpenedExpert(entry.expert, fd, size, entry.digest_hex)
         raise ExpertNotFound(f"layer {entry.layer} expert {entry.expert} vanished from the cache three "
                              "times while being opened; the budget may be too small for one batch")

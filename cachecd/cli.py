@@ -25,6 +25,8 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.ctl",
     "cachecd_engine.run",
     "cachecd.demo",
+    "cachecd.warm",
+    "cachecd.coverage_cli",
 )
 
 

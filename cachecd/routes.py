@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from cachecd.coverage import access_array, cached_mask, coverage_report
+from cachecd.coverage import access_array, cached_mask, coverage_report, pack_detail
 from cachecd.errors import CachecdError, Forbidden, Internal, InvalidRequest, NotFound
 from cachecd.metrics import render_metrics
 from cachecd.peer import peer_cred
@@ -183,12 +183,34 @@ async def prefetch(request: web.Request) -> web.Response:
 
 
 async def coverage(request: web.Request) -> web.Response:
+    """The coverage report; ``?detail=1`` adds the per-expert arrays (``coverage.pack_detail``)."""
     d = request.app[DAEMON]
     model = d.model(_repo(request))
     m = model.manifest
-    report = await asyncio.to_thread(
-        lambda: coverage_report(m, cached_mask(m, d.store.has), access_array(m, d.store.access_counts(m.key))))
-    return web.json_response(report)
+    detail = request.query.get("detail") in ("1", "true")
+
+    def build() -> dict[str, Any]:
+        cached, access = cached_mask(m, d.store.has), access_array(m, d.store.access_counts(m.key))
+        report = coverage_report(m, cached, access)
+        report["history"] = d.history.snapshot(m.key)
+        if detail:
+            report["detail"] = pack_detail(cached, access)
+        return report
+
+    return web.json_response(await asyncio.to_thread(build))
+
+
+async def warm(request: web.Request) -> web.Response:
+    """Fetch experts into the cache without counting them as used (warming is not workload)."""
+    d = request.app[DAEMON]
+    body = await _json_body(request)
+    model = d.model(_repo(request))
+    entries = d.entries(model, body.get("layer"), list(body.get("ids") or []))
+    missing = d.fetcher.missing(entries)
+    await d.fetcher.ensure(model, missing)
+    d.counters["warm_fetched_experts"] += len(missing)
+    return web.json_response({"requested": len(entries), "fetched": len(missing),
+                              "fetched_bytes": sum(e.nbytes for e in missing)})
 
 
 async def pin(request: web.Request) -> web.Response:
@@ -240,6 +262,7 @@ def build_app(daemon: Any, client_max_size: int) -> web.Application:
     app.router.add_get(base + "/experts/{layer}", expert_batch)
     app.router.add_post(base + "/prefetch", prefetch)
     app.router.add_get(base + "/coverage", coverage)
+    app.router.add_post(base + "/warm", warm)
     app.router.add_post(base + "/pin", pin)
     app.router.add_post(base + "/unpin", unpin)
     app.router.add_post("/v1/evict", evict)

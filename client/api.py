@@ -77,9 +77,20 @@ class Client:
         body = {"layer": int(layer), "ids": [int(i) for i in ids]}
         return self._control.request("POST", f"/v1/models/{model}/prefetch", body)["queued"]
 
-    def coverage(self, model: str) -> dict[str, Any]:
-        """Per-layer coverage: experts and bytes cached against the total, workload coverage."""
-        return self._control.request("GET", f"/v1/models/{model}/coverage")
+    def coverage(self, model: str, detail: bool = False) -> dict[str, Any]:
+        """Per-layer coverage: experts and bytes cached against the total, workload coverage,
+        hit/miss history; with ``detail`` also the per-expert cached bits and access counts
+        (decode with ``cachecd.coverage.unpack_detail``)."""
+        query = "?detail=1" if detail else ""
+        return self._control.request("GET", f"/v1/models/{model}/coverage{query}")
+
+    def warm(self, model: str, layer: int, ids: Sequence[int]) -> dict[str, Any]:
+        """Fetch these experts into the cache if missing, without counting them as used.
+
+        Returns ``{"requested", "fetched", "fetched_bytes"}`` once they are cached.
+        """
+        body = {"layer": int(layer), "ids": [int(i) for i in ids]}
+        return self._control.request("POST", f"/v1/models/{model}/warm", body)
 
     def pin(self, model: str, layer: int, ids: Sequence[int]) -> int:
         """Fetch if needed and pin these experts: they are never evicted."""

@@ -17,12 +17,13 @@ from cachecd.config import format_size
 
 
 def load(repo: str, socket: str | Path | None = None, *, ram_bytes: int | None = None,
-         stats: Any = None) -> tuple[Any, Any]:
+         stats: Any = None, trace: str | Path | None = None) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of a registered model, as ``mlx_lm.load`` returns them.
 
     The resident weights come from the local files ``cachecd setup --stream`` installed; every
     routed expert comes through the daemon on ``socket``. ``mlx_lm.generate`` and
-    ``stream_generate`` work unchanged on the result.
+    ``stream_generate`` work unchanged on the result. With ``trace`` (or ``CACHECD_TRACE``) the
+    routing is recorded to that file (``cachecd_engine.trace``), closed at exit.
     """
     from cachecd_engine.daemon_source import DaemonSource
     from cachecd_engine.loader import DEFAULT_RAM_BYTES
@@ -30,7 +31,22 @@ def load(repo: str, socket: str | Path | None = None, *, ram_bytes: int | None =
 
     source, local_dir = DaemonSource.connect(repo, socket)
     ram = DEFAULT_RAM_BYTES if ram_bytes is None else ram_bytes
-    return load_dir(local_dir, source, ram_bytes=ram, stats=stats)
+    model, tokenizer = load_dir(local_dir, source, ram_bytes=ram, stats=stats)
+    _attach_trace(model, repo, trace)
+    return model, tokenizer
+
+
+def _attach_trace(model: Any, repo: str, path: str | Path | None) -> None:
+    import atexit
+
+    from cachecd import constants
+    from cachecd_engine.trace import TraceRecorder
+
+    path = path or constants.TRACE_PATH
+    if path:
+        recorder = TraceRecorder(path, repo)
+        model.bank.trace = recorder
+        atexit.register(recorder.close)
 
 
 def register(sub: Any) -> None:
@@ -43,6 +59,8 @@ def register(sub: Any) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--stats", action="store_true", help="per-token stats on stderr")
     p.add_argument("--json", action="store_true", help="print token ids and per-token stats as JSON")
+    p.add_argument("--trace", metavar="FILE",
+                   help="record the routing (JSON lines; replay with cachecd warm --trace)")
     p.set_defaults(func=run)
 
 
@@ -64,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     from cachecd_engine.streamed_moe import EngineStats
 
     stats = EngineStats()
-    model, tokenizer = load(args.model, args.socket, ram_bytes=parse_size(args.ram, "--ram"), stats=stats)
+    model, tokenizer = load(args.model, args.socket, ram_bytes=parse_size(args.ram, "--ram"), stats=stats,
+                            trace=args.trace)
     bank_source = model.bank.source
     print(cold_cost_notice(bank_source.client, args.model), file=sys.stderr)
     prompt: Any = args.prompt
@@ -97,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"prompt {last.prompt_tokens} tokens at {last.prompt_tps:.1f} tok/s, generated "
                   f"{last.generation_tokens} at {last.generation_tps:.1f} tok/s", file=sys.stderr)
     bank_source.close()
+    if model.bank.trace is not None:
+        model.bank.trace.close()
     return 0
 
 
