@@ -111,3 +111,121 @@ def test_symlinked_blob_is_not_trusted(tmp_path: Path) -> None:
     report, entries, _ = run_recovery([tmp_path])
     assert entries == {} and report.rows_dropped == 1 and report.strays_quarantined == 1
     assert not path.is_symlink() and target.exists()
+
+
+_WRITER = """
+import asyncio, random, sys
+from pathlib import Path
+import xxhash
+from cachecd.store import Store
+async def main():
+    store = await Store.open([Path(sys.argv[1])], budget=32 * 1024)
+    print("ready", flush=True)
+    rng = random.Random(int(sys.argv[2]))
+    while True:
+        data = rng.randbytes(rng.randint(1, 8192))
+        digest = xxhash.xxh3_128(data).hexdigest()
+        await store.commit(digest, data, await store.reserve(len(data)))
+        store.touch(digest)
+asyncio.run(main())
+"""
+
+
+def test_random_kills_while_writing_and_evicting(tmp_path: Path) -> None:
+    """kill -9 at random moments of a write+evict loop; every reopen is consistent."""
+    import asyncio
+    import signal
+    import subprocess
+    import sys
+
+    from cachecd.fsck import fsck
+    from cachecd.store import Store
+
+    rng = random.Random(11)
+    for round_ in range(5):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(tmp_path), str(round_)], stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.05, 0.5))
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait() == -9
+
+        async def reopen() -> None:
+            store = await Store.open([tmp_path], budget=32 * 1024)
+            st = store.stats()
+            assert store.recovery.full_scan and st["bytes"] <= 32 * 1024
+            assert list((tmp_path / "tmp").iterdir()) == []
+            await store.close()
+
+        asyncio.run(reopen())
+        report = fsck([tmp_path])
+        assert report.exit_code == 0 and report.strays == 0, report.summary()
+
+
+_ONE_COMMIT = """
+import asyncio, sys
+from pathlib import Path
+from cachecd.store import Store
+async def main():
+    store = await Store.open([Path(sys.argv[1])])
+    data = b"x" * 65536
+    await store.commit(sys.argv[2], data, await store.reserve(len(data)))
+    await store.close()
+asyncio.run(main())
+"""
+
+
+def test_write_order_under_strace(tmp_path: Path) -> None:
+    """fsync(tmp) < rename < fsync(dir) < the LMDB commit's writes (RELIABILITY scenario 1)."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("strace") is None:
+        import pytest
+
+        pytest.skip("strace is not installed")
+    digest = xxhash.xxh3_128(b"x" * 65536).hexdigest()
+    trace = tmp_path / "trace"
+    root = tmp_path / "cache"
+    proc = subprocess.run(
+        ["strace", "-f", "-qq", "-o", str(trace), "-e",
+         "trace=openat,fsync,fdatasync,rename,renameat,renameat2,pwrite64",
+         sys.executable, "-c", _ONE_COMMIT, str(root), digest],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    if proc.returncode != 0 and "ptrace" in proc.stderr:
+        import pytest
+
+        pytest.skip(f"strace cannot trace here: {proc.stderr.strip()[:200]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = trace.read_text().splitlines()
+    fd_kind: dict[str, str | None] = {}  # fd -> what it was last opened on (fds get reused)
+    events: list[str] = []
+    for line in lines:
+        m = re.search(r'openat\(AT_FDCWD, "([^"]+)", ([^)]*)\) = (\d+)', line)
+        if m:
+            path = m.group(1)
+            fd_kind[m.group(3)] = (
+                "tmp" if "/tmp/" + digest in path
+                else "dir" if path.endswith("/blobs/" + digest[:2])
+                else "mdb" if path.endswith("data.mdb")
+                else None
+            )
+            continue
+        m = re.search(r"\b(fsync|fdatasync|pwrite64)\((\d+)", line)
+        if m:
+            kind = fd_kind.get(m.group(2))
+            if kind:
+                events.append(f"{m.group(1)}:{kind}")
+        elif re.search(r"\brename(at2?)?\(.*" + digest, line):
+            events.append("rename")
+    want = ["fsync:tmp", "rename", "fsync:dir"]
+    positions = [events.index(w) for w in want]
+    assert positions == sorted(positions), events
+    after_dir = events[positions[-1] + 1:]
+    assert any(e.endswith(":mdb") for e in after_dir), events  # the row is written after
+    assert not any(e.endswith(":mdb") for e in events[positions[0]:positions[-1]]), events
