@@ -88,12 +88,6 @@ def signed_url_expiry(url: str, now: float | None = None) -> float | None:
     return None
 
 
-def redact_url(url: str) -> str:
-    """Scheme, host and path only: signed query strings stay out of logs and messages."""
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}{parts.path}"
-
-
 def describe(status: int, body: bytes, request_id: str | None, what: str) -> str:
     text = body[:MAX_BODY_SNIPPET].decode("utf-8", "replace").strip()
     rid = f" request_id={request_id}" if request_id else ""

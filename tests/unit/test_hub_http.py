@@ -53,10 +53,6 @@ def test_signed_url_expiry_forms() -> None:
     assert hh.signed_url_expiry("https://cdn/x?sig=1") is None
 
 
-def test_redact_url_drops_the_signature() -> None:
-    assert hh.redact_url("https://cdn.example/a/b?Signature=secret") == "https://cdn.example/a/b"
-
-
 @pytest.mark.parametrize(
     ("status", "on_resolve", "cls"),
     [
