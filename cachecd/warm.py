@@ -99,6 +99,7 @@ def register(sub: Any) -> None:
     p.add_argument("--max-new", type=int, default=4, help="tokens generated per prompt (--prompts)")
     p.add_argument("--save-trace", metavar="FILE", help="keep the routing of --prompts as a trace")
     p.add_argument("--parallel", type=int, default=2, help="requests in flight to the daemon")
+    p.add_argument("--batch", type=int, default=16, help="experts per request (one layer each)")
     p.add_argument("--allow-evict", action="store_true",
                    help="go past the free room under the budget (the daemon evicts by policy)")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
@@ -168,7 +169,7 @@ def _warm_plan(args: argparse.Namespace, client: Any, before: Snapshot, plan: Pl
     print(f"warming {len(plan.rows)} experts ({format_size(total)}) of {args.model}; "
           f"expected hit rate now {_pct(trace_weighted(before.cached, plan.workload))} "
           f"(workload: {plan.label})")
-    batches = plan_batches(m.layer_ids, m.expert_ids, m.sizes, plan.rows)
+    batches = plan_batches(m.layer_ids, m.expert_ids, m.sizes, plan.rows, max(args.batch, 1))
     t0 = time.monotonic()
     outcome = run_batches(lambda: client_for(args.socket), args.model, batches, total,
                           max(args.parallel, 1))
