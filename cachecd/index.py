@@ -137,6 +137,7 @@ class Index:
         self._flush_requested = False
         self._queue: queue.Queue[Any] = queue.Queue()
         self._closed = False
+        self._submit_lock = threading.Lock()
         try:
             self._migrate()
         except BaseException:
@@ -155,10 +156,11 @@ class Index:
         never be evicted from.
         """
         fut: Future[T] = Future()
-        if self._closed:
-            fut.set_exception(errors.ShuttingDown("the index is closed"))
-            return fut
-        self._queue.put((fn, fut, frees))
+        with self._submit_lock:  # nothing may be queued behind _STOP, it would never run
+            if self._closed:
+                fut.set_exception(errors.ShuttingDown("the index is closed"))
+                return fut
+            self._queue.put((fn, fut, frees))
         return fut
 
     def _writer(self) -> None:
@@ -221,10 +223,11 @@ class Index:
         log.info("event=index_map_grown old=%d new=%d", current, new)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(_STOP)
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(_STOP)
         self._thread.join()
         self.env.close()
 

@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import threading
@@ -39,6 +40,8 @@ from cachecd.policies import EvictionPolicy, make_policy
 from cachecd.recovery import RecoveryReport, mark_clean, recover
 
 log = logging.getLogger(__name__)
+
+_RESTORED_HITS_CAP = 8
 
 
 class Store:
@@ -62,7 +65,10 @@ class Store:
         self._closed = False
         counts = index.load_digest_access()
         for digest, entry in sorted(entries.items(), key=lambda kv: counts.get(kv[0], (0, 0))[1]):
-            policy.on_insert(digest, entry.size, counts.get(digest, (0, 0.0))[0])
+            # Lifetime counts are capped: the policy's aging restarts at 0, and an expert that
+            # was hot last month must not outrank today's hot set for weeks.
+            hits = min(counts.get(digest, (0, 0.0))[0], _RESTORED_HITS_CAP)
+            policy.on_insert(digest, entry.size, hits)
             budget.add_used(entry.size)
 
     # ---- open / close ------------------------------------------------------------------
@@ -146,9 +152,14 @@ class Store:
             raise errors.ExpertNotFound(f"blob {digest} is not in the cache")
         try:
             fd, size = self.blobs.open_read(entry.dir_index, digest)
-        except OSError as exc:
-            self._drop(digest, entry, quarantine=not isinstance(exc, FileNotFoundError))
+        except (FileNotFoundError, IsADirectoryError) as exc:
+            self._drop(digest, entry, quarantine=False)
             raise errors.ExpertNotFound(f"blob {digest} vanished from the cache ({exc})") from exc
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:  # EMFILE, EIO...: not the blob's fault, keep it
+                raise errors.Internal(f"cannot open blob {digest}: {exc}") from exc
+            self._drop(digest, entry, quarantine=True)  # a symlink planted at a blob path
+            raise errors.ExpertNotFound(f"blob {digest} was not a regular file") from exc
         if size != entry.size:
             os.close(fd)
             self._drop(digest, entry, quarantine=True)
@@ -228,6 +239,26 @@ class Store:
     def _write_and_index(
         self, digest: str, data: bytes | memoryview, nbytes: int, res: Reservation
     ) -> None:
+        try:
+            entry = self._write_once(digest, data, nbytes)
+        except errors.DiskFull:
+            # With no byte budget the free space is the budget: make room by policy and try
+            # once more. With a budget the operator sized the cache; a full disk is theirs.
+            if self.budget.limit or not self.evict_sync(nbytes=2 * nbytes + 1):
+                raise
+            log.warning("event=disk_full_evicted digest=%s", digest)
+            entry = self._write_once(digest, data, nbytes)
+        crash_point("after_index_commit")
+        with self._mu:
+            if digest in self._entries:
+                self.budget.release(res)  # a racing commit of the same bytes won
+                return
+            self.budget.commit(res, nbytes)
+            self._entries[digest] = entry
+            self.policy.on_insert(digest, nbytes)
+            self._counters["inserts"] += 1
+
+    def _write_once(self, digest: str, data: bytes | memoryview, nbytes: int) -> Entry:
         dir_index = self.blobs.write_blob(digest, data)
         crash_point("before_index_commit")
         entry = Entry(dir_index, nbytes, time.time())
@@ -238,15 +269,7 @@ class Store:
             # eats disk outside the budget.
             self.blobs.unlink(dir_index, digest)
             raise
-        crash_point("after_index_commit")
-        with self._mu:
-            if digest in self._entries:
-                self.budget.release(res)  # a racing commit of the same bytes won
-                return
-            self.budget.commit(res, nbytes)
-            self._entries[digest] = entry
-            self.policy.on_insert(digest, nbytes)
-            self._counters["inserts"] += 1
+        return entry
 
     def _put_row(self, digest: str, entry: Entry) -> None:
         try:
@@ -421,7 +444,9 @@ class Store:
         (``await asyncio.wrap_future(...)`` from async code)."""
         with self._mu:
             self._models[key] = dict(record)
-        return self.index.put_model(key, record)
+        fut = self.index.put_model(key, record)
+        _log_failure(fut, "put_model")
+        return fut
 
     def delete_model(self, key: str) -> Future[None]:
         with self._mu:

@@ -211,14 +211,16 @@ def test_eviction_does_not_cut_a_read_short(tmp_path: Path) -> None:
 def test_missing_and_short_blob_on_open_drop_the_row(tmp_path: Path) -> None:
     async def go() -> None:
         store = await Store.open([tmp_path])
-        gone, short = await put(store, 1), await put(store, 2)
+        gone, short, link = await put(store, 1), await put(store, 2), await put(store, 3)
         store.blobs.path(0, gone).unlink()
         os.truncate(store.blobs.path(0, short), 10)
-        for d in (gone, short):
+        os.rename(store.blobs.path(0, link), tmp_path / "outside")
+        store.blobs.path(0, link).symlink_to(tmp_path / "outside")
+        for d in (gone, short, link):
             with pytest.raises(errors.ExpertNotFound):
                 store.open_blob(d)
             assert not store.has(d)
-        assert len(list((tmp_path / "quarantine").iterdir())) == 1
+        assert len(list((tmp_path / "quarantine").iterdir())) == 2
         assert store.stats()["bytes"] == 0
         await put(store, 1)  # a refetch works
         await store.close()
@@ -442,7 +444,7 @@ def _fill_file(path: Path) -> None:
 
 
 async def _filler_scenario(mnt: Path) -> None:
-    store = await Store.open([mnt])
+    store = await Store.open([mnt], budget=1 << 40)
     before = await put(store, 1, 4096)
     filler = mnt / "filler"
     with pytest.raises(OSError):
@@ -457,7 +459,7 @@ async def _filler_scenario(mnt: Path) -> None:
     assert list((mnt / "tmp").iterdir()) == []
     entries = store.stats()["entries"]
     await store.close()
-    again = await Store.open([mnt])
+    again = await Store.open([mnt], budget=1 << 40)
     assert again.stats()["entries"] == entries and again.recovery.rows_dropped == 0
     assert read_all(again, before) == blob(1, 4096)[1]
     filler.unlink()
@@ -489,3 +491,26 @@ def test_full_scan_only_after_an_unclean_stop(tmp_path: Path) -> None:
         await forced.close()
 
     run(go())
+
+
+def test_no_budget_means_free_space_is_the_budget() -> None:
+    """Budget 0 on a full disk evicts by policy instead of failing every miss."""
+    mnt = _mount_tmpfs("8m")
+    try:
+        run(_free_space_scenario(mnt))
+        assert fsck([mnt]).exit_code == 0
+    finally:
+        _umount(mnt)
+
+
+async def _free_space_scenario(mnt: Path) -> None:
+    store = await Store.open([mnt])
+    hot = await put(store, 0, 1024 * 1024)
+    for i in range(1, 20):
+        store.touch(hot)
+        await put(store, i, 1024 * 1024)
+    st = store.stats()
+    assert st["evictions"] > 0 and st["entries"] < 20 and store.has(hot)
+    assert read_all(store, blob(19, 1024 * 1024)[0]) == blob(19, 1024 * 1024)[1]
+    assert list((mnt / "tmp").iterdir()) == []
+    await store.close()
