@@ -68,8 +68,10 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
 
     store = await Store.open(settings.cache_dirs, budget=settings.budget, policy=settings.policy,
                              map_size=settings.map_size)
-    upstream = Upstream(settings.endpoint, get_token(), offline=settings.offline,
-                        max_parallel=settings.max_parallel)
+    # huggingface_hub may fetch a small registry synchronously the first time it builds headers:
+    # keep that off the event loop.
+    upstream = await asyncio.to_thread(Upstream, settings.endpoint, get_token(),
+                                       offline=settings.offline, max_parallel=settings.max_parallel)
     daemon = Daemon(settings, store, upstream)
     await daemon.registry.load_registered()
     for path in settings.manifests:

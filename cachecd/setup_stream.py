@@ -132,7 +132,7 @@ async def fetch_resident(manifest: Any, local: Path, settings: Settings) -> int:
     writer = ResidentWriter(manifest, local)
     if writer.done():
         return 0
-    upstream = Upstream(settings.endpoint, get_token(), offline=settings.offline)
+    upstream = await asyncio.to_thread(Upstream, settings.endpoint, get_token(), offline=settings.offline)
     total = manifest.resident_bytes_total
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="resident weights", disable=None)
     try:
