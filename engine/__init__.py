@@ -1,1 +1,8 @@
-"""MLX engine: mlx-lm models whose expert banks are streamed through the cachecd daemon."""
+"""MLX engine: mlx-lm models whose expert banks are streamed through the cachecd daemon.
+
+Modules (imported on demand; importing this package does not import mlx):
+``loader`` (load a model dir with streamed banks), ``streamed_moe`` (the bank, ExpertSource,
+EngineStats), ``formats`` (expert bytes -> mx arrays), ``ram_tier`` (LRU of decoded experts),
+``prefetch`` (next-layer hints), ``local_source`` (experts read from a local checkpoint),
+``daemon_source`` (experts through the daemon), ``run`` (``cachecd run``).
+"""
