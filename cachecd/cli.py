@@ -23,6 +23,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.setup_stream",
     "cachecd.serve",
     "cachecd.ctl",
+    "cachecd.service",
     "cachecd_engine.run",
     "cachecd.demo",
     "cachecd.warm",

@@ -85,8 +85,11 @@ TRACE_PATH: str | None = os.environ.get("CACHECD_TRACE") or None
 # Managed service (service*.py): where unit files go and what of the installing shell the service
 # sees. HF_TOKEN is deliberately absent: a token never goes into a unit file; the service reads
 # huggingface_hub's token file instead.
-SERVICE_LABEL = "io.cachecd.daemon"
-SYSTEMD_UNIT = "cachecd.service"
+# CACHECD_SERVICE_INSTANCE names a second, separate service (tests use one so that a real install
+# never touches the user's own); service_manager validates it.
+SERVICE_INSTANCE = os.environ.get("CACHECD_SERVICE_INSTANCE", "")
+SERVICE_LABEL = "io.cachecd.daemon" + (f".{SERVICE_INSTANCE}" if SERVICE_INSTANCE else "")
+SYSTEMD_UNIT = APP + (f"-{SERVICE_INSTANCE}" if SERVICE_INSTANCE else "") + ".service"
 SYSTEMD_USER_DIR = Path(
     os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
 ) / "systemd" / "user"
@@ -95,11 +98,13 @@ LAUNCHD_LOG_DIR = Path.home() / "Library" / "Logs" / APP
 _SERVICE_ENV_KEYS = (
     "HF_HOME", "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_TOKEN_PATH", "HF_HUB_DISABLE_TELEMETRY",
 )
-_SERVICE_ENV_SKIP = ("CACHECD_CRASH_AT", "CACHECD_CONFIG")
+_SERVICE_ENV_SKIP = ("CACHECD_CRASH_AT", "CACHECD_CONFIG", "CACHECD_SERVICE_INSTANCE")
 SERVICE_ENV: dict[str, str] = {
     k: v for k, v in sorted(os.environ.items())
     if k in _SERVICE_ENV_KEYS or (k.startswith(ENV_PREFIX) and k not in _SERVICE_ENV_SKIP)
 }
+# The config file the CLI reads now (as config.load_settings finds it); pinned into the service.
+ACTIVE_CONFIG_FILE = Path(os.environ.get("CACHECD_CONFIG") or str(DEFAULT_CONFIG_FILE))
 HF_TOKEN_IN_ENV: bool = bool(os.environ.get("HF_TOKEN"))
 HF_TOKEN_PATH: str = hf_constants.HF_TOKEN_PATH
 
