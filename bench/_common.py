@@ -93,6 +93,15 @@ class Served:
         self.daemons.append(d)
         return d
 
+    @contextlib.contextmanager
+    def running_daemon(self) -> Iterator[DaemonProcess]:
+        """A started daemon with a fresh cache, stopped and removed at the end."""
+        d = self.daemon()
+        try:
+            yield d
+        finally:
+            self.drop(d)
+
     def drop(self, d: DaemonProcess) -> None:
         """Stop a daemon and remove its cache (a cold cache for the next one)."""
         d.stop()

@@ -1,101 +1,196 @@
-"""Decode tokens/s: streamed (warm RAM tier) vs the fully resident mlx-lm model, same process.
+"""Decode tokens/s: the streamed engine through a real daemon vs the fully resident mlx-lm model.
 
-Writes the tiny K3 checkpoint to a temp dir, loads it twice (``mlx_lm.utils.load_model`` and the
-streamed loader over a LocalSource), warms the RAM tier, then alternates rounds so both see the
-same machine load. Prints each round and the ratio of medians (streamed / resident); the bar is
->= 0.9. Not a test: numbers depend on the machine.
+The default tiny K3 checkpoint is served by ``cachecd hub serve``; ``cachecd setup --stream``
+installs it and starts a daemon; every expert is then cached on disk (one warm-up pass). In one
+process, alternating rounds, the same greedy decode (one ``mx.eval`` per token, the model's own
+KV cache, the same prompt) runs on:
+  resident: ``mlx_lm.utils.load_model(checkpoint_dir)``, every weight in memory;
+  warm:     ``cachecd_engine.run.load(repo, socket, ram_bytes=...)`` with a RAM tier that holds
+            every expert (after warm-up no layer asks the daemon);
+  ram0:     the same with a RAM tier of 0 bytes: every MoE layer of every token asks the daemon.
+All three must emit the same tokens. Prints tok/s (wall clock, and per CPU second of this
+process, which other load on a shared machine disturbs less), the streamed engines' per-token
+breakdown from ``model.bank.stats``, and ratio = warm / resident (the bar is >= 0.9).
 
-    python bench/engine.py [--fmt mxfp4|fp32] [--rounds 7] [--tokens 64]
+``--source local`` skips the daemon: the streamed engine reads the checkpoint in-process
+(``LocalSource``), which isolates the engine's own cost from the daemon's.
+
+    python bench/engine.py [--fmt mxfp4|fp32] [--tokens 64] [--rounds 7] [--source daemon|local]
+                           [--dir /tmp]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import tempfile
+import contextlib
+import os
+import shutil
+import signal
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
-from cachecd_engine.loader import load
-from cachecd_engine.local_source import LocalSource, manifest_from_dir
-from mlx_lm import stream_generate
-from mlx_lm.sample_utils import make_sampler
+from _common import Served, add_common_args, alternate, median, served_checkpoint
 from mlx_lm.utils import load_model
 
-from cachecd.tiny_model import write_tiny_model
+from tests.harness import run_cli, short_tmp
 
+REPO = "bench/tiny-k3"
 PROMPT = "Once upon a time, in a land far away, a tiny model streamed its experts"
+RAM_ALL = 1 << 30  # far more than every tiny expert decoded
 
 
-def decode_tps(model, prompt: mx.array, tokens: int) -> tuple[float, float]:
-    """Greedy decode with one sync per token (the loop a simple caller writes).
+@dataclass
+class Case:
+    model: Any
+    tps: list[float] = field(default_factory=list)
+    cpu_tps: list[float] = field(default_factory=list)
+    per_token: dict[str, list[float]] = field(default_factory=dict)
+    tokens: list[int] = field(default_factory=list)
 
-    Returns (tokens/s by the wall clock, tokens per CPU second of this process); the second is
-    less disturbed by other processes on a shared machine.
-    """
+
+def decode(model: Any, prompt: mx.array, n: int) -> tuple[float, float, list[int]]:
+    """Greedy decode of ``n`` tokens after the prompt; (wall s, CPU s, token ids)."""
     cache = model.make_cache()
     logits = model(prompt, cache=cache)
     mx.eval(logits)
+    out: list[int] = []
     t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(tokens):
-        logits = model(mx.argmax(logits[:, -1], axis=-1)[:, None], cache=cache)
+    for _ in range(n):
+        tok = mx.argmax(logits[:, -1], axis=-1)
+        logits = model(tok[:, None], cache=cache)
         mx.eval(logits)
-    return tokens / (time.perf_counter() - t0), tokens / (time.process_time() - c0)
+        out.append(int(tok.item()))
+    return time.perf_counter() - t0, time.process_time() - c0, out
 
 
-def generate_tps(model, tokenizer, tokens: int) -> float:
-    """mlx-lm's own generation loop (async eval pipelining included), as a user runs it."""
-    last = None
-    for last in stream_generate(
-        model, tokenizer, PROMPT, max_tokens=tokens, sampler=make_sampler(temp=0.0)
-    ):
-        pass
-    assert last is not None
-    return float(last.generation_tps)
+def runner(case: Case, prompt: mx.array, n: int) -> Callable[[], float]:
+    def run() -> float:
+        bank = getattr(case.model, "bank", None)
+        if bank is not None:
+            bank.stats.reset()
+        wall, cpu, toks = decode(case.model, prompt, n)
+        case.tps.append(n / wall)
+        case.cpu_tps.append(n / cpu)
+        if case.tokens and toks != case.tokens:
+            raise SystemExit("the same greedy decode emitted different tokens across rounds")
+        case.tokens = toks
+        if bank is not None:
+            for k, v in bank.stats.snapshot().items():
+                case.per_token.setdefault(k, []).append(v / n)
+        return n / wall
+
+    return run
 
 
-def main() -> None:
+@contextlib.contextmanager
+def installed(served: Served) -> Iterator[Path]:
+    """``cachecd setup --stream`` into a short temp dir; yields the socket; stops the daemon."""
+    base = short_tmp("cdeng")
+    sock = base / "run" / "s.sock"
+    try:
+        run_cli("setup", "--stream", served.repo, "--endpoint", served.hub.url,
+                "--socket", str(sock), "--cache-dir", str(base / "cache"),
+                "--models-dir", str(base / "models"), "--manifest", str(served.manifest_path))
+        yield sock
+    finally:
+        _stop_daemon(sock)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _stop_daemon(sock: Path) -> None:
+    from cachecd_client import Client
+
+    from cachecd.errors import DaemonUnavailable
+
+    try:
+        with Client(sock, timeout=5) as c:
+            pid = int(c.health()["pid"])
+    except DaemonUnavailable:
+        return
+    os.kill(pid, signal.SIGTERM)
+    for _ in range(400):
+        if not sock.exists():
+            return
+        time.sleep(0.05)
+
+
+def warm_disk(sock: Path, served: Served) -> None:
+    from cachecd_client import Client
+
+    m = served.manifest
+    with Client(sock) as c:
+        for layer in m.moe_layers:
+            c.experts(served.repo, layer, list(range(m.experts_per_layer)))
+
+
+@contextlib.contextmanager
+def streamed_models(served: Served, source: str) -> Iterator[tuple[Any, Any, Any]]:
+    """(warm model, RAM-0 model, tokenizer), through the daemon or an in-process LocalSource."""
+    if source == "daemon":
+        from cachecd_engine.run import load
+
+        with installed(served) as sock:
+            warm_disk(sock, served)
+            warm, tok = load(served.repo, sock, ram_bytes=RAM_ALL)
+            ram0, _ = load(served.repo, sock, ram_bytes=0)
+            try:
+                yield warm, ram0, tok
+            finally:
+                warm.bank.source.close()
+                ram0.bank.source.close()
+        return
+    from cachecd_engine.loader import load as load_dir
+    from cachecd_engine.local_source import LocalSource, manifest_from_dir
+
+    with LocalSource(manifest_from_dir(served.repo_dir), served.repo_dir, verify=False) as src:
+        warm, tok = load_dir(served.repo_dir, src, ram_bytes=RAM_ALL)
+        ram0, _ = load_dir(served.repo_dir, src, ram_bytes=0)
+        yield warm, ram0, tok
+
+
+def report(cases: dict[str, Case], n: int) -> None:
+    ref = median(cases["resident"].tps)
+    ref_cpu = median(cases["resident"].cpu_tps)
+    for name, c in cases.items():
+        print(f"{name:9s} tok/s={median(c.tps):7.1f} (x{median(c.tps) / ref:.3f})   "
+              f"tok/CPU-s={median(c.cpu_tps):7.1f} (x{median(c.cpu_tps) / ref_cpu:.3f})")
+    for name in ("warm", "ram0"):
+        s = {k: median(v) for k, v in cases[name].per_token.items()}
+        print(f"{name:9s} per token: {s['layer_calls']:.0f} MoE layer calls, "
+              f"{s['experts_routed']:.1f} experts routed, {s['ram_hits']:.1f} RAM hits, "
+              f"{s['source_hits']:.1f} from the source ({s['source_bytes']:.0f} B), "
+              f"source wait {s['source_wait_s'] * 1e3:.2f} ms, decode {s['decode_s'] * 1e3:.2f} ms, "
+              f"whole token {1e3 / median(cases[name].tps):.2f} ms "
+              f"(resident {1e3 / ref:.2f} ms)")
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(ap, rounds=7)
     ap.add_argument("--fmt", default="mxfp4", choices=["mxfp4", "fp32"])
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--tokens", type=int, default=64)
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="cd-bench-engine-") as tmp:
-        ckpt = write_tiny_model(Path(tmp) / "tiny", seed=0, fmt=args.fmt)
-        resident, _ = load_model(ckpt)
-        with LocalSource(manifest_from_dir(ckpt), ckpt, verify=False) as source:
-            streamed, tokenizer = load(ckpt, source, ram_bytes=1 << 30)
+    ap.add_argument("--tokens", type=int, default=64, help="greedy decode steps a round")
+    ap.add_argument("--source", default="daemon", choices=["daemon", "local"])
+    args = ap.parse_args(argv)
+    with served_checkpoint(args.dir, REPO, fmt=args.fmt) as served:
+        resident, _ = load_model(served.repo_dir)
+        with streamed_models(served, args.source) as (warm, ram0, tokenizer):
             prompt = mx.array(tokenizer.encode(PROMPT))[None]
-            for m in (resident, streamed):  # warm-up: kernels, and the RAM tier
-                decode_tps(m, prompt, args.tokens)
-                generate_tps(m, tokenizer, args.tokens)
-            streamed.bank.stats.reset()
-            keys = ("res_dec", "str_dec", "res_cpu", "str_cpu", "res_gen", "str_gen")
-            rows: dict[str, list[float]] = {k: [] for k in keys}
-            for r in range(args.rounds):
-                for who, m in (("res", resident), ("str", streamed)):
-                    wall, cpu = decode_tps(m, prompt, args.tokens)
-                    rows[f"{who}_dec"].append(wall)
-                    rows[f"{who}_cpu"].append(cpu)
-                rows["res_gen"].append(generate_tps(resident, tokenizer, args.tokens))
-                rows["str_gen"].append(generate_tps(streamed, tokenizer, args.tokens))
-                print(f"round={r} " + " ".join(f"{k}={v[-1]:.1f}" for k, v in rows.items()))
-            stats = streamed.bank.stats
-            print(f"streamed ram_hits={stats.ram_hits} source_hits={stats.source_hits}")
-    med = {k: statistics.median(v) for k, v in rows.items()}
-    print(
-        f"fmt={args.fmt} decode tok/s: resident={med['res_dec']:.1f} streamed={med['str_dec']:.1f}"
-        f" ratio={med['str_dec'] / med['res_dec']:.3f}"
-    )
-    print(
-        f"fmt={args.fmt} decode tok per CPU-s: resident={med['res_cpu']:.1f}"
-        f" streamed={med['str_cpu']:.1f} ratio={med['str_cpu'] / med['res_cpu']:.3f}"
-    )
-    print(
-        f"fmt={args.fmt} stream_generate tok/s: resident={med['res_gen']:.1f}"
-        f" streamed={med['str_gen']:.1f} ratio={med['str_gen'] / med['res_gen']:.3f}"
-    )
+            cases = {"resident": Case(resident), "warm": Case(warm), "ram0": Case(ram0)}
+            alternate({k: runner(c, prompt, args.tokens) for k, c in cases.items()},
+                      args.rounds, lambda k, v: f"{k}={v:.1f}tok/s")
+    for c in cases.values():  # drop the warm-up round
+        for values in (c.tps, c.cpu_tps, *c.per_token.values()):
+            del values[0]
+    if len({tuple(c.tokens) for c in cases.values()}) != 1:
+        raise SystemExit("streamed and resident greedy decodes emitted different tokens")
+    print(f"engine: fmt={args.fmt} source={args.source} {args.tokens} tokens a round, "
+          f"rounds={args.rounds}, same tokens from all three")
+    report(cases, args.tokens)
+    print(f"ratio={median(cases['warm'].tps) / median(cases['resident'].tps):.3f}")
 
 
 if __name__ == "__main__":

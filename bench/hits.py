@@ -62,11 +62,11 @@ def _check(served: Served, layer: int, ids: list[int], bufs: list[np.ndarray], w
 def measure(served: Served, *, n_ids: int, reps: int, readers: int, rounds: int) -> HitsResult:
     """Warm the daemon, then alternate ours/raw; GiB/s are medians over rounds."""
     m = served.manifest
-    d = served.daemon()
     layers = list(m.moe_layers)
     ids = list(range(min(n_ids, m.experts_per_layer)))
     size = int(m.sizes.max())
-    with d.client(readers=readers) as client, ThreadPoolExecutor(readers) as pool:
+    with (served.running_daemon() as d, d.client(readers=readers) as client,
+          ThreadPoolExecutor(readers) as pool):
         for layer in layers:  # the warm-up pass: every expert fetched, verified, cached
             client.experts(served.repo, layer, list(range(m.experts_per_layer)))
         paths = {layer: served.blob_paths(d.cache_dir, layer, ids) for layer in layers}

@@ -59,9 +59,9 @@ def plan_token(served: Served, calls: int, n_ids: int, seed: int = 0) -> list[tu
 
 def measure(served: Served, *, calls: int, n_ids: int, readers: int, rounds: int) -> OverheadResult:
     m = served.manifest
-    d = served.daemon()
     token = plan_token(served, calls, n_ids)
-    with d.client(readers=readers) as client, ThreadPoolExecutor(readers) as pool:
+    with (served.running_daemon() as d, d.client(readers=readers) as client,
+          ThreadPoolExecutor(readers) as pool):
         for layer in m.moe_layers:  # warm: every expert cached
             client.experts(served.repo, layer, list(range(m.experts_per_layer)))
         paths = [served.blob_paths(d.cache_dir, layer, ids) for layer, ids in token]

@@ -1,0 +1,94 @@
+"""The benches still run: each core function at a tiny size, real hub and daemon processes.
+
+Nothing here looks at a timing: a bench that rots (an API it calls changed, bytes that no longer
+match the manifest, a last line that is not ``ratio=X``) fails; a slow machine does not.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+RATIO_LINE = re.compile(r"^ratio=\d+\.\d{3}$")
+
+
+def _load(name: str) -> ModuleType:
+    # The benches import their helpers by plain name, as they do when run as scripts; the
+    # modules themselves get prefixed names so they cannot shadow the repo's engine/ package.
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[object]:
+    _load("hits")  # puts bench/ on sys.path: _common is then the module the benches share
+    common = importlib.import_module("_common")
+    with common.served_checkpoint("/tmp", "bench/smoke", experts=8, layers=3) as s:
+        yield s
+    assert not s.work.exists(), "the bench left its work dir behind"
+
+
+def _finite_positive(*values: float) -> None:
+    for v in values:
+        assert math.isfinite(v) and v > 0, values
+
+
+def _last_line(capsys: pytest.CaptureFixture[str]) -> str:
+    return capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_hits_core(served) -> None:  # type: ignore[no-untyped-def]
+    res = _load("hits").measure(served, n_ids=4, reps=1, readers=2, rounds=1)
+    _finite_positive(res.ours_gibs, res.raw_gibs, res.ratio)
+    assert res.bytes_per_case == 4 * int(served.manifest.sizes.max())
+    assert not served.daemons, "the bench must stop its daemon"
+
+
+def test_overhead_core(served) -> None:  # type: ignore[no-untyped-def]
+    overhead = _load("overhead")
+    token = overhead.plan_token(served, 7, 4)
+    assert [layer for layer, _ in token] == [
+        served.manifest.moe_layers[i % len(served.manifest.moe_layers)] for i in range(7)
+    ]
+    assert all(len(ids) == 4 == len(set(ids)) for _, ids in token)
+    res = overhead.measure(served, calls=3, n_ids=4, readers=2, rounds=1)
+    _finite_positive(res.ours_s, res.raw_s, res.ratio)
+    assert res.requests == 12
+    assert not served.daemons, "the bench must stop its daemon"
+
+
+def test_cold_core(served) -> None:  # type: ignore[no-untyped-def]
+    cold = _load("cold")
+    ids = cold.pick_ids(served, 3, "random")
+    assert len(set(ids)) == 3 and ids == sorted(ids)
+    res = cold.measure(served, ids=ids, rounds=1, parallel=2)
+    _finite_positive(res.ours_mbs, res.curl_mbs, res.curl_fsync_mbs, res.ratio)
+    assert res.nbytes == sum(served.manifest.expert(served.manifest.moe_layers[0], e).nbytes
+                             for e in ids)
+    assert not served.daemons, "every round must stop its daemon"
+
+
+def test_overhead_script_ends_with_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    _load("overhead").main(["--calls", "2", "--ids", "3", "--rounds", "1", "--readers", "2"])
+    assert RATIO_LINE.match(_last_line(capsys))
+
+
+def test_engine_script_ends_with_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    _load("engine").main(["--rounds", "1", "--tokens", "2"])
+    out = capsys.readouterr().out
+    assert "same tokens from all three" in out
+    assert RATIO_LINE.match(out.strip().splitlines()[-1])
