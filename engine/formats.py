@@ -101,10 +101,11 @@ def _to_mx(view: np.ndarray, dtype: str) -> mx.array:
 
 def tensor_views(entry: ExpertLayout, buf: Buffer) -> Raw:
     """Split an expert's bytes into its tensors, keyed by (projection, checkpoint suffix)."""
-    buf = memoryview(buf).cast("B")  # any contiguous buffer: bytes, mmap, numpy array
-    if buf.nbytes != entry.nbytes:
+    # Any contiguous buffer: bytes, mmap, a numpy array from the daemon client.
+    mv = (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
+    if mv.nbytes != entry.nbytes:
         raise errors.ExpertSizeMismatch(
-            f"expert buffer has {buf.nbytes} bytes, its manifest entry says {entry.nbytes}"
+            f"expert buffer has {mv.nbytes} bytes, its manifest entry says {entry.nbytes}"
         )
     out: Raw = {}
     for tensor, offset in zip(entry.tensors, entry.blob_offsets, strict=True):
@@ -115,7 +116,7 @@ def tensor_views(entry: ExpertLayout, buf: Buffer) -> Raw:
                 f"expert tensor {tensor.name!r} ({tensor.dtype}) is not a known expert tensor"
             )
         count = tensor.nbytes // np.dtype(np_dtype).itemsize
-        view = np.frombuffer(buf, dtype=np_dtype, count=count, offset=offset)
+        view = np.frombuffer(mv, dtype=np_dtype, count=count, offset=offset)
         proj = PROJECTIONS.get(m.group(1), m.group(1))
         out[(proj, m.group(2))] = _to_mx(view.reshape(tensor.shape), tensor.dtype)
     return out

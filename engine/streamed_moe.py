@@ -102,9 +102,10 @@ class ExpertBank:
         t1 = time.perf_counter()
         out: dict[int, DecodedExpert] = {}
         for e, buf in zip(missing, bufs, strict=True):
-            decoded = decode_expert(self.spec, self.source.entry(layer, e), buf)
+            entry = self.source.entry(layer, e)
+            decoded = decode_expert(self.spec, entry, buf)  # checks len(buf) == entry.nbytes
             self.ram.put(layer, e, decoded)
-            self.stats.source_bytes += memoryview(buf).nbytes
+            self.stats.source_bytes += entry.nbytes
             out[e] = decoded
         self.stats.source_hits += len(missing)
         self.stats.source_wait_s += t1 - t0
