@@ -182,7 +182,7 @@ class Index:
                         fut.set_result(self._write(fn, frees))
                     except BaseException as exc:  # noqa: BLE001 - handed to the caller
                         fut.set_exception(exc)
-            if self._pending_count() >= self._flush_every or time.monotonic() >= next_flush:
+            if len(self._pending) >= self._flush_every or time.monotonic() >= next_flush:
                 self._flush_pending()
                 next_flush = time.monotonic() + self._flush_interval
 
@@ -230,15 +230,6 @@ class Index:
             self._queue.put(_STOP)
         self._thread.join()
         self.env.close()
-
-    def sync(self) -> None:
-        """Block until everything submitted before now (and pending access stats) is written."""
-        self._wait(self.submit(lambda txn: None))
-        self.flush_access()
-
-    @staticmethod
-    def _wait(fut: Future[T]) -> T:
-        return fut.result()
 
     # ---- reads (any thread) ------------------------------------------------------------
 
@@ -385,10 +376,7 @@ class Index:
 
     def flush_access(self) -> None:
         """Write pending access stats now (from any thread; waits for the writer)."""
-        self._wait(self.submit(self._flush_op_from_pending()))
-
-    def _pending_count(self) -> int:
-        return len(self._pending)
+        self.submit(self._flush_op_from_pending()).result()
 
     def _take_pending(self) -> dict[bytes, tuple[int, float]]:
         with self._pending_lock:

@@ -273,7 +273,7 @@ def test_two_dirs_spread_and_recover(tmp_path: Path) -> None:
     async def go() -> None:
         store = await Store.open(dirs)
         digests = [await put(store, i) for i in range(30)]
-        used = {store._entries[d].dir_index for d in digests}
+        used = {store.ledger.entries[d].dir_index for d in digests}
         assert used == {0, 1}
         await store.close()
         again = await Store.open(dirs)
