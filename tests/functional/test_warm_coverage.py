@@ -268,3 +268,58 @@ def test_ctrl_c_loses_nothing_and_a_rerun_resumes(tiny_manifest, tiny_dir, tiny_
             assert fake.count("cdn_get") <= ranges
         finally:
             d.cleanup()
+
+
+PROMPTS = ["Experts stream from the hub into a verified cache.",
+           "A second prompt routes to other experts, layer after layer."]
+
+
+@pytest.fixture
+def installed(hub, tiny_manifest_path):  # type: ignore[no-untyped-def]
+    from tests.harness import short_tmp
+
+    base = short_tmp("cdw")
+    sock = base / "run" / "s.sock"
+    run_cli("setup", "--stream", TINY_REPO, "--endpoint", hub.url, "--socket", str(sock),
+            "--cache-dir", str(base / "cache"), "--models-dir", str(base / "models"),
+            "--manifest", str(tiny_manifest_path))
+    inst = DaemonProcess(hub.url, cache_dir=base / "cache", socket=sock)
+    yield inst
+    from cachecd_client import Client
+
+    with Client(sock) as c:
+        pid = c.health()["pid"]
+    os.kill(pid, signal.SIGTERM)
+    for _ in range(400):
+        if not sock.exists():
+            break
+        time.sleep(0.05)
+    inst.cleanup()
+
+
+def test_warm_prompts_records_use_and_run_trace_replays(installed, tiny_manifest, tmp_path):
+    from cachecd_engine.trace import read_trace
+
+    m, d = tiny_manifest, installed
+    prompts, saved = tmp_path / "p.txt", tmp_path / "w.jsonl"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    got, proc = _warm(d, "--prompts", str(prompts), "--max-new", "2", "--save-trace", str(saved))
+    assert got["hit_rate_before"] == 0.0 and got["hit_rate_after"] == 1.0  # setup fetched none
+    with d.client() as c:
+        cached, access = _detail(c, m)
+        assert got["fetched"] == int(cached.sum()) == c.stats()["counters"]["fetched_experts"]
+    assert len(_blobs_on_disk(d)) == got["fetched"] > 0
+    trace = read_trace(saved)
+    assert {layer for layer, _ in trace.counts} == set(m.moe_layers)
+    for layer, expert in trace.counts:
+        assert cached[m.row(layer, expert)] and access[m.row(layer, expert)] > 0  # use recorded
+    flag, env = tmp_path / "run.jsonl", tmp_path / "env.jsonl"
+    common = ["run", "--model", TINY_REPO, "--prompt", PROMPTS[0], "--max-new", "2",
+              "--socket", str(d.socket)]
+    run_cli(*common, "--trace", str(flag))
+    run_cli(*common, env={"CACHECD_TRACE": str(env)})
+    by_flag, by_env = read_trace(flag), read_trace(env)
+    assert by_flag.counts == by_env.counts and by_flag.steps >= 2 and by_flag.model == TINY_REPO
+    assert set(by_flag.counts) <= set(trace.counts)  # the same prompt routes the same way
+    got, _ = _warm(d, "--trace", str(flag))
+    assert got["fetched"] == 0 and got["hit_rate_before"] == 1.0
