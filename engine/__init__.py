@@ -6,3 +6,16 @@ EngineStats), ``formats`` (expert bytes -> mx arrays), ``ram_tier`` (LRU of deco
 ``prefetch`` (next-layer hints), ``local_source`` (experts read from a local checkpoint),
 ``daemon_source`` (experts through the daemon), ``run`` (``cachecd run``).
 """
+
+from typing import Any
+
+
+def load(repo: str, socket: Any = None, **kwargs: Any) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of a model installed with ``cachecd setup --stream``, as ``mlx_lm.load``
+    returns them; every routed expert comes through the daemon on ``socket``. See ``run.load``."""
+    from cachecd_engine.run import load as load_registered
+
+    return load_registered(repo, socket, **kwargs)
+
+
+__all__ = ["load"]
