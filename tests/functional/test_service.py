@@ -1,4 +1,4 @@
-"""`cachecd service` as a user runs it: real CLI subprocesses, real files, systemd-analyze, plistlib.
+"""`cachecd service` as a user runs it: CLI subprocesses, real files, systemd-analyze, plistlib.
 
 Everything that would touch the user's service manager runs with HOME in a temp dir and either
 --dry-run or a manager made unreachable on purpose. The round trip through a real systemd user
@@ -17,8 +17,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -45,8 +45,8 @@ def no_manager_env(home: Path, **extra: str) -> dict[str, str]:
 
 
 def cli(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CACHECD, *args], capture_output=True, text=True, env=env,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run([*CACHECD, *args], check=False, capture_output=True, text=True,
+                          env=env, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def files_under(root: Path) -> list[Path]:
@@ -88,7 +88,7 @@ def test_rendered_plist_parses_and_has_what_launchd_needs(home: Path) -> None:
     program = plist["ProgramArguments"]
     assert Path(program[0]).is_absolute() and os.access(program[0], os.X_OK)
     version = subprocess.run([*program[: program.index("serve")], "--version"],
-                             capture_output=True, text=True, timeout=60)
+                             check=False, capture_output=True, text=True, timeout=60)
     assert version.stdout.startswith("cachecd "), version
     assert program[program.index("--cache-dir") + 1] == str(cache)
     assert program[program.index("--budget") + 1] == str(2 << 30)
@@ -117,8 +117,8 @@ def systemd_verify(unit: Path, runtime: Path) -> subprocess.CompletedProcess[str
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze is not installed (Debian: apt-get install -y systemd)")
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "SYSTEMD_LOG_COLOR": "0"}
-    return subprocess.run(["systemd-analyze", "--user", "verify", str(unit)], capture_output=True,
-                          text=True, env=env, timeout=60)
+    return subprocess.run(["systemd-analyze", "--user", "verify", str(unit)], check=False,
+                          capture_output=True, text=True, env=env, timeout=60)
 
 
 def test_rendered_unit_passes_systemd_analyze_verify(home: Path) -> None:
@@ -180,13 +180,13 @@ def test_the_templates_ship_as_package_data(tmp_path: Path) -> None:
     assert {"cachecd.service", "io.cachecd.daemon.plist", "README.md"} <= shipped
     env = {**clean_env(tmp_path), "PYTHONPATH": str(build)}
     probe = subprocess.run(
-        [sys.executable, "-c", "import cachecd, cachecd_service_templates as t; "
-         "print(cachecd.__file__); print(t.__file__)"],
+        [sys.executable, "-c", ("import cachecd, cachecd_service_templates as t; "
+                                "print(cachecd.__file__); print(t.__file__)")],
         capture_output=True, text=True, env=env, timeout=60, check=True, cwd=tmp_path)
     assert all(line.startswith(str(build)) for line in probe.stdout.split())
     rendered = subprocess.run([sys.executable, "-m", "cachecd.cli", "service", "render",
-                               "--platform", "systemd"], capture_output=True, text=True,
-                              env=env, timeout=60, cwd=tmp_path)
+                               "--platform", "systemd"], check=False, capture_output=True,
+                              text=True, env=env, timeout=60, cwd=tmp_path)
     assert rendered.returncode == 0 and "ExecStart=" in rendered.stdout, rendered.stderr
 
 
@@ -298,12 +298,12 @@ def test_logs_dry_run_prints_the_command(home: Path, platform: str) -> None:
 def user_manager_state() -> str:
     if shutil.which("systemctl") is None:
         return "systemctl is not installed"
-    proc = subprocess.run(["systemctl", "--user", "is-system-running"], capture_output=True,
-                          text=True, timeout=30)
+    proc = subprocess.run(["systemctl", "--user", "is-system-running"], check=False,
+                          capture_output=True, text=True, timeout=30)
     state = proc.stdout.strip()
     if state in ("running", "degraded"):
         return ""
-    said = "; ".join(filter(None, (state, proc.stderr.strip()))) or f"nothing (rc {proc.returncode})"
+    said = "; ".join(filter(None, (state, proc.stderr.strip()))) or "nothing"
     return f"`systemctl --user is-system-running` says {said!r} (exit {proc.returncode})"
 
 
@@ -353,8 +353,8 @@ def test_round_trip_under_a_real_systemd_user_manager() -> None:
         gone = cli("service", "uninstall", "--platform", "systemd", env=env)
         assert gone.returncode == 0, gone.stderr
         assert _health_pid(sock) is None and not sock.exists()
-        state = subprocess.run(["systemctl", "--user", "is-active", unit], capture_output=True,
-                               text=True, timeout=30)
+        state = subprocess.run(["systemctl", "--user", "is-active", unit], check=False,
+                               capture_output=True, text=True, timeout=30)
         assert state.stdout.strip() in ("inactive", "unknown"), state.stdout
         assert "nothing to do" in cli("service", "uninstall", "--platform", "systemd",
                                       env=env).stdout
