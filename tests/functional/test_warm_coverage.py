@@ -67,25 +67,6 @@ def _wait_idle(c: Any) -> None:
     raise AssertionError("the daemon kept fetching")
 
 
-def test_access_counts_once_per_expert_per_request_and_survive_restart(daemon, tiny_manifest):
-    layer = tiny_manifest.moe_layers[1]
-    with daemon.client() as c:
-        c.experts(TINY_REPO, layer, [4, 4, 5])
-        c.experts(TINY_REPO, layer, [4])
-        assert _access(c, tiny_manifest, layer, 4) == 2
-        assert _access(c, tiny_manifest, layer, 5) == 1
-        assert c.stats()["counters"]["expert_requests"] == 3
-    assert daemon.stop() == 0
-    restarted = DaemonProcess(daemon.endpoint, [], cache_dir=daemon.cache_dir,
-                              socket=daemon.socket).start()
-    try:
-        with restarted.client() as c:
-            assert _access(c, tiny_manifest, layer, 4) == 2
-            assert _access(c, tiny_manifest, layer, 5) == 1
-    finally:
-        restarted.stop()
-
-
 def _flushed_access(cache_dir: Path, key: str) -> dict[tuple[int, int], int]:
     """The access rows committed to LMDB, read from outside the daemon (read-only)."""
     import lmdb
@@ -101,23 +82,37 @@ def _flushed_access(cache_dir: Path, key: str) -> dict[tuple[int, int], int]:
         env.close()
 
 
-def test_access_counts_are_flushed_in_batches_and_survive_kill_9(daemon, tiny_manifest):
-    layer = tiny_manifest.moe_layers[2]
+def test_access_counts_once_per_request_flushed_in_batches_survive_kill_9_and_restart(
+        daemon, tiny_manifest):
+    layer = tiny_manifest.moe_layers[1]
     with daemon.client() as c:
-        for _ in range(3):
-            c.experts(TINY_REPO, layer, [9, 10])
+        c.experts(TINY_REPO, layer, [4, 4, 5])  # a repeated id is one use of that expert
+        c.experts(TINY_REPO, layer, [4])
+        assert _access(c, tiny_manifest, layer, 4) == 2
+        assert _access(c, tiny_manifest, layer, 5) == 1
+        assert c.stats()["counters"]["expert_requests"] == 3
+    want = {(layer, 4): 2, (layer, 5): 1}
     for _ in range(200):  # the writer flushes on its own, no shutdown needed
-        if _flushed_access(daemon.cache_dir, tiny_manifest.key).get((layer, 10)) == 3:
+        if _flushed_access(daemon.cache_dir, tiny_manifest.key) == want:
             break
         time.sleep(0.05)
-    assert _flushed_access(daemon.cache_dir, tiny_manifest.key) == {(layer, 9): 3, (layer, 10): 3}
+    assert _flushed_access(daemon.cache_dir, tiny_manifest.key) == want
     daemon.kill()
-    again = DaemonProcess(daemon.endpoint, [], cache_dir=daemon.cache_dir, socket=daemon.socket).start()
+    again = DaemonProcess(daemon.endpoint, [], cache_dir=daemon.cache_dir, socket=daemon.socket)
     try:
-        with again.client() as c:
-            assert _access(c, tiny_manifest, layer, 9) == 3
+        with again.start().client() as c:
+            c.experts(TINY_REPO, layer, [5])
+            assert _access(c, tiny_manifest, layer, 4) == 2
+            assert _access(c, tiny_manifest, layer, 5) == 2
+        assert again.stop() == 0  # a clean stop flushes what is pending
     finally:
-        again.stop()
+        again.cleanup()
+    last = DaemonProcess(daemon.endpoint, [], cache_dir=daemon.cache_dir, socket=daemon.socket)
+    try:
+        with last.start().client() as c:
+            assert _access(c, tiny_manifest, layer, 5) == 2
+    finally:
+        last.cleanup()
 
 
 def test_warm_top_bytes_resume_from_daemon_stats(daemon, tiny_manifest):
