@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+# The synthetic K3 manifest comes from the sibling bench script, importable once its dir is on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from manifest_load import synthetic_k3
 

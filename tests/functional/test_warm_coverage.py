@@ -155,7 +155,7 @@ def test_warm_trace_then_coverage_of_that_trace(daemon, tiny_manifest, tmp_path)
     picks = [(0, [1, 2, 3, 4]), (1, [1, 2, 30, 31]), (0, [1, 2, 5, 6])]
     _write_trace(trace, m, picks)
     wanted = {(m.moe_layers[pos], e) for pos, ids in picks for e in ids}
-    got, proc = _warm(daemon, "--trace", str(trace))
+    got, _proc = _warm(daemon, "--trace", str(trace))
     assert got["fetched"] == len(wanted) == 10
     assert got["hit_rate_before"] == 0.0 and got["hit_rate_after"] == 1.0
     assert _blobs_on_disk(daemon) == {_digest(m, *k) for k in wanted}
@@ -249,7 +249,7 @@ def test_ctrl_c_loses_nothing_and_a_rerun_resumes(tiny_manifest, tiny_dir, tiny_
                     assert proc.poll() is None, proc.communicate()
                     time.sleep(0.02)
                 proc.send_signal(signal.SIGINT)
-                out, err = proc.communicate(timeout=60)
+                _out, err = proc.communicate(timeout=60)
                 assert proc.returncode == 130, err
                 assert "interrupted" in err
                 _wait_idle(c)
@@ -298,7 +298,7 @@ def test_warm_prompts_records_use_and_run_trace_replays(installed, tiny_manifest
     m, d = tiny_manifest, installed
     prompts, saved = tmp_path / "p.txt", tmp_path / "w.jsonl"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    got, proc = _warm(d, "--prompts", str(prompts), "--max-new", "2", "--save-trace", str(saved))
+    got, _proc = _warm(d, "--prompts", str(prompts), "--max-new", "2", "--save-trace", str(saved))
     assert got["hit_rate_before"] == 0.0 and got["hit_rate_after"] == 1.0  # setup fetched none
     with d.client() as c:
         cached, access = _detail(c, m)

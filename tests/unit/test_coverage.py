@@ -8,6 +8,7 @@ import struct
 
 import numpy as np
 import pytest
+from cachecd_engine.trace import TraceRecorder, read_trace
 
 from cachecd.coverage import (
     HitHistory,
@@ -24,7 +25,6 @@ from cachecd.coverage_render import Grid, render_html, render_json, render_png, 
 from cachecd.errors import InvalidRequest
 from cachecd.manifest import Manifest, shipped_manifest
 from cachecd.warm import fit_room, plan_batches, read_prompts
-from cachecd_engine.trace import TraceRecorder, read_trace
 
 
 @pytest.fixture(scope="module")
