@@ -48,6 +48,8 @@ _ACCESS = struct.Struct("<Qd")
 _LAYER_EXPERT = struct.Struct(">ii")
 _STOP = object()
 _FLUSH = object()
+_MAX_BATCH = 64
+_Job = tuple[Callable[[lmdb.Transaction], Any], Future[Any], bool]
 
 # Migrations: schema version N -> N+1, run inside one write txn.
 MIGRATIONS: dict[int, Callable[[lmdb.Transaction, Index], None]] = {}
@@ -165,26 +167,59 @@ class Index:
 
     def _writer(self) -> None:
         next_flush = time.monotonic() + self._flush_interval
-        while True:
+        stop = False
+        while not stop:
             try:
                 item = self._queue.get(timeout=max(next_flush - time.monotonic(), 0.01))
             except queue.Empty:
                 item = None
-            if item is _STOP:
-                self._flush_pending()
-                return
-            if item is _FLUSH:
-                self._flush_requested = False
-            elif item is not None:
-                fn, fut, frees = item
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(self._write(fn, frees))
-                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                        fut.set_exception(exc)
+            jobs, stop = self._drain(item)
+            if jobs:
+                self._run_jobs(jobs)
             if len(self._pending) >= self._flush_every or time.monotonic() >= next_flush:
+                # A _FLUSH token ends a drain, so the stats it asked for are written before
+                # any job queued after it completes.
                 self._flush_pending()
                 next_flush = time.monotonic() + self._flush_interval
+        self._flush_pending()
+
+    def _drain(self, item: Any) -> tuple[list[_Job], bool]:
+        """``item`` plus whatever else is queued (up to a batch): one txn, one fsync for all."""
+        jobs: list[_Job] = []
+        stop = False
+        while item is not None:
+            if item is _STOP:
+                stop = True
+            elif item is _FLUSH:
+                self._flush_requested = False
+                break
+            elif item[1].set_running_or_notify_cancel():
+                jobs.append(item)
+            if stop or len(jobs) >= _MAX_BATCH:
+                break
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                item = None
+        return jobs, stop
+
+    def _run_jobs(self, jobs: list[_Job]) -> None:
+        if len(jobs) > 1:
+            try:
+                results = self._write(
+                    lambda txn: [fn(txn) for fn, _, _ in jobs], all(f for _, _, f in jobs)
+                )
+            except BaseException as exc:  # noqa: BLE001 - rerun one by one: a bad job fails alone
+                log.debug("event=index_batch_failed n=%d err=%s", len(jobs), exc)
+            else:
+                for (_, fut, _), result in zip(jobs, results, strict=True):
+                    fut.set_result(result)
+                return
+        for fn, fut, frees in jobs:
+            try:
+                fut.set_result(self._write(fn, frees))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
 
     def _write(self, fn: Callable[[lmdb.Transaction], T], frees: bool = False) -> T:
         while True:

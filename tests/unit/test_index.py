@@ -189,3 +189,44 @@ def test_kill_during_growth_reopens_cleanly(tmp_path: Path) -> None:
     assert len(rows) >= committed and len(rows) % 50 == 0
     fill(idx, 1_000_000, 500)
     idx.close()
+
+
+def _queued_behind_a_gate(idx: Index, jobs: list) -> list:  # type: ignore[type-arg]
+    """Submit jobs while the writer is held, so they queue up and drain as one batch."""
+    gate = threading.Event()
+    blocker = idx.submit(lambda txn: gate.wait(10))
+    futures = [idx.submit(job) for job in jobs]
+    gate.set()
+    blocker.result()
+    return futures
+
+
+def _put(i: int, idx: Index):  # type: ignore[no-untyped-def]
+    return lambda txn: txn.put(bytes.fromhex(digest(i)), b"\0" * 18, db=idx.entries) and None
+
+
+def test_queued_writes_share_one_txn(tmp_path: Path) -> None:
+    idx = Index(tmp_path / "ix")
+    before = idx.env.info()["last_txnid"]
+    for fut in _queued_behind_a_gate(idx, [_put(i, idx) for i in range(8)]):
+        fut.result()
+    assert idx.env.info()["last_txnid"] == before + 1  # 8 jobs, one commit
+    assert len(idx.load_entries()) == 8
+    idx.close()
+
+
+def test_a_bad_job_in_a_batch_fails_alone(tmp_path: Path) -> None:
+    idx = Index(tmp_path / "ix")
+
+    def bad(txn: lmdb.Transaction) -> None:
+        txn.put(bytes.fromhex(digest(99)), b"x" * 18, db=idx.entries)
+        raise lmdb.Error("mdb_txn_commit: Input/output error")
+
+    jobs = [_put(i, idx) for i in range(4)] + [bad] + [_put(i, idx) for i in range(4, 8)]
+    futures = _queued_behind_a_gate(idx, jobs)
+    with pytest.raises(errors.DiskFull):
+        futures[4].result()
+    for fut in futures[:4] + futures[5:]:
+        fut.result()
+    assert sorted(idx.load_entries()) == [digest(i) for i in range(8)]
+    idx.close()
