@@ -13,6 +13,8 @@ Invariants:
 - Every write goes through one writer thread (``submit``); callers get a Future. So when the map
   is full the writer holds no open write txn and may call ``set_mapsize`` (x2, up to a ceiling);
   read txns (any thread) take the shared side of a lock that ``set_mapsize`` takes exclusively.
+- Writes queued together commit in one txn (one fsync); if that txn fails, each job is rerun
+  alone so one bad job cannot fail the others. A Future completes only after its commit.
 - A failed commit leaves the index unchanged: the txn is aborted. MapFull past the ceiling raises
   ``IndexFull``; any other ``lmdb.Error`` (a full tmpfs gives ``mdb_txn_commit: Input/output
   error``) raises ``DiskFull``.
@@ -327,69 +329,42 @@ class Index:
 
     # ---- writes (Futures) --------------------------------------------------------------
 
-    def put_entry(self, digest_hex: str, entry: Entry) -> Future[None]:
-        key, val = digest_key(digest_hex), _ENTRY.pack(entry.dir_index, entry.size, entry.created)
-
-        def op(txn: lmdb.Transaction) -> None:
-            txn.put(key, val, db=self.entries)
-
-        return self.submit(op)
-
-    def put_entries(self, entries: dict[str, Entry]) -> Future[None]:
-        rows = [
-            (digest_key(d), _ENTRY.pack(e.dir_index, e.size, e.created)) for d, e in entries.items()
-        ]
+    def _change(self, db: Any, rows: list[tuple[bytes, bytes | None]]) -> Future[None]:
+        """Put each (key, value); a value of None deletes the key."""
+        frees = all(v is None for _, v in rows)
 
         def op(txn: lmdb.Transaction) -> None:
             for k, v in rows:
-                txn.put(k, v, db=self.entries)
+                if v is None:
+                    txn.delete(k, db=db)
+                else:
+                    txn.put(k, v, db=db)
 
-        return self.submit(op)
+        return self.submit(op, frees=frees)
+
+    def put_entry(self, digest_hex: str, entry: Entry) -> Future[None]:
+        return self.put_entries({digest_hex: entry})
+
+    def put_entries(self, entries: dict[str, Entry]) -> Future[None]:
+        return self._change(self.entries, [
+            (digest_key(d), _ENTRY.pack(e.dir_index, e.size, e.created)) for d, e in entries.items()
+        ])
 
     def delete_entries(self, digests: list[str]) -> Future[None]:
-        keys = [digest_key(d) for d in digests]
-
-        def op(txn: lmdb.Transaction) -> None:
-            for k in keys:
-                txn.delete(k, db=self.entries)
-
-        return self.submit(op, frees=True)
+        return self._change(self.entries, [(digest_key(d), None) for d in digests])
 
     def set_pin(self, digest_hex: str, pinned: bool) -> Future[None]:
-        key = digest_key(digest_hex)
-
-        def op(txn: lmdb.Transaction) -> None:
-            if pinned:
-                txn.put(key, b"", db=self.pins)
-            else:
-                txn.delete(key, db=self.pins)
-
-        return self.submit(op, frees=not pinned)
+        return self._change(self.pins, [(digest_key(digest_hex), b"" if pinned else None)])
 
     def put_model(self, key: str, record: dict[str, Any]) -> Future[None]:
-        k, v = key.encode(), json.dumps(record, sort_keys=True).encode()
-
-        def op(txn: lmdb.Transaction) -> None:
-            txn.put(k, v, db=self.models)
-
-        return self.submit(op)
+        value = json.dumps(record, sort_keys=True).encode()
+        return self._change(self.models, [(key.encode(), value)])
 
     def delete_model(self, key: str) -> Future[None]:
-        k = key.encode()
-
-        def op(txn: lmdb.Transaction) -> None:
-            txn.delete(k, db=self.models)
-
-        return self.submit(op, frees=True)
+        return self._change(self.models, [(key.encode(), None)])
 
     def put_meta(self, key: bytes, value: bytes | None) -> Future[None]:
-        def op(txn: lmdb.Transaction) -> None:
-            if value is None:
-                txn.delete(key, db=self.meta)
-            else:
-                txn.put(key, value, db=self.meta)
-
-        return self.submit(op)
+        return self._change(self.meta, [(key, value)])
 
     # ---- access statistics (batched) ---------------------------------------------------
 
