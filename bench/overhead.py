@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
+import cachecd_client.api as client_api
 import numpy as np
 from _common import (
     Served,
@@ -41,6 +44,7 @@ class OverheadResult:
     ours_s: float  # per token (median)
     raw_s: float
     requests: int  # expert requests per token
+    split_us: dict[str, float]  # where one call of ours goes, microseconds (see split_call)
 
     @property
     def ratio(self) -> float:
@@ -84,7 +88,46 @@ def measure(served: Served, *, calls: int, n_ids: int, readers: int, rounds: int
 
         per = lambda k, t: f"{k}={t * 1e6 / (calls * n):.1f}us/req"
         times = alternate({"ours": lambda: timed(ours), "raw": lambda: timed(raw)}, rounds, per)
-    return OverheadResult(median(times["ours"]), median(times["raw"]), calls * n)
+        split = split_call(client, served.repo, token, bufs)
+    return OverheadResult(median(times["ours"]), median(times["raw"]), calls * n, split)
+
+
+def split_call(client: Any, repo: str, token: list[tuple[int, list[int]]],
+               bufs: list[np.ndarray], tokens: int = 5) -> dict[str, float]:
+    """Median microseconds a call spends in the data request (daemon round trip, fds received)
+    and in reading the fds, over ``tokens`` tokens; and the round trip of an empty request
+    (no expert: framing, asyncio and the two context switches alone)."""
+    parts: dict[str, list[float]] = {"request": [], "read": [], "call": [], "empty_request": []}
+    real_request, real_read = client._data.request, client_api.parallel_preadv
+
+    def request(payload: dict[str, Any]) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return real_request(payload)
+        finally:
+            parts["request"].append(time.perf_counter() - t0)
+
+    def read(*args: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            real_read(*args)
+        finally:
+            parts["read"].append(time.perf_counter() - t0)
+
+    client._data.request, client_api.parallel_preadv = request, read
+    try:
+        for _ in range(tokens):
+            for layer, ids in token:
+                t0 = time.perf_counter()
+                client.experts(repo, layer, ids, out=bufs)
+                parts["call"].append(time.perf_counter() - t0)
+    finally:
+        client._data.request, client_api.parallel_preadv = real_request, real_read
+    for layer, _ in token:
+        t0 = time.perf_counter()
+        real_request({"op": "experts", "model": repo, "layer": layer, "ids": []})
+        parts["empty_request"].append(time.perf_counter() - t0)
+    return {k: median(v) * 1e6 for k, v in parts.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -105,6 +148,10 @@ def main(argv: list[str] | None = None) -> None:
           f"raw (open+preadv+close) us/req={res.raw_s * 1e6 / res.requests:.1f} "
           f"ms/token={res.raw_s * 1e3:.2f}")
     print(f"daemon overhead per token={(res.ours_s - res.raw_s) * 1e3:.2f} ms")
+    sp = res.split_us
+    print(f"info: one call of ours (us, median): whole={sp['call']:.0f} = data request "
+          f"(round trip, daemon opens + passes fds)={sp['request']:.0f} + parallel preadv="
+          f"{sp['read']:.0f} + the rest; an empty request's round trip={sp['empty_request']:.0f}")
     print(f"ratio={res.ratio:.3f}")
 
 
