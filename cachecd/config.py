@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from cachecd import constants
 from cachecd.errors import ConfigInvalid
+from cachecd.policies import POLICIES
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
@@ -127,7 +128,7 @@ _FIELDS = {
     "endpoint": _text,
     "offline": _bool,
     "manifests": _paths,
-    "policy": _choice("default", "lru", "lfu"),
+    "policy": lambda v, k: _choice(*POLICIES)(v, k),
     "max_parallel": _positive_int,
     "map_size": lambda v, k: parse_size(v, k),
     "log_level": _choice("DEBUG", "INFO", "WARNING", "ERROR"),
