@@ -149,6 +149,12 @@ def served_checkpoint(base: str, repo: str, **tiny_opts: Any) -> Iterator[Served
         shutil.rmtree(work, ignore_errors=True)
 
 
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (``/proc/PID/stat`` fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def open_all(paths: Sequence[Path]) -> list[int]:
     return [os.open(p, os.O_RDONLY) for p in paths]
 

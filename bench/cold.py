@@ -31,7 +31,15 @@ from typing import Any
 
 import numpy as np
 import xxhash
-from _common import K3_SHAPE, Served, add_common_args, alternate, median, served_checkpoint
+from _common import (
+    K3_SHAPE,
+    Served,
+    add_common_args,
+    alternate,
+    median,
+    proc_cpu_s,
+    served_checkpoint,
+)
 from curl_ranges import resolve_locations
 
 from cachecd import constants
@@ -92,12 +100,6 @@ def check_curl_bytes(served: Served, layer: int, ids: list[int], out_dir: Path) 
             i += 1
         if h.digest() != entry.xxh3:
             raise SystemExit(f"curl: layer {layer} expert {e} bytes do not match the manifest")
-
-
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a live process (``/proc/PID/stat`` fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def children_cpu_s() -> float:

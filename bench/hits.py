@@ -33,6 +33,7 @@ from _common import (
     close_all,
     median,
     open_all,
+    proc_cpu_s,
     served_checkpoint,
     timed,
 )
@@ -46,6 +47,7 @@ class HitsResult:
     ours_gibs: float
     raw_gibs: float
     bytes_per_case: int
+    daemon_cpu_ms: float  # the daemon's CPU per ``client.experts`` call, all rounds together
 
     @property
     def ratio(self) -> float:
@@ -75,9 +77,14 @@ def measure(served: Served, *, n_ids: int, reps: int, readers: int, rounds: int)
         views = [memoryview(b) for b in bufs]
         cycle = itertools.cycle(layers)
 
+        pid = d.proc.pid if d.proc else 0
+        daemon_cpu = [0.0]
+
         def ours() -> None:
+            c0 = proc_cpu_s(pid)
             for _ in range(reps):
                 client.experts(served.repo, next(cycle), ids, out=bufs)
+            daemon_cpu[0] += proc_cpu_s(pid) - c0
 
         def raw() -> None:
             for _ in range(reps):
@@ -104,7 +111,8 @@ def measure(served: Served, *, n_ids: int, reps: int, readers: int, rounds: int)
         rate = lambda k, t: f"{k}={per_case / t / GIB:.2f}GiB/s"
         times = alternate({"ours": lambda: timed(ours), "raw": lambda: timed(raw)}, rounds, rate)
     return HitsResult(per_case / median(times["ours"]) / GIB,
-                      per_case / median(times["raw"]) / GIB, per_case)
+                      per_case / median(times["raw"]) / GIB, per_case,
+                      daemon_cpu[0] * 1e3 / ((rounds + 1) * reps))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.reps} calls/measurement, readers={args.readers}, rounds={args.rounds}")
     print(f"ours (daemon, fds + parallel preadv) GiB/s={res.ours_gibs:.2f}   "
           f"raw (open + parallel preadv)        GiB/s={res.raw_gibs:.2f}")
+    print(f"info: daemon CPU per call={res.daemon_cpu_ms:.2f} ms (clock ticks, coarse); "
+          f"one call moves {res.bytes_per_case // args.reps} B")
     print(f"ratio={res.ratio:.3f}")
 
 
