@@ -61,6 +61,7 @@ def resolve_commit(repo: str, rev: str, endpoint: str, offline: bool) -> str:
 def choose_manifest(args: argparse.Namespace, repo: str, commit: str, settings: Settings) -> Path:
     from cachecd.manifest import Manifest, shipped_manifest
 
+    path: Path | None
     if args.manifest:
         path = Path(args.manifest)
     else:

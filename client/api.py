@@ -138,9 +138,9 @@ class Client:
             sizes = [int(e["size"]) for e in answer["experts"]]
             if len(fds) != len(sizes):
                 raise InvalidRequest(f"daemon sent {len(fds)} descriptors for {len(sizes)} experts")
-            arrays = [np.empty(n, np.uint8) for n in sizes] if out is None else [
+            arrays: list[np.ndarray] = [np.empty(n, np.uint8) for n in sizes] if out is None else [
                 _fit(buf, n) for buf, n in zip(out, sizes)]
-            parallel_preadv(self._pool, fds, sizes, [memoryview(a) for a in arrays])
+            parallel_preadv(self._pool, fds, sizes, [memoryview(a.data) for a in arrays])
             return arrays
         finally:
             for fd in fds:
