@@ -9,13 +9,14 @@ KV cache, the same prompt) runs on:
             every expert (after warm-up no layer asks the daemon);
   ram0:     the same with a RAM tier of 0 bytes: every MoE layer of every token asks the daemon.
 All three must emit the same tokens. Prints tok/s (wall clock, and per CPU second of this
-process, which other load on a shared machine disturbs less), the streamed engines' per-token
-breakdown from ``model.bank.stats``, and ratio = warm / resident (the bar is >= 0.9).
+process, which other load on a shared machine disturbs less; it leaves out the daemon's own CPU,
+which matters for ram0), the streamed engines' per-token breakdown from ``model.bank.stats``,
+and ratio = warm / resident by the wall clock (the bar is >= 0.9).
 
 ``--source local`` skips the daemon: the streamed engine reads the checkpoint in-process
 (``LocalSource``), which isolates the engine's own cost from the daemon's.
 
-    python bench/engine.py [--fmt mxfp4|fp32] [--tokens 64] [--rounds 7] [--source daemon|local]
+    python bench/engine.py [--fmt mxfp4|fp32] [--tokens 64] [--rounds 11] [--source daemon|local]
                            [--dir /tmp]
 """
 
@@ -170,7 +171,7 @@ def report(cases: dict[str, Case], n: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_args(ap, rounds=7)
+    add_common_args(ap, rounds=11)
     ap.add_argument("--fmt", default="mxfp4", choices=["mxfp4", "fp32"])
     ap.add_argument("--tokens", type=int, default=64, help="greedy decode steps a round")
     ap.add_argument("--source", default="daemon", choices=["daemon", "local"])
