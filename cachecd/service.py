@@ -187,9 +187,8 @@ def status(args: argparse.Namespace) -> int:
 
 
 def _print_daemon_status(socket: Path) -> int:
-    from cachecd_client import Client
-
     from cachecd.ctl import render_status
+    from cachecd_client import Client
 
     try:
         with Client(socket, timeout=5) as client:
@@ -332,14 +331,18 @@ def _wait_running(mgr: Manager, spec: ServiceSpec, wait: float) -> int:
         print(f"installed; the daemon will listen on {spec.socket}")
         return 0
     deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not mgr.failed():
         pid = _healthy_pid(spec.socket)
         if pid:
             print(f"cachecd runs under {mgr.name} (pid {pid}), socket {spec.socket}")
             return 0
         time.sleep(0.2)
-    print(f"cachecd: the service is installed but no daemon answers on {spec.socket} after "
-          f"{wait:g}s; see `cachecd service status` and `cachecd service logs`", file=sys.stderr)
+    state = "failed" if mgr.failed() else f"does not answer after {wait:g}s"
+    proc = subprocess.run(mgr.status_command(), check=False, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL)
+    print(f"cachecd: the service is installed but the daemon {state} on {spec.socket}:\n"
+          f"{(proc.stdout or proc.stderr).rstrip()}\nsee `cachecd service logs`",
+          file=sys.stderr)
     return 1
 
 

@@ -84,6 +84,11 @@ class Systemd:
         proc = query(self._ctl("is-active", self.unit))
         return proc is not None and proc.stdout.strip() in ("active", "activating", "reloading")
 
+    def failed(self) -> bool:
+        """Given up: the start limit was hit (a crash loop), so waiting longer cannot help."""
+        proc = query(self._ctl("is-failed", self.unit))
+        return proc is not None and proc.stdout.strip() == "failed"
+
     def managed_pid(self) -> int | None:
         proc = query(self._ctl("show", "--property=MainPID", "--value", self.unit))
         if proc is None or proc.returncode != 0 or not proc.stdout.strip().isdigit():
@@ -149,6 +154,9 @@ class Launchd:
     def is_loaded(self) -> bool:
         proc = query(["launchctl", "print", self.target])
         return proc is not None and proc.returncode == 0
+
+    def failed(self) -> bool:
+        return False  # launchd keeps retrying every ThrottleInterval; it never gives up
 
     def managed_pid(self) -> int | None:
         proc = query(["launchctl", "print", self.target])
