@@ -28,7 +28,9 @@ SYSTEMD_TEMPLATE = "cachecd.service"
 LAUNCHD_TEMPLATE = "io.cachecd.daemon.plist"
 # Margin on top of the daemon's own drain before the manager sends SIGKILL.
 STOP_MARGIN_S = 20
-PROCESS_TYPE = "Adaptive"
+# Standard, not Adaptive/Background: launchd throttles the disk I/O of background jobs, and the
+# daemon's whole job is disk I/O on the engine's critical path.
+PROCESS_TYPE = "Standard"
 _SHARED_TMP = (Path("/tmp"), Path("/var/tmp"))
 
 

@@ -164,9 +164,21 @@ def ensure_daemon(settings: Settings, args: argparse.Namespace) -> Any:
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                 start_new_session=True)
-    print(f"started a daemon (pid {proc.pid}, log {log_path}); to keep one running across "
-          "reboots: cachecd service install")
+    print(f"started a daemon (pid {proc.pid}, log {log_path})")
+    print(service_hint(cmd[cmd.index("serve") + 1:]))
     return wait_healthy(client, proc, log_path)
+
+
+def service_hint(serve_args: list[str]) -> str:
+    """How to keep a daemon running across logins and reboots, or why this machine cannot."""
+    import shlex
+
+    from cachecd.service_manager import manager_for
+
+    reason = manager_for(None).unavailable()
+    if reason:
+        return f"no service manager here ({reason}); keep `cachecd serve` running under your own supervisor"
+    return f"to keep it running across reboots: cachecd service install {shlex.join(serve_args)}"
 
 
 def wait_healthy(client: Any, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 30) -> Any:

@@ -96,7 +96,7 @@ def test_rendered_plist_parses_and_has_what_launchd_needs(home: Path) -> None:
     assert Path(program[program.index("--socket") + 1]).is_absolute()
     assert plist["RunAtLoad"] is True
     assert plist["KeepAlive"] == {"SuccessfulExit": False}
-    assert plist["ProcessType"] in ("Background", "Adaptive")
+    assert plist["ProcessType"] == "Standard"  # no I/O throttling of the daemon
     assert plist["ThrottleInterval"] > 0 and plist["ExitTimeOut"] > 10
     logs = home / "Library" / "Logs" / "cachecd"
     assert Path(plist["StandardErrorPath"]).parent == logs
