@@ -1,0 +1,150 @@
+"""Fixtures of the fault suite and the hook that writes docs/RELIABILITY.md from its figures.
+
+Daemons made through ``daemons``/``module_daemons`` are finished at teardown with the global
+invariant (``FaultDaemon.finish``). The report is written only when every scenario module ran
+and nothing was deselected, so a partial run never overwrites the record of a full one.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fakes.fake_hub import FakeHub, FakeHubThread
+from tests.faults.figures import FIGURES
+from tests.faults.support import FaultDaemon, Model, build_model, new_dir
+
+HERE = Path(__file__).parent
+REPORT = HERE.parents[1] / "docs" / "RELIABILITY.md"
+_state: dict[str, Any] = {"collected": set(), "deselected": 0, "t0": None, "t1": None}
+
+
+# -- models -------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def fault_root() -> Iterator[Path]:
+    root = new_dir("cdfr")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def small(fault_root: Path) -> Model:
+    """160 experts of 6.5 KB in 12 shards (4 experts split across shards)."""
+    return build_model(fault_root, "faults/small")
+
+
+@pytest.fixture(scope="session")
+def small_other(fault_root: Path) -> Model:
+    """The same repo and layout with other bytes: what another revision looks like."""
+    return build_model(fault_root / "other", "faults/small", seed=1)
+
+
+@pytest.fixture(scope="session")
+def big(fault_root: Path) -> Model:
+    """48 experts of ~1 MiB (1,044,480 bytes) for budget and disk-full scenarios."""
+    return build_model(fault_root, "faults/big", experts=16, layers=4, expert_hidden=1024,
+                       moe_intermediate=640, shard_bytes=8 << 20)
+
+
+# -- hubs and daemons ---------------------------------------------------------------------------
+class _Pool:
+    def __init__(self) -> None:
+        self.hubs: list[FakeHubThread] = []
+        self.daemons: list[FaultDaemon] = []
+
+    def hub(self, model: Model) -> FakeHub:
+        t = FakeHubThread(model.folder, repo=model.repo, revision=model.revision)
+        t.start()
+        self.hubs.append(t)
+        return t.hub
+
+    def daemon(self, endpoint: str | FakeHub, models: list[Model], *, start: bool = True,
+               **kw: Any) -> FaultDaemon:
+        url = endpoint.url if isinstance(endpoint, FakeHub) else endpoint
+        d = FaultDaemon(url, models, **kw)
+        self.daemons.append(d)
+        return d.start() if start else d
+
+    def close(self) -> None:
+        failures = []
+        for d in self.daemons:
+            try:
+                d.finish()
+            except AssertionError as exc:
+                failures.append(exc)
+        for t in self.hubs:
+            t.stop()
+        if failures:
+            raise failures[0]
+
+
+@pytest.fixture
+def pool() -> Iterator[_Pool]:
+    p = _Pool()
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def module_pool() -> Iterator[_Pool]:
+    p = _Pool()
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def hub_for(pool: _Pool) -> Callable[[Model], FakeHub]:
+    return pool.hub
+
+
+@pytest.fixture
+def daemons(pool: _Pool) -> Callable[..., FaultDaemon]:
+    return pool.daemon
+
+
+# -- figures and the report ---------------------------------------------------------------------
+def _is_fault_item(nodeid: str) -> bool:
+    return nodeid.replace("\\", "/").startswith("tests/faults/")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    _state["collected"] = {i.nodeid for i in items if _is_fault_item(i.nodeid)}
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    _state["deselected"] += sum(1 for i in items if _is_fault_item(i.nodeid))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not _is_fault_item(report.nodeid):
+        return
+    now = time.time()
+    _state["t0"] = _state["t0"] or now - report.duration
+    _state["t1"] = now
+    FIGURES.add("all.test_seconds", report.duration)
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        if report.skipped:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else "skipped"
+            FIGURES.outcomes[report.nodeid] = f"skipped: {reason}"
+        else:
+            FIGURES.outcomes[report.nodeid] = report.outcome
+    elif report.when == "teardown" and report.failed:
+        FIGURES.outcomes[report.nodeid] = "failed (invariant at teardown)"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from tests.faults.write_report import write_report
+
+    collected: set[str] = _state["collected"]
+    modules = {n.split("::")[0].rsplit("/", 1)[-1] for n in collected}
+    every_module = {p.name for p in HERE.glob("test_s*.py")}
+    full = (bool(collected) and modules == every_module and not _state["deselected"]
+            and collected <= set(FIGURES.outcomes) and exitstatus != pytest.ExitCode.INTERRUPTED)
+    if full:
+        wall = (_state["t1"] or 0) - (_state["t0"] or 0)
+        write_report(REPORT, FIGURES, wall)

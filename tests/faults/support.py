@@ -1,0 +1,435 @@
+"""The fault suite's harness: tiny models behind a FakeHub, daemons that check the global invariant.
+
+Every daemon here is a real ``cachecd serve`` subprocess (own cache dir, own socket) started with
+a fake ``HF_TOKEN`` and DEBUG logs, so secret hygiene is checked on every log the suite makes.
+``FaultDaemon.finish`` asserts the global invariant of RELIABILITY.md: fds and tasks back to the
+baseline taken at start, a clean SIGTERM exit, no temp files, ``cachecd fsck`` exit 0, no token
+and no traceback in the log. Every expert a test reads goes through ``fetch_verified``, which
+hashes it against the manifest and counts it, so "bad bytes served" is a measured 0.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from cachecd.errors import ERRORS_BY_CODE, CachecdError
+from cachecd.manifest import ExpertEntry, Manifest
+from tests.faults.figures import FIGURES
+from tests.harness import DaemonProcess, short_tmp
+
+# A token-shaped fake: if any of it reaches a log or an error body, the grep below finds it.
+FAKE_TOKEN = "hf_" + "FaKe" * 8 + "Tk"
+SECRET_RE = re.compile(r"hf_[A-Za-z0-9]{30,}")
+REVISION = "f00dfeed" * 5
+OTHER_REVISION = "0badc0de" * 5
+
+
+@dataclass
+class Model:
+    """A tiny K3-layout checkpoint in ``folder`` and its manifest (repo@revision)."""
+
+    repo: str
+    revision: str
+    folder: Path
+    manifest_path: Path
+    manifest: Manifest
+
+    def entry(self, layer: int, expert: int) -> ExpertEntry:
+        return self.manifest.expert(layer, expert)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(self.manifest.moe_layers)
+
+    def all_entries(self) -> list[ExpertEntry]:
+        return [self.manifest.entry(i) for i in range(self.manifest.n_experts)]
+
+    def bytes_of(self, entry: ExpertEntry) -> bytes:
+        out = bytearray()
+        for r in entry.ranges:
+            with open(self.folder / r.file, "rb") as f:
+                f.seek(r.start)
+                out += f.read(r.end - r.start)
+        return bytes(out)
+
+
+def build_model(root: Path, repo: str, revision: str = REVISION, **opts: Any) -> Model:
+    from cachecd.manifest_build import build_manifest
+    from cachecd.manifest_source import LocalSource
+    from cachecd.tiny_model import write_tiny_model
+
+    folder = root / repo.replace("/", "--")
+    write_tiny_model(folder, **opts)
+    manifest = build_manifest(LocalSource(folder, repo, revision), progress=False)
+    path = root / (repo.replace("/", "--") + ".manifest")
+    manifest.save(path)
+    return Model(repo, revision, folder, path, Manifest.load(path))
+
+
+# -- checking what the daemon hands out ---------------------------------------------------------
+def check_bytes(model: Model, entry: ExpertEntry, data: Any) -> None:
+    """Count ``data`` as served; fail (and count a bad byte) unless it is the manifest's."""
+    view = memoryview(data).cast("B")
+    FIGURES.add("all.responses_checked")
+    FIGURES.add("all.bytes_served", view.nbytes)
+    if view.nbytes != entry.nbytes or xxhash.xxh3_128(view).digest() != entry.xxh3:
+        FIGURES.add("all.bad_bytes_served", max(1, view.nbytes))
+        raise AssertionError(
+            f"daemon served wrong bytes for layer {entry.layer} expert {entry.expert} "
+            f"({view.nbytes} bytes, expected {entry.nbytes})"
+        )
+
+
+def check_error(exc: CachecdError) -> CachecdError:
+    """A typed error from the daemon: a known code, and no secret in its message."""
+    FIGURES.add("all.error_bodies_checked")
+    secrets = SECRET_RE.findall(exc.message)
+    FIGURES.add("all.secrets_found", len(secrets))
+    assert not secrets, f"a token-shaped string in an error message: {exc.message[:200]}"
+    assert exc.code in ERRORS_BY_CODE, exc.code
+    return exc
+
+
+def fetch_verified(client: Any, model: Model, layer: int, ids: list[int]) -> list[bytes]:
+    """Experts through the fd data path, each checked against the manifest."""
+    try:
+        arrays = client.experts(model.repo, layer, ids)
+    except CachecdError as exc:
+        check_error(exc)
+        raise
+    out = []
+    for e, arr in zip(ids, arrays, strict=True):
+        check_bytes(model, model.entry(layer, e), arr)
+        out.append(arr.tobytes())
+    return out
+
+
+# -- raw HTTP on the control socket -------------------------------------------------------------
+class _UnixConn(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        s.connect(str(self._path))
+        self.sock = s
+
+
+def http_request(
+    sock_path: Path, method: str, path: str, body: bytes | None = None,
+    headers: dict[str, str] | None = None, timeout: float = 60,
+) -> tuple[int, dict[str, str], bytes]:
+    """One request on a fresh connection; an error answer is checked for the wire form."""
+    conn = _UnixConn(sock_path, timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        data = resp.read()
+        status, hdrs = resp.status, dict(resp.getheaders())
+    finally:
+        conn.close()
+    if status >= 400:
+        check_wire_error(status, data)
+    return status, hdrs, data
+
+
+def check_wire_error(status: int, data: bytes) -> dict[str, Any]:
+    """``{"error", "message", "retryable"}`` with a known code and no secret in it."""
+    FIGURES.add("all.error_bodies_checked")
+    text = data.decode("utf-8", "replace")
+    found = SECRET_RE.findall(text)
+    FIGURES.add("all.secrets_found", len(found))
+    assert not found, f"a token-shaped string in an error body: {text[:200]}"
+    payload = json.loads(data)
+    assert set(payload) >= {"error", "message", "retryable"}, payload
+    assert payload["error"] in ERRORS_BY_CODE, payload
+    return payload
+
+
+# -- /proc views of the daemon ------------------------------------------------------------------
+def _tcp_inodes(pid: int) -> set[str]:
+    out: set[str] = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{name}") as f:
+                next(f)
+                out.update(line.split()[9] for line in f if line.strip())
+        except (FileNotFoundError, StopIteration):
+            continue
+    return out
+
+
+def fd_census(pid: int) -> dict[str, int]:
+    """The daemon's fds: ``tcp`` (the upstream keep-alive pool) and ``other`` (everything else:
+    blobs, temps, LMDB, listening and client sockets)."""
+    tcp = _tcp_inodes(pid)
+    counts = {"tcp": 0, "other": 0}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        inode = link[8:-1] if link.startswith("socket:[") else None
+        counts["tcp" if inode in tcp else "other"] += 1
+    return counts
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def files_under(root: Path) -> list[Path]:
+    return [Path(dp, f) for dp, _, fs in os.walk(root) for f in fs] if root.exists() else []
+
+
+def bytes_under(root: Path) -> int:
+    total = 0
+    for p in files_under(root):
+        try:
+            total += p.lstat().st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
+# -- the daemon ---------------------------------------------------------------------------------
+class FaultDaemon(DaemonProcess):
+    """A ``cachecd serve`` subprocess that knows its baseline and checks the global invariant."""
+
+    def __init__(self, endpoint: str, models: list[Model], *, args: list[str] = (),
+                 env: dict[str, str] | None = None, wrap: list[str] = (), **kw: Any) -> None:
+        super().__init__(endpoint, [m.manifest_path for m in models], args=list(args), **kw)
+        self.models = models
+        self.wrap = list(wrap)
+        self.set_env(env)
+        self.baseline: tuple[int, int] | None = None
+        self.allow_tracebacks = False
+        self.expect_killed = False
+
+    def set_env(self, env: dict[str, str] | None) -> None:
+        base = {k: v for k, v in os.environ.items()
+                if not k.startswith(("CACHECD_", "HF_")) and k != "PYTEST_CURRENT_TEST"}
+        self.env = {**base, "HF_TOKEN": FAKE_TOKEN, "HF_HUB_DISABLE_TELEMETRY": "1",
+                    "CACHECD_LOG_LEVEL": "DEBUG", "CACHECD_CONFIG": str(self.base / "none.toml"),
+                    **(env or {})}
+
+    @property
+    def argv(self) -> list[str]:
+        return self.wrap + super().argv
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout: float = 60, baseline: bool = True) -> FaultDaemon:
+        super().start(timeout)
+        FIGURES.add("all.daemon_starts")
+        self.expect_killed = False
+        if baseline:
+            self.baseline = self.settle_counts(None)
+        return self
+
+    def counts(self) -> tuple[int, int]:
+        """(non-TCP fds, asyncio tasks), asked on a fresh connection that is then closed."""
+        with self.client(timeout=10) as c:
+            tasks = int(c.stats()["debug"]["tasks"])
+        return fd_census(self.pid)["other"], tasks
+
+    def settle_counts(self, target: tuple[int, int] | None, timeout: float = 5.0) -> tuple[int, int]:
+        """Counts once closed connections are gone. No target: the minimum of four samples (the
+        baseline). A target: sample until both counts are at or under it, or ``timeout``."""
+        best = self.counts()
+
+        def better() -> tuple[int, int]:
+            time.sleep(0.1)
+            now = self.counts()
+            return min(best[0], now[0]), min(best[1], now[1])
+
+        if target is None:
+            for _ in range(3):
+                best = better()
+            return best
+        deadline = time.monotonic() + timeout
+        while (best[0] > target[0] or best[1] > target[1]) and time.monotonic() < deadline:
+            best = better()
+        return best
+
+    def status(self) -> dict[str, Any]:
+        with self.client(timeout=10) as c:
+            return c.stats()
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+        self.expect_killed = True
+        FIGURES.add("all.kill9")
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def finish(self) -> None:
+        """The global invariant, then stop. Safe to call on a daemon that is already dead."""
+        try:
+            if self.running():
+                self._check_baseline()
+                t0 = time.monotonic()
+                code = self.stop()
+                FIGURES.peak("all.stop_seconds_max", round(time.monotonic() - t0, 3))
+                assert code == 0, f"daemon exited {code} on SIGTERM:\n{self.log()[-3000:]}"
+                assert not self.socket.exists(), "control socket left behind"
+                assert not Path(str(self.socket) + ".data").exists(), "data socket left behind"
+            elif self.proc is not None and not self.expect_killed:
+                raise AssertionError(f"daemon died ({self.proc.returncode}):\n{self.log()[-3000:]}")
+            if self.cache_dir.exists():
+                self.check_cache_clean()
+            self.check_log()
+        finally:
+            self.cleanup()
+
+    def _check_baseline(self) -> None:
+        if self.baseline is None:
+            return
+        got = self.settle_counts(self.baseline)
+        FIGURES.add("all.baseline_checks")
+        assert got[0] <= self.baseline[0], f"fds: {got[0]} open, baseline {self.baseline[0]}"
+        assert got[1] <= self.baseline[1], f"tasks: {got[1]} alive, baseline {self.baseline[1]}"
+
+    def check_cache_clean(self) -> None:
+        temps = files_under(self.cache_dir / "tmp")
+        assert not temps, f"temp files left: {temps}"
+        leftovers = [p for p in files_under(self.base / "models") if p.name.startswith(".tmp")]
+        assert not leftovers, f"temp manifests left: {leftovers}"
+        rc = fsck_exit_code(self.cache_dir)
+        FIGURES.add("all.fsck_runs")
+        assert rc == 0, f"cachecd fsck --cache-dir {self.cache_dir} exited {rc}"
+
+    def check_log(self) -> None:
+        text = self.log()
+        found = SECRET_RE.findall(text)
+        FIGURES.add("all.log_bytes_grepped", len(text))
+        FIGURES.add("all.secrets_found", len(found))
+        assert not found, "a token-shaped string reached the daemon log"
+        tracebacks = text.count("Traceback (most recent call last)")
+        FIGURES.add("all.tracebacks_in_logs", tracebacks)
+        if not self.allow_tracebacks:
+            assert tracebacks == 0, f"traceback in the daemon log:\n{_first_traceback(text)}"
+
+
+def _first_traceback(text: str) -> str:
+    i = text.find("Traceback (most recent call last)")
+    return text[max(0, i - 300): i + 2500]
+
+
+def fsck_exit_code(cache_dir: Path, *extra: str) -> int:
+    """``cachecd fsck --cache-dir D``'s exit code: the command's own code path, run in-process
+    (a subprocess per check would cost the suite a second of interpreter start each)."""
+    from cachecd.cli import main
+
+    return main(["fsck", "--cache-dir", str(cache_dir), *extra])
+
+
+def fsck_cli(cache_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """The real ``cachecd fsck`` process, for the checks whose point is the exit code."""
+    from tests.harness import CACHECD
+
+    return subprocess.run([*CACHECD, "fsck", "--cache-dir", str(cache_dir), *extra],
+                          capture_output=True, text=True, timeout=120)
+
+
+# -- a /healthz probe in its own process (the test process's GIL must not skew it) ---------------
+_PROBE = r"""
+import json, signal, socket, sys, time
+path, interval = sys.argv[1], float(sys.argv[2])
+stop = False
+def _stop(*a):
+    global stop
+    stop = True
+signal.signal(signal.SIGTERM, _stop)
+lat, fails, s = [], 0, None
+req = b"GET /healthz HTTP/1.1\r\nHost: d\r\n\r\n"
+print("ready", flush=True)
+while not stop:
+    t0 = time.perf_counter()
+    try:
+        if s is None:
+            s = socket.socket(socket.AF_UNIX); s.settimeout(5); s.connect(path)
+        s.sendall(req)
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            chunk = s.recv(65536)
+            if not chunk: raise OSError("closed")
+            buf += chunk
+        head, _, body = buf.partition(b"\r\n\r\n")
+        n = int([l for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")][0].split(b":")[1])
+        while len(body) < n:
+            chunk = s.recv(65536)
+            if not chunk: raise OSError("closed")
+            body += chunk
+        if not head.startswith(b"HTTP/1.1 200"): raise OSError(head[:40])
+        lat.append(time.perf_counter() - t0)
+    except OSError:
+        fails += 1
+        if s is not None: s.close()
+        s = None
+    time.sleep(interval)
+lat.sort()
+print(json.dumps({"n": len(lat), "fails": fails, "max_ms": 1000 * lat[-1] if lat else None,
+                  "p50_ms": 1000 * lat[len(lat) // 2] if lat else None}), flush=True)
+"""
+
+
+class HealthProbe:
+    """GET /healthz every ``interval`` s until ``stop()``; returns n, fails, max_ms, p50_ms."""
+
+    def __init__(self, sock_path: Path, interval: float = 0.02) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-I", "-c", _PROBE, str(sock_path),
+                                      str(interval)], stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def stop(self) -> dict[str, Any]:
+        self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=30)
+        return json.loads(out.strip().splitlines()[-1])
+
+    def __enter__(self) -> HealthProbe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def record_health(sid: str, result: dict[str, Any]) -> float:
+    """Record a probe's figures; returns the worst latency in ms."""
+    FIGURES.add(f"{sid}.health_probes", result["n"])
+    worst = result["max_ms"] if result["max_ms"] is not None else float("inf")
+    FIGURES.peak(f"{sid}.health_max_ms", round(worst, 1))
+    FIGURES.peak("all.health_max_ms", round(worst, 1))
+    return worst
+
+
+def new_dir(prefix: str = "cdf") -> Path:
+    return short_tmp(prefix)
