@@ -1,8 +1,9 @@
 """Shared pieces of the benches: a served checkpoint, a daemon, blob paths, alternating rounds.
 
 Invariants every bench keeps through these helpers:
-- Baseline and ours run in the same process, alternating (the order flips every round), after
-  one warm-up round that is not counted; results are medians over rounds.
+- Baseline and ours run in the same process, alternating (the order changes every round,
+  through every permutation), after one warm-up round that is not counted; results are
+  medians over rounds.
 - Generated data lives in one work dir under ``--dir`` (default /tmp) and is removed at the end,
   with every process the bench started.
 - Numbers are printed as measured; the last line a bench prints is ``ratio=X`` (ours/baseline,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import shutil
 import statistics
@@ -31,8 +33,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from cachecd.manifest import Manifest
-from tests.harness import DaemonProcess, HubProcess, run_cli
+from cachecd.manifest import Manifest  # noqa: E402
+from tests.harness import DaemonProcess, HubProcess, run_cli  # noqa: E402
 
 GIB = float(1 << 30)
 # One K3 expert: w1/w3 [3072, 3584] and w2 [3584, 3072] in mxfp4 (DESIGN.md).
@@ -55,13 +57,19 @@ def alternate(
     rounds: int,
     show: Callable[[str, float], str] = lambda k, v: f"{k}={v:.6f}",
 ) -> dict[str, list[float]]:
-    """Run each case once to warm up, then ``rounds`` rounds in alternating order."""
+    """Run each case once to warm up, then ``rounds`` rounds, cycling through every order.
+
+    With two cases the order alternates; with three, each case follows each other one equally
+    often, so whatever one case leaves behind (a daemon still flushing, dirty pages) does not
+    always land on the same neighbour.
+    """
     for fn in cases.values():
         fn()
     names = list(cases)
+    orders = list(itertools.permutations(names))
     out: dict[str, list[float]] = {k: [] for k in names}
     for r in range(rounds):
-        for k in names if r % 2 == 0 else names[::-1]:
+        for k in orders[r % len(orders)]:
             out[k].append(cases[k]())
         print(f"round={r} " + " ".join(show(k, out[k][-1]) for k in names), flush=True)
     return out
@@ -134,12 +142,23 @@ def served_checkpoint(base: str, repo: str, **tiny_opts: Any) -> Iterator[Served
         write_tiny_model(work / "hub" / repo, **tiny_opts)
         hub = HubProcess(work / "hub")
         manifest_path = work / "bench.manifest"
-        run_cli("manifest", "build", f"{repo}@main", "--endpoint", hub.url,
-                "--output", str(manifest_path), timeout=1800)
+        run_cli(
+            "manifest",
+            "build",
+            f"{repo}@main",
+            "--endpoint",
+            hub.url,
+            "--output",
+            str(manifest_path),
+            timeout=1800,
+        )
         served = Served(work, repo, hub, manifest_path, Manifest.load(manifest_path))
-        print(f"setup: checkpoint+hub+manifest in {time.perf_counter() - t0:.1f}s "
-              f"experts={served.manifest.n_experts} expert_bytes={int(served.manifest.sizes[0])} "
-              f"work={work}", flush=True)
+        print(
+            f"setup: checkpoint+hub+manifest in {time.perf_counter() - t0:.1f}s "
+            f"experts={served.manifest.n_experts} expert_bytes={int(served.manifest.sizes[0])} "
+            f"work={work}",
+            flush=True,
+        )
         yield served
     finally:
         for d in list(served.daemons) if served else []:

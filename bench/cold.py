@@ -77,14 +77,22 @@ def curl_fetch(served: Served, layer: int, ids: list[int], out_dir: Path, parall
     ranges = [r for e in ids for r in m.expert(layer, e).ranges]
     loc = resolve_locations(served.hub.url, m.repo, m.revision, sorted({r.file for r in ranges}))
     cfg = out_dir / "ranges.curlrc"
-    cfg.write_text("next\n".join(
-        f'url = "{loc[r.file]}"\nrange = "{r.start}-{r.end - 1}"\noutput = "{out_dir / str(i)}"\n'
-        'header = "Accept-Encoding: identity"\nwrite-out = "%{http_code} %{size_download}\\n"\n'
-        for i, r in enumerate(ranges)))
-    proc = subprocess.run(["curl", "-sS", "--parallel", "--parallel-max", str(parallel), "-K",
-                           str(cfg)], check=True, capture_output=True, text=True)
-    got = sorted(int(size) for code, size in (ln.split() for ln in proc.stdout.splitlines())
-                 if code == "206")
+    cfg.write_text(
+        "next\n".join(
+            f'url = "{loc[r.file]}"\nrange = "{r.start}-{r.end - 1}"\noutput = "{out_dir / str(i)}"\n'
+            'header = "Accept-Encoding: identity"\nwrite-out = "%{http_code} %{size_download}\\n"\n'
+            for i, r in enumerate(ranges)
+        )
+    )
+    proc = subprocess.run(
+        ["curl", "-sS", "--parallel", "--parallel-max", str(parallel), "-K", str(cfg)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    got = sorted(
+        int(size) for code, size in (ln.split() for ln in proc.stdout.splitlines()) if code == "206"
+    )
     if got != sorted(r.end - r.start for r in ranges):
         raise SystemExit(f"curl: only {len(got)}/{len(ranges)} transfers were exact 206 answers")
 
@@ -161,19 +169,28 @@ def measure(served: Served, *, ids: list[int], rounds: int, parallel: int) -> Co
             shutil.rmtree(out_dir, ignore_errors=True)
         return t
 
-    mbs = lambda k, t: f"{k}={nbytes / t / 1e6:.0f}MB/s"
+    def mbs(k: str, t: float) -> str:
+        return f"{k}={nbytes / t / 1e6:.0f}MB/s"
+
     times = alternate({"ours": ours, "curl": curl}, rounds, mbs)
     del synced[0]  # the warm-up round
     for v in cpu.values():
         del v[0]
-    for e, buf in zip(entries, bufs):  # the last daemon round delivered the manifest's bytes
+    # The last daemon round delivered the manifest's bytes.
+    for e, buf in zip(entries, bufs, strict=True):
         if xxhash.xxh3_128(buf).digest() != e.xxh3:
             raise SystemExit(f"ours: expert {e.expert} bytes do not match the manifest")
-    planned = plan_requests(entries, max_bytes=constants.COALESCE_MAX_BYTES,
-                            max_experts=constants.COALESCE_MAX_EXPERTS)
-    return ColdResult(nbytes / median(times["ours"]) / 1e6, nbytes / median(times["curl"]) / 1e6,
-                      nbytes, len(planned), nbytes / median(synced) / 1e6,
-                      {k: median(v) for k, v in cpu.items()})
+    planned = plan_requests(
+        entries, max_bytes=constants.COALESCE_MAX_BYTES, max_experts=constants.COALESCE_MAX_EXPERTS
+    )
+    return ColdResult(
+        nbytes / median(times["ours"]) / 1e6,
+        nbytes / median(times["curl"]) / 1e6,
+        nbytes,
+        len(planned),
+        nbytes / median(synced) / 1e6,
+        {k: median(v) for k, v in cpu.items()},
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -182,26 +199,47 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--experts", type=int, default=32, help="experts per layer in the checkpoint")
     ap.add_argument("--layers", type=int, default=3, help="model layers (the first is dense)")
     ap.add_argument("--ids", type=int, default=16, help="experts in the one cold call")
-    ap.add_argument("--pick", choices=["random", "first"], default="random",
-                    help="random ids (seeded) like a router, or the first N (all neighbours)")
-    ap.add_argument("--parallel", type=int, default=constants.MAX_PARALLEL_FETCHES,
-                    help="curl transfers at once (the daemon's default upstream limit)")
+    ap.add_argument(
+        "--pick",
+        choices=["random", "first"],
+        default="random",
+        help="random ids (seeded) like a router, or the first N (all neighbours)",
+    )
+    ap.add_argument(
+        "--parallel",
+        type=int,
+        default=constants.MAX_PARALLEL_FETCHES,
+        help="curl transfers at once (the daemon's default upstream limit)",
+    )
     args = ap.parse_args(argv)
-    opts: dict[str, Any] = dict(experts=args.experts, layers=args.layers, shard_bytes=4 << 30,
-                                top_k=min(4, args.experts), **K3_SHAPE)
+    opts: dict[str, Any] = dict(
+        experts=args.experts,
+        layers=args.layers,
+        shard_bytes=4 << 30,
+        top_k=min(4, args.experts),
+        **K3_SHAPE,
+    )
     with served_checkpoint(args.dir, REPO, **opts) as served:
         ids = pick_ids(served, args.ids, args.pick)
         res = measure(served, ids=ids, rounds=args.rounds, parallel=args.parallel)
-    print(f"cold: {len(ids)} experts ({args.pick}: {ids}), {res.nbytes} bytes, daemon planned "
-          f"{res.upstream_requests} ranged GETs, curl {len(ids)} transfers at "
-          f"{args.parallel} in parallel, rounds={args.rounds}")
-    print(f"ours (fresh daemon, verified + cached) MB/s={res.ours_mbs:.0f}   "
-          f"curl (same ranges, to files) MB/s={res.curl_mbs:.0f}")
-    print(f"info: curl then fsync of its files MB/s={res.curl_fsync_mbs:.0f} (the daemon fsyncs "
-          "every blob before it commits; curl does not)")
+    print(
+        f"cold: {len(ids)} experts ({args.pick}: {ids}), {res.nbytes} bytes, daemon planned "
+        f"{res.upstream_requests} ranged GETs, curl {len(ids)} transfers at "
+        f"{args.parallel} in parallel, rounds={args.rounds}"
+    )
+    print(
+        f"ours (fresh daemon, verified + cached) MB/s={res.ours_mbs:.0f}   "
+        f"curl (same ranges, to files) MB/s={res.curl_mbs:.0f}"
+    )
+    print(
+        f"info: curl then fsync of its files MB/s={res.curl_fsync_mbs:.0f} (the daemon fsyncs "
+        "every blob before it commits; curl does not)"
+    )
     c = res.cpu_s
-    print(f"info: CPU s a round: ours daemon={c['ours_daemon']:.2f} hub={c['ours_hub']:.2f}   "
-          f"curl={c['curl']:.2f} hub={c['curl_hub']:.2f}   (2 cores shared by all)")
+    print(
+        f"info: CPU s a round: ours daemon={c['ours_daemon']:.2f} hub={c['ours_hub']:.2f}   "
+        f"curl={c['curl']:.2f} hub={c['curl_hub']:.2f}   (2 cores shared by all)"
+    )
     print(f"ratio={res.ratio:.3f}")
 
 

@@ -16,7 +16,7 @@ and ratio = warm / resident by the wall clock (the bar is >= 0.9).
 ``--source local`` skips the daemon: the streamed engine reads the checkpoint in-process
 (``LocalSource``), which isolates the engine's own cost from the daemon's.
 
-    python bench/engine.py [--fmt mxfp4|fp32] [--tokens 64] [--rounds 11] [--source daemon|local]
+    python bench/engine.py [--fmt mxfp4|fp32] [--tokens 64] [--rounds 12] [--source daemon|local]
                            [--dir /tmp]
 """
 
@@ -93,9 +93,21 @@ def installed(served: Served) -> Iterator[Path]:
     base = short_tmp("cdeng")
     sock = base / "run" / "s.sock"
     try:
-        run_cli("setup", "--stream", served.repo, "--endpoint", served.hub.url,
-                "--socket", str(sock), "--cache-dir", str(base / "cache"),
-                "--models-dir", str(base / "models"), "--manifest", str(served.manifest_path))
+        run_cli(
+            "setup",
+            "--stream",
+            served.repo,
+            "--endpoint",
+            served.hub.url,
+            "--socket",
+            str(sock),
+            "--cache-dir",
+            str(base / "cache"),
+            "--models-dir",
+            str(base / "models"),
+            "--manifest",
+            str(served.manifest_path),
+        )
         yield sock
     finally:
         _stop_daemon(sock)
@@ -103,9 +115,8 @@ def installed(served: Served) -> Iterator[Path]:
 
 
 def _stop_daemon(sock: Path) -> None:
-    from cachecd_client import Client
-
     from cachecd.errors import DaemonUnavailable
+    from cachecd_client import Client
 
     try:
         with Client(sock, timeout=5) as c:
@@ -157,21 +168,25 @@ def report(cases: dict[str, Case], n: int) -> None:
     ref = median(cases["resident"].tps)
     ref_cpu = median(cases["resident"].cpu_tps)
     for name, c in cases.items():
-        print(f"{name:9s} tok/s={median(c.tps):7.1f} (x{median(c.tps) / ref:.3f})   "
-              f"tok/CPU-s={median(c.cpu_tps):7.1f} (x{median(c.cpu_tps) / ref_cpu:.3f})")
+        print(
+            f"{name:9s} tok/s={median(c.tps):7.1f} (x{median(c.tps) / ref:.3f})   "
+            f"tok/CPU-s={median(c.cpu_tps):7.1f} (x{median(c.cpu_tps) / ref_cpu:.3f})"
+        )
     for name in ("warm", "ram0"):
         s = {k: median(v) for k, v in cases[name].per_token.items()}
-        print(f"{name:9s} per token: {s['layer_calls']:.0f} MoE layer calls, "
-              f"{s['experts_routed']:.1f} experts routed, {s['ram_hits']:.1f} RAM hits, "
-              f"{s['source_hits']:.1f} from the source ({s['source_bytes']:.0f} B), "
-              f"source wait {s['source_wait_s'] * 1e3:.2f} ms, decode {s['decode_s'] * 1e3:.2f} ms, "
-              f"whole token {1e3 / median(cases[name].tps):.2f} ms "
-              f"(resident {1e3 / ref:.2f} ms)")
+        print(
+            f"{name:9s} per token: {s['layer_calls']:.0f} MoE layer calls, "
+            f"{s['experts_routed']:.1f} experts routed, {s['ram_hits']:.1f} RAM hits, "
+            f"{s['source_hits']:.1f} from the source ({s['source_bytes']:.0f} B), "
+            f"source wait {s['source_wait_s'] * 1e3:.2f} ms, decode {s['decode_s'] * 1e3:.2f} ms, "
+            f"whole token {1e3 / median(cases[name].tps):.2f} ms "
+            f"(resident {1e3 / ref:.2f} ms)"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_args(ap, rounds=11)
+    add_common_args(ap, rounds=12)
     ap.add_argument("--fmt", default="mxfp4", choices=["mxfp4", "fp32"])
     ap.add_argument("--tokens", type=int, default=64, help="greedy decode steps a round")
     ap.add_argument("--source", default="daemon", choices=["daemon", "local"])
@@ -181,15 +196,20 @@ def main(argv: list[str] | None = None) -> None:
         with streamed_models(served, args.source) as (warm, ram0, tokenizer):
             prompt = mx.array(tokenizer.encode(PROMPT))[None]
             cases = {"resident": Case(resident), "warm": Case(warm), "ram0": Case(ram0)}
-            alternate({k: runner(c, prompt, args.tokens) for k, c in cases.items()},
-                      args.rounds, lambda k, v: f"{k}={v:.1f}tok/s")
+            alternate(
+                {k: runner(c, prompt, args.tokens) for k, c in cases.items()},
+                args.rounds,
+                lambda k, v: f"{k}={v:.1f}tok/s",
+            )
     for c in cases.values():  # drop the warm-up round
         for values in (c.tps, c.cpu_tps, *c.per_token.values()):
             del values[0]
     if len({tuple(c.tokens) for c in cases.values()}) != 1:
         raise SystemExit("streamed and resident greedy decodes emitted different tokens")
-    print(f"engine: fmt={args.fmt} source={args.source} {args.tokens} tokens a round, "
-          f"rounds={args.rounds}, same tokens from all three")
+    print(
+        f"engine: fmt={args.fmt} source={args.source} {args.tokens} tokens a round, "
+        f"rounds={args.rounds}, same tokens from all three"
+    )
     report(cases, args.tokens)
     print(f"ratio={median(cases['warm'].tps) / median(cases['resident'].tps):.3f}")
 

@@ -37,6 +37,7 @@ from _common import (
     served_checkpoint,
     timed,
 )
+
 from cachecd_client.transport import parallel_preadv
 
 REPO = "bench/k3-shaped"
@@ -55,7 +56,7 @@ class HitsResult:
 
 
 def _check(served: Served, layer: int, ids: list[int], bufs: list[np.ndarray], who: str) -> None:
-    for e, buf in zip(ids, bufs):
+    for e, buf in zip(ids, bufs, strict=True):
         entry = served.manifest.expert(layer, e)
         if xxhash.xxh3_128(buf[: entry.nbytes]).digest() != entry.xxh3:
             raise SystemExit(f"{who}: layer {layer} expert {e} bytes do not match the manifest")
@@ -67,8 +68,11 @@ def measure(served: Served, *, n_ids: int, reps: int, readers: int, rounds: int)
     layers = list(m.moe_layers)
     ids = list(range(min(n_ids, m.experts_per_layer)))
     size = int(m.sizes.max())
-    with (served.running_daemon() as d, d.client(readers=readers) as client,
-          ThreadPoolExecutor(readers) as pool):
+    with (
+        served.running_daemon() as d,
+        d.client(readers=readers) as client,
+        ThreadPoolExecutor(readers) as pool,
+    ):
         for layer in layers:  # the warm-up pass: every expert fetched, verified, cached
             client.experts(served.repo, layer, list(range(m.experts_per_layer)))
         paths = {layer: served.blob_paths(d.cache_dir, layer, ids) for layer in layers}
@@ -105,14 +109,20 @@ def measure(served: Served, *, n_ids: int, reps: int, readers: int, rounds: int)
             parallel_preadv(pool, fds, sizes[layer], views)
             close_all(fds)
             _check(served, layer, ids, bufs, "raw")
-            assert all(np.array_equal(a, b) for a, b in zip(bufs, bufs_raw))
+            assert all(np.array_equal(a, b) for a, b in zip(bufs, bufs_raw, strict=True))
             del bufs_raw
         per_case = reps * len(ids) * size
-        rate = lambda k, t: f"{k}={per_case / t / GIB:.2f}GiB/s"
+
+        def rate(k: str, t: float) -> str:
+            return f"{k}={per_case / t / GIB:.2f}GiB/s"
+
         times = alternate({"ours": lambda: timed(ours), "raw": lambda: timed(raw)}, rounds, rate)
-    return HitsResult(per_case / median(times["ours"]) / GIB,
-                      per_case / median(times["raw"]) / GIB, per_case,
-                      daemon_cpu[0] * 1e3 / ((rounds + 1) * reps))
+    return HitsResult(
+        per_case / median(times["ours"]) / GIB,
+        per_case / median(times["raw"]) / GIB,
+        per_case,
+        daemon_cpu[0] * 1e3 / ((rounds + 1) * reps),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -124,17 +134,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=4, help="calls per measurement")
     ap.add_argument("--readers", type=int, default=4, help="reader threads, both paths")
     args = ap.parse_args(argv)
-    opts: dict[str, Any] = dict(experts=args.experts, layers=args.layers, shard_bytes=4 << 30,
-                                top_k=min(4, args.experts), **K3_SHAPE)
+    opts: dict[str, Any] = dict(
+        experts=args.experts,
+        layers=args.layers,
+        shard_bytes=4 << 30,
+        top_k=min(4, args.experts),
+        **K3_SHAPE,
+    )
     with served_checkpoint(args.dir, REPO, **opts) as served:
-        res = measure(served, n_ids=args.ids, reps=args.reps, readers=args.readers,
-                      rounds=args.rounds)
-    print(f"hits: {args.ids} experts x {res.bytes_per_case // args.reps // args.ids} B, "
-          f"{args.reps} calls/measurement, readers={args.readers}, rounds={args.rounds}")
-    print(f"ours (daemon, fds + parallel preadv) GiB/s={res.ours_gibs:.2f}   "
-          f"raw (open + parallel preadv)        GiB/s={res.raw_gibs:.2f}")
-    print(f"info: daemon CPU per call={res.daemon_cpu_ms:.2f} ms (clock ticks, coarse); "
-          f"one call moves {res.bytes_per_case // args.reps} B")
+        res = measure(
+            served, n_ids=args.ids, reps=args.reps, readers=args.readers, rounds=args.rounds
+        )
+    print(
+        f"hits: {args.ids} experts x {res.bytes_per_case // args.reps // args.ids} B, "
+        f"{args.reps} calls/measurement, readers={args.readers}, rounds={args.rounds}"
+    )
+    print(
+        f"ours (daemon, fds + parallel preadv) GiB/s={res.ours_gibs:.2f}   "
+        f"raw (open + parallel preadv)        GiB/s={res.raw_gibs:.2f}"
+    )
+    print(
+        f"info: daemon CPU per call={res.daemon_cpu_ms:.2f} ms (clock ticks, coarse); "
+        f"one call moves {res.bytes_per_case // args.reps} B"
+    )
     print(f"ratio={res.ratio:.3f}")
 
 

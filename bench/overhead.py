@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import cachecd_client.api as client_api
 import numpy as np
 from _common import (
     Served,
@@ -32,9 +31,10 @@ from _common import (
     served_checkpoint,
     timed,
 )
-from cachecd_client.transport import parallel_preadv
 
+import cachecd_client.api as client_api
 from cachecd import constants
+from cachecd_client.transport import parallel_preadv
 
 REPO = "bench/tiny-k3"
 
@@ -51,21 +51,28 @@ class OverheadResult:
         return self.raw_s / self.ours_s
 
 
-def plan_token(served: Served, calls: int, n_ids: int, seed: int = 0) -> list[tuple[int, list[int]]]:
+def plan_token(
+    served: Served, calls: int, n_ids: int, seed: int = 0
+) -> list[tuple[int, list[int]]]:
     """``calls`` (layer, ids) pairs: the layers cycled, ids drawn like a router would."""
     m = served.manifest
     rng = random.Random(seed)
     n = min(n_ids, m.experts_per_layer)
     layers = m.moe_layers
-    return [(layers[i % len(layers)], sorted(rng.sample(range(m.experts_per_layer), n)))
-            for i in range(calls)]
+    return [
+        (layers[i % len(layers)], sorted(rng.sample(range(m.experts_per_layer), n)))
+        for i in range(calls)
+    ]
 
 
 def measure(served: Served, *, calls: int, n_ids: int, readers: int, rounds: int) -> OverheadResult:
     m = served.manifest
     token = plan_token(served, calls, n_ids)
-    with (served.running_daemon() as d, d.client(readers=readers) as client,
-          ThreadPoolExecutor(readers) as pool):
+    with (
+        served.running_daemon() as d,
+        d.client(readers=readers) as client,
+        ThreadPoolExecutor(readers) as pool,
+    ):
         for layer in m.moe_layers:  # warm: every expert cached
             client.experts(served.repo, layer, list(range(m.experts_per_layer)))
         paths = [served.blob_paths(d.cache_dir, layer, ids) for layer, ids in token]
@@ -79,21 +86,28 @@ def measure(served: Served, *, calls: int, n_ids: int, readers: int, rounds: int
                 client.experts(served.repo, layer, ids, out=bufs)
 
         def raw() -> None:
-            for p, s in zip(paths, sizes):
+            for p, s in zip(paths, sizes, strict=True):
                 fds = open_all(p)
                 try:
                     parallel_preadv(pool, fds, s, views)
                 finally:
                     close_all(fds)
 
-        per = lambda k, t: f"{k}={t * 1e6 / (calls * n):.1f}us/req"
+        def per(k: str, t: float) -> str:
+            return f"{k}={t * 1e6 / (calls * n):.1f}us/req"
+
         times = alternate({"ours": lambda: timed(ours), "raw": lambda: timed(raw)}, rounds, per)
         split = split_call(client, served.repo, token, bufs)
     return OverheadResult(median(times["ours"]), median(times["raw"]), calls * n, split)
 
 
-def split_call(client: Any, repo: str, token: list[tuple[int, list[int]]],
-               bufs: list[np.ndarray], tokens: int = 5) -> dict[str, float]:
+def split_call(
+    client: Any,
+    repo: str,
+    token: list[tuple[int, list[int]]],
+    bufs: list[np.ndarray],
+    tokens: int = 5,
+) -> dict[str, float]:
     """Median microseconds a call spends in the data request (daemon round trip, fds received)
     and in reading the fds, over ``tokens`` tokens; and the round trip of an empty request
     (no expert: framing, asyncio and the two context switches alone)."""
@@ -133,25 +147,36 @@ def split_call(client: Any, repo: str, token: list[tuple[int, list[int]]],
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(ap, rounds=21)
-    ap.add_argument("--calls", type=int, default=constants.K3_MOE_LAYERS, help="layer calls a token")
-    ap.add_argument("--ids", type=int, default=constants.K3_EXPERTS_PER_TOKEN, help="experts a call")
+    ap.add_argument(
+        "--calls", type=int, default=constants.K3_MOE_LAYERS, help="layer calls a token"
+    )
+    ap.add_argument(
+        "--ids", type=int, default=constants.K3_EXPERTS_PER_TOKEN, help="experts a call"
+    )
     ap.add_argument("--readers", type=int, default=4, help="reader threads, both paths")
     args = ap.parse_args(argv)
     with served_checkpoint(args.dir, REPO) as served:
         size = int(served.manifest.sizes.max())
-        res = measure(served, calls=args.calls, n_ids=args.ids, readers=args.readers,
-                      rounds=args.rounds)
-    print(f"overhead: {res.requests} expert requests a token ({args.calls} calls x {args.ids}), "
-          f"expert size {size} B, readers={args.readers}, rounds={args.rounds}")
-    print(f"ours (daemon) us/req={res.ours_s * 1e6 / res.requests:.1f} "
-          f"ms/token={res.ours_s * 1e3:.2f}   "
-          f"raw (open+preadv+close) us/req={res.raw_s * 1e6 / res.requests:.1f} "
-          f"ms/token={res.raw_s * 1e3:.2f}")
+        res = measure(
+            served, calls=args.calls, n_ids=args.ids, readers=args.readers, rounds=args.rounds
+        )
+    print(
+        f"overhead: {res.requests} expert requests a token ({args.calls} calls x {args.ids}), "
+        f"expert size {size} B, readers={args.readers}, rounds={args.rounds}"
+    )
+    print(
+        f"ours (daemon) us/req={res.ours_s * 1e6 / res.requests:.1f} "
+        f"ms/token={res.ours_s * 1e3:.2f}   "
+        f"raw (open+preadv+close) us/req={res.raw_s * 1e6 / res.requests:.1f} "
+        f"ms/token={res.raw_s * 1e3:.2f}"
+    )
     print(f"daemon overhead per token={(res.ours_s - res.raw_s) * 1e3:.2f} ms")
     sp = res.split_us
-    print(f"info: one call of ours (us, median): whole={sp['call']:.0f} = data request "
-          f"(round trip, daemon opens + passes fds)={sp['request']:.0f} + parallel preadv="
-          f"{sp['read']:.0f} + the rest; an empty request's round trip={sp['empty_request']:.0f}")
+    print(
+        f"info: one call of ours (us, median): whole={sp['call']:.0f} = data request "
+        f"(round trip, daemon opens + passes fds)={sp['request']:.0f} + parallel preadv="
+        f"{sp['read']:.0f} + the rest; an empty request's round trip={sp['empty_request']:.0f}"
+    )
     print(f"ratio={res.ratio:.3f}")
 
 
