@@ -59,6 +59,8 @@ class Settings:
     map_size: int = constants.LMDB_MAP_SIZE
     log_level: str = constants.DEFAULT_LOG_LEVEL
     shutdown_timeout: float = constants.SHUTDOWN_TIMEOUT_S
+    read_timeout: float = constants.READ_TIMEOUT_S
+    total_timeout: float = constants.TOTAL_TIMEOUT_S
 
     @property
     def data_socket(self) -> Path:
@@ -105,6 +107,16 @@ def _positive_int(value: Any, key: str) -> int:
     return number
 
 
+def _seconds(value: Any, key: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigInvalid(f"{key}: expected a number of seconds, got {value!r}") from None
+    if not number > 0:
+        raise ConfigInvalid(f"{key}: must be more than 0 seconds, got {number}")
+    return number
+
+
 def _choice(*allowed: str):  # type: ignore[no-untyped-def]
     def parse(value: Any, key: str) -> str:
         if str(value) not in allowed:
@@ -133,6 +145,8 @@ _FIELDS = {
     "map_size": lambda v, k: parse_size(v, k),
     "log_level": _choice("DEBUG", "INFO", "WARNING", "ERROR"),
     "shutdown_timeout": lambda v, k: float(v),
+    "read_timeout": _seconds,
+    "total_timeout": _seconds,
 }
 
 

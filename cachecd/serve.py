@@ -71,7 +71,9 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     # huggingface_hub may fetch a small registry synchronously the first time it builds headers:
     # keep that off the event loop.
     upstream = await asyncio.to_thread(Upstream, settings.endpoint, get_token(),
-                                       offline=settings.offline, max_parallel=settings.max_parallel)
+                                       offline=settings.offline, max_parallel=settings.max_parallel,
+                                       read_timeout=settings.read_timeout,
+                                       total_timeout=settings.total_timeout)
     daemon = Daemon(settings, store, upstream)
     await daemon.registry.load_registered()
     for path in settings.manifests:
