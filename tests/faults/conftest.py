@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from tests.fakes.fake_hub import FakeHub, FakeHubThread
+from tests.fakes.fake_hub import FakeHub
 from tests.faults.figures import FIGURES
-from tests.faults.support import FaultDaemon, Model, build_model, new_dir
+from tests.faults.support import FaultDaemon, HubThread, Model, build_model, new_dir
 
 HERE = Path(__file__).parent
 REPORT = HERE.parents[1] / "docs" / "RELIABILITY.md"
@@ -54,14 +54,17 @@ def big(fault_root: Path) -> Model:
 # -- hubs and daemons ---------------------------------------------------------------------------
 class _Pool:
     def __init__(self) -> None:
-        self.hubs: list[FakeHubThread] = []
+        self.hubs: list[HubThread] = []
         self.daemons: list[FaultDaemon] = []
 
     def hub(self, model: Model) -> FakeHub:
-        t = FakeHubThread(model.folder, repo=model.repo, revision=model.revision)
+        return self.hub_thread(model).hub
+
+    def hub_thread(self, model: Model) -> HubThread:
+        t = HubThread(model.folder, repo=model.repo, revision=model.revision)
         t.start()
         self.hubs.append(t)
-        return t.hub
+        return t
 
     def daemon(self, endpoint: str | FakeHub, models: list[Model], *, start: bool = True,
                **kw: Any) -> FaultDaemon:
@@ -148,3 +151,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if full:
         wall = (_state["t1"] or 0) - (_state["t0"] or 0)
         write_report(REPORT, FIGURES, wall)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _state["collected"]:
+        return
+    terminalreporter.section("fault suite figures")
+    for key, value in sorted(FIGURES.values.items()):
+        terminalreporter.write_line(f"{key} = {value}")

@@ -27,6 +27,8 @@ import xxhash
 
 from cachecd.errors import ERRORS_BY_CODE, CachecdError
 from cachecd.manifest import ExpertEntry, Manifest
+from tests.fakes.fake_hub import FakeHub, FakeHubThread
+from tests.fakes.fault_proxy import FaultProxy
 from tests.faults.figures import FIGURES
 from tests.harness import DaemonProcess, short_tmp
 
@@ -77,6 +79,47 @@ def build_model(root: Path, repo: str, revision: str = REVISION, **opts: Any) ->
     path = root / (repo.replace("/", "--") + ".manifest")
     manifest.save(path)
     return Model(repo, revision, folder, path, Manifest.load(path))
+
+
+# -- the upstream -------------------------------------------------------------------------------
+class RecordingHub(FakeHub):
+    """FakeHub that also times each stall: from the last byte sent to the client hanging up."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.stalls: list[tuple[float, float]] = []
+
+    async def _fault(self, request: Any, what: str) -> None:
+        t0 = time.monotonic()
+        await super()._fault(request, what)
+        if what == "stall":
+            self.stalls.append((t0, time.monotonic()))
+
+
+class HubThread(FakeHubThread):
+    """A RecordingHub on its own loop; ``proxy()`` puts a FaultProxy in front of its CDN URLs."""
+
+    async def _make(self) -> FakeHub:
+        hub = RecordingHub(self._folder, **self._kw)
+        await hub.start()
+        return hub
+
+    def proxy(self) -> FaultProxy:
+        port = int(self.hub.url.rsplit(":", 1)[1])
+        proxy = self._call(self._start_proxy(port))
+        self.hub.public_url = proxy.url
+        self._proxies = [*getattr(self, "_proxies", []), proxy]
+        return proxy
+
+    async def _start_proxy(self, port: int) -> FaultProxy:
+        proxy = FaultProxy("127.0.0.1", port)
+        await proxy.start()
+        return proxy
+
+    def stop(self) -> None:
+        for proxy in getattr(self, "_proxies", []):
+            self._call(proxy.close())
+        super().stop()
 
 
 # -- checking what the daemon hands out ---------------------------------------------------------
@@ -237,6 +280,11 @@ class FaultDaemon(DaemonProcess):
         return self.wrap + super().argv
 
     @property
+    def max_parallel(self) -> int:
+        args = self.extra
+        return int(args[args.index("--max-parallel") + 1]) if "--max-parallel" in args else 8
+
+    @property
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
@@ -312,6 +360,10 @@ class FaultDaemon(DaemonProcess):
             return
         got = self.settle_counts(self.baseline)
         FIGURES.add("all.baseline_checks")
+        # The upstream keep-alive pool is not part of the baseline, but it is bounded.
+        tcp = fd_census(self.pid)["tcp"]
+        FIGURES.peak("all.upstream_connections_max", tcp)
+        assert tcp <= self.max_parallel + 4, f"{tcp} upstream connections open"
         assert got[0] <= self.baseline[0], f"fds: {got[0]} open, baseline {self.baseline[0]}"
         assert got[1] <= self.baseline[1], f"tasks: {got[1]} alive, baseline {self.baseline[1]}"
 
