@@ -77,6 +77,7 @@ def test_cold_core(served) -> None:  # type: ignore[no-untyped-def]
     assert len(set(ids)) == 3 and ids == sorted(ids)
     res = cold.measure(served, ids=ids, rounds=1, parallel=2)
     _finite_positive(res.ours_mbs, res.curl_mbs, res.curl_fsync_mbs, res.ratio)
+    assert res.upstream_requests >= 1
     assert res.nbytes == sum(
         served.manifest.expert(served.manifest.moe_layers[0], e).nbytes for e in ids
     )
