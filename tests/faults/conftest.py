@@ -17,7 +17,14 @@ import pytest
 
 from tests.fakes.fake_hub import FakeHub
 from tests.faults.figures import FIGURES
-from tests.faults.support import FaultDaemon, HubThread, Model, build_model, new_dir
+from tests.faults.support import (
+    FaultDaemon,
+    HubThread,
+    Model,
+    RecordingHub,
+    build_model,
+    new_dir,
+)
 
 HERE = Path(__file__).parent
 REPORT = HERE.parents[1] / "docs" / "RELIABILITY.md"
@@ -60,8 +67,9 @@ class _Pool:
     def hub(self, model: Model) -> FakeHub:
         return self.hub_thread(model).hub
 
-    def hub_thread(self, model: Model) -> HubThread:
+    def hub_thread(self, model: Model, hub_cls: type[RecordingHub] = RecordingHub) -> HubThread:
         t = HubThread(model.folder, repo=model.repo, revision=model.revision)
+        t.hub_cls = hub_cls
         t.start()
         self.hubs.append(t)
         return t

@@ -99,8 +99,10 @@ class RecordingHub(FakeHub):
 class HubThread(FakeHubThread):
     """A RecordingHub on its own loop; ``proxy()`` puts a FaultProxy in front of its CDN URLs."""
 
+    hub_cls: type[RecordingHub] = RecordingHub
+
     async def _make(self) -> FakeHub:
-        hub = RecordingHub(self._folder, **self._kw)
+        hub = self.hub_cls(self._folder, **self._kw)
         await hub.start()
         return hub
 

@@ -34,7 +34,8 @@ def _gather(daemon, model: Model, layer: int, expert: int) -> list[object]:  # t
 def _gets(hub, entry) -> int:  # type: ignore[no-untyped-def]
     first = entry.ranges[0]  # a split expert takes one GET per range
     want = f"bytes={first.start}-{first.end - 1}"
-    return sum(1 for r in hub.records if r.kind == "cdn_get" and r.range == want)
+    return sum(1 for r in hub.records if r.kind == "cdn_get" and r.range == want
+               and r.path.endswith("/" + first.file))
 
 
 def test_64_clients_one_upstream_get_same_bytes(small: Model, hub_for, daemons) -> None:  # type: ignore[no-untyped-def]
