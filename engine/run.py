@@ -17,7 +17,8 @@ from cachecd.config import format_size
 
 
 def load(repo: str, socket: str | Path | None = None, *, ram_bytes: int | None = None,
-         stats: Any = None, trace: str | Path | None = None) -> tuple[Any, Any]:
+         stats: Any = None, trace: str | Path | None = None,
+         prefetch: bool = False) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of a registered model, as ``mlx_lm.load`` returns them.
 
     The resident weights come from the local files ``cachecd setup --stream`` installed; every
@@ -31,7 +32,7 @@ def load(repo: str, socket: str | Path | None = None, *, ram_bytes: int | None =
 
     source, local_dir = DaemonSource.connect(repo, socket)
     ram = DEFAULT_RAM_BYTES if ram_bytes is None else ram_bytes
-    model, tokenizer = load_dir(local_dir, source, ram_bytes=ram, stats=stats)
+    model, tokenizer = load_dir(local_dir, source, ram_bytes=ram, stats=stats, prefetch=prefetch)
     _attach_trace(model, repo, trace)
     return model, tokenizer
 
@@ -57,6 +58,8 @@ def register(sub: Any) -> None:
     p.add_argument("--socket")
     p.add_argument("--ram", default="2GiB", help="RAM tier for hot experts, e.g. 8GiB; 0 disables")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--prefetch", action="store_true",
+                   help="send next-layer prefetch hints to the daemon (helps a cold cache)")
     p.add_argument("--stats", action="store_true", help="per-token stats on stderr")
     p.add_argument("--json", action="store_true", help="print token ids and per-token stats as JSON")
     p.add_argument("--trace", metavar="FILE",
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
     stats = EngineStats()
     model, tokenizer = load(args.model, args.socket, ram_bytes=parse_size(args.ram, "--ram"), stats=stats,
-                            trace=args.trace)
+                            trace=args.trace, prefetch=args.prefetch)
     bank_source = model.bank.source
     print(cold_cost_notice(bank_source.client, args.model), file=sys.stderr)
     prompt: Any = args.prompt
