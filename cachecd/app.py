@@ -35,6 +35,7 @@ class OpenedExpert:
     fd: int
     size: int
     digest: str
+    fetched: bool = False  # this request waited for an upstream fetch of it
 
 
 def parse_repo(repo: str) -> str:
@@ -72,25 +73,29 @@ class Daemon:
             raise InvalidRequest(f"at most {constants.MAX_BATCH_EXPERTS} experts per request")
         return [model.manifest.expert(layer, _int(e, "expert")) for e in ids]
 
-    async def ensure(self, model: RegisteredModel, entries: list["ExpertEntry"]) -> None:
+    async def ensure(self, model: RegisteredModel, entries: list["ExpertEntry"]) -> set[str]:
+        """Make every entry local; returns the digests that were missing (fetched for this call)."""
         # One count per distinct expert per request, whatever the caller repeats.
         distinct = list({(e.layer, e.expert): e for e in entries}.values())
-        missing = len(self.fetcher.missing(distinct))
+        missing = {e.digest_hex for e in self.fetcher.missing(distinct)}
         self.counters["expert_requests"] += len(distinct)
-        self.counters["expert_misses"] += missing
-        self.counters["expert_hits"] += len(distinct) - missing
-        self.history.record(model.manifest.key, len(distinct) - missing, missing)
+        self.counters["expert_misses"] += len(missing)
+        self.counters["expert_hits"] += len(distinct) - len(missing)
+        self.history.record(model.manifest.key, len(distinct) - len(missing), len(missing))
         await self.fetcher.ensure(model, entries)
+        return missing
 
     async def open_experts(self, repo: str, layer: Any, ids: list[Any]) -> list[OpenedExpert]:
         model = self.model(repo)
         entries = self.entries(model, layer, ids)
-        await self.ensure(model, entries)
+        missing = await self.ensure(model, entries)
         opened: list[OpenedExpert] = []
         counted: set[int] = set()
         try:
             for entry in entries:
-                opened.append(await self._open_one(model, entry, entry.expert not in counted))
+                one = await self._open_one(model, entry, entry.expert not in counted)
+                one.fetched = entry.digest_hex in missing
+                opened.append(one)
                 counted.add(entry.expert)
         except BaseException:
             for o in opened:

@@ -129,7 +129,8 @@ class DataServer:
         if not isinstance(ids, list) or len(ids) > protocol.MAX_FDS_PER_FRAME:
             raise InvalidRequest(f"ids must be a list of at most {protocol.MAX_FDS_PER_FRAME} experts")
         opened = await self._daemon.open_experts(str(req.get("model", "")), req.get("layer"), ids)
-        experts = [{"expert": o.expert, "size": o.size, "digest": o.digest} for o in opened]
+        experts = [{"expert": o.expert, "size": o.size, "digest": o.digest, "fetched": o.fetched}
+                   for o in opened]
         return {"ok": True, "experts": experts}, [o.fd for o in opened]
 
     async def close(self) -> None:

@@ -2,7 +2,8 @@
 
 Hits must not be copied through HTTP, so expert bytes travel as open file descriptors: the
 client sends one frame ``{"op": "experts", "model": ..., "layer": L, "ids": [...]}`` and the
-daemon answers one frame ``{"ok": true, "experts": [{"expert": E, "size": N, "digest": hex}]}``
+daemon answers one frame ``{"ok": true, "experts": [{"expert": E, "size": N, "digest": hex,
+"fetched": bool}]}`` (``fetched``: this request waited for an upstream fetch of that expert)
 with one fd per expert attached (SCM_RIGHTS) to the answer's first byte, in the same order. The
 client ``preadv``s each fd from offset 0 and closes it. An error answer is the wire error form
 ``{"ok": false, "error": code, "message": ..., "retryable": bool}`` with no fds.

@@ -43,6 +43,8 @@ class Client:
         self._control = ControlTransport(self.socket, timeout)
         self._data = DataTransport(data_socket_path(self.socket), timeout)
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="cachecd-read")
+        #: experts that the daemon had to fetch upstream for this client's requests, so far
+        self.upstream_fetches = 0
 
     # control ---------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -136,6 +138,7 @@ class Client:
         answer, fds = self._data.request({"op": "experts", "model": model, "layer": int(layer), "ids": ids})
         try:
             sizes = [int(e["size"]) for e in answer["experts"]]
+            self.upstream_fetches += sum(1 for e in answer["experts"] if e.get("fetched"))
             if len(fds) != len(sizes):
                 raise InvalidRequest(f"daemon sent {len(fds)} descriptors for {len(sizes)} experts")
             arrays: list[np.ndarray] = [np.empty(n, np.uint8) for n in sizes] if out is None else [

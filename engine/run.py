@@ -96,9 +96,13 @@ def run(args: argparse.Namespace) -> int:
     records: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     last = None
+    client = bank_source.client
+    fetched = client.upstream_fetches
     for resp in stream_generate(model, tokenizer, prompt, max_tokens=args.max_new):
         now = time.perf_counter()
-        step = {"token": int(resp.token), "text": resp.text, "s": round(now - t0, 6), **stats.snapshot()}
+        step = {"token": int(resp.token), "text": resp.text, "s": round(now - t0, 6), **stats.snapshot(),
+                "fetched_upstream": client.upstream_fetches - fetched}
+        fetched = client.upstream_fetches
         stats.reset()
         t0, last = now, resp
         records.append(step)
@@ -126,5 +130,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _stat_line(i: int, s: dict[str, Any]) -> str:
     return (f"token {i}: routed {s['experts_routed']} RAM hits {s['ram_hits']} daemon {s['source_hits']} "
+            f"of which fetched upstream {s['fetched_upstream']} "
             f"({format_size(s['source_bytes'])}) waited {s['source_wait_s'] * 1000:.1f} ms "
             f"total {s['s'] * 1000:.1f} ms")

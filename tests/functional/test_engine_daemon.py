@@ -118,6 +118,8 @@ def test_run_json_streams_tokens_with_stats(installed):
     assert len(data["tokens"]) == 8
     first = data["per_token"][0]
     assert first["experts_routed"] > 0 and first["source_hits"] > 0 and first["source_bytes"] > 0
+    # The cache was cold: the prefill's experts were fetched upstream, and counted as such.
+    assert first["fetched_upstream"] == first["source_hits"]
     text = run_cli("run", "--model", TINY_REPO, "--prompt", PROMPT, "--max-new", "8", "--socket",
                    str(installed.socket)).stdout
     assert text.strip() and text.strip() == data["text"].strip()
