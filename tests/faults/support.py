@@ -288,8 +288,19 @@ class FaultDaemon(DaemonProcess):
 
     @property
     def pid(self) -> int:
+        """The daemon's pid (under ``wrap``, e.g. strace, the wrapper's child)."""
         assert self.proc is not None
-        return self.proc.pid
+        if not self.wrap:
+            return self.proc.pid
+        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+            return int(f.read().split()[0])
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if not self.wrap or not self.running():
+            return super().stop(sig, timeout)
+        os.kill(self.pid, sig)  # the wrapper (strace) exits with its child's status
+        assert self.proc is not None
+        return self.proc.wait(timeout)
 
     def start(self, timeout: float = 60, baseline: bool = True) -> FaultDaemon:
         super().start(timeout)
@@ -349,7 +360,7 @@ class FaultDaemon(DaemonProcess):
                 assert code == 0, f"daemon exited {code} on SIGTERM:\n{self.log()[-3000:]}"
                 assert not self.socket.exists(), "control socket left behind"
                 assert not Path(str(self.socket) + ".data").exists(), "data socket left behind"
-            elif self.proc is not None and not self.expect_killed:
+            elif self.proc is not None and self.proc.returncode and not self.expect_killed:
                 raise AssertionError(f"daemon died ({self.proc.returncode}):\n{self.log()[-3000:]}")
             if self.cache_dir.exists():
                 self.check_cache_clean()
