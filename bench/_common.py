@@ -79,6 +79,12 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
+def paired_ratio(ours: Sequence[float], base: Sequence[float]) -> float:
+    """Median over rounds of ``ours[r] / base[r]``: each round's pair ran back to back, so a
+    slow stretch of a shared machine hits both and cancels out (rates in; invert for times)."""
+    return median([o / b for o, b in zip(ours, base, strict=True)])
+
+
 @dataclass
 class Served:
     """A checkpoint under ``hub_root/repo``, served by ``cachecd hub serve``, with its manifest."""

@@ -37,6 +37,7 @@ from _common import (
     add_common_args,
     alternate,
     median,
+    paired_ratio,
     proc_cpu_s,
     served_checkpoint,
 )
@@ -56,6 +57,7 @@ class ColdResult:
     upstream_requests: int  # ranged GETs the daemon sent in its last round (it coalesces)
     curl_fsync_mbs: float  # curl, then fsync of its files: what durability would cost curl
     cpu_s: dict[str, float]  # median CPU seconds a round: ours_daemon, ours_hub, curl, curl_hub
+    paired: float  # median of the per-round ratios
 
     @property
     def ratio(self) -> float:
@@ -189,6 +191,7 @@ def measure(served: Served, *, ids: list[int], rounds: int, parallel: int) -> Co
         sent[0],
         nbytes / median(synced) / 1e6,
         {k: median(v) for k, v in cpu.items()},
+        paired_ratio(times["curl"], times["ours"]),
     )
 
 
@@ -239,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         f"info: CPU s a round: ours daemon={c['ours_daemon']:.2f} hub={c['ours_hub']:.2f}   "
         f"curl={c['curl']:.2f} hub={c['curl_hub']:.2f}   (2 cores shared by all)"
     )
+    print(f"info: median of per-round ratios={res.paired:.3f}")
     print(f"ratio={res.ratio:.3f}")
 
 

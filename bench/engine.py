@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from _common import Served, add_common_args, alternate, median, served_checkpoint
+from _common import Served, add_common_args, alternate, median, paired_ratio, served_checkpoint
 from mlx_lm.utils import load_model
 
 from tests.harness import run_cli, short_tmp
@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         f"rounds={args.rounds}, same tokens from all three"
     )
     report(cases, args.tokens)
+    paired = {k: paired_ratio(cases[k].tps, cases["resident"].tps) for k in ("warm", "ram0")}
+    print(f"info: median of per-round ratios: warm={paired['warm']:.3f} ram0={paired['ram0']:.3f}")
     print(f"ratio={median(cases['warm'].tps) / median(cases['resident'].tps):.3f}")
 
 

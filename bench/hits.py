@@ -33,6 +33,7 @@ from _common import (
     close_all,
     median,
     open_all,
+    paired_ratio,
     proc_cpu_s,
     served_checkpoint,
     timed,
@@ -49,6 +50,7 @@ class HitsResult:
     raw_gibs: float
     bytes_per_case: int
     daemon_cpu_ms: float  # the daemon's CPU per ``client.experts`` call, all rounds together
+    paired: float  # median of the per-round ratios
 
     @property
     def ratio(self) -> float:
@@ -122,6 +124,7 @@ def measure(served: Served, *, n_ids: int, reps: int, readers: int, rounds: int)
         per_case / median(times["raw"]) / GIB,
         per_case,
         daemon_cpu[0] * 1e3 / ((rounds + 1) * reps),
+        paired_ratio(times["raw"], times["ours"]),
     )
 
 
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         f"info: daemon CPU per call={res.daemon_cpu_ms:.2f} ms (clock ticks, coarse); "
         f"one call moves {res.bytes_per_case // args.reps} B"
     )
+    print(f"info: median of per-round ratios={res.paired:.3f}")
     print(f"ratio={res.ratio:.3f}")
 
 

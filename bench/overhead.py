@@ -28,6 +28,7 @@ from _common import (
     close_all,
     median,
     open_all,
+    paired_ratio,
     served_checkpoint,
     timed,
 )
@@ -45,6 +46,7 @@ class OverheadResult:
     raw_s: float
     requests: int  # expert requests per token
     split_us: dict[str, float]  # where one call of ours goes, microseconds (see split_call)
+    paired: float  # median of the per-round ratios
 
     @property
     def ratio(self) -> float:
@@ -98,7 +100,13 @@ def measure(served: Served, *, calls: int, n_ids: int, readers: int, rounds: int
 
         times = alternate({"ours": lambda: timed(ours), "raw": lambda: timed(raw)}, rounds, per)
         split = split_call(client, served.repo, token, bufs)
-    return OverheadResult(median(times["ours"]), median(times["raw"]), calls * n, split)
+    return OverheadResult(
+        median(times["ours"]),
+        median(times["raw"]),
+        calls * n,
+        split,
+        paired_ratio(times["raw"], times["ours"]),
+    )
 
 
 def split_call(
@@ -177,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         f"(round trip, daemon opens + passes fds)={sp['request']:.0f} + parallel preadv="
         f"{sp['read']:.0f} + the rest; an empty request's round trip={sp['empty_request']:.0f}"
     )
+    print(f"info: median of per-round ratios={res.paired:.3f}")
     print(f"ratio={res.ratio:.3f}")
 
 

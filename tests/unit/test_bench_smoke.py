@@ -53,7 +53,7 @@ def _last_line(capsys: pytest.CaptureFixture[str]) -> str:
 
 def test_hits_core(served) -> None:  # type: ignore[no-untyped-def]
     res = _load("hits").measure(served, n_ids=4, reps=1, readers=2, rounds=1)
-    _finite_positive(res.ours_gibs, res.raw_gibs, res.ratio)
+    _finite_positive(res.ours_gibs, res.raw_gibs, res.ratio, res.paired)
     assert res.bytes_per_case == 4 * int(served.manifest.sizes.max())
     assert not served.daemons, "the bench must stop its daemon"
 
@@ -66,7 +66,7 @@ def test_overhead_core(served) -> None:  # type: ignore[no-untyped-def]
     ]
     assert all(len(ids) == 4 == len(set(ids)) for _, ids in token)
     res = overhead.measure(served, calls=3, n_ids=4, readers=2, rounds=1)
-    _finite_positive(res.ours_s, res.raw_s, res.ratio)
+    _finite_positive(res.ours_s, res.raw_s, res.ratio, res.paired)
     assert res.requests == 12
     assert not served.daemons, "the bench must stop its daemon"
 
@@ -76,7 +76,7 @@ def test_cold_core(served) -> None:  # type: ignore[no-untyped-def]
     ids = cold.pick_ids(served, 3, "random")
     assert len(set(ids)) == 3 and ids == sorted(ids)
     res = cold.measure(served, ids=ids, rounds=1, parallel=2)
-    _finite_positive(res.ours_mbs, res.curl_mbs, res.curl_fsync_mbs, res.ratio)
+    _finite_positive(res.ours_mbs, res.curl_mbs, res.curl_fsync_mbs, res.ratio, res.paired)
     assert res.upstream_requests >= 1
     assert res.nbytes == sum(
         served.manifest.expert(served.manifest.moe_layers[0], e).nbytes for e in ids
