@@ -103,7 +103,12 @@ class Served:
     def daemon(self, cache_dir: Path | None = None) -> DaemonProcess:
         """A started daemon; ``cache_dir`` defaults to a fresh one under the work dir."""
         cache = cache_dir or Path(tempfile.mkdtemp(prefix="cache-", dir=self.work))
-        d = DaemonProcess(self.hub.url, [self.manifest_path], cache_dir=cache).start()
+        d = DaemonProcess(self.hub.url, [self.manifest_path], cache_dir=cache)
+        try:
+            d.start()
+        except BaseException:
+            d.cleanup()  # its socket dir lives outside the work dir
+            raise
         self.daemons.append(d)
         return d
 
