@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import socket
+import stat
 import struct
 import sys
 from dataclasses import dataclass
@@ -57,6 +58,14 @@ def ensure_private_dir(path: Path) -> None:
 
 
 def _clear_stale(path: Path) -> None:
+    # connect() on a regular file also fails with ECONNREFUSED: look before deciding it is a
+    # stale socket, or a user's file at the --socket path would be deleted.
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ConfigInvalid(f"{path} exists and is not a socket; remove it or pick --socket")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(str(path))
