@@ -92,7 +92,9 @@ def test_modes_from_bind_nobody_refused_then_forbidden(small: Model, pool) -> No
     w.start()
     d.start()
     w.join()
-    FIGURES.set("s11.modes_at_first_sight", "dir %o, control %o, data %o" % first[0])
+    dir_mode, ctl_mode, data_mode = first[0]
+    FIGURES.set("s11.modes_at_first_sight",
+                f"dir {dir_mode:o}, control {ctl_mode:o}, data {data_mode:o}")
     assert first[0] == (0o700, 0o600, 0o600), first
     refused = _as_nobody(d)
     assert refused["control"] == {"connect_errno": 13} and refused["data"] == {"connect_errno": 13}
