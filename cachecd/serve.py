@@ -52,7 +52,25 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else settings.log_level)
+    logging.getLogger("aiohttp.server").addFilter(_MalformedRequestLine())
     return asyncio.run(serve(settings))
+
+
+class _MalformedRequestLine(logging.Filter):
+    """aiohttp logs a request it cannot parse at ERROR with a traceback. For the daemon that is
+    a client's mistake, already answered 400: keep one WARNING line, no traceback, no raw bytes
+    beyond a short excerpt (they could hold a header's token)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            first = str(exc.message).strip().splitlines()[0][:120] if exc.message else ""
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = "event=malformed_request status=%d err=%s", (exc.code, first)
+            record.exc_info, record.exc_text = None, None
+        return True
 
 
 async def _start(settings: Settings) -> tuple[Any, list[Any]]:
