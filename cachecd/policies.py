@@ -3,15 +3,23 @@
 A policy only ranks; the store owns the entries and the budget. ``victims`` must not change the
 policy's view of which entries exist: the store calls ``on_remove`` for each entry it really
 drops (by eviction, quarantine or a missing file). Entries in ``exclude`` (pins) are never
-returned. Policies are not thread-safe; the store calls them under its own lock.
+returned. Policies are not thread-safe; the store calls them under its own lock. The store
+calls ``on_insert`` when fetched bytes commit and ``on_access`` for each use, including the use
+that caused the fetch.
 
 - ``lru``: least recently used first. The baseline.
-- ``lfuda`` (the default): LFU with dynamic aging. Priority = L + hits, where L is the priority
-  of the last evicted entry. Frequency keeps the hot experts of a skewed MoE routing
-  distribution through a scan of one-off experts (which LRU lets flush the hot set); aging lets
-  entries that were hot long ago fall out once the hot set drifts, which plain LFU never does.
-  Every expert of a model has the same size, so the fetch cost per byte is flat and GDSF's
-  size term would add nothing; ties go to the least recently used.
+- ``lfuda``: LFU with dynamic aging. Priority = L + hits, where L is the priority of the last
+  evicted entry; ties go to the least recently used.
+- ``wlfu`` (the default): a windowed LFU. New entries enter a small LRU window; the rest of the
+  cache is ranked by use counts that outlive eviction (a returning expert keeps its history)
+  and are halved every ``halve_every`` x (cache size) uses, so a hot set that drifted away
+  fades. When the window is full its oldest entry must out-count the least used entry of the
+  rest to stay. The window's share adapts from ghosts (recently evicted digests): a miss on one
+  the window dropped grows it (recency is paying), a miss on one the frequency part dropped
+  shrinks it. MoE routing is skewed and cyclic (every layer each token), which LRU handles
+  badly once a token's experts outnumber the cache; bursts (a prefill reusing its experts)
+  want recency. bench/policy_eval.py measures all of them against Belady's optimum.
+  Every expert of a model has the same size, so the window is sized in entries.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Callable, Container, Generator
 from typing import Protocol
 
 
@@ -133,7 +141,158 @@ class LFUDA:
         return out
 
 
-POLICIES: dict[str, type[LRU | LFUDA]] = {"lru": LRU, "lfuda": LFUDA, "default": LFUDA}
+class WindowLFU:
+    """The default: an adaptive LRU window in front of a frequency-ranked main part."""
+
+    name = "wlfu"
+
+    def __init__(
+        self, *, window: float = 0.0, ghosts: float = 0.25, halve_every: float = 32.0
+    ) -> None:
+        self._share = window  # the window's target share of the cache, adapted by ghost hits
+        self._ghost_share = ghosts
+        self._halve_every = halve_every
+        self._counts: dict[str, int] = {}  # uses, halved now and then; outlives eviction
+        self._window: OrderedDict[str, int] = OrderedDict()  # digest -> size, oldest first
+        self._main: dict[str, tuple[int, int, int]] = {}  # digest -> (count, tick, size)
+        self._heap: list[tuple[int, int, str]] = []  # (count, tick, digest); stale rows skipped
+        self._ghost_window: OrderedDict[str, None] = OrderedDict()
+        self._ghost_main: OrderedDict[str, None] = OrderedDict()
+        self._tick = itertools.count()
+        self._peak = 1  # most entries held at once: the cache's size in entries
+        self._uses = 0
+
+    def __len__(self) -> int:
+        return len(self._window) + len(self._main)
+
+    def _window_cap(self) -> int:
+        # Both parts keep at least one entry: evictions from each feed its ghost list, which is
+        # the only way the share can move back from either end.
+        return min(max(int(self._share * self._peak), 1), max(self._peak - 1, 1))
+
+    def on_insert(self, digest: str, size: int, count: int = 0) -> None:
+        self._adapt(digest)
+        if count:
+            self._counts[digest] = self._counts.get(digest, 0) + count
+        self._main.pop(digest, None)
+        self._window[digest] = size
+        self._window.move_to_end(digest)
+        self._peak = max(self._peak, len(self))
+        while len(self._window) > self._window_cap():
+            self._spill()
+
+    def on_access(self, digest: str) -> None:
+        if digest in self._window:
+            self._window.move_to_end(digest)
+            self._use(digest)
+        elif digest in self._main:
+            self._use(digest)
+            self._to_main(digest, self._main[digest][2])
+
+    def on_remove(self, digest: str) -> None:
+        if self._window.pop(digest, None) is not None:
+            ghosts = self._ghost_window
+        elif self._main.pop(digest, None) is not None:
+            ghosts = self._ghost_main
+            if self._window and len(self._window) >= self._window_cap():
+                self._spill()  # the window's oldest won its place (see victims)
+        else:
+            return
+        ghosts[digest] = None
+        while len(ghosts) > max(1, int(self._ghost_share * self._peak)):
+            ghosts.popitem(last=False)
+
+    def victims(self, n_bytes: int, exclude: Container[str]) -> list[str]:
+        out: list[str] = []
+        got = 0
+        window = ((d, s) for d, s in self._window.items() if d not in exclude)
+        main = self._main_order(exclude)
+        cand, low = next(window, None), next(main, None)
+        # While the window is at its cap the next insert pushes its oldest out: that entry
+        # stays only if it out-counts the least used entry of the main part.
+        over = len(self._window) - self._window_cap()
+        while got < n_bytes and (cand is not None or low is not None):
+            if cand is not None and (
+                low is None or (over >= 0 and self._counts.get(cand[0], 0) <= low[1])
+            ):
+                out.append(cand[0])
+                got += cand[1]
+                over -= 1
+                cand = next(window, None)
+            else:
+                assert low is not None
+                out.append(low[0])
+                got += low[2]
+                low = next(main, None)
+        main.close()  # puts the rows it popped back
+        return out
+
+    def _main_order(self, exclude: Container[str]) -> Generator[tuple[str, int, int], None, None]:
+        popped: list[tuple[int, int, str]] = []
+        try:
+            while self._heap:
+                row = heapq.heappop(self._heap)
+                count, tick, digest = row
+                cur = self._main.get(digest)
+                if cur is None or cur[1] != tick:
+                    continue  # stale
+                popped.append(row)
+                if digest not in exclude:
+                    yield digest, count, cur[2]
+        finally:
+            for row in popped:
+                heapq.heappush(self._heap, row)
+
+    def _adapt(self, digest: str) -> None:
+        # ARC's rule: move the window's share by one entry (more when the other ghost list is
+        # longer) towards the side whose eviction just proved wrong.
+        gw, gm = self._ghost_window, self._ghost_main
+        if digest in gw:
+            del gw[digest]
+            step = max(1.0, len(gm) / max(1, len(gw))) / self._peak
+            self._share = min(1.0, self._share + step)
+        elif digest in gm:
+            del gm[digest]
+            step = max(1.0, len(gw) / max(1, len(gm))) / self._peak
+            self._share = max(0.0, self._share - step)
+
+    def _spill(self) -> None:
+        digest, size = self._window.popitem(last=False)
+        self._to_main(digest, size)
+
+    def _to_main(self, digest: str, size: int) -> None:
+        tick = next(self._tick)
+        count = self._counts.get(digest, 0)
+        self._main[digest] = (count, tick, size)
+        heapq.heappush(self._heap, (count, tick, digest))
+        if len(self._heap) > 2 * len(self._main) + 64:
+            self._rebuild()
+
+    def _use(self, digest: str) -> None:
+        self._counts[digest] = self._counts.get(digest, 0) + 1
+        self._uses += 1
+        if self._uses >= self._halve_every * self._peak:
+            self._halve()
+
+    def _halve(self) -> None:
+        # Amortized O(1): runs once per halve_every x peak uses, over at most that many digests
+        # plus the entries. Digests whose count reaches 0 are forgotten.
+        self._uses = 0
+        self._counts = {d: c >> 1 for d, c in self._counts.items() if c > 1}
+        self._main = {d: (self._counts.get(d, 0), t, s) for d, (_c, t, s) in self._main.items()}
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = [(c, t, d) for d, (c, t, _s) in self._main.items()]
+        heapq.heapify(self._heap)
+
+
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": LRU,
+    "lfuda": LFUDA,
+    "wlfu": WindowLFU,
+    "default": WindowLFU,
+}
 
 
 def make_policy(name: str) -> EvictionPolicy:

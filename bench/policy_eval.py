@@ -1,0 +1,271 @@
+"""Eviction policies against Belady's optimum on routing traces, scored on held-out requests.
+
+Traces (bench/traces.py):
+  engine-*   the tiny K3-architecture model (random weights, byte tokens) run in-process through
+             the streamed engine, routing recorded with ``TraceRecorder``; 24 prompts warm the
+             cache, 24 OTHER prompts are scored. Two sizes: 5 MoE layers x 32 experts and
+             7 x 64, top-4, each prompt followed by ``--max-new`` greedy tokens.
+  synth-*    scaled K3 (16 layers x 256 experts, top-8): per-layer Zipf popularity that drifts
+             (topic changes reshuffle part of each ranking), bursty sequences (a sequence favours
+             some experts), a prefill call per layer then token-by-token decoding; the first
+             40% warms, the rest is scored. synth-k3 is skewed (s 0.8-1.2), synth-flat less so
+             (s 0.5-0.8) with faster drift.
+  --trace F  any recorded ``cachecd-trace`` file, cut in time (``--train-frac``).
+
+Each trace is scored in two views. ``token`` (the issue's definition): one request per (token,
+routed expert), in the engine's order. ``call`` (what the daemon sees): the engine fetches a
+layer call's distinct experts together, so an expert is one request per layer call; decoding
+is the same in both views, a prefill call differs.
+
+Policies are the real classes: LRU and the default from cachecd.policies, LFU (LFU-DA with
+aging held at 0), replayed as the store drives them (bench/policy_sim.py); Belady is MIN on the
+scored requests from the best possible starting content, an upper bound for every policy. The
+cache holds 10%, 25% and 50% of the expert set. ``fixed*`` is the best FIXED set of that size
+in hindsight (the most used experts of the scored part): no policy without knowledge of the
+future does better on requests drawn independently from a fixed distribution.
+
+Last line: ``ratio=X``, the worst default/Belady over all rows (the bar is 0.9).
+
+    python bench/policy_eval.py [--tokens 6000] [--max-new 32] [--jobs 2] [--views token,call]
+                                [--trace FILE ...] [--train-frac 0.5] [--no-engine] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import multiprocessing as mp
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+from policy_sim import LFU, belady_hits, replay  # noqa: E402
+from traces import (  # noqa: E402
+    PROMPTS,
+    EngineSpec,
+    Split,
+    SynthSpec,
+    expert_set_size,
+    read_requests,
+    record_engine,
+    routing_skew,
+    split_by_time,
+    synthetic,
+)
+
+from cachecd.policies import LRU, EvictionPolicy, make_policy  # noqa: E402
+
+BUDGETS = (10, 25, 50)
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "LRU": LRU,
+    "LFU": LFU,
+    "default": lambda: make_policy("default"),
+}
+ENGINES = (EngineSpec(32, 6, 4), EngineSpec(64, 8, 4))
+SYNTH = (
+    SynthSpec(name="synth-k3"),
+    SynthSpec(
+        name="synth-flat",
+        zipf=(0.5, 0.8),
+        drift_every=400,
+        drift_frac=0.3,
+        seq_len=(32, 256),
+        prefill_frac=0.3,
+        burst_experts=16,
+        burst_boost=3.0,
+        seed=1,
+    ),
+)
+
+_SPLITS: dict[str, Split] = {}  # filled before the pool forks: workers read it, never pickle it
+
+
+@dataclass(frozen=True)
+class Row:
+    trace: str
+    budget: int
+    rates: dict[str, float]  # policy (and Belady, fixed*) -> hit rate on the scored requests
+
+    @property
+    def ratio(self) -> float:
+        return self.rates["default"] / self.rates["Belady"] if self.rates["Belady"] else 0.0
+
+
+def _job(args: tuple[str, int, str, bool]) -> tuple[tuple[str, int, str], float]:
+    name, budget, policy, touch = args
+    split = _SPLITS[name]
+    capacity = max(1, split.n_experts * budget // 100)
+    if policy == "Belady":
+        score = belady_hits(split.test.keys, capacity)
+    else:
+        score = replay(POLICIES[policy], split.train.keys, split.test.keys, capacity, touch)
+    return (name, budget, policy), score.rate
+
+
+def fixed_best(test: np.ndarray, capacity: int) -> float:
+    """Hit rate of the best fixed set of ``capacity`` experts for ``test``, in hindsight."""
+    _, counts = np.unique(test, return_counts=True)
+    # Loaded before the first request, as Belady's starting content is.
+    return float(np.sort(counts)[::-1][:capacity].sum() / test.size) if test.size else 0.0
+
+
+def evaluate(splits: list[Split], jobs: int, daemon_touch: bool = True) -> list[Row]:
+    _SPLITS.clear()
+    _SPLITS.update({s.name: s for s in splits})
+    todo = [
+        (s.name, b, p, daemon_touch) for s in splits for b in BUDGETS for p in (*POLICIES, "Belady")
+    ]
+    # The longest jobs first so the pool's tail is short.
+    todo.sort(key=lambda j: -_SPLITS[j[0]].test.keys.size - _SPLITS[j[0]].train.keys.size)
+    if jobs > 1:
+        with mp.get_context("fork").Pool(jobs) as pool:
+            done = dict(pool.imap_unordered(_job, todo))
+    else:
+        done = dict(map(_job, todo))
+    rows = []
+    for s in splits:
+        for b in BUDGETS:
+            rates = {p: done[(s.name, b, p)] for p in (*POLICIES, "Belady")}
+            rates["fixed*"] = fixed_best(s.test.keys, max(1, s.n_experts * b // 100))
+            rows.append(Row(s.name, b, rates))
+    return rows
+
+
+HEADER = (
+    "trace",
+    "budget%",
+    "LRU",
+    "LFU",
+    "default",
+    "Belady",
+    "default/Belady",
+    "default>LRU",
+    "fixed*",
+)
+
+
+def row_cells(r: Row) -> list[str]:
+    rt = r.rates
+    return [
+        r.trace,
+        str(r.budget),
+        f"{rt['LRU']:.3f}",
+        f"{rt['LFU']:.3f}",
+        f"{rt['default']:.3f}",
+        f"{rt['Belady']:.3f}",
+        f"{r.ratio:.3f}",
+        "yes" if rt["default"] > rt["LRU"] else "NO",
+        f"{rt['fixed*']:.3f}",
+    ]
+
+
+def print_table(rows: list[Row], markdown: bool) -> None:
+    cells = [list(HEADER)] + [row_cells(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+    for c in cells:
+        print(
+            "  ".join(
+                x.rjust(w) if i else x.ljust(w)
+                for i, (x, w) in enumerate(zip(c, widths, strict=True))
+            )
+        )
+    if markdown:
+        print()
+        print("| " + " | ".join(HEADER) + " |")
+        print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(HEADER))) + "|")
+        for c in cells[1:]:
+            print("| " + " | ".join(c) + " |")
+        print()
+
+
+def build_splits(args: argparse.Namespace, work: Path) -> list[Split]:
+    out: list[Split] = []
+    if not args.no_engine:
+        train, test = list(PROMPTS[0::2]), list(PROMPTS[1::2])
+        for spec in ENGINES:
+            t0 = time.perf_counter()
+            spec = dataclasses.replace(spec, max_new=args.max_new)
+            split = record_engine(spec, work, train[: args.prompts], test[: args.prompts])
+            share, uniform = routing_skew(split.test.keys, spec.experts)
+            print(
+                f"recorded {split.describe()} in {time.perf_counter() - t0:.1f}s; routing: "
+                f"each layer's top 10% experts get {share:.1%} of requests "
+                f"(uniform: {uniform:.1%})",
+                flush=True,
+            )
+            out.append(split)
+    for spec in SYNTH:
+        spec = dataclasses.replace(spec, tokens=args.tokens)
+        split = synthetic(spec)
+        share, uniform = routing_skew(split.test.keys, spec.experts)
+        print(
+            f"generated {split.describe()}; routing: top 10% experts get {share:.1%} "
+            f"(uniform: {uniform:.1%})",
+            flush=True,
+        )
+        out.append(split)
+    for path in args.trace:
+        stream = read_requests(path)
+        out.append(
+            split_by_time(Path(path).stem, stream, args.train_frac, expert_set_size(stream.keys))
+        )
+    views = [v.strip() for v in args.views.split(",")]
+    return [s for s in out if "token" in views] + [s.per_call() for s in out if "call" in views]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default="/tmp", help="where the work dir (removed at the end) goes")
+    ap.add_argument("--tokens", type=int, default=6000, help="tokens per synthetic trace")
+    ap.add_argument("--max-new", type=int, default=32, help="tokens decoded after each prompt")
+    ap.add_argument(
+        "--prompts",
+        type=int,
+        default=len(PROMPTS) // 2,
+        help="prompts per half (warm-up / scored) for the engine traces",
+    )
+    ap.add_argument("--jobs", type=int, default=2, help="worker processes for the replays")
+    ap.add_argument("--views", default="token,call", help="token, call or both")
+    ap.add_argument("--trace", action="append", default=[], help="a recorded cachecd-trace file")
+    ap.add_argument("--train-frac", type=float, default=0.5, help="warm-up share of a --trace")
+    ap.add_argument("--no-engine", action="store_true", help="skip the tiny-engine traces")
+    ap.add_argument(
+        "--no-daemon-touch",
+        action="store_true",
+        help="do not count the daemon's access right after a miss's insert",
+    )
+    ap.add_argument("--markdown", action="store_true", help="also print the table as markdown")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="policy-eval-", dir=args.dir))
+    try:
+        splits = build_splits(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rows = evaluate(splits, args.jobs, daemon_touch=not args.no_daemon_touch)
+    print_table(rows, args.markdown)
+    misses = [f"{r.trace}@{r.budget}%" for r in rows if r.ratio < 0.9]
+    below = [f"{r.trace}@{r.budget}%" for r in rows if r.rates["default"] <= r.rates["LRU"]]
+    print(f"below 0.9x Belady: {', '.join(misses) or 'none'}")
+    print(f"default not above LRU: {', '.join(below) or 'none'}")
+    print(f"elapsed_s={time.perf_counter() - t0:.1f}")
+    print(f"ratio={min(r.ratio for r in rows):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
