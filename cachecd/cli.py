@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from cachecd import __version__
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers warns on every tokenizer load that it does not know model_type kimi_k3; the
+    # load works (mlx-lm's loader is used), so keep the user's terminal for real problems.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
