@@ -95,7 +95,7 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     daemon = Daemon(settings, store, upstream)
     await daemon.registry.load_registered()
     for path in settings.manifests:
-        await daemon.registry.register(Path(path).read_bytes(), str(path), None)
+        await _register_or_refuse(daemon, Path(path))
     control = bind_private_socket(settings.socket)
     data = bind_private_socket(settings.data_socket)
     runner = web.AppRunner(build_app(daemon, constants.CLIENT_MAX_SIZE), handle_signals=False,
@@ -105,6 +105,18 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     data_server = DataServer(daemon, data)
     data_server.start()
     return daemon, [runner, data_server]
+
+
+async def _register_or_refuse(daemon: Any, path: Path) -> None:
+    """A bad --manifest refuses that model only; the daemon still serves the others."""
+    from cachecd.errors import CachecdError
+
+    try:
+        await daemon.registry.register(await asyncio.to_thread(path.read_bytes), str(path), None)
+    except (CachecdError, OSError) as exc:
+        reason = exc.message if isinstance(exc, CachecdError) else f"cannot read {path}: {exc}"
+        daemon.registry.refused[str(path)] = reason
+        log.error("model refused manifest=%s reason=%s", path, reason)
 
 
 async def serve(settings: Settings) -> int:
