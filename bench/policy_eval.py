@@ -188,32 +188,42 @@ def print_table(rows: list[Row], markdown: bool) -> None:
         print()
 
 
-def build_splits(args: argparse.Namespace, work: Path) -> list[Split]:
-    out: list[Split] = []
-    if not args.no_engine:
-        train, test = list(PROMPTS[0::2]), list(PROMPTS[1::2])
-        for spec in ENGINES:
-            t0 = time.perf_counter()
-            spec = dataclasses.replace(spec, max_new=args.max_new)
-            split = record_engine(spec, work, train[: args.prompts], test[: args.prompts])
-            share, uniform = routing_skew(split.test.keys, spec.experts)
-            print(
-                f"recorded {split.describe()} in {time.perf_counter() - t0:.1f}s; routing: "
-                f"each layer's top 10% experts get {share:.1%} of requests "
-                f"(uniform: {uniform:.1%})",
-                flush=True,
-            )
-            out.append(split)
-    for spec in SYNTH:
-        spec = dataclasses.replace(spec, tokens=args.tokens)
-        split = synthetic(spec)
+def _engine_splits(args: argparse.Namespace, work: Path) -> list[Split]:
+    train, test = list(PROMPTS[0::2]), list(PROMPTS[1::2])
+    out = []
+    for base in ENGINES:
+        t0 = time.perf_counter()
+        spec = dataclasses.replace(base, max_new=args.max_new)
+        split = record_engine(spec, work, train[: args.prompts], test[: args.prompts])
         share, uniform = routing_skew(split.test.keys, spec.experts)
         print(
-            f"generated {split.describe()}; routing: top 10% experts get {share:.1%} "
+            f"recorded {split.describe()} in {time.perf_counter() - t0:.1f}s; routing: "
+            f"each layer's top 10% experts get {share:.1%} of requests "
             f"(uniform: {uniform:.1%})",
             flush=True,
         )
         out.append(split)
+    return out
+
+
+def _synthetic_splits(args: argparse.Namespace) -> list[Split]:
+    out = []
+    for base in SYNTH:
+        spec = dataclasses.replace(base, tokens=args.tokens)
+        split = synthetic(spec)
+        share, uniform = routing_skew(split.test.keys, spec.experts)
+        print(
+            f"generated {split.describe()}; routing: each layer's top 10% experts get "
+            f"{share:.1%} of requests (uniform: {uniform:.1%})",
+            flush=True,
+        )
+        out.append(split)
+    return out
+
+
+def build_splits(args: argparse.Namespace, work: Path) -> list[Split]:
+    out = [] if args.no_engine else _engine_splits(args, work)
+    out += _synthetic_splits(args)
     for path in args.trace:
         stream = read_requests(path)
         out.append(

@@ -1,0 +1,255 @@
+"""The policy evaluation's parts: Belady against brute force, the replay as the store drives a
+policy, trace streams and views, the synthetic generator, the default policy's behaviour, and a
+tiny end-to-end run of bench/policy_eval.py (no timing anywhere)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import policy_eval  # noqa: E402
+from policy_sim import LFU, belady_hits, next_use, replay  # noqa: E402
+from traces import (  # noqa: E402
+    KEY_STRIDE,
+    Stream,
+    SynthSpec,
+    read_requests,
+    routing_skew,
+    synthetic,
+)
+
+from cachecd.policies import LRU, WindowLFU, make_policy  # noqa: E402
+from cachecd_engine.trace import TraceRecorder  # noqa: E402
+
+
+def _optimal_hits(seq: tuple[int, ...], cap: int) -> int:
+    """Exhaustive optimum from the best starting content (demand paging)."""
+
+    @functools.cache
+    def best(i: int, cache: frozenset[int]) -> int:
+        if i == len(seq):
+            return 0
+        k = seq[i]
+        if k in cache:
+            return 1 + best(i + 1, cache)
+        if len(cache) < cap:
+            return best(i + 1, cache | {k})
+        return max(best(i + 1, (cache - {v}) | {k}) for v in cache)
+
+    keys = sorted(set(seq))
+    starts = itertools.combinations(keys, min(cap, len(keys)))
+    return max(best(0, frozenset(s)) for s in starts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=11), st.integers(1, 3))
+def test_belady_matches_exhaustive_optimum(seq: list[int], cap: int) -> None:
+    got = belady_hits(np.array(seq, dtype=np.int64), cap)
+    assert got.hits == _optimal_hits(tuple(seq), cap)
+    assert got.requests == len(seq)
+
+
+def test_next_use() -> None:
+    assert next_use(np.array([7, 3, 7, 7, 3, 9])).tolist() == [2, 4, 3, 6, 6, 6]
+
+
+def test_replay_scores_only_the_test_part_and_lru_by_hand() -> None:
+    train = np.array([1, 2], dtype=np.int64)
+    test = np.array([1, 3, 2, 1, 3], dtype=np.int64)
+    # LRU, 2 slots, warmed with [1, 2]: 1 hit; 3 evicts 2; 2 evicts 1; 1 evicts 3; 3 evicts 2.
+    assert replay(LRU, train, test, 2).hits == 1
+    assert replay(LRU, np.zeros(0, np.int64), test, 2).hits == 0
+
+
+class _Spy(LRU):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def on_insert(self, digest: str, size: int, count: int = 0) -> None:
+        self.calls.append(("insert", int(digest)))
+        super().on_insert(digest, size, count)
+
+    def on_access(self, digest: str) -> None:
+        self.calls.append(("access", int(digest)))
+        super().on_access(digest)
+
+    def on_remove(self, digest: str) -> None:
+        self.calls.append(("remove", int(digest)))
+        super().on_remove(digest)
+
+
+def test_replay_drives_the_policy_as_the_store_does() -> None:
+    spies: list[_Spy] = []
+
+    def make() -> _Spy:
+        spies.append(_Spy())
+        return spies[-1]
+
+    replay(make, np.zeros(0, np.int64), np.array([1, 2, 1, 3], dtype=np.int64), 2)
+    assert spies[0].calls == [
+        ("insert", 1), ("access", 1),  # a miss: the daemon inserts, then counts the use
+        ("insert", 2), ("access", 2),
+        ("access", 1),  # a hit
+        ("remove", 2), ("insert", 3), ("access", 3),  # room first, then the new entry
+    ]  # fmt: skip
+    spies.clear()
+    replay(make, np.zeros(0, np.int64), np.array([1], dtype=np.int64), 2, daemon_touch=False)
+    assert spies[0].calls == [("insert", 1)]
+
+
+def test_lfu_never_ages() -> None:
+    p = LFU()
+    for d in "ab":
+        p.on_insert(d, 1)
+    for _ in range(3):
+        p.on_access("a")
+    assert p.victims(1, set()) == ["b"]
+    p.on_remove("b")
+    p.on_insert("c", 1)
+    assert p.victims(1, set()) == ["c"] and p._age == 0.0
+
+
+def test_stream_views_and_cut() -> None:
+    calls = [np.array([5, 6, 5, 7]), np.array([1 * KEY_STRIDE + 2]), np.array([5, 5, 8])]
+    s = Stream.of_calls(calls)
+    assert s.starts.tolist() == [0, 4, 5]
+    c = s.per_call()
+    assert c.keys.tolist() == [5, 6, 7, KEY_STRIDE + 2, 5, 8]
+    assert c.starts.tolist() == [0, 3, 4]
+    head, tail = s.cut(0.5)  # 4 of 8 requests: the cut falls on the second call's start
+    assert head.keys.tolist() == [5, 6, 5, 7] and tail.starts.tolist() == [0, 1]
+    head, tail = s.cut(0.3)  # inside the first call: moves to its end
+    assert head.keys.size == 4
+
+
+def test_read_requests_keeps_the_recorded_order(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    rec = TraceRecorder(path, model="m")
+    rec(1, np.array([[3, 1], [3, 2]]))  # a prefill of two tokens on layer 1
+    rec(2, np.array([[0, 4], [5, 4]]))
+    rec(1, np.array([[7, 3]]))  # the next step
+    rec.close()
+    s = read_requests(path)
+    layer1, layer2 = KEY_STRIDE, 2 * KEY_STRIDE
+    assert s.keys.tolist() == [layer1 + 3, layer1 + 1, layer1 + 3, layer1 + 2,
+                               layer2, layer2 + 4, layer2 + 5, layer2 + 4,
+                               layer1 + 7, layer1 + 3]  # fmt: skip
+    assert s.starts.tolist() == [0, 4, 8]
+    assert s.per_call().keys.size == 3 + 3 + 2
+
+
+def test_synthetic_shape_determinism_and_skew() -> None:
+    spec = SynthSpec(layers=4, experts=32, top_k=3, tokens=300, drift_every=100, seq_len=(20, 60))
+    a, b = synthetic(spec), synthetic(spec)
+    assert np.array_equal(a.test.keys, b.test.keys) and np.array_equal(a.train.keys, b.train.keys)
+    keys = np.concatenate([a.train.keys, a.test.keys])
+    assert keys.size == 300 * 4 * 3
+    assert set(np.unique(keys // KEY_STRIDE).tolist()) == {0, 1, 2, 3}
+    assert int((keys % KEY_STRIDE).max()) < 32
+    # Every call holds one layer; a decode call is one token: its experts are distinct.
+    starts = np.append(np.concatenate([a.train.starts, a.test.starts + a.train.keys.size]),
+                       keys.size)  # fmt: skip
+    for lo, hi in itertools.pairwise(starts.tolist()):
+        assert np.unique(keys[lo:hi] // KEY_STRIDE).size == 1
+        if hi - lo == 3:
+            assert np.unique(keys[lo:hi]).size == 3
+    share, uniform = routing_skew(a.test.keys, 32)
+    assert share > 1.5 * uniform
+    assert not np.array_equal(synthetic(SynthSpec(**{**spec.__dict__, "seed": 1})).test.keys,
+                              a.test.keys)  # fmt: skip
+
+
+def test_fixed_best_is_the_top_counts() -> None:
+    test = np.array([1, 1, 1, 2, 2, 3], dtype=np.int64)
+    assert policy_eval.fixed_best(test, 1) == pytest.approx(3 / 6)
+    assert policy_eval.fixed_best(test, 2) == pytest.approx(5 / 6)
+
+
+# ---- the default policy ---------------------------------------------------------------
+
+
+def _rate(make: object, keys: list[int], cap: int) -> float:
+    arr = np.array(keys, dtype=np.int64)
+    return replay(make, np.zeros(0, np.int64), arr, cap).rate  # type: ignore[arg-type]
+
+
+def test_default_is_the_window_lfu() -> None:
+    assert isinstance(make_policy("default"), WindowLFU)
+    assert make_policy("wlfu").name == "wlfu"
+
+
+def test_window_lfu_victims_respect_pins_and_do_not_mutate() -> None:
+    p = WindowLFU()
+    for d in "abcdef":
+        p.on_insert(d, 10)
+        p.on_access(d)
+    for _ in range(3):
+        p.on_access("b")
+    first = p.victims(25, {"a"})
+    assert "a" not in first and len(first) == 3
+    assert p.victims(25, {"a"}) == first
+    assert len(p) == 6
+    assert sorted(p.victims(1000, set())) == list("abcdef")
+    assert p.victims(1000, set("abcdef")) == []
+
+
+def test_window_lfu_keeps_a_hot_set_through_cyclic_scans() -> None:
+    # Each "token" uses 4 hot experts and a sweep of 30 one-off ones: LRU loses the hot set
+    # every token (the sweep is longer than the cache), a frequency policy keeps it.
+    keys = [k for t in range(200) for k in [*range(4), *range(100 + 30 * t, 130 + 30 * t)]]
+    assert _rate(WindowLFU, keys, 10) > 0.1 > _rate(LRU, keys, 10)
+
+
+def test_window_lfu_grows_its_window_when_recency_pays() -> None:
+    # Bursts: a fresh set of 8 experts reused 20 times, then never again. Only recency helps;
+    # the window must grow to hold the burst.
+    keys = [1000 * b + i for b in range(60) for _ in range(20) for i in range(8)]
+    p = WindowLFU()
+    replay(lambda: p, np.zeros(0, np.int64), np.array(keys, dtype=np.int64), 10)
+    assert p._window_cap() >= 8
+    assert _rate(WindowLFU, keys, 10) >= 0.9 * _rate(LRU, keys, 10)
+
+
+def test_window_lfu_remembers_counts_of_evicted_experts() -> None:
+    def first_victim(history: int) -> str:
+        p = WindowLFU()
+        p.on_insert("hot", 1)
+        for _ in range(history):
+            p.on_access("hot")
+        p.on_remove("hot")
+        for d in ("x", "hot", "y"):
+            p.on_insert(d, 1)
+            p.on_access(d)
+        return p.victims(1, set())[0]
+
+    # Back with its history, "hot" out-counts the once-used "x"; without it, it goes first.
+    assert first_victim(5) == "x"
+    assert first_victim(0) == "hot"
+
+
+# ---- the bench end to end ---------------------------------------------------------------
+
+
+def test_policy_eval_runs_tiny(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc = policy_eval.main(["--dir", str(tmp_path), "--tokens", "120", "--prompts", "1",
+                           "--max-new", "1", "--jobs", "1", "--markdown"])  # fmt: skip
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0 and re.fullmatch(r"ratio=\d+\.\d{3}", out[-1])
+    rows = [line for line in out if line.startswith("| engine-5x32k4/call | 10 |")]
+    assert len(rows) == 1
+    assert list(tmp_path.iterdir()) == [], "the work dir must be removed"
+    worst = float(out[-1].split("=")[1])
+    assert 0.0 <= worst <= 1.0
