@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from cachecd.errors import CachecdError, InvalidRequest, RepoNotAllowed
-from cachecd.manifest import Manifest
+from cachecd.manifest import Manifest, write_atomic
 from cachecd.store import Store
 
 log = logging.getLogger(__name__)
@@ -88,7 +86,7 @@ class Registry:
         self._dir.mkdir(parents=True, exist_ok=True)
         name = f"{manifest.repo.replace('/', '--')}--{manifest.revision}.manifest"
         path = self._dir / name
-        await asyncio.to_thread(_write_atomic, path, manifest_bytes)
+        await asyncio.to_thread(write_atomic, path, manifest_bytes)
         record = {
             "repo": manifest.repo,
             "revision": manifest.revision,
@@ -116,15 +114,3 @@ class Registry:
     def all(self) -> list[RegisteredModel]:
         return list(self._models.values())
 
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

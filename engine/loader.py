@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx import nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load_model, load_tokenizer
+
+from cachecd import errors
+from cachecd.manifest import EXPERT_RE
 from cachecd_engine.formats import quant_spec
 from cachecd_engine.local_source import quant_format_of
 from cachecd_engine.prefetch import install_prefetch
@@ -30,17 +34,10 @@ from cachecd_engine.streamed_moe import (
     ExpertSource,
     install_streamed_banks,
 )
-from mlx import nn
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import load_model, load_tokenizer
-
-from cachecd import errors
-from cachecd.manifest import EXPERT_RE, Manifest, TensorInfo
 
 # Model types whose MoE layers expose ``mlp.switch_mlp`` as a SwitchGLU (the hook point).
 SUPPORTED_MODEL_TYPES = ("kimi_k3",)
 DEFAULT_RAM_BYTES = 2 * 1024**3
-RESIDENT_FILE = "model-resident.safetensors"
 
 
 def is_expert_weight(key: str) -> bool:
@@ -103,41 +100,3 @@ def load(
     object.__setattr__(model, "prefetcher", pf)
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer
-
-
-def resident_tensor_names(manifest: Manifest) -> list[str]:
-    """Every tensor the resident model needs (all but the routed experts), in file order."""
-    return [t.name for t in manifest.resident]
-
-
-def write_resident_safetensors(path: Path, tensors: Iterable[tuple[TensorInfo, bytes]]) -> Path:
-    """Write resident tensors (their exact checkpoint bytes) as one safetensors file.
-
-    ``path`` should be named ``model*.safetensors`` so mlx-lm's loader picks it up. Written to a
-    temp name, fsynced, then renamed, so a crash leaves no half file under that pattern.
-    """
-    header: dict[str, Any] = {}
-    chunks: list[bytes] = []
-    pos = 0
-    for info, data in tensors:
-        if len(data) != info.nbytes:
-            raise errors.ExpertSizeMismatch(
-                f"{info.name}: {len(data)} bytes, expected {info.nbytes}"
-            )
-        header[info.name] = {
-            "dtype": info.dtype,
-            "shape": list(info.shape),
-            "data_offsets": [pos, pos + len(data)],
-        }
-        chunks.append(data)
-        pos += len(data)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.writelines(chunks)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path

@@ -6,17 +6,15 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
-import mlx.core as mx
-import numpy as np
 import pytest
 
+from tests.exactness import assert_bitwise, run_logits
 from tests.harness import TINY_REPO, run_cli, short_tmp
 
 PROMPT = "Experts stream from the hub into a verified cache, layer after layer."
-DECODE_STEPS = 20
 
 
 class Installed:
@@ -55,24 +53,6 @@ def installed(hub, tiny_manifest_path) -> Iterator[Installed]:  # type: ignore[n
     inst.stop()
 
 
-def _logits(model, tokens: list[int], forced: list[int] | None = None):  # type: ignore[no-untyped-def]
-    cache = model.make_cache()
-    logits = model(mx.array(tokens)[None], cache=cache)
-    outs, chosen = [np.array(logits.astype(mx.float32))], []
-    for step in range(DECODE_STEPS):
-        tok = int(mx.argmax(logits[0, -1]).item()) if forced is None else forced[step]
-        chosen.append(tok)
-        logits = model(mx.array([[tok]]), cache=cache)
-        outs.append(np.array(logits.astype(mx.float32)))
-    return outs, chosen
-
-
-def _assert_bitwise(ref: list[np.ndarray], got: list[np.ndarray]) -> None:
-    for step, (a, b) in enumerate(zip(ref, got, strict=True)):
-        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), \
-            f"step {step}: max |diff| = {float(np.max(np.abs(a - b)))}"
-
-
 def test_setup_is_idempotent_and_installs_no_expert(installed, hub, tiny_manifest, tiny_manifest_path):
     local = installed.base / "models" / TINY_REPO / tiny_manifest.revision
     resident = local / "model-resident.safetensors"
@@ -96,14 +76,14 @@ def test_streamed_logits_are_bitwise_resident_cold_and_warm(installed, tiny_dir)
     model, tokenizer = load(TINY_REPO, installed.socket, ram_bytes=0)  # every layer asks the daemon
     prompt = tokenizer.encode(PROMPT)
     assert len(prompt) >= 16  # x top-4 >= 64 routed rows: mlx-lm's sorted gather path
-    ref, toks = _logits(reference, prompt)
-    cold, _ = _logits(model, prompt, toks)
-    _assert_bitwise(ref, cold)
+    ref, toks = run_logits(reference, prompt)
+    cold, _ = run_logits(model, prompt, toks)
+    assert_bitwise(ref, cold)
     with installed.client() as c:
         after_cold = c.stats()["counters"]
     assert after_cold["fetched_experts"] > 0
-    warm, _ = _logits(model, prompt, toks)
-    _assert_bitwise(ref, warm)
+    warm, _ = run_logits(model, prompt, toks)
+    assert_bitwise(ref, warm)
     with installed.client() as c:
         after_warm = c.stats()["counters"]
     assert after_warm["fetched_experts"] == after_cold["fetched_experts"]  # all hits

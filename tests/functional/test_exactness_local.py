@@ -8,47 +8,20 @@ resident weights only and reads experts from the checkpoint through its manifest
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
-import mlx.core as mx
-import numpy as np
 import pytest
-from cachecd_engine.loader import (
-    RESIDENT_FILE,
-    is_expert_weight,
-    load,
-    resident_tensor_names,
-    write_resident_safetensors,
-)
-from cachecd_engine.local_source import LocalSource, manifest_from_dir
-from cachecd_engine.streamed_moe import StreamedSwitchGLU
 from mlx.utils import tree_flatten
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model
 
-from cachecd.manifest import Manifest
 from cachecd.tiny_model import write_tiny_model
+from cachecd_engine.loader import is_expert_weight, load
+from cachecd_engine.local_source import LocalSource, manifest_from_dir
+from cachecd_engine.streamed_moe import StreamedSwitchGLU
+from tests.exactness import DECODE_STEPS, assert_bitwise, make_resident_dir, run_logits
 
-DECODE_STEPS = 20
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog, then streams every expert."
 SHARD_BYTES = 96 * 1024  # small shards: several experts straddle two files
-
-
-def make_resident_dir(full: Path, manifest: Manifest, out: Path) -> Path:
-    """What setup installs: configs and tokenizer, plus the resident tensors' exact bytes."""
-    out.mkdir()
-    for f in full.iterdir():
-        if not f.name.startswith("model") or not f.name.endswith((".safetensors", ".json")):
-            shutil.copy(f, out / f.name)
-    items = []
-    for t in manifest.resident:
-        with open(full / t.file, "rb") as fh:
-            fh.seek(t.offset)
-            items.append((t, fh.read(t.nbytes)))
-    write_resident_safetensors(out / RESIDENT_FILE, items)
-    return out
 
 
 @pytest.fixture(scope="module", params=["mxfp4", "fp32"])
@@ -60,26 +33,6 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     resident_dir = make_resident_dir(full, manifest, root / "resident")
     reference, _ = load_model(full)
     return request.param, full, manifest, resident_dir, reference
-
-
-def run_logits(model, tokens: list[int], forced: list[int] | None = None):
-    cache = model.make_cache()
-    logits = model(mx.array(tokens)[None], cache=cache)
-    outs = [np.array(logits.astype(mx.float32))]
-    chosen = []
-    for step in range(DECODE_STEPS):
-        tok = int(mx.argmax(logits[0, -1]).item()) if forced is None else forced[step]
-        chosen.append(tok)
-        logits = model(mx.array([[tok]]), cache=cache)
-        outs.append(np.array(logits.astype(mx.float32)))
-    return outs, chosen
-
-
-def assert_bitwise(ref: list[np.ndarray], got: list[np.ndarray]) -> None:
-    assert len(ref) == len(got) == DECODE_STEPS + 1
-    for step, (a, b) in enumerate(zip(ref, got, strict=True)):
-        diff = float(np.max(np.abs(a - b)))
-        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"step {step}: {diff}"
 
 
 def _prompt(tokenizer) -> list[int]:
@@ -134,7 +87,7 @@ def test_loaded_model_has_no_expert_parameters(checkpoint) -> None:
     banks = [layer.mlp.switch_mlp for layer in model.layers if hasattr(layer.mlp, "switch_mlp")]
     assert [b.layer for b in banks] == list(manifest.moe_layers)
     assert all(isinstance(b, StreamedSwitchGLU) for b in banks)
-    assert set(resident_tensor_names(manifest)).isdisjoint(
+    assert set(t.name for t in manifest.resident).isdisjoint(
         t.name for e in manifest.experts() for t in e.tensors
     )
 
