@@ -28,12 +28,14 @@ Last line: ``ratio=X``, the worst default/Belady over all rows (the bar is 0.9).
 
     python bench/policy_eval.py [--tokens 6000] [--max-new 32] [--jobs 2] [--views token,call]
                                 [--trace FILE ...] [--train-frac 0.5] [--no-engine] [--markdown]
+                                [--also lfuda] [--no-daemon-touch]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import multiprocessing as mp
 import shutil
 import sys
@@ -87,7 +89,9 @@ SYNTH = (
     ),
 )
 
-_SPLITS: dict[str, Split] = {}  # filled before the pool forks: workers read it, never pickle it
+# Filled before the pool forks: workers read them, never pickle them.
+_SPLITS: dict[str, Split] = {}
+_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {}
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ def _job(args: tuple[str, int, str, bool]) -> tuple[tuple[str, int, str], float]
     if policy == "Belady":
         score = belady_hits(split.test.keys, capacity)
     else:
-        score = replay(POLICIES[policy], split.train.keys, split.test.keys, capacity, touch)
+        score = replay(_POLICIES[policy], split.train.keys, split.test.keys, capacity, touch)
     return (name, budget, policy), score.rate
 
 
@@ -119,11 +123,20 @@ def fixed_best(test: np.ndarray, capacity: int) -> float:
     return float(np.sort(counts)[::-1][:capacity].sum() / test.size) if test.size else 0.0
 
 
-def evaluate(splits: list[Split], jobs: int, daemon_touch: bool = True) -> list[Row]:
+def evaluate(
+    splits: list[Split], jobs: int, also: tuple[str, ...] = (), daemon_touch: bool = True
+) -> list[Row]:
+    """Every policy (and ``also``: more names from cachecd.policies) on every split and budget."""
     _SPLITS.clear()
     _SPLITS.update({s.name: s for s in splits})
+    _POLICIES.clear()
+    _POLICIES.update(POLICIES)
+    _POLICIES.update({name: functools.partial(make_policy, name) for name in also})
     todo = [
-        (s.name, b, p, daemon_touch) for s in splits for b in BUDGETS for p in (*POLICIES, "Belady")
+        (s.name, b, p, daemon_touch)
+        for s in splits
+        for b in BUDGETS
+        for p in (*_POLICIES, "Belady")
     ]
     # The longest jobs first so the pool's tail is short.
     todo.sort(key=lambda j: -_SPLITS[j[0]].test.keys.size - _SPLITS[j[0]].train.keys.size)
@@ -135,7 +148,7 @@ def evaluate(splits: list[Split], jobs: int, daemon_touch: bool = True) -> list[
     rows = []
     for s in splits:
         for b in BUDGETS:
-            rates = {p: done[(s.name, b, p)] for p in (*POLICIES, "Belady")}
+            rates = {p: done[(s.name, b, p)] for p in (*_POLICIES, "Belady")}
             rates["fixed*"] = fixed_best(s.test.keys, max(1, s.n_experts * b // 100))
             rows.append(Row(s.name, b, rates))
     return rows
@@ -154,7 +167,7 @@ HEADER = (
 )
 
 
-def row_cells(r: Row) -> list[str]:
+def row_cells(r: Row, also: tuple[str, ...]) -> list[str]:
     rt = r.rates
     return [
         r.trace,
@@ -166,12 +179,14 @@ def row_cells(r: Row) -> list[str]:
         f"{r.ratio:.3f}",
         "yes" if rt["default"] > rt["LRU"] else "NO",
         f"{rt['fixed*']:.3f}",
+        *(f"{rt[name]:.3f}" for name in also),
     ]
 
 
-def print_table(rows: list[Row], markdown: bool) -> None:
-    cells = [list(HEADER)] + [row_cells(r) for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+def print_table(rows: list[Row], markdown: bool, also: tuple[str, ...] = ()) -> None:
+    header = [*HEADER, *also]
+    cells = [header] + [row_cells(r, also) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
     for c in cells:
         print(
             "  ".join(
@@ -181,8 +196,8 @@ def print_table(rows: list[Row], markdown: bool) -> None:
         )
     if markdown:
         print()
-        print("| " + " | ".join(HEADER) + " |")
-        print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(HEADER))) + "|")
+        print("| " + " | ".join(header) + " |")
+        print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|")
         for c in cells[1:]:
             print("| " + " | ".join(c) + " |")
         print()
@@ -255,6 +270,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="do not count the daemon's access right after a miss's insert",
     )
     ap.add_argument("--markdown", action="store_true", help="also print the table as markdown")
+    ap.add_argument(
+        "--also", action="append", default=[], help="one more cachecd policy as a column (lfuda)"
+    )
     return ap.parse_args(argv)
 
 
@@ -266,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         splits = build_splits(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    rows = evaluate(splits, args.jobs, daemon_touch=not args.no_daemon_touch)
-    print_table(rows, args.markdown)
+    also = tuple(args.also)
+    rows = evaluate(splits, args.jobs, also, daemon_touch=not args.no_daemon_touch)
+    print_table(rows, args.markdown, also)
     misses = [f"{r.trace}@{r.budget}%" for r in rows if r.ratio < 0.9]
     below = [f"{r.trace}@{r.budget}%" for r in rows if r.rates["default"] <= r.rates["LRU"]]
     print(f"below 0.9x Belady: {', '.join(misses) or 'none'}")

@@ -245,11 +245,12 @@ def test_window_lfu_remembers_counts_of_evicted_experts() -> None:
 
 def test_policy_eval_runs_tiny(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     rc = policy_eval.main(["--dir", str(tmp_path), "--tokens", "120", "--prompts", "1",
-                           "--max-new", "1", "--jobs", "1", "--markdown"])  # fmt: skip
+                           "--max-new", "1", "--jobs", "1", "--markdown", "--also", "lfuda"])  # fmt: skip
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0 and re.fullmatch(r"ratio=\d+\.\d{3}", out[-1])
     rows = [line for line in out if line.startswith("| engine-5x32k4/call | 10 |")]
-    assert len(rows) == 1
+    assert len(rows) == 1 and len(rows[0].strip("|").split("|")) == 10  # 9 columns + lfuda
+    assert any(line.startswith("| trace |") and line.endswith("| lfuda |") for line in out)
     assert list(tmp_path.iterdir()) == [], "the work dir must be removed"
     worst = float(out[-1].split("=")[1])
     assert 0.0 <= worst <= 1.0
