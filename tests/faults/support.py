@@ -10,6 +10,7 @@ hashes it against the manifest and counts it, so "bad bytes served" is a measure
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -121,7 +122,17 @@ class HubThread(FakeHubThread):
     def stop(self) -> None:
         for proxy in getattr(self, "_proxies", []):
             self._call(proxy.close())
-        super().stop()
+        self._call(self.hub.close())
+        self._call(self._cancel_rest())  # handlers still sleeping in a delay or a stall
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    async def _cancel_rest(self) -> None:
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
 
 
 # -- checking what the daemon hands out ---------------------------------------------------------

@@ -94,7 +94,8 @@ def test_random_kills_while_the_hub_dribbles(small: Model, pool) -> None:  # typ
                 try:
                     fetch_verified(c, small, layer, ids)
                 except CachecdError:
-                    continue  # the daemon died under us: DaemonUnavailable, or a cut answer
+                    stop.wait(0.02)  # the daemon died under us; do not spin while it is down
+                    continue
                 with mu:
                     served.update((layer, e) for e in ids)
 

@@ -52,6 +52,21 @@ SCENARIOS: dict[str, tuple[str, str]] = {
 }
 
 
+# Shown under "Limits this run measured" when the figure is present and truthy.
+NOTES: dict[str, str] = {
+    "s10.rotted_blob_served_on_hit_without_fsck": (
+        "A blob whose bytes rot on disk but keep their length is served on a hit as it is: the "
+        "zero-copy hit path does not re-hash. `cachecd fsck` finds it (exit 1) and `--repair` "
+        "quarantines it; missing and short blobs are caught on open and refetched."),
+    "s13.raw_junk_answers": (
+        "Requests aiohttp cannot parse (junk, lines over 8190 bytes) get aiohttp's own 400 with "
+        "a text/plain body, not the JSON error form: they never reach a handler."),
+    "s13.slowloris_connections": (
+        "The control socket does not cap connections or time out a half-sent request; the "
+        "data socket admits at most MAX_CONNECTIONS. Both sockets are 0600, same-uid only."),
+}
+
+
 def _outcomes(fig: Figures, sid: str) -> tuple[int, int, list[str]]:
     passed, failed, skipped = 0, 0, []
     for node, outcome in sorted(fig.outcomes.items()):
@@ -69,9 +84,9 @@ def _outcomes(fig: Figures, sid: str) -> tuple[int, int, list[str]]:
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:,.3f}".rstrip("0").rstrip(".")
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
-    return str(value)
+    return str(value).replace("|", "\\|")
 
 
 def _git_head(root: Path) -> str:
@@ -108,8 +123,12 @@ def render(fig: Figures, wall_seconds: float, root: Path) -> str:
         lines.append(f"| {sid[1:]} | {title} | {state} | {criterion} | {measured} |")
     lines += ["", "## Global invariant, over the whole run", ""]
     lines += [f"- {k} = {_fmt(v)}" for k, v in fig.scenario("all").items()]
+    lines += ["", "## Limits this run measured", ""]
+    lines += [f"- {text}" for key, text in NOTES.items() if fig.get(key)] or ["- none"]
     lines += ["", "## Skipped", ""]
     lines += [f"- {s}" for s in skipped_all] or ["- none"]
+    lines += ["", "## Tests", ""]
+    lines += [f"- `{node.split('/')[-1]}`: {outcome}" for node, outcome in sorted(fig.outcomes.items())]
     return "\n".join(lines) + "\n"
 
 
