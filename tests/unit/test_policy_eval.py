@@ -206,6 +206,47 @@ def test_window_lfu_victims_respect_pins_and_do_not_mutate() -> None:
     assert p.victims(1000, set("abcdef")) == []
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "access", "remove", "evict"]),
+            st.integers(0, 11),
+            st.integers(1, 3),
+        ),
+        max_size=120,
+    ),  # fmt: skip
+    st.frozensets(st.integers(0, 11), max_size=3),
+)
+def test_window_lfu_keeps_the_protocol(
+    ops: list[tuple[str, int, int]], pins: frozenset[int]
+) -> None:
+    p = WindowLFU()
+    sizes: dict[str, int] = {}
+    pinned = {str(i) for i in pins}
+    for op, i, n in ops:
+        d = str(i)
+        if op == "insert" and d not in sizes:
+            p.on_insert(d, n, count=i % 2)
+            sizes[d] = n
+        elif op == "access":
+            p.on_access(d)  # a digest it does not hold is ignored
+        elif op == "remove" and d in sizes:
+            p.on_remove(d)
+            del sizes[d]
+        elif op == "evict":
+            need = n * 2
+            out = p.victims(need, pinned)
+            assert out == p.victims(need, pinned)  # asking twice: the same answer
+            assert len(set(out)) == len(out) and set(out) <= set(sizes) - pinned
+            eligible = sum(s for d2, s in sizes.items() if d2 not in pinned)
+            assert sum(sizes[v] for v in out) >= min(need, eligible)
+            for v in out:
+                p.on_remove(v)
+                del sizes[v]
+        assert len(p) == len(sizes)
+
+
 def test_window_lfu_keeps_a_hot_set_through_cyclic_scans() -> None:
     # Each "token" uses 4 hot experts and a sweep of 30 one-off ones: LRU loses the hot set
     # every token (the sweep is longer than the cache), a frequency policy keeps it.
