@@ -31,7 +31,7 @@ def add_daemon_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--manifest", dest="manifests", action="append", metavar="FILE",
                    help="register a model manifest at start (repeatable)")
     p.add_argument("--models-dir", help="where registered models' resident files and manifests live")
-    p.add_argument("--policy", help="eviction policy: default (lfuda), lfuda or lru")
+    p.add_argument("--policy", help="eviction policy: default (wlfu), wlfu, lfuda or lru")
     p.add_argument("--max-parallel", type=int, help="upstream requests in flight at once")
     p.add_argument("--offline", action="store_const", const=True, default=None,
                    help="serve hits only; refuse misses (also HF_HUB_OFFLINE=1)")
