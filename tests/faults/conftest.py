@@ -17,14 +17,8 @@ import pytest
 
 from tests.fakes.fake_hub import FakeHub
 from tests.faults.figures import FIGURES
-from tests.faults.support import (
-    FaultDaemon,
-    HubThread,
-    Model,
-    RecordingHub,
-    build_model,
-    new_dir,
-)
+from tests.faults.hubs import HubThread, RecordingHub
+from tests.faults.support import FaultDaemon, Model, build_model, new_dir
 
 FIGURES.add("all.bad_bytes_served", 0)  # a measured 0, listed even when nothing went wrong
 HERE = Path(__file__).parent

@@ -10,7 +10,6 @@ hashes it against the manifest and counts it, so "bad bytes served" is a measure
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import os
@@ -18,7 +17,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +26,6 @@ import xxhash
 
 from cachecd.errors import ERRORS_BY_CODE, CachecdError
 from cachecd.manifest import ExpertEntry, Manifest
-from tests.fakes.fake_hub import FakeHub, FakeHubThread
-from tests.fakes.fault_proxy import FaultProxy
 from tests.faults.figures import FIGURES
 from tests.harness import DaemonProcess, short_tmp
 
@@ -80,59 +76,6 @@ def build_model(root: Path, repo: str, revision: str = REVISION, **opts: Any) ->
     path = root / (repo.replace("/", "--") + ".manifest")
     manifest.save(path)
     return Model(repo, revision, folder, path, Manifest.load(path))
-
-
-# -- the upstream -------------------------------------------------------------------------------
-class RecordingHub(FakeHub):
-    """FakeHub that also times each stall: from the last byte sent to the client hanging up."""
-
-    def __init__(self, *a: Any, **kw: Any) -> None:
-        super().__init__(*a, **kw)
-        self.stalls: list[tuple[float, float]] = []
-
-    async def _fault(self, request: Any, what: str) -> None:
-        t0 = time.monotonic()
-        await super()._fault(request, what)
-        if what == "stall":
-            self.stalls.append((t0, time.monotonic()))
-
-
-class HubThread(FakeHubThread):
-    """A RecordingHub on its own loop; ``proxy()`` puts a FaultProxy in front of its CDN URLs."""
-
-    hub_cls: type[RecordingHub] = RecordingHub
-
-    async def _make(self) -> FakeHub:
-        hub = self.hub_cls(self._folder, **self._kw)
-        await hub.start()
-        return hub
-
-    def proxy(self) -> FaultProxy:
-        port = int(self.hub.url.rsplit(":", 1)[1])
-        proxy = self._call(self._start_proxy(port))
-        self.hub.public_url = proxy.url
-        self._proxies = [*getattr(self, "_proxies", []), proxy]
-        return proxy
-
-    async def _start_proxy(self, port: int) -> FaultProxy:
-        proxy = FaultProxy("127.0.0.1", port)
-        await proxy.start()
-        return proxy
-
-    def stop(self) -> None:
-        for proxy in getattr(self, "_proxies", []):
-            self._call(proxy.close())
-        self._call(self.hub.close())
-        self._call(self._cancel_rest())  # handlers still sleeping in a delay or a stall
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
-
-    async def _cancel_rest(self) -> None:
-        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in rest:
-            t.cancel()
-        await asyncio.gather(*rest, return_exceptions=True)
 
 
 # -- checking what the daemon hands out ---------------------------------------------------------
@@ -431,80 +374,6 @@ def fsck_cli(cache_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
 
     return subprocess.run([*CACHECD, "fsck", "--cache-dir", str(cache_dir), *extra],
                           capture_output=True, text=True, timeout=120)
-
-
-# -- a /healthz probe in its own process (the test process's GIL must not skew it) ---------------
-_PROBE = r"""
-import json, signal, socket, sys, time
-path, interval = sys.argv[1], float(sys.argv[2])
-stop = False
-def _stop(*a):
-    global stop
-    stop = True
-signal.signal(signal.SIGTERM, _stop)
-lat, fails, s = [], 0, None
-req = b"GET /healthz HTTP/1.1\r\nHost: d\r\n\r\n"
-print("ready", flush=True)
-while not stop:
-    t0 = time.perf_counter()
-    try:
-        if s is None:
-            s = socket.socket(socket.AF_UNIX); s.settimeout(5); s.connect(path)
-        s.sendall(req)
-        buf = b""
-        while b"\r\n\r\n" not in buf:
-            chunk = s.recv(65536)
-            if not chunk: raise OSError("closed")
-            buf += chunk
-        head, _, body = buf.partition(b"\r\n\r\n")
-        n = int([l for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")][0].split(b":")[1])
-        while len(body) < n:
-            chunk = s.recv(65536)
-            if not chunk: raise OSError("closed")
-            body += chunk
-        if not head.startswith(b"HTTP/1.1 200"): raise OSError(head[:40])
-        lat.append(time.perf_counter() - t0)
-    except OSError:
-        fails += 1
-        if s is not None: s.close()
-        s = None
-    time.sleep(interval)
-lat.sort()
-print(json.dumps({"n": len(lat), "fails": fails, "max_ms": 1000 * lat[-1] if lat else None,
-                  "p50_ms": 1000 * lat[len(lat) // 2] if lat else None}), flush=True)
-"""
-
-
-class HealthProbe:
-    """GET /healthz every ``interval`` s until ``stop()``; returns n, fails, max_ms, p50_ms."""
-
-    def __init__(self, sock_path: Path, interval: float = 0.02) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-I", "-c", _PROBE, str(sock_path),
-                                      str(interval)], stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        assert self.proc.stdout.readline().strip() == "ready"
-
-    def stop(self) -> dict[str, Any]:
-        self.proc.send_signal(signal.SIGTERM)
-        out, _ = self.proc.communicate(timeout=30)
-        return json.loads(out.strip().splitlines()[-1])
-
-    def __enter__(self) -> HealthProbe:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def record_health(sid: str, result: dict[str, Any]) -> float:
-    """Record a probe's figures; returns the worst latency in ms."""
-    FIGURES.add(f"{sid}.health_probes", result["n"])
-    worst = result["max_ms"] if result["max_ms"] is not None else float("inf")
-    FIGURES.peak(f"{sid}.health_max_ms", round(worst, 1))
-    FIGURES.peak("all.health_max_ms", round(worst, 1))
-    return worst
 
 
 def new_dir(prefix: str = "cdf") -> Path:

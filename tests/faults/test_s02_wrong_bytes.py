@@ -18,7 +18,8 @@ from cachecd import constants
 from cachecd.errors import BadUpstreamRange, ChecksumMismatch
 from tests.fakes.fake_hub import Faults
 from tests.faults.figures import FIGURES
-from tests.faults.support import Model, RecordingHub, fetch_verified, files_under
+from tests.faults.hubs import RecordingHub
+from tests.faults.support import Model, fetch_verified, files_under
 
 REQUESTS = 1000
 FAULT_RATE = 0.3

@@ -10,7 +10,8 @@ import pytest
 
 from cachecd.errors import UpstreamTimeout
 from tests.faults.figures import FIGURES
-from tests.faults.support import HealthProbe, Model, fetch_verified, record_health
+from tests.faults.probe import HealthProbe, record_health
+from tests.faults.support import Model, fetch_verified
 
 READ_S, TOTAL_S = 1.5, 5.0
 ENV = {"CACHECD_READ_TIMEOUT": str(READ_S), "CACHECD_TOTAL_TIMEOUT": str(TOTAL_S)}

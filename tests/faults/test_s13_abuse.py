@@ -17,14 +17,13 @@ import pytest
 
 from cachecd import constants, protocol
 from tests.faults.figures import FIGURES
+from tests.faults.probe import HealthProbe, record_health
 from tests.faults.support import (
     FaultDaemon,
-    HealthProbe,
     Model,
     check_bytes,
     fd_census,
     http_request,
-    record_health,
     rss_bytes,
 )
 
