@@ -159,11 +159,17 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
     return layer
 
 
-def _toml_layer(path: Path | None) -> dict[str, Any]:
-    if path is None or not path.exists():
+def _toml_layer(path: Path | None, explicit: bool = True) -> dict[str, Any]:
+    if path is None:
         return {}
     try:
         data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except PermissionError:
+        if not explicit:  # the default path under someone else's HOME: as if absent
+            return {}
+        raise ConfigInvalid(f"{path}: the config file is not readable by uid {os.getuid()}") from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigInvalid(f"{path}: cannot read the config file: {exc}") from exc
     unknown = set(data) - set(_FIELDS)
@@ -179,10 +185,11 @@ def load_settings(
 ) -> Settings:
     """Merge the layers; ``argv_values`` holds only what the user gave on the command line."""
     environ = os.environ if environ is None else environ
+    explicit = config_file is not None or "CACHECD_CONFIG" in environ
     if config_file is None:
         config_file = Path(environ.get("CACHECD_CONFIG", str(constants.DEFAULT_CONFIG_FILE)))
     merged: dict[str, Any] = {}
-    merged.update(_toml_layer(config_file))
+    merged.update(_toml_layer(config_file, explicit))
     merged.update(_env_layer(environ))
     for key, value in (argv_values or {}).items():
         if value is not None and key in _FIELDS:

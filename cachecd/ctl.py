@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from cachecd.config import format_size, load_settings, parse_size
@@ -127,6 +128,10 @@ def fsck(args: argparse.Namespace) -> int:
     try:
         report = run_fsck(dirs, fast=args.fast, repair=args.repair,
                           incremental=args.incremental and not args.all, progress=progress)
+    except OSError as exc:  # the cache itself cannot be opened: nothing could be verified
+        print(f"cachecd: fsck cannot open the cache ({exc.strerror}: {exc.filename}); "
+              "run it as the user that owns the cache dir", file=sys.stderr)
+        return 4
     finally:
         bar.close()
     for issue in report.corrupt + report.unverifiable:

@@ -1,0 +1,57 @@
+"""Settings precedence (argv > CACHECD_* > TOML > defaults) and validation messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cachecd import constants
+from cachecd.config import format_size, load_settings, parse_size
+from cachecd.errors import ConfigInvalid
+
+
+def test_precedence_argv_env_toml_defaults(tmp_path: Path) -> None:
+    toml = tmp_path / "c.toml"
+    toml.write_text('budget = "1GiB"\npolicy = "lru"\nsocket = "/tmp/from-toml.sock"\n')
+    env = {"CACHECD_BUDGET": "2GiB", "CACHECD_SOCKET": "/tmp/from-env.sock"}
+    s = load_settings({"socket": "/tmp/from-argv.sock"}, environ=env, config_file=toml)
+    assert s.socket == Path("/tmp/from-argv.sock")  # argv wins
+    assert s.budget == 2 * 1024**3  # env beats TOML
+    assert s.policy == "lru"  # TOML beats the default
+    assert s.max_parallel == constants.MAX_PARALLEL_FETCHES  # the default
+    assert s.data_socket == Path("/tmp/from-argv.sock.data")
+
+
+def test_cache_dirs_from_env_and_models_dir_follows(tmp_path: Path) -> None:
+    a, b = tmp_path / "ssd1" / "experts", tmp_path / "ssd2"
+    s = load_settings({}, environ={"CACHECD_CACHE_DIRS": f"{a}:{b}"}, config_file=tmp_path / "none")
+    assert s.cache_dirs == [a, b]
+    assert s.models_dir == a.parent / "models"
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("0", 0), ("16MiB", 16 << 20), ("2G", 2 * 1000**3), ("1.5TB", int(1.5 * 1000**4)), (512, 512)],
+)
+def test_sizes(text: str | int, value: int) -> None:
+    assert parse_size(text) == value
+
+
+def test_bad_values_name_the_key_and_origin(tmp_path: Path) -> None:
+    with pytest.raises(ConfigInvalid, match=r"CACHECD_BUDGET.*lots"):
+        load_settings({}, environ={"CACHECD_BUDGET": "lots"}, config_file=tmp_path / "none")
+    with pytest.raises(ConfigInvalid, match="--policy: 'fifo' is not one of"):
+        load_settings({"policy": "fifo"}, environ={}, config_file=tmp_path / "none")
+    toml = tmp_path / "bad.toml"
+    toml.write_text("bugdet = 5\n")
+    with pytest.raises(ConfigInvalid, match=r"bad.toml: unknown key\(s\) bugdet"):
+        load_settings({}, environ={}, config_file=toml)
+    toml.write_text("budget = [\n")
+    with pytest.raises(ConfigInvalid, match="cannot read the config file"):
+        load_settings({}, environ={}, config_file=toml)
+
+
+def test_format_size() -> None:
+    assert format_size(512) == "512 B"
+    assert format_size(17_547_264) == "16.7 MiB"
