@@ -11,7 +11,6 @@ Invariants:
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import load_model, load_tokenizer
+from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from cachecd import errors
 from cachecd.manifest import EXPERT_RE
@@ -36,7 +35,8 @@ from cachecd_engine.streamed_moe import (
 )
 
 # Model types whose MoE layers expose ``mlp.switch_mlp`` as a SwitchGLU (the hook point).
-SUPPORTED_MODEL_TYPES = ("kimi_k3",)
+# kimi_k2 (K2-Thinking's config) is mlx-lm's deepseek_v3 through its model-type remapping.
+SUPPORTED_MODEL_TYPES = ("kimi_k3", "kimi_k2", "deepseek_v3")
 DEFAULT_RAM_BYTES = 2 * 1024**3
 
 
@@ -59,9 +59,11 @@ def streamed_classes(bank: ExpertBank) -> Callable[[dict], tuple[type[nn.Module]
                 f"model_type {model_type!r} cannot be streamed yet; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        arch = importlib.import_module(f"mlx_lm.models.{model_type}")
+        # mlx-lm's own choice of classes (it remaps model types), so the base is what
+        # load_model would build.
+        model_class, args_class = _get_classes(config)
 
-        class StreamedModel(arch.Model):  # type: ignore[misc, name-defined]
+        class StreamedModel(model_class):  # type: ignore[misc, valid-type]
             def __init__(self, args: Any) -> None:
                 super().__init__(args)
                 install_streamed_banks(self, bank)
@@ -69,8 +71,8 @@ def streamed_classes(bank: ExpertBank) -> Callable[[dict], tuple[type[nn.Module]
             def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
                 return super().sanitize(drop_expert_weights(weights))
 
-        StreamedModel.__name__ = f"Streamed{arch.Model.__name__}"
-        return StreamedModel, arch.ModelArgs
+        StreamedModel.__name__ = f"Streamed{model_class.__name__}"
+        return StreamedModel, args_class
 
     return get_classes
 
