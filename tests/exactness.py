@@ -9,6 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
 from cachecd.resident import ResidentWriter
 
@@ -18,7 +19,7 @@ DECODE_STEPS = 20
 def run_logits(model: Any, tokens: list[int], forced: list[int] | None = None,
                steps: int = DECODE_STEPS) -> tuple[list[np.ndarray], list[int]]:
     """Logits of the prefill and of ``steps`` greedy decode steps (or the ``forced`` tokens)."""
-    cache = model.make_cache()
+    cache = make_prompt_cache(model)  # the model's own make_cache when it has one
     logits = model(mx.array(tokens)[None], cache=cache)
     outs, chosen = [np.array(logits.astype(mx.float32))], []
     for step in range(steps):

@@ -10,12 +10,10 @@ manifest's ranges. Every logit must be bitwise equal, cold and warm.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from cachecd.tiny_k2 import K2Options, dequantize_int4, k2_tensor_values, tensor_defs, write_tiny_k2
@@ -26,23 +24,6 @@ from tests.exactness import DECODE_STEPS, assert_bitwise, make_resident_dir, run
 
 PROMPT_TEXT = "Kimi K2 thinks in int4: every routed expert streams, bit for bit."
 OPTS = K2Options()
-
-
-class _WithCache:
-    """deepseek_v3 has no ``make_cache``; run_logits asks for one, so give it mlx-lm's default."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-
-    def make_cache(self) -> list[Any]:
-        return make_prompt_cache(self.model)
-
-    def __call__(self, tokens: mx.array, cache: list[Any]) -> mx.array:
-        return self.model(tokens, cache=cache)
-
-
-def _logits(model: Any, prompt: list[int], forced: list[int] | None = None):
-    return run_logits(_WithCache(model), prompt, forced)
 
 
 @pytest.fixture(scope="module")
@@ -94,14 +75,14 @@ def test_bitwise_cold_and_warm(checkpoint) -> None:
         assert all(isinstance(b, StreamedSwitchGLU) for b in banks)
         prompt = tokenizer.encode(PROMPT_TEXT)
         assert len(prompt) >= 16  # x top-4 >= 64 rows: mlx-lm's sorted gather path
-        ref, toks = _logits(reference, prompt)
+        ref, toks = run_logits(reference, prompt)
         assert not any(np.isnan(a).any() for a in ref)
-        cold, _ = _logits(model, prompt, toks)
+        cold, _ = run_logits(model, prompt, toks)
         assert_bitwise(ref, cold)
         stats = model.bank.stats
         assert stats.source_hits > 0 and stats.source_hits == len(model.bank.ram)
         stats.reset()
-        warm, _ = _logits(model, prompt, toks)
+        warm, _ = run_logits(model, prompt, toks)
         assert_bitwise(ref, warm)
         assert stats.source_hits == 0 and stats.ram_hits == stats.experts_routed > 0
         assert stats.layer_calls == (OPTS.layers - 1) * (DECODE_STEPS + 1)
@@ -115,7 +96,7 @@ def test_bitwise_without_ram_tier_from_full_dir(checkpoint: tuple[Path, ...]) ->
     with LocalSource(manifest, full) as source:
         model, tokenizer = load(full, source, ram_bytes=0)
         prompt = tokenizer.encode(PROMPT_TEXT)
-        ref, toks = _logits(reference, prompt)
-        got, _ = _logits(model, prompt, toks)
+        ref, toks = run_logits(reference, prompt)
+        got, _ = run_logits(model, prompt, toks)
         assert_bitwise(ref, got)
         assert model.bank.stats.ram_hits == 0
