@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from cachecd import constants
 from cachecd.errors import ConfigInvalid

@@ -13,7 +13,8 @@ import json
 import logging
 import os
 import socket
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 

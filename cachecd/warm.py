@@ -289,10 +289,11 @@ def read_prompts(path: str | Path) -> list[str]:
 
 
 def _warm_prompts(args: argparse.Namespace, client: Any, before: Snapshot) -> int:
-    from cachecd_engine.run import load
-    from cachecd_engine.trace import TraceRecorder
     from mlx_lm import stream_generate
     from tqdm import tqdm
+
+    from cachecd_engine.run import load
+    from cachecd_engine.trace import TraceRecorder
 
     prompts = read_prompts(args.prompts)
     model, tokenizer = load(args.model, args.socket)

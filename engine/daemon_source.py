@@ -9,9 +9,10 @@ thread: a slow or failed hint never delays or changes a token.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ class DaemonSource:
         self._hints = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachecd-hint")
 
     @classmethod
-    def connect(cls, repo: str, socket: str | Path | None = None) -> tuple["DaemonSource", Path]:
+    def connect(cls, repo: str, socket: str | Path | None = None) -> tuple[DaemonSource, Path]:
         """The source for a registered model, and the local dir holding its resident files."""
         from cachecd_client import Client
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from cachecd_engine.streamed_moe import ExpertBank, StreamedSwitchGLU
 from mlx import nn
 
 from cachecd import errors
+from cachecd_engine.streamed_moe import ExpertBank, StreamedSwitchGLU
 
 log = logging.getLogger(__name__)
 

@@ -23,6 +23,9 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
+from mlx import nn
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
+
 from cachecd_engine.formats import (
     Arrays,
     Buffer,
@@ -32,8 +35,6 @@ from cachecd_engine.formats import (
     stack_experts,
 )
 from cachecd_engine.ram_tier import RamTier
-from mlx import nn
-from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ class Trace:
     def add(self, layer: int, routed: np.ndarray) -> None:
         flat = np.asarray(routed).reshape(-1)
         ids, n = np.unique(flat, return_counts=True)
-        for e, c in zip(ids.tolist(), n.tolist()):
+        for e, c in zip(ids.tolist(), n.tolist(), strict=True):
             self.counts[(layer, int(e))] += int(c)
 
 

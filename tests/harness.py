@@ -108,7 +108,7 @@ class DaemonProcess:
             argv += ["--manifest", str(m)]
         return argv + self.extra
 
-    def start(self, timeout: float = 60) -> "DaemonProcess":
+    def start(self, timeout: float = 60) -> DaemonProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=log, env=self.env)
         deadline = time.monotonic() + timeout
@@ -147,7 +147,7 @@ class DaemonProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"daemon ignored signal {sig} for {timeout}s:\n{self.log()}")
+            raise AssertionError(f"daemon ignored signal {sig} for {timeout}s:\n{self.log()}") from None
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)

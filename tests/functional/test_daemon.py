@@ -13,7 +13,7 @@ import pytest
 
 from cachecd.errors import DaemonUnavailable, ExpertNotFound, InvalidRequest, RepoNotAllowed
 from tests.fakes.fake_hub import FakeHubThread
-from tests.harness import TINY_REPO, DaemonProcess, HubProcess, expert_bytes_from_files, run_cli
+from tests.harness import TINY_REPO, DaemonProcess, expert_bytes_from_files, run_cli
 
 
 def _split_entries(manifest):  # type: ignore[no-untyped-def]
@@ -29,7 +29,7 @@ def test_miss_fetch_verify_then_hit_without_the_hub(
     ids = [0, 3, 7]
     with daemon.client() as c:
         first = c.experts(TINY_REPO, layer, ids)
-        for e, got in zip(ids, first):
+        for e, got in zip(ids, first, strict=True):
             assert got.tobytes() == expert_bytes_from_files(
                 tiny_dir, tiny_manifest.expert(layer, e)
             )

@@ -8,7 +8,6 @@ import struct
 
 import numpy as np
 import pytest
-from cachecd_engine.trace import TraceRecorder, read_trace
 
 from cachecd.coverage import (
     HitHistory,
@@ -25,6 +24,7 @@ from cachecd.coverage_render import Grid, render_html, render_json, render_png, 
 from cachecd.errors import InvalidRequest
 from cachecd.manifest import Manifest, shipped_manifest
 from cachecd.warm import fit_room, plan_batches, read_prompts
+from cachecd_engine.trace import TraceRecorder, read_trace
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_rows_match_manifest_row_and_unknowns_are_minus_one(m: Manifest) -> None
     layers = np.repeat(np.array(m.moe_layers), m.experts_per_layer)
     experts = np.tile(np.arange(m.experts_per_layer), len(m.moe_layers))
     rows = rows_of(m, layers, experts)
-    assert rows.tolist() == [m.row(int(a), int(b)) for a, b in zip(layers, experts)]
+    assert rows.tolist() == [m.row(int(a), int(b)) for a, b in zip(layers, experts, strict=True)]
     bad = rows_of(m, np.array([0, 99, m.moe_layers[0], m.moe_layers[0]]),
                   np.array([0, 0, -1, m.experts_per_layer]))
     assert bad.tolist() == [-1, -1, -1, -1]

@@ -6,10 +6,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import xxhash
-from cachecd_engine.formats import decode_expert, quant_spec, stack_experts
 
 from cachecd import errors
 from cachecd.manifest import ByteRange, ExpertEntry, TensorInfo
+from cachecd_engine.formats import decode_expert, quant_spec, stack_experts
 
 PREFIX = "language_model.model.layers.3.block_sparse_moe.experts.7."
 SHAPES = {"w1": (64, 96), "w2": (96, 64), "w3": (64, 96)}  # [out, in]

@@ -138,7 +138,7 @@ def test_every_expert_matches_the_bytes_on_disk(manifest: Manifest, ckpt: Path) 
         assert len(blob) == e.nbytes == manifest.sizes[row]
         assert xxhash.xxh3_128(blob).digest() == e.xxh3 == manifest.digests[row].tobytes()
         assert e.digest_hex == e.xxh3.hex()
-        for t, off in zip(e.tensors, e.blob_offsets):
+        for t, off in zip(e.tensors, e.blob_offsets, strict=True):
             shard, h = headers[t.name]
             assert (t.file, t.offset, t.nbytes, t.dtype, t.shape) == (
                 shard,

@@ -13,6 +13,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import xxhash
+from mlx import nn
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models import kimi_k3
+
+from cachecd import errors
+from cachecd.manifest import ByteRange, ExpertEntry, TensorInfo
 from cachecd_engine.formats import QUANT_SPECS, DecodedExpert
 from cachecd_engine.prefetch import install_prefetch
 from cachecd_engine.ram_tier import RamTier
@@ -23,12 +29,6 @@ from cachecd_engine.streamed_moe import (
     install_streamed_banks,
     remap,
 )
-from mlx import nn
-from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models import kimi_k3
-
-from cachecd import errors
-from cachecd.manifest import ByteRange, ExpertEntry, TensorInfo
 
 N_EXPERTS = 32
 DECODE_STEPS = 20
@@ -178,7 +178,7 @@ def run_logits(
 
 def assert_bitwise(ref: list[np.ndarray], got: list[np.ndarray]) -> None:
     assert len(ref) == len(got)
-    for step, (a, b) in enumerate(zip(ref, got)):
+    for step, (a, b) in enumerate(zip(ref, got, strict=True)):
         assert a.shape == b.shape, step
         diff = float(np.max(np.abs(a - b)))
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"step {step} max|diff|={diff}"
