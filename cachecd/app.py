@@ -1,7 +1,13 @@
 """The daemon's state and the operations both front doors (HTTP control, fd data path) share.
 
-Invariant: every expert handed out was verified against its manifest before it entered the
-store; a hit is served from the store only, and a miss goes through the single-flight fetcher.
+Invariants:
+- Every expert handed out was verified against its manifest before it entered the store; a hit
+  is served from the store only, and a miss goes through the single-flight fetcher.
+- A hit reuses an fd the daemon already holds for that blob (``BlobFds``) only while the store
+  still indexes the very same row and the file is still linked with the row's size; otherwise
+  the blob is opened through ``Store.open_blob``, which drops or quarantines a bad one. Every fd
+  handed out is the caller's own (a dup), so an eviction never cuts off a read in progress.
+- Access stats are recorded once per distinct expert per request.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ import asyncio
 import logging
 import os
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,11 +25,12 @@ from cachecd.config import Settings
 from cachecd.coverage import HitHistory
 from cachecd.errors import ExpertNotFound, InvalidRequest
 from cachecd.misses import Fetcher
-from cachecd.registry import Registry, RegisteredModel, check_repo
+from cachecd.registry import RegisteredModel, Registry, check_repo
 from cachecd.store import Store
 
 if TYPE_CHECKING:
     from cachecd.hub import Upstream
+    from cachecd.index import Entry
     from cachecd.manifest import ExpertEntry
 
 log = logging.getLogger(__name__)
@@ -51,8 +58,104 @@ def _int(value: Any, what: str, limit: int = 1 << 20) -> int:
     return value
 
 
+class BlobFds:
+    """An LRU of open blob fds, so a warm hit costs an fstat and a dup instead of an open.
+
+    A cached fd is handed out (as a dup) only while the store's row for the digest is the very
+    row the fd was opened under and the file is still linked with that row's size: an evicted,
+    quarantined, deleted, truncated or replaced blob falls back to ``Store.open_blob``. Stale fds
+    are closed at the next request after an eviction or quarantine and by a sweep every
+    ``BLOB_FDS_SWEEP_S``; all are closed once no hit used the cache for ``BLOB_FDS_IDLE_S``, so an
+    idle daemon holds no blob open and an evicted blob's disk space comes back promptly.
+    Used on the event loop thread only.
+    """
+
+    def __init__(self, store: Store, capacity: int = constants.BLOB_FDS) -> None:
+        self._store = store
+        self._capacity = capacity
+        self._fds: OrderedDict[str, tuple[Entry, int]] = OrderedDict()
+        self._last_use = 0.0
+        self._removals = -1
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def take(self, digest: str) -> tuple[int, int] | None:
+        """(fd, size) of a still-valid cached blob, the fd the caller's own; None to open it."""
+        held = self._fds.get(digest)
+        if held is None:
+            return None
+        entry, fd = held
+        try:
+            if self._store.ledger.entries.get(digest) is entry:
+                st = os.fstat(fd)
+                if st.st_nlink and st.st_size == entry.size:
+                    mine = os.dup(fd)
+                    self._fds.move_to_end(digest)
+                    self._last_use = time.monotonic()
+                    return mine, entry.size
+        except OSError:  # EMFILE: our own fds are the ones to give back
+            self.clear()
+            return None
+        self._close(digest)
+        return None
+
+    def keep(self, digest: str, fd: int, size: int) -> None:
+        """Remember a dup of ``fd``, freshly opened by ``Store.open_blob`` for ``digest``."""
+        entry = self._store.ledger.entries.get(digest)
+        if self._capacity <= 0 or entry is None or entry.size != size or digest in self._fds:
+            return
+        try:
+            self._fds[digest] = (entry, os.dup(fd))
+        except OSError:
+            self.clear()
+            return
+        self._last_use = time.monotonic()
+        while len(self._fds) > self._capacity:
+            self._close(next(iter(self._fds)))
+        if self._timer is None:
+            self._arm()
+
+    def check(self) -> None:
+        """Close the fds of blobs evicted or quarantined since the last look (cheap when none)."""
+        counters = self._store.ledger.counters
+        removals = counters.get("evictions", 0) + counters.get("quarantined", 0)
+        if removals != self._removals:
+            self._removals = removals
+            self.sweep()
+
+    def sweep(self) -> None:
+        entries = self._store.ledger.entries
+        for digest in [d for d, (entry, _) in self._fds.items() if entries.get(d) is not entry]:
+            self._close(digest)
+
+    def clear(self) -> None:
+        for digest in list(self._fds):
+            self._close(digest)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _close(self, digest: str) -> None:
+        _, fd = self._fds.pop(digest)
+        os.close(fd)
+
+    def _arm(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(constants.BLOB_FDS_SWEEP_S, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        if time.monotonic() - self._last_use >= constants.BLOB_FDS_IDLE_S:
+            self.clear()
+        else:
+            self.sweep()
+        if self._fds:
+            self._arm()
+
+
 class Daemon:
-    def __init__(self, settings: Settings, store: Store, upstream: "Upstream") -> None:
+    def __init__(self, settings: Settings, store: Store, upstream: Upstream) -> None:
         self.settings = settings
         self.store = store
         self.upstream = upstream
@@ -62,18 +165,19 @@ class Daemon:
         self.history = HitHistory()
         self.started = time.time()
         self.max_connections = constants.MAX_CONNECTIONS
+        self.blob_fds = BlobFds(store)
         self.draining = False
 
     def model(self, repo: str) -> RegisteredModel:
         return self.registry.get(parse_repo(repo))
 
-    def entries(self, model: RegisteredModel, layer: Any, ids: list[Any]) -> list["ExpertEntry"]:
+    def entries(self, model: RegisteredModel, layer: Any, ids: list[Any]) -> list[ExpertEntry]:
         layer = _int(layer, "layer")
         if len(ids) > constants.MAX_BATCH_EXPERTS:
             raise InvalidRequest(f"at most {constants.MAX_BATCH_EXPERTS} experts per request")
         return [model.manifest.expert(layer, _int(e, "expert")) for e in ids]
 
-    async def ensure(self, model: RegisteredModel, entries: list["ExpertEntry"]) -> set[str]:
+    async def ensure(self, model: RegisteredModel, entries: list[ExpertEntry]) -> set[str]:
         """Make every entry local; returns the digests that were missing (fetched for this call)."""
         # One count per distinct expert per request, whatever the caller repeats.
         distinct = list({(e.layer, e.expert): e for e in entries}.values())
@@ -86,34 +190,38 @@ class Daemon:
         return missing
 
     async def open_experts(self, repo: str, layer: Any, ids: list[Any]) -> list[OpenedExpert]:
+        """One opened blob per id, in order; the caller closes every fd."""
         model = self.model(repo)
         entries = self.entries(model, layer, ids)
         missing = await self.ensure(model, entries)
+        self.blob_fds.check()
+        key = model.manifest.key
         opened: list[OpenedExpert] = []
         counted: set[int] = set()
         try:
             for entry in entries:
-                one = await self._open_one(model, entry, entry.expert not in counted)
-                one.fetched = entry.digest_hex in missing
-                opened.append(one)
-                counted.add(entry.expert)
+                digest = entry.digest_hex
+                got = self.blob_fds.take(digest) or await self._open_blob(model, entry, digest)
+                opened.append(OpenedExpert(entry.expert, got[0], got[1], digest, digest in missing))
+                if entry.expert not in counted:
+                    counted.add(entry.expert)
+                    self.store.touch(digest, key, entry.layer, entry.expert)
         except BaseException:
             for o in opened:
                 os.close(o.fd)
             raise
         return opened
 
-    async def _open_one(self, model: RegisteredModel, entry: "ExpertEntry",
-                        count: bool = True) -> OpenedExpert:
+    async def _open_blob(self, model: RegisteredModel, entry: ExpertEntry,
+                         digest: str) -> tuple[int, int]:
         for _ in range(3):  # evicted between ensure and open: fetch again
             try:
-                fd, size = self.store.open_blob(entry.digest_hex)
+                fd, size = self.store.open_blob(digest)
             except ExpertNotFound:
                 await self.fetcher.ensure(model, [entry])
                 continue
-            if count:
-                self.store.touch(entry.digest_hex, model.manifest.key, entry.layer, entry.expert)
-            return OpenedExpert(entry.expert, fd, size, entry.digest_hex)
+            self.blob_fds.keep(digest, fd, size)
+            return fd, size
         raise ExpertNotFound(f"layer {entry.layer} expert {entry.expert} vanished from the cache three "
                              "times while being opened; the budget may be too small for one batch")
 

@@ -63,6 +63,9 @@ BACKOFF_CAP_S = 30.0
 MAX_PARALLEL_FETCHES = 8
 COALESCE_MAX_BYTES = 256 * 1024 * 1024
 COALESCE_MAX_EXPERTS = 16
+# A request this long already amortizes its round trip: another expert gets its own request,
+# so experts finish (and get stored) one by one instead of in pairs at the end.
+COALESCE_TARGET_BYTES = 4 * 1024 * 1024
 CHECKSUM_REFETCHES = 2
 SIGNED_URL_TTL_S = 3600.0
 
@@ -71,6 +74,11 @@ SHUTDOWN_TIMEOUT_S = 10.0
 CLIENT_MAX_SIZE = 16 * 1024 * 1024
 MAX_BATCH_EXPERTS = 4096
 MAX_CONNECTIONS = 256
+# Open blob fds the daemon keeps for hits (a hit then costs an fstat and a dup, not an open).
+# Unused ones are closed after BLOB_FDS_IDLE_S, stale ones (evicted, quarantined) sooner.
+BLOB_FDS = 256
+BLOB_FDS_IDLE_S = 1.0
+BLOB_FDS_SWEEP_S = 0.25
 LMDB_MAP_SIZE = 64 * 1024 * 1024
 LMDB_MAP_CEILING = 64 * 1024 * 1024 * 1024
 

@@ -1,13 +1,15 @@
 """The zero-copy data path: expert bytes handed to the client as open file descriptors.
 
-The daemon never copies a hit's bytes: it opens each blob, passes the fd (SCM_RIGHTS) and closes
-its own copy. An eviction unlinks the blob's name only, so a client that holds the fd reads the
-whole blob even if it is evicted meanwhile. Each connection carries one request at a time; the
+The daemon never copies a hit's bytes: it opens each blob (or dups an fd it keeps for it, see
+``app.BlobFds``), passes the fd (SCM_RIGHTS) and closes its own copy. An eviction unlinks the
+blob's name only, so a client that holds the fd reads the whole blob even if it is evicted
+meanwhile. Each connection carries one request at a time; the
 client opens several connections to read in parallel. Frames: see ``protocol``.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import logging
 import os
@@ -23,16 +25,29 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_RECV_SIZE = 64 * 1024
 
-async def _recv_exact(loop: asyncio.AbstractEventLoop, conn: socket.socket, n: int) -> bytes | None:
-    chunks, got = [], 0
-    while got < n:
-        chunk = await loop.sock_recv(conn, n - got)
+
+async def _recv_frame(loop: asyncio.AbstractEventLoop, conn: socket.socket,
+                      buf: bytearray) -> bytes | None:
+    """The next frame's body; ``buf`` keeps bytes read past it. None at a clean end of stream.
+
+    One receive usually brings the header and the body together (a client sends one frame and
+    waits), so a request costs one read, not two."""
+    need = protocol.HEADER.size
+    length = -1
+    while True:
+        if length < 0 and len(buf) >= need:
+            length = protocol.frame_length(bytes(buf[:need]))
+            need += length
+        if length >= 0 and len(buf) >= need:
+            body = bytes(buf[protocol.HEADER.size:need])
+            del buf[:need]
+            return body
+        chunk = await loop.sock_recv(conn, max(_RECV_SIZE, need - len(buf)))
         if not chunk:
             return None
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+        buf += chunk
 
 
 async def _send_with_fds(loop: asyncio.AbstractEventLoop, conn: socket.socket, data: bytes,
@@ -54,13 +69,11 @@ async def _send_with_fds(loop: asyncio.AbstractEventLoop, conn: socket.socket, d
 
 
 def _pack_fds(fds: list[int]) -> bytes:
-    import array
-
     return array.array("i", fds).tobytes()
 
 
 class DataServer:
-    def __init__(self, daemon: "Daemon", sock: socket.socket) -> None:
+    def __init__(self, daemon: Daemon, sock: socket.socket) -> None:
         self._daemon = daemon
         self._sock = sock
         self._conns: set[asyncio.Task[None]] = set()
@@ -91,11 +104,9 @@ class DataServer:
                 err = Forbidden(f"uid {cred.uid} may not use this daemon (it runs as uid {os.getuid()})")
                 await loop.sock_sendall(conn, protocol.encode({"ok": False, **err.to_wire()}))
                 return
+            buf = bytearray()
             while True:
-                header = await _recv_exact(loop, conn, protocol.HEADER.size)
-                if header is None:
-                    return
-                body = await _recv_exact(loop, conn, protocol.frame_length(header))
+                body = await _recv_frame(loop, conn, buf)
                 if body is None:
                     return
                 await self._answer(loop, conn, body)
@@ -140,6 +151,7 @@ class DataServer:
             task.cancel()
         await asyncio.gather(*self._conns, *( [self._accept_task] if self._accept_task else []),
                              return_exceptions=True)
+        self._daemon.blob_fds.clear()
         self._sock.close()
 
 

@@ -1,0 +1,67 @@
+"""parallel_preadv over real files: pieces, grouping into jobs, the inline path."""
+
+from __future__ import annotations
+
+import os
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cachecd_client import transport
+
+
+def _files(tmp_path: Path, sizes: list[int]) -> tuple[list[int], list[bytes]]:
+    fds, datas = [], []
+    for i, n in enumerate(sizes):
+        data = random.Random(i).randbytes(n)
+        p = tmp_path / f"b{i}"
+        p.write_bytes(data)
+        fds.append(os.open(p, os.O_RDONLY))
+        datas.append(data)
+    return fds, datas
+
+
+@pytest.mark.parametrize("chunk,min_job", [(4 << 20, 256 << 10), (1000, 1), (4096, 10_000)])
+def test_every_byte_lands_in_its_buffer(tmp_path: Path, monkeypatch, chunk: int, min_job: int) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(transport, "_CHUNK", chunk)
+    monkeypatch.setattr(transport, "_MIN_JOB", min_job)
+    sizes = [0, 1, 999, 1000, 1001, 6528, 300_000, 5 << 20]
+    fds, datas = _files(tmp_path, sizes)
+    bufs = [np.zeros(n + 3, np.uint8) for n in sizes]
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            transport.parallel_preadv(pool, fds, sizes, [memoryview(b) for b in bufs])
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for buf, data in zip(bufs, datas, strict=True):
+        assert buf[: len(data)].tobytes() == data and not buf[len(data):].any()
+
+
+def test_small_batches_are_read_in_the_callers_thread(tmp_path: Path) -> None:
+    sizes = [6528] * 16  # one K3 token's worth of tiny experts: under one job
+    fds, datas = _files(tmp_path, sizes)
+    pool = ThreadPoolExecutor(2)
+    pool.shutdown()  # a submit would raise: the reads must not need the pool
+    bufs = [np.zeros(n, np.uint8) for n in sizes]
+    try:
+        transport.parallel_preadv(pool, fds, sizes, [memoryview(b) for b in bufs])
+        with pytest.raises(RuntimeError):  # and a big batch does use it
+            big = [transport._MIN_JOB] * 2
+            transport.parallel_preadv(pool, fds[:2], big, [memoryview(bytearray(n)) for n in big])
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert [b.tobytes() for b in bufs] == datas
+
+
+def test_a_short_file_is_an_error(tmp_path: Path) -> None:
+    fds, _ = _files(tmp_path, [100])
+    try:
+        with ThreadPoolExecutor(2) as pool, pytest.raises(EOFError):
+            transport.parallel_preadv(pool, fds, [200], [memoryview(bytearray(200))])
+    finally:
+        os.close(fds[0])
