@@ -31,7 +31,7 @@ import random
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +46,7 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _TM_EXCLUDE_XATTR = "com.apple.metadata:com_apple_backup_excludeItem"
 HASH_CHUNK = 4 * 1024 * 1024
+_IOV_MAX = 1024
 
 
 def validate_digest(digest_hex: object) -> str:
@@ -240,28 +241,17 @@ class BlobDirs:
 
     def write_blob(self, digest_hex: str, data: bytes | memoryview) -> int:
         """Write, fsync, rename into place, fsync the dir. Returns the dir index used."""
-        d = validate_digest(digest_hex)
-        cdir = self.choose_dir(len(data))
-        tmp = cdir.tmp / f"{d}.{os.getpid()}.{time.time_ns()}"
+        writer = self.begin(digest_hex, len(data))
         try:
-            _write_tmp(tmp, data)
-            final = cdir.blob_path(d)
-            final.parent.mkdir(mode=0o700, exist_ok=True)
-            os.rename(tmp, final)
-            crash_point("after_rename")
-            fsync_dir(final.parent)
-        except OSError as exc:
-            _unlink_quiet(tmp)
-            if is_space_error(exc):
-                raise errors.DiskFull(
-                    f"no space left in cache dir {cdir.root} writing {len(data)} bytes; "
-                    "free space or lower the budget"
-                ) from exc
-            raise
+            writer.write(0, data)
         except BaseException:
-            _unlink_quiet(tmp)
+            writer.abort()
             raise
-        return cdir.index
+        return writer.finish()
+
+    def begin(self, digest_hex: str, nbytes: int) -> BlobWriter:
+        """A temp file for ``nbytes`` of blob ``digest_hex``, filled by ``BlobWriter.write``."""
+        return BlobWriter(self.choose_dir(nbytes), validate_digest(digest_hex), nbytes)
 
     def open_read(self, dir_index: int, digest_hex: str) -> tuple[int, int]:
         """(fd, size) of a blob; raises FileNotFoundError if it is gone."""
@@ -284,18 +274,122 @@ class BlobDirs:
         return cdir.move_to_quarantine(cdir.blob_path(digest_hex), reason)
 
 
-def _write_tmp(tmp: Path, data: bytes | memoryview) -> None:
-    fd = os.open(tmp, _TMP_FLAGS, 0o600)
-    try:
+class BlobWriter:
+    """One blob on its way in: a temp file written in pieces (any order, any thread), then
+    ``finish`` (fsync, rename into place, fsync the dir) or ``abort`` (the temp is removed).
+
+    Writes of disjoint pieces may run on several threads at once. Each piece's dirty pages are
+    handed to the kernel's writeback at once (Linux), so ``finish``'s fsync finds most of the
+    blob already on disk when the pieces arrived over a slower network.
+    """
+
+    def __init__(self, cdir: CacheDir, digest: str, nbytes: int) -> None:
+        self.cdir, self.digest, self.nbytes = cdir, digest, nbytes
+        self.tmp = cdir.tmp / f"{digest}.{os.getpid()}.{time.time_ns()}"
+        try:
+            self._fd: int | None = os.open(self.tmp, _TMP_FLAGS, 0o600)
+        except OSError as exc:
+            self._raise_space_error(exc)
+            raise
+
+    def write(self, offset: int, data: bytes | memoryview) -> None:
+        """Bytes ``data`` at ``offset``; raises ``DiskFull`` on ENOSPC (the temp stays)."""
+        fd = self._fd
+        if fd is None:
+            raise errors.Internal(f"write to blob {self.digest} after it was finished or aborted")
         view = memoryview(data).cast("B")
-        written = 0
-        while written < len(view):
-            written += os.write(fd, view[written:])
-        crash_point("after_tmp_write")
-        os.fsync(fd)
-        crash_point("after_fsync")
-    finally:
-        os.close(fd)
+        done = 0
+        try:
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+        except OSError as exc:
+            self._raise_space_error(exc)
+            raise
+        _start_writeback(fd, offset, len(view))
+
+    def writev(self, offset: int, views: list[memoryview]) -> None:
+        """The buffers back to back at ``offset`` (one ``pwritev`` when the kernel takes it all)."""
+        fd = self._fd
+        if fd is None or not hasattr(os, "pwritev") or len(views) > _IOV_MAX:
+            self.write(offset, b"".join(views))
+            return
+        total = sum(len(v) for v in views)
+        try:
+            done = os.pwritev(fd, views, offset)
+        except OSError as exc:
+            self._raise_space_error(exc)
+            raise
+        if done < total:  # a short write: finish the rest the simple way
+            self.write(offset + done, b"".join(views)[done:])
+            return
+        _start_writeback(fd, offset, total)
+
+    def finish(self) -> int:
+        """fsync, rename into place, fsync the dir; returns the dir index. The temp goes on
+        failure."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            raise errors.Internal(f"blob {self.digest} was already finished or aborted")
+        try:
+            try:
+                crash_point("after_tmp_write")
+                os.fsync(fd)
+                crash_point("after_fsync")
+            finally:
+                os.close(fd)
+            final = self.cdir.blob_path(self.digest)
+            final.parent.mkdir(mode=0o700, exist_ok=True)
+            os.rename(self.tmp, final)
+            crash_point("after_rename")
+            fsync_dir(final.parent)
+        except OSError as exc:
+            _unlink_quiet(self.tmp)
+            self._raise_space_error(exc)
+            raise
+        except BaseException:
+            _unlink_quiet(self.tmp)
+            raise
+        return self.cdir.index
+
+    def abort(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+            _unlink_quiet(self.tmp)
+
+    def _raise_space_error(self, exc: OSError) -> None:
+        if is_space_error(exc):
+            raise errors.DiskFull(
+                f"no space left in cache dir {self.cdir.root} writing {self.nbytes} bytes; "
+                "free space or lower the budget"
+            ) from exc
+
+
+def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    write_only = 2  # SYNC_FILE_RANGE_WRITE: start writeback, do not wait for it
+
+    def start(fd: int, offset: int, length: int) -> None:
+        fn(fd, offset, length, write_only)  # advisory: a failure only leaves work for fsync
+
+    return start
+
+
+_writeback = _load_sync_file_range()
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    if _writeback is not None and length:
+        _writeback(fd, offset, length)
 
 
 def _unlink_quiet(path: Path) -> None:

@@ -17,7 +17,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urljoin, urlsplit
 
 import aiohttp
@@ -34,6 +34,15 @@ _REDIRECTS = (301, 302, 303, 307, 308)
 _EXPIRY_MARGIN_S = 60.0
 # aiohttp pauses the socket when its buffer passes 2x this; 64 KiB (the default) stalls fast streams.
 READ_BUFSIZE = 1 << 20
+
+
+class Consumer(Protocol):
+    """Takes a body as it arrives instead of a buffer: ``restart`` before every attempt (a
+    retry starts over at offset 0), then ``feed`` with each chunk in order and its offset."""
+
+    async def restart(self) -> None: ...
+
+    def feed(self, chunk: bytes, pos: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -163,7 +172,10 @@ class HubClient:
         return Location(target, True, time.monotonic() + max(0.0, ttl - _EXPIRY_MARGIN_S))
 
     # -- range GET ---------------------------------------------------------------------------
-    async def get_range(self, manifest: Any, file: str, start: int, end: int) -> bytearray:
+    async def get_range(
+        self, manifest: Any, file: str, start: int, end: int, consumer: Consumer | None = None
+    ) -> bytearray:
+        """The bytes; with ``consumer`` they go to it instead and an empty buffer is returned."""
         if not 0 <= start < end:
             raise errors.InvalidRequest(f"empty or negative range {start}-{end} of {file}")
         info = manifest.files.get(file)
@@ -176,7 +188,7 @@ class HubClient:
             loc = await self.location(manifest, file, failed)
 
             def once(loc: Location = loc) -> Any:
-                return self._get_once(loc, file, start, end, size, deadline)
+                return self._get_once(loc, file, start, end, size, deadline, consumer)
 
             try:
                 return await self._with_retries(loc.url, once, deadline)
@@ -189,7 +201,14 @@ class HubClient:
         )
 
     async def _get_once(
-        self, loc: Location, file: str, start: int, end: int, size: int | None, deadline: float
+        self,
+        loc: Location,
+        file: str,
+        start: int,
+        end: int,
+        size: int | None,
+        deadline: float,
+        consumer: Consumer | None,
     ) -> bytearray:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -199,6 +218,8 @@ class HubClient:
         timeout = aiohttp.ClientTimeout(
             total=remaining, sock_connect=self.connect_timeout, sock_read=self.read_timeout
         )
+        if consumer is not None:
+            await consumer.restart()
         base = self._plain_headers if loc.redirected else self._auth_headers
         headers = {**base, "Accept-Encoding": "identity", "Range": f"bytes={start}-{end - 1}"}
         self.count("requests_range")
@@ -218,12 +239,18 @@ class HubClient:
                 body = await resp.content.read(hh.MAX_BODY_SNIPPET)
                 raise self._status_failure(resp, body, rid, what, on_resolve=False)
             _check_content_range(resp, start, end, size, what, rid)
-            return await self._read_exact(resp, end - start, what, rid)
+            return await self._read_exact(resp, end - start, what, rid, consumer)
 
     async def _read_exact(
-        self, resp: aiohttp.ClientResponse, length: int, what: str, rid: str | None
+        self,
+        resp: aiohttp.ClientResponse,
+        length: int,
+        what: str,
+        rid: str | None,
+        consumer: Consumer | None = None,
     ) -> bytearray:
-        buf = bytearray(length)
+        # A consumer gets aiohttp's own chunks: no zero-filled buffer, no copy into it.
+        buf = bytearray(length if consumer is None else 0)
         pos = 0
         async for chunk in resp.content.iter_any():
             n = len(chunk)
@@ -232,7 +259,10 @@ class HubClient:
                 raise _bad_range(
                     f"{what}: body longer than the {length} bytes asked", "long_body", rid
                 )
-            buf[pos : pos + n] = chunk
+            if consumer is None:
+                buf[pos : pos + n] = chunk
+            else:
+                consumer.feed(chunk, pos)
             pos += n
         if pos != length:
             raise _bad_range(f"{what}: body ended after {pos} of {length} bytes", "truncated", rid)

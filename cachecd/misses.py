@@ -3,7 +3,8 @@
 Invariants: an expert is fetched by at most one task at a time (callers for the same digest wait
 on the same future and all see the same bytes or the same error); the fetch runs in its own task,
 so a caller that disconnects does not cancel it; bytes reach the store only after the upstream
-verified them against the manifest; a digest is forgotten when its fetch ends, so the next
+verified them against the manifest (bytes written to a temp file while they arrive become a blob
+only through ``Store.commit`` after that check); a digest is forgotten when its fetch ends, so the next
 request after a failure fetches again. Prefetch hints run below demand: at most
 ``prefetch_parallel`` hint groups at a time, and hints for experts already in flight are dropped.
 """
@@ -15,6 +16,7 @@ import logging
 from collections import Counter
 from typing import TYPE_CHECKING, Iterable
 
+from cachecd.blobs import BlobWriter
 from cachecd.errors import CachecdError, Internal
 from cachecd.store import Store
 
@@ -24,6 +26,34 @@ if TYPE_CHECKING:
     from cachecd.registry import RegisteredModel
 
 log = logging.getLogger(__name__)
+
+
+class _Spool:
+    """The blob writers of one fetch group, by digest: the upstream fills them as bytes arrive,
+    the commit takes them (or writes the verified bytes itself when it finds none)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._writers: dict[str, BlobWriter] = {}
+
+    def begin(self, entry: "ExpertEntry") -> BlobWriter:
+        self.discard(entry)
+        writer = self._store.begin_blob(entry.digest_hex, entry.nbytes)
+        self._writers[entry.digest_hex] = writer
+        return writer
+
+    def discard(self, entry: "ExpertEntry") -> None:
+        writer = self._writers.pop(entry.digest_hex, None)
+        if writer is not None:
+            writer.abort()
+
+    def take(self, digest: str) -> BlobWriter | None:
+        return self._writers.pop(digest, None)
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.abort()
+        self._writers.clear()
 
 
 def _swallow(fut: asyncio.Future[None]) -> None:
@@ -123,13 +153,20 @@ class Fetcher:
                 self._settle(entry.digest_hex, Internal("fetch ended without a result"))
 
     async def _fetch_reserved(self, model, to_fetch, reservations) -> None:  # type: ignore[no-untyped-def]
-        async def commit(entry: "ExpertEntry", data: memoryview) -> None:
-            await self._store.commit(entry.digest_hex, data, reservations[entry.digest_hex])
+        spool = _Spool(self._store)
+
+        async def commit(entry: "ExpertEntry", data: memoryview | None) -> None:
+            digest = entry.digest_hex
+            writer = spool.take(digest)
+            await self._store.commit(digest, data, reservations[digest], writer)
             self.counters["fetched_experts"] += 1
             self.counters["fetched_bytes"] += entry.nbytes
-            self._settle(entry.digest_hex, None)
+            self._settle(digest, None)
 
-        errors = await self._upstream.fetch_experts(model.manifest, to_fetch, commit)
+        try:
+            errors = await self._upstream.fetch_experts(model.manifest, to_fetch, commit, spool)
+        finally:
+            spool.close()
         for (layer, expert), exc in errors.items():
             self.counters[f"fetch_error_{exc.code}"] += 1
             digest = model.manifest.expert(layer, expert).digest_hex

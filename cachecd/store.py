@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecd import errors
-from cachecd.blobs import BlobDirs, validate_digest
+from cachecd.blobs import BlobDirs, BlobWriter, validate_digest
 from cachecd.budget import Budget, Ledger, Reservation, Victims
 from cachecd.crash import crash_point
 from cachecd.index import INDEX_DIRNAME, Entry, Index
@@ -189,11 +189,23 @@ class Store:
         self._remove(victims)
         return res
 
+    def begin_blob(self, digest_hex: str, nbytes: int) -> BlobWriter:
+        """A temp file to fill with the blob's bytes while they arrive; hand it to ``commit``
+        once they are all written and verified (or ``abort`` it)."""
+        return self.blobs.begin(validate_digest(digest_hex), nbytes)
+
     async def commit(
-        self, digest_hex: str, data: bytes | memoryview, reservation: Reservation
+        self,
+        digest_hex: str,
+        data: bytes | memoryview | None,
+        reservation: Reservation,
+        writer: BlobWriter | None = None,
     ) -> None:
         """Write, fsync, rename, index. The reservation ends here (used or released).
 
+        ``writer`` (from ``begin_blob``) already holds exactly the verified bytes (``data``, or
+        None when they were streamed and never held in memory): it is fsynced and renamed
+        instead of writing them again; it is finished or aborted here either way.
         Runs to completion in a thread even if the awaiting task is cancelled, so the blob, its
         row and the budget always agree.
         """
@@ -201,13 +213,25 @@ class Store:
             digest = validate_digest(digest_hex)
         except errors.InvalidRequest:
             reservation.release()
+            if writer is not None:
+                writer.abort()
             raise
-        await asyncio.shield(asyncio.to_thread(self.commit_sync, digest, data, reservation))
+        await asyncio.shield(
+            asyncio.to_thread(self.commit_sync, digest, data, reservation, writer)
+        )
 
-    def commit_sync(self, digest_hex: str, data: bytes | memoryview, res: Reservation) -> None:
+    def commit_sync(
+        self,
+        digest_hex: str,
+        data: bytes | memoryview | None,
+        res: Reservation,
+        writer: BlobWriter | None = None,
+    ) -> None:
         try:
             digest = validate_digest(digest_hex)
-            nbytes = memoryview(data).nbytes
+            if data is None and writer is None:
+                raise errors.Internal(f"commit of {digest} with neither bytes nor a writer")
+            nbytes = writer.nbytes if data is None else memoryview(data).nbytes  # type: ignore[union-attr]
             if res.done:
                 raise errors.Internal("commit with a reservation that already ended")
             if nbytes > res.nbytes:
@@ -222,26 +246,42 @@ class Store:
                 return
             if unlinking is not None:
                 unlinking.wait()  # an eviction of these same bytes must not unlink our file
-            entry = self._write_and_index(digest, data, nbytes)
+            entry = self._write_and_index(digest, data, nbytes, writer)
             crash_point("after_index_commit")
             self.ledger.insert(digest, entry, res)
         except BaseException:
             res.release()
             raise
+        finally:
+            if writer is not None:
+                writer.abort()  # a no-op once it was finished
 
-    def _write_and_index(self, digest: str, data: bytes | memoryview, nbytes: int) -> Entry:
+    def _write_and_index(
+        self, digest: str, data: bytes | memoryview | None, nbytes: int, writer: BlobWriter | None
+    ) -> Entry:
+        if writer is not None and (writer.digest != digest or writer.nbytes != nbytes):
+            raise errors.Internal(f"blob writer for {writer.digest} used to commit {digest}")
         try:
-            return self._write_once(digest, data, nbytes)
+            return self._write_once(digest, data, nbytes, writer)
         except errors.DiskFull:
             # With no byte budget the free space is the budget: make room by policy and try
             # once more. With a budget the operator sized the cache; a full disk is theirs.
-            if self.budget.limit or not self.evict_sync(nbytes=2 * nbytes + 1):
+            if data is None or self.budget.limit or not self.evict_sync(nbytes=2 * nbytes + 1):
                 raise
             log.warning("event=disk_full_evicted digest=%s", digest)
             return self._write_once(digest, data, nbytes)
 
-    def _write_once(self, digest: str, data: bytes | memoryview, nbytes: int) -> Entry:
-        dir_index = self.blobs.write_blob(digest, data)
+    def _write_once(
+        self,
+        digest: str,
+        data: bytes | memoryview | None,
+        nbytes: int,
+        writer: BlobWriter | None = None,
+    ) -> Entry:
+        if writer is not None:
+            dir_index = writer.finish()
+        else:
+            dir_index = self.blobs.write_blob(digest, data)  # type: ignore[arg-type]
         crash_point("before_index_commit")
         entry = Entry(dir_index, nbytes, time.time())
         try:

@@ -51,10 +51,10 @@ async def digest_async(buf: Buffer) -> bytes:
     return digest(buf)
 
 
-def _check(entry: HasDigest, buf: Buffer, got: bytes) -> None:
-    if len(buf) != entry.nbytes:
+def _check(entry: HasDigest, nbytes: int, got: bytes) -> None:
+    if nbytes != entry.nbytes:
         raise errors.ChecksumMismatch(
-            f"expert layer={entry.layer} expert={entry.expert}: got {len(buf)} bytes, "
+            f"expert layer={entry.layer} expert={entry.expert}: got {nbytes} bytes, "
             f"manifest says {entry.nbytes}; the bytes were discarded"
         )
     if got != entry.xxh3:
@@ -64,11 +64,16 @@ def _check(entry: HasDigest, buf: Buffer, got: bytes) -> None:
         )
 
 
+def verify_digest(entry: HasDigest, nbytes: int, got: bytes) -> None:
+    """:func:`verify` for bytes hashed elsewhere (streamed): ``got`` is their xxh3-128."""
+    _check(entry, nbytes, got if nbytes == entry.nbytes else b"")
+
+
 def verify(entry: HasDigest, buf: Buffer) -> None:
     """Raise ChecksumMismatch unless ``buf`` is exactly the expert's bytes."""
-    _check(entry, buf, digest(buf) if len(buf) == entry.nbytes else b"")
+    _check(entry, len(buf), digest(buf) if len(buf) == entry.nbytes else b"")
 
 
 async def verify_async(entry: HasDigest, buf: Buffer) -> None:
     """:func:`verify`, hashing large buffers in a worker thread."""
-    _check(entry, buf, await digest_async(buf) if len(buf) == entry.nbytes else b"")
+    _check(entry, len(buf), await digest_async(buf) if len(buf) == entry.nbytes else b"")
