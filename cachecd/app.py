@@ -45,6 +45,10 @@ class OpenedExpert:
     fetched: bool = False  # this request waited for an upstream fetch of it
 
 
+# What a request used, to record once it is answered: (model key, distinct experts).
+Uses = tuple[str, list["ExpertEntry"]]
+
+
 def parse_repo(repo: str) -> str:
     org, sep, name = repo.partition("/")
     if not sep:
@@ -186,31 +190,42 @@ class Daemon:
         self.counters["expert_misses"] += len(missing)
         self.counters["expert_hits"] += len(distinct) - len(missing)
         self.history.record(model.manifest.key, len(distinct) - len(missing), len(missing))
-        await self.fetcher.ensure(model, entries)
+        if missing:  # all hits: nothing can have changed since the look-up above (no await)
+            await self.fetcher.ensure(model, entries)
         return missing
 
     async def open_experts(self, repo: str, layer: Any, ids: list[Any]) -> list[OpenedExpert]:
-        """One opened blob per id, in order; the caller closes every fd."""
+        """One opened blob per id, in order, uses recorded; the caller closes every fd."""
+        opened, uses = await self.open_unrecorded(repo, layer, ids)
+        self.record_uses(uses)
+        return opened
+
+    async def open_unrecorded(self, repo: str, layer: Any,
+                              ids: list[Any]) -> tuple[list[OpenedExpert], Uses]:
+        """``open_experts`` without recording the uses: the caller passes them to
+        ``record_uses`` exactly once, after answering, so that bookkeeping overlaps the client's
+        reads instead of delaying them."""
         model = self.model(repo)
         entries = self.entries(model, layer, ids)
         missing = await self.ensure(model, entries)
         self.blob_fds.check()
-        key = model.manifest.key
         opened: list[OpenedExpert] = []
-        counted: set[int] = set()
         try:
             for entry in entries:
                 digest = entry.digest_hex
                 got = self.blob_fds.take(digest) or await self._open_blob(model, entry, digest)
                 opened.append(OpenedExpert(entry.expert, got[0], got[1], digest, digest in missing))
-                if entry.expert not in counted:
-                    counted.add(entry.expert)
-                    self.store.touch(digest, key, entry.layer, entry.expert)
         except BaseException:
             for o in opened:
                 os.close(o.fd)
             raise
-        return opened
+        # One use per distinct expert per request, whatever the caller repeats.
+        return opened, (model.manifest.key, list({e.expert: e for e in entries}.values()))
+
+    def record_uses(self, uses: Uses) -> None:
+        key, entries = uses
+        for e in entries:
+            self.store.touch(e.digest_hex, key, e.layer, e.expert)
 
     async def _open_blob(self, model: RegisteredModel, entry: ExpertEntry,
                          digest: str) -> tuple[int, int]:

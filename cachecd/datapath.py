@@ -21,7 +21,7 @@ from cachecd.errors import CachecdError, Forbidden, Internal, InvalidRequest
 from cachecd.peer import peer_cred
 
 if TYPE_CHECKING:
-    from cachecd.app import Daemon
+    from cachecd.app import Daemon, Uses
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +119,10 @@ class DataServer:
 
     async def _answer(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, body: bytes) -> None:
         fds: list[int] = []
+        uses: Uses | None = None
         try:
-            payload, fds = await self._handle(protocol.decode(body))
-            await _send_with_fds(loop, conn, protocol.encode(payload), fds)
+            frame, fds, uses = await self._handle(protocol.decode(body))
+            await _send_with_fds(loop, conn, frame, fds)
         except CachecdError as exc:
             await _safe_send(loop, conn, {"ok": False, **exc.to_wire()})
         except (ConnectionError, OSError):
@@ -132,17 +133,25 @@ class DataServer:
         finally:
             for fd in fds:
                 os.close(fd)
+            if uses is not None:  # after the answer left: the client reads meanwhile
+                self._daemon.record_uses(uses)
 
-    async def _handle(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    async def _handle(self, req: dict[str, Any]) -> tuple[bytes, list[int], Uses]:
         if req.get("op") != "experts":
             raise InvalidRequest(f"unknown op {req.get('op')!r}; the data path knows 'experts'")
         ids = req.get("ids")
         if not isinstance(ids, list) or len(ids) > protocol.MAX_FDS_PER_FRAME:
             raise InvalidRequest(f"ids must be a list of at most {protocol.MAX_FDS_PER_FRAME} experts")
-        opened = await self._daemon.open_experts(str(req.get("model", "")), req.get("layer"), ids)
-        experts = [{"expert": o.expert, "size": o.size, "digest": o.digest, "fetched": o.fetched}
-                   for o in opened]
-        return {"ok": True, "experts": experts}, [o.fd for o in opened]
+        opened, uses = await self._daemon.open_unrecorded(str(req.get("model", "")),
+                                                          req.get("layer"), ids)
+        fds = [o.fd for o in opened]
+        try:
+            frame = protocol.encode_experts([(o.expert, o.size, o.digest, o.fetched) for o in opened])
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return frame, fds, uses
 
     async def close(self) -> None:
         if self._accept_task:

@@ -14,6 +14,7 @@ A frame is a 4-byte big-endian length and that many bytes of UTF-8 JSON.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from typing import Any
 
@@ -23,6 +24,7 @@ HEADER = struct.Struct(">I")
 MAX_FRAME = 1 << 20
 # The kernel caps fds per message (SCM_MAX_FD is 253 on Linux); batches stay under it.
 MAX_FDS_PER_FRAME = 240
+_HEX = re.compile(r"[0-9a-f]+")
 
 
 def encode(payload: dict[str, Any]) -> bytes:
@@ -30,6 +32,26 @@ def encode(payload: dict[str, Any]) -> bytes:
     if len(body) > MAX_FRAME:
         raise InvalidRequest(f"frame of {len(body)} bytes is over the {MAX_FRAME}-byte limit")
     return HEADER.pack(len(body)) + body
+
+
+def encode_experts(experts: list[tuple[int, int, str, bool]]) -> bytes:
+    """The ``ok`` answer for (expert, size, digest hex, fetched) rows: the same bytes as
+    ``encode`` of the equivalent dict, built without the generic encoder (a hit is hot)."""
+    rows = ",".join(
+        f'{{"expert":{int(e)},"size":{int(n)},"digest":"{_hex(d)}","fetched":{"true" if f else "false"}}}'
+        for e, n, d, f in experts
+    )
+    body = f'{{"ok":true,"experts":[{rows}]}}'.encode()
+    if len(body) > MAX_FRAME:
+        raise InvalidRequest(f"frame of {len(body)} bytes is over the {MAX_FRAME}-byte limit")
+    return HEADER.pack(len(body)) + body
+
+
+def _hex(digest: str) -> str:
+    # Digests come from verified manifests; anything else would need JSON escaping.
+    if not _HEX.fullmatch(digest):
+        raise InvalidRequest(f"digest {digest[:80]!r} is not lowercase hex")
+    return digest
 
 
 def frame_length(header: bytes) -> int:
