@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +20,7 @@ import numpy as np
 from cachecd.config import data_socket_path, load_settings
 from cachecd.errors import InvalidRequest
 from cachecd.protocol import MAX_FDS_PER_FRAME
-from cachecd_client.transport import (
-    ControlTransport,
-    DataTransport,
-    parallel_preadv,
-    submit_preadv,
-    wait_all,
-)
-
-# Experts at least this big are read while the rest of the batch is asked for (one extra round
-# trip of ~0.1 ms against ~1 ms of reading per expert); smaller ones in one request.
-_PIPELINE_MIN_BYTES = 4 << 20
+from cachecd_client.transport import ControlTransport, DataTransport, parallel_preadv
 
 
 def default_socket() -> Path:
@@ -55,7 +45,6 @@ class Client:
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="cachecd-read")
         #: experts that the daemon had to fetch upstream for this client's requests, so far
         self.upstream_fetches = 0
-        self._expert_bytes: dict[str, int] = {}  # the largest expert of the model's last answer
 
     # control ---------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -141,43 +130,11 @@ class Client:
         for start in range(0, len(ids), MAX_FDS_PER_FRAME):
             chunk = ids[start:start + MAX_FDS_PER_FRAME]
             bufs = None if out is None else out[start:start + len(chunk)]
-            results.extend(self._experts_pipelined(model, layer, chunk, bufs))
+            results.extend(self._experts_frame(model, layer, chunk, bufs))
         return results
-
-    def _experts_pipelined(self, model: str, layer: int, ids: list[int],
-                           out: Sequence[np.ndarray] | None) -> list[np.ndarray]:
-        """Big experts: ask for the first one alone and read it on the pool while the rest are
-        asked for, so the second round trip hides behind reading instead of adding to it."""
-        # A first id repeated later stays in one request: the daemon counts an expert once a request.
-        if (len(ids) < 2 or ids[0] in ids[1:]
-                or self._expert_bytes.get(model, 0) < _PIPELINE_MIN_BYTES):
-            return self._experts_frame(model, layer, ids, out)
-        fds, sizes, arrays = self._open_frame(model, layer, ids[:1], None if out is None else out[:1])
-        pending: list[Future[None]] = []
-        try:
-            pending = submit_preadv(self._pool, fds, sizes, [memoryview(a.data) for a in arrays])
-            rest = self._experts_frame(model, layer, ids[1:], None if out is None else out[1:])
-        finally:
-            try:
-                wait_all(pending)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-        return arrays + rest
 
     def _experts_frame(self, model: str, layer: int, ids: list[int],
                        out: Sequence[np.ndarray] | None) -> list[np.ndarray]:
-        fds, sizes, arrays = self._open_frame(model, layer, ids, out)
-        try:
-            parallel_preadv(self._pool, fds, sizes, [memoryview(a.data) for a in arrays])
-            return arrays
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    def _open_frame(self, model: str, layer: int, ids: list[int], out: Sequence[np.ndarray] | None
-                    ) -> tuple[list[int], list[int], list[np.ndarray]]:
-        """One data request: the fds (the caller closes them), sizes and destination arrays."""
         answer, fds = self._data.request({"op": "experts", "model": model, "layer": int(layer), "ids": ids})
         try:
             sizes = [int(e["size"]) for e in answer["experts"]]
@@ -186,13 +143,11 @@ class Client:
                 raise InvalidRequest(f"daemon sent {len(fds)} descriptors for {len(sizes)} experts")
             arrays: list[np.ndarray] = [np.empty(n, np.uint8) for n in sizes] if out is None else [
                 _fit(buf, n) for buf, n in zip(out, sizes, strict=False)]
-        except BaseException:
+            parallel_preadv(self._pool, fds, sizes, [memoryview(a.data) for a in arrays])
+            return arrays
+        finally:
             for fd in fds:
                 os.close(fd)
-            raise
-        if sizes:
-            self._expert_bytes[model] = max(sizes)
-        return fds, sizes, arrays
 
     def close(self) -> None:
         self._control.close()

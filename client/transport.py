@@ -14,7 +14,7 @@ import os
 import queue
 import socket
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -164,34 +164,6 @@ def parallel_preadv(pool: ThreadPoolExecutor, fds: Sequence[int], sizes: Sequenc
                     outs: Sequence[memoryview]) -> None:
     """Fill ``outs[i]`` with the first ``sizes[i]`` bytes of ``fds[i]``: 4 MiB pieces across the
     pool, small reads grouped into one job, and all of them inline when they fit in one job."""
-    jobs = _plan(fds, sizes, outs)
-    if len(jobs) == 1:
-        _read_pieces(jobs[0])
-        return
-    wait_all([pool.submit(_read_pieces, job) for job in jobs])
-
-
-def submit_preadv(pool: ThreadPoolExecutor, fds: Sequence[int], sizes: Sequence[int],
-                  outs: Sequence[memoryview]) -> list[Future[None]]:
-    """``parallel_preadv`` without waiting: the caller passes the futures to ``wait_all``
-    before it closes the fds or touches the buffers."""
-    return [pool.submit(_read_pieces, job) for job in _plan(fds, sizes, outs)]
-
-
-def wait_all(futures: Sequence[Future[None]]) -> None:
-    """Wait for every future, then raise the first error (no read may outlive its fd)."""
-    first: BaseException | None = None
-    for fut in futures:
-        try:
-            fut.result()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others finish
-            first = first or exc
-    if first is not None:
-        raise first
-
-
-def _plan(fds: Sequence[int], sizes: Sequence[int],
-          outs: Sequence[memoryview]) -> list[list[tuple[int, memoryview, int]]]:
     jobs: list[list[tuple[int, memoryview, int]]] = [[]]
     job_bytes = 0
     for fd, size, out in zip(fds, sizes, outs, strict=False):
@@ -202,7 +174,12 @@ def _plan(fds: Sequence[int], sizes: Sequence[int],
                 job_bytes = 0
             jobs[-1].append((fd, out[start:end], start))
             job_bytes += end - start
-    return jobs
+    if len(jobs) == 1:
+        _read_pieces(jobs[0])
+        return
+    futures = [pool.submit(_read_pieces, job) for job in jobs]
+    for fut in futures:
+        fut.result()
 
 
 def _read_pieces(pieces: list[tuple[int, memoryview, int]]) -> None:

@@ -86,32 +86,3 @@ def test_out_buffers_small_and_mixed_sizes(daemon, tiny_manifest, tiny_dir):  # 
                 assert a.base is buf or a.base is buf.base or np.shares_memory(a, buf)
                 assert a.tobytes() == expert_bytes_from_files(tiny_dir, tiny_manifest.expert(layer, e))
 
-
-def test_pipelined_big_experts_and_an_error_in_the_second_request(daemon, tiny_manifest, tiny_dir, monkeypatch):  # type: ignore[no-untyped-def]
-    """Big experts: the first is read while the rest are asked for. Forced here on tiny ones."""
-    import cachecd_client.api as client_api
-    from cachecd.errors import CachecdError
-
-    monkeypatch.setattr(client_api, "_PIPELINE_MIN_BYTES", 1)
-    layer = tiny_manifest.moe_layers[1]
-    ids = [3, 1, 4, 1, 5]
-    want = [expert_bytes_from_files(tiny_dir, tiny_manifest.expert(layer, e)) for e in ids]
-    with daemon.client() as c:
-        c.experts(TINY_REPO, layer, [0])  # the client learns the model's expert size
-        before = c.stats()["counters"]
-        assert [a.tobytes() for a in c.experts(TINY_REPO, layer, ids)] == want
-        after = c.stats()["counters"]
-        # Two requests (the first expert, then the rest), each distinct expert counted once.
-        assert after["expert_requests"] - before["expert_requests"] == 4
-        c.experts(TINY_REPO, layer, [6, 7, 6])  # a repeated first id: one request, 2 counted
-        assert c.stats()["counters"]["expert_requests"] - after["expert_requests"] == 2
-        open_before = len(os.listdir("/proc/self/fd"))
-        bad = [2, tiny_manifest.experts_per_layer + 7]
-        for _ in range(3):
-            try:
-                c.experts(TINY_REPO, layer, bad)
-            except CachecdError:
-                pass
-            else:
-                raise AssertionError("an expert past the layer's end was served")
-        assert len(os.listdir("/proc/self/fd")) <= open_before  # the first request's fd closed
