@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from cachecd.blobs import BlobWriter
 from cachecd.errors import CachecdError, Internal
@@ -36,13 +37,13 @@ class _Spool:
         self._store = store
         self._writers: dict[str, BlobWriter] = {}
 
-    def begin(self, entry: "ExpertEntry") -> BlobWriter:
+    def begin(self, entry: ExpertEntry) -> BlobWriter:
         self.discard(entry)
         writer = self._store.begin_blob(entry.digest_hex, entry.nbytes)
         self._writers[entry.digest_hex] = writer
         return writer
 
-    def discard(self, entry: "ExpertEntry") -> None:
+    def discard(self, entry: ExpertEntry) -> None:
         writer = self._writers.pop(entry.digest_hex, None)
         if writer is not None:
             writer.abort()
@@ -63,7 +64,7 @@ def _swallow(fut: asyncio.Future[None]) -> None:
 
 
 class Fetcher:
-    def __init__(self, store: Store, upstream: "Upstream", *, prefetch_parallel: int = 2) -> None:
+    def __init__(self, store: Store, upstream: Upstream, *, prefetch_parallel: int = 2) -> None:
         self._store = store
         self._upstream = upstream
         self._inflight: dict[str, asyncio.Future[None]] = {}
@@ -75,10 +76,10 @@ class Fetcher:
     def inflight(self) -> int:
         return len(self._inflight)
 
-    def missing(self, entries: Iterable["ExpertEntry"]) -> list["ExpertEntry"]:
+    def missing(self, entries: Iterable[ExpertEntry]) -> list[ExpertEntry]:
         return [e for e in entries if not self._store.has(e.digest_hex)]
 
-    async def ensure(self, model: "RegisteredModel", entries: list["ExpertEntry"]) -> None:
+    async def ensure(self, model: RegisteredModel, entries: list[ExpertEntry]) -> None:
         """Return once every entry is in the store; raise the first typed error otherwise."""
         missing = self.missing(entries)
         if not missing:
@@ -89,7 +90,7 @@ class Fetcher:
             if isinstance(result, BaseException):
                 raise result
 
-    def prefetch(self, model: "RegisteredModel", entries: list["ExpertEntry"]) -> int:
+    def prefetch(self, model: RegisteredModel, entries: list[ExpertEntry]) -> int:
         """Queue a background fetch of the entries not cached or in flight; returns how many."""
         wanted = [e for e in self.missing(entries) if e.digest_hex not in self._inflight]
         if wanted:
@@ -97,7 +98,7 @@ class Fetcher:
         self.counters["prefetch_hints"] += 1
         return len(wanted)
 
-    def _claim(self, model: "RegisteredModel", missing: list["ExpertEntry"]) -> list[asyncio.Future[None]]:
+    def _claim(self, model: RegisteredModel, missing: list[ExpertEntry]) -> list[asyncio.Future[None]]:
         loop = asyncio.get_running_loop()
         waits, new = [], []
         for entry in missing:
@@ -114,12 +115,12 @@ class Fetcher:
             self._spawn(self._fetch_group(model, new))
         return waits
 
-    def _spawn(self, coro: "asyncio.coroutines.Coroutine[object, object, None]") -> None:  # type: ignore[name-defined]
+    def _spawn(self, coro: asyncio.coroutines.Coroutine[object, object, None]) -> None:  # type: ignore[name-defined]
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _prefetch_group(self, model: "RegisteredModel", entries: list["ExpertEntry"]) -> None:
+    async def _prefetch_group(self, model: RegisteredModel, entries: list[ExpertEntry]) -> None:
         async with self._prefetch_slots:
             still = [e for e in self.missing(entries) if e.digest_hex not in self._inflight]
             if not still:
@@ -127,7 +128,7 @@ class Fetcher:
             waits = self._claim(model, still)
             await asyncio.gather(*waits, return_exceptions=True)
 
-    async def _fetch_group(self, model: "RegisteredModel", entries: list["ExpertEntry"]) -> None:
+    async def _fetch_group(self, model: RegisteredModel, entries: list[ExpertEntry]) -> None:
         reservations = {}
         try:
             to_fetch = []
@@ -155,7 +156,7 @@ class Fetcher:
     async def _fetch_reserved(self, model, to_fetch, reservations) -> None:  # type: ignore[no-untyped-def]
         spool = _Spool(self._store)
 
-        async def commit(entry: "ExpertEntry", data: memoryview | None) -> None:
+        async def commit(entry: ExpertEntry, data: memoryview | None) -> None:
             digest = entry.digest_hex
             writer = spool.take(digest)
             await self._store.commit(digest, data, reservations[digest], writer)
