@@ -29,6 +29,8 @@ from cachecd_engine.streamed_moe import (
     install_streamed_banks,
     remap,
 )
+from tests.exactness import assert_bitwise
+from tests.exactness import run_logits as shared_run_logits
 
 N_EXPERTS = 32
 DECODE_STEPS = 20
@@ -164,24 +166,7 @@ def run_logits(
     model: nn.Module, tokens: list[int] | None = None
 ) -> tuple[list[np.ndarray], list[int]]:
     """Prefill PROMPT then DECODE_STEPS greedy steps (or teacher-forced ``tokens``)."""
-    cache = model.make_cache()
-    logits = model(mx.array(PROMPT)[None], cache=cache)
-    outs = [np.array(logits.astype(mx.float32))]
-    chosen: list[int] = []
-    for step in range(DECODE_STEPS):
-        tok = int(mx.argmax(logits[0, -1]).item()) if tokens is None else tokens[step]
-        chosen.append(tok)
-        logits = model(mx.array([[tok]]), cache=cache)
-        outs.append(np.array(logits.astype(mx.float32)))
-    return outs, chosen
-
-
-def assert_bitwise(ref: list[np.ndarray], got: list[np.ndarray]) -> None:
-    assert len(ref) == len(got)
-    for step, (a, b) in enumerate(zip(ref, got, strict=True)):
-        assert a.shape == b.shape, step
-        diff = float(np.max(np.abs(a - b)))
-        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"step {step} max|diff|={diff}"
+    return shared_run_logits(model, PROMPT, tokens, DECODE_STEPS)
 
 
 @pytest.fixture(scope="module", params=["mxfp4-pack-quantized", "none"])
