@@ -22,20 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import TensorSpec, serialize_file
 
 from cachecd import tiny_tokenizer
 from cachecd.errors import InvalidRequest
 from cachecd.manifest import EXPERT_RE
 from cachecd.tiny_config import TensorDef, TinyOptions
-from cachecd.tiny_model import _rng, _write_index, tensor_values
+from cachecd.tiny_model import _rng, _write_index, tensor_values, write_shard
 from cachecd.tiny_shards import ShardPlan, plan_shards
 
 log = logging.getLogger(__name__)
 
 GROUP = 32  # compressed-tensors group size, which mlx-lm maps to affine 4-bit group 32
 DEFAULT_SHARD_BYTES = 96 * 1024
-_ST_DTYPES = {"BF16": "bfloat16", "F32": "float32", "I32": "int32"}
 # Per-group scales in bf16: with codes in -8..7 this gives weights of roughly 1/sqrt(64).
 _SCALE_LOW, _SCALE_HIGH = 0.01, 0.04
 # MLA geometry: small, with K2's structure (q LoRA, decoupled rope dims).
@@ -309,20 +307,7 @@ def split_experts(plan: ShardPlan) -> list[tuple[int, int]]:
 
 
 def _write_shard(path: Path, shard: list[TensorDef], opts: K2Options, seed: int) -> Path:
-    arrays = {t.name: k2_tensor_values(t, opts, seed) for t in shard}
-    specs = {
-        t.name: TensorSpec(
-            dtype=_ST_DTYPES[t.dtype],
-            shape=list(t.shape),
-            data_ptr=arrays[t.name].ctypes.data,
-            data_len=arrays[t.name].nbytes,
-        )
-        for t in shard
-    }
-    # ``arrays`` stays referenced until serialize_file returns: the specs hold raw pointers.
-    serialize_file(specs, str(path), metadata={"format": "pt"})
-    del arrays
-    return path
+    return write_shard(path, shard, lambda t: k2_tensor_values(t, opts, seed))
 
 
 def k2_tensor_values(t: TensorDef, opts: K2Options, seed: int) -> np.ndarray:

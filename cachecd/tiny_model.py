@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARD_BYTES = 256 * 1024  # 12 shards and 4 split experts at the default size
 INDEX_NAME = "model.safetensors.index.json"
 _NP_DTYPES = {"BF16": np.uint16, "F32": np.float32, "U8": np.uint8}
-_ST_DTYPES = {"BF16": "bfloat16", "F32": "float32", "U8": "uint8"}
+_ST_DTYPES = {"BF16": "bfloat16", "F32": "float32", "U8": "uint8", "I32": "int32"}
 # e2m1 code -> value; codes 8..15 are the negatives of 0..7.
 _FP4_VALUES = np.array(
     [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32
@@ -114,24 +115,28 @@ def write_with_info(out: Path, opts: TinyOptions, *, seed: int, shard_bytes: int
 
 
 def _write_shards(out: Path, plan: ShardPlan, opts: TinyOptions, seed: int) -> list[Path]:
-    paths = []
-    for file_name, shard in zip(plan.file_names, plan.shards, strict=True):
-        arrays = {t.name: tensor_values(t, opts, seed) for t in shard}
-        specs = {
-            t.name: TensorSpec(
-                dtype=_ST_DTYPES[t.dtype],
-                shape=list(t.shape),
-                data_ptr=arrays[t.name].ctypes.data,
-                data_len=arrays[t.name].nbytes,
-            )
-            for t in shard
-        }
-        path = out / file_name
-        # ``arrays`` stays referenced until serialize_file returns: the specs hold raw pointers.
-        serialize_file(specs, str(path), metadata={"format": "pt"})
-        del arrays
-        paths.append(path)
-    return paths
+    return [
+        write_shard(out / file_name, shard, lambda t: tensor_values(t, opts, seed))
+        for file_name, shard in zip(plan.file_names, plan.shards, strict=True)
+    ]
+
+
+def write_shard(path: Path, shard: list[Any], values: Callable[[Any], np.ndarray]) -> Path:
+    """One safetensors shard through the safetensors library (its own on-disk tensor order)."""
+    arrays = {t.name: values(t) for t in shard}
+    specs = {
+        t.name: TensorSpec(
+            dtype=_ST_DTYPES[t.dtype],
+            shape=list(t.shape),
+            data_ptr=arrays[t.name].ctypes.data,
+            data_len=arrays[t.name].nbytes,
+        )
+        for t in shard
+    }
+    # ``arrays`` stays referenced until serialize_file returns: the specs hold raw pointers.
+    serialize_file(specs, str(path), metadata={"format": "pt"})
+    del arrays
+    return path
 
 
 def _write_index(out: Path, plan: ShardPlan) -> Path:
