@@ -23,8 +23,8 @@ from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from cachecd import errors
 from cachecd.manifest import EXPERT_RE
+from cachecd.manifest_build import quant_format_of
 from cachecd_engine.formats import quant_spec
-from cachecd_engine.local_source import quant_format_of
 from cachecd_engine.prefetch import install_prefetch
 from cachecd_engine.ram_tier import RamTier
 from cachecd_engine.streamed_moe import (

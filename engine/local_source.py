@@ -10,10 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-from collections import defaultdict
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -22,106 +19,18 @@ import xxhash
 
 from cachecd import errors
 from cachecd.manifest import (
-    ByteRange,
     ExpertEntry,
-    FileInfo,
     Manifest,
-    TensorInfo,
-    parse_expert_name,
 )
-from cachecd.safetensors_header import HeaderTensor, parse_header
+from cachecd.manifest_build import build_manifest
+from cachecd.manifest_source import LocalSource as FolderSource
 
 LOCAL_REVISION = "0" * 40
 
 
-def quant_format_of(config: dict) -> str:
-    """The manifest's quant_format for a config.json ("none" when nothing is quantized)."""
-    qc = config.get("quantization_config") or config.get("text_config", {}).get(
-        "quantization_config"
-    )
-    if not qc:
-        return "none"
-    fmt = qc.get("format") if qc.get("quant_method") == "compressed-tensors" else None
-    if fmt is None:
-        raise errors.UnsupportedFormat(f"quantization_config {qc.get('quant_method')!r}")
-    return str(fmt)
-
-
-def _read_header(path: Path) -> tuple[int, list[HeaderTensor]]:
-    with open(path, "rb") as f:
-        first = f.read(8)
-        n = int.from_bytes(first, "little")
-        return parse_header(first + f.read(n), path.stat().st_size, str(path))
-
-
-def _ranges(tensors: list[TensorInfo]) -> tuple[ByteRange, ...]:
-    out: list[ByteRange] = []
-    for t in tensors:
-        if out and out[-1].file == t.file and out[-1].end == t.offset:
-            out[-1] = ByteRange(t.file, out[-1].start, t.offset + t.nbytes)
-        else:
-            out.append(ByteRange(t.file, t.offset, t.offset + t.nbytes))
-    return tuple(out)
-
-
-def _expert(layer: int, expert: int, tensors: list[TensorInfo], data: bytes) -> ExpertEntry:
-    offsets, pos = [], 0
-    for t in tensors:
-        offsets.append(pos)
-        pos += t.nbytes
-    return ExpertEntry(
-        layer,
-        expert,
-        pos,
-        xxhash.xxh3_128(data).digest(),
-        _ranges(tensors),
-        tuple(tensors),
-        tuple(offsets),
-    )
-
-
 def manifest_from_dir(model_dir: Path, repo: str = "local/model") -> Manifest:
     """Build and validate a manifest of the checkpoint in ``model_dir`` (reads every byte once)."""
-    files, resident = [], []
-    grouped: dict[tuple[int, int], list[tuple[TensorInfo, bytes]]] = defaultdict(list)
-    for path in sorted(p for p in model_dir.iterdir() if p.is_file()):
-        data = path.read_bytes()
-        header_len = 0
-        if path.suffix == ".safetensors":
-            header_len, tensors = _read_header(path)
-            for h in tensors:
-                chunk = data[h.start : h.end]
-                info = TensorInfo(
-                    h.name,
-                    h.dtype,
-                    h.shape,
-                    path.name,
-                    h.start,
-                    h.nbytes,
-                    xxhash.xxh3_128(chunk).digest(),
-                )
-                key = parse_expert_name(h.name)
-                if key is None:
-                    resident.append(info)
-                else:
-                    grouped[key].append((info, chunk))
-        files.append(FileInfo(path.name, len(data), hashlib.sha256(data).hexdigest(), header_len))
-    experts = [
-        _expert(layer, e, [t for t, _ in parts], b"".join(c for _, c in parts))
-        for (layer, e), parts in sorted(grouped.items())
-    ]
-    config_bytes = (model_dir / "config.json").read_bytes()
-    config = json.loads(config_bytes)
-    return Manifest.from_entries(
-        repo=repo,
-        revision=LOCAL_REVISION,
-        model_type=config["model_type"],
-        quant_format=quant_format_of(config),
-        config_sha256=hashlib.sha256(config_bytes).hexdigest(),
-        files=files,
-        experts=experts,
-        resident=resident,
-    )
+    return build_manifest(FolderSource(model_dir, repo, LOCAL_REVISION), progress=False)
 
 
 class LocalSource:
