@@ -12,7 +12,8 @@ Lives at ``CACHE_DIR0/index.lmdb``. Named databases:
 Invariants:
 - Every write goes through one writer thread (``submit``); callers get a Future. So when the map
   is full the writer holds no open write txn and may call ``set_mapsize`` (x2, up to a ceiling);
-  read txns (any thread) take the shared side of a lock that ``set_mapsize`` takes exclusively.
+  read txns (any thread) take the shared side of a lock that ``set_mapsize`` and a write txn's
+  abort take exclusively (py-lmdb >= 2 makes both wait for every other thread's LMDB call).
 - Writes queued together commit in one txn (one fsync); if that txn fails, each job is rerun
   alone so one bad job cannot fail the others. A Future completes only after its commit.
 - A failed commit leaves the index unchanged: the txn is aborted. MapFull past the ceiling raises
@@ -234,18 +235,24 @@ class Index:
                 txn.commit()
                 return result
             except lmdb.MapFullError:
-                txn.abort()
+                self._abort(txn)
                 self._grow(frees)
             except lmdb.Error as exc:
-                txn.abort()
+                self._abort(txn)
                 log.error("event=index_commit_failed err=%s", exc)
                 raise errors.DiskFull(
                     f"index commit failed ({exc}); the index is unchanged. Free space in "
                     f"{self.path.parent} and retry"
                 ) from exc
             except BaseException:
-                txn.abort()
+                self._abort(txn)
                 raise
+
+    def _abort(self, txn: lmdb.Transaction) -> None:
+        # py-lmdb >= 2 makes a write txn's abort wait until no other thread is inside an LMDB
+        # call; readers that never pause would starve it for ever. Readers are held off.
+        with self._rw.exclusive():
+            txn.abort()
 
     def _grow(self, frees: bool) -> None:
         current = self.env.info()["map_size"]

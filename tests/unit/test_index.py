@@ -24,7 +24,7 @@ def digest(i: int) -> str:
 def fill(idx: Index, start: int, n: int, batch: int = 250) -> None:
     for lo in range(start, start + n, batch):
         rows = {digest(i): Entry(i % 3, i, 1.5) for i in range(lo, min(lo + batch, start + n))}
-        idx.put_entries(rows).result()
+        idx.put_entries(rows).result(timeout=60)  # a starved writer fails, not hangs
 
 
 def test_entries_pins_models_meta_round_trip(tmp_path: Path) -> None:
