@@ -5,7 +5,9 @@ Invariants:
   is served from the store only, and a miss goes through the single-flight fetcher.
 - A hit reuses an fd the daemon already holds for that blob (``BlobFds``) only while the store
   still indexes the very same row and the file is still linked with the row's size; otherwise
-  the blob is opened through ``Store.open_blob``, which drops or quarantines a bad one. Every fd
+  the blob is opened through ``Store.open_blob``, which drops or quarantines a bad one. An expert
+  verified moments ago whose commit is still under way is served from its temp file (``Fetcher``'s
+  ``fresh``). Every fd
   handed out is the caller's own (a dup), so an eviction never cuts off a read in progress.
 - Access stats are recorded once per distinct expert per request.
 """
@@ -185,12 +187,14 @@ class Daemon:
         """Make every entry local; returns the digests that were missing (fetched for this call)."""
         # One count per distinct expert per request, whatever the caller repeats.
         distinct = list({(e.layer, e.expert): e for e in entries}.values())
-        missing = {e.digest_hex for e in self.fetcher.missing(distinct)}
+        need = self.fetcher.missing(distinct)
+        # An expert verified moments ago and still being committed is local: a hit that waits.
+        missing = {e.digest_hex for e in need if not self.fetcher.committing(e.digest_hex)}
         self.counters["expert_requests"] += len(distinct)
         self.counters["expert_misses"] += len(missing)
         self.counters["expert_hits"] += len(distinct) - len(missing)
         self.history.record(model.manifest.key, len(distinct) - len(missing), len(missing))
-        if missing:  # all hits: nothing can have changed since the look-up above (no await)
+        if need:  # all hits: nothing can have changed since the look-up above (no await)
             await self.fetcher.ensure(model, entries)
         return missing
 
@@ -213,7 +217,8 @@ class Daemon:
         try:
             for entry in entries:
                 digest = entry.digest_hex
-                got = self.blob_fds.take(digest) or await self._open_blob(model, entry, digest)
+                got = (self.blob_fds.take(digest) or self.fetcher.take_fresh(digest)
+                       or await self._open_blob(model, entry, digest))
                 opened.append(OpenedExpert(entry.expert, got[0], got[1], digest, digest in missing))
         except BaseException:
             for o in opened:

@@ -324,6 +324,12 @@ class BlobWriter:
             return
         _start_writeback(fd, offset, total)
 
+    def open_reader(self) -> int:
+        """A read-only fd of the temp file: it stays valid across ``finish`` or ``abort``."""
+        if self._fd is None:
+            raise errors.Internal(f"blob {self.digest} was already finished or aborted")
+        return os.open(self.tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
     def finish(self) -> int:
         """fsync, rename into place, fsync the dir; returns the dir index. The temp goes on
         failure."""

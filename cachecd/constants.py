@@ -106,7 +106,7 @@ LAUNCHD_LOG_DIR = Path.home() / "Library" / "Logs" / APP
 _SERVICE_ENV_KEYS = (
     "HF_HOME", "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_TOKEN_PATH", "HF_HUB_DISABLE_TELEMETRY",
 )
-_SERVICE_ENV_SKIP = ("CACHECD_CRASH_AT", "CACHECD_CONFIG", "CACHECD_SERVICE_INSTANCE")
+_SERVICE_ENV_SKIP = ("CACHECD_CRASH_AT", "CACHECD_PAUSE_AT", "CACHECD_CONFIG", "CACHECD_SERVICE_INSTANCE")
 SERVICE_ENV: dict[str, str] = {
     k: v for k, v in sorted(os.environ.items())
     if k in _SERVICE_ENV_KEYS or (k.startswith(ENV_PREFIX) and k not in _SERVICE_ENV_SKIP)
@@ -118,3 +118,5 @@ HF_TOKEN_PATH: str = hf_constants.HF_TOKEN_PATH
 
 # Test and fault-injection knobs (see RELIABILITY.md). Never set in production.
 CRASH_AT: str | None = os.environ.get("CACHECD_CRASH_AT") or None
+# "POINT:SECONDS": sleep at that crash point instead (orders events in tests, no kill).
+PAUSE_AT: str | None = os.environ.get("CACHECD_PAUSE_AT") or None

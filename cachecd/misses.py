@@ -7,12 +7,22 @@ verified them against the manifest (bytes written to a temp file while they arri
 only through ``Store.commit`` after that check); a digest is forgotten when its fetch ends, so the next
 request after a failure fetches again. Prefetch hints run below demand: at most
 ``prefetch_parallel`` hint groups at a time, and hints for experts already in flight are dropped.
+
+A streamed expert is handed to the requests waiting for it as soon as its hash matched, before
+its blob is durable: its temp file is opened read-only (``fresh``) and those waiters are answered
+from that fd while ``Store.commit`` (fsync, rename, fsync the dir, index row) runs; the fd is
+closed when the commit ends. A request arriving meanwhile waits for the commit, as for a fetch in
+flight. So a miss never waits on the disk's flush, and the store's invariant (no row without a
+durable blob) is unchanged: a crash in between loses the blob, never correctness, and a failed
+commit only means the next request fetches the expert again. ``settled()`` waits for the commits
+under way, for callers that report the store's state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -22,6 +32,7 @@ from cachecd.errors import CachecdError, Internal
 from cachecd.store import Store
 
 if TYPE_CHECKING:
+    from cachecd.budget import Reservation
     from cachecd.hub import Upstream
     from cachecd.manifest import ExpertEntry
     from cachecd.registry import RegisteredModel
@@ -70,6 +81,8 @@ class Fetcher:
         self._inflight: dict[str, asyncio.Future[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._prefetch_slots = asyncio.Semaphore(prefetch_parallel)
+        self._fresh: dict[str, tuple[int, int]] = {}  # digest -> (read-only fd of its temp, size)
+        self._commits: set[asyncio.Task[None]] = set()
         self.counters: Counter[str] = Counter()
 
     @property
@@ -78,6 +91,21 @@ class Fetcher:
 
     def missing(self, entries: Iterable[ExpertEntry]) -> list[ExpertEntry]:
         return [e for e in entries if not self._store.has(e.digest_hex)]
+
+    def committing(self, digest: str) -> bool:
+        return digest in self._fresh
+
+    def take_fresh(self, digest: str) -> tuple[int, int] | None:
+        """(fd, size) of a verified expert whose commit is under way, the fd the caller's own."""
+        held = self._fresh.get(digest)
+        if held is None:
+            return None
+        return os.dup(held[0]), held[1]
+
+    async def settled(self) -> None:
+        """Wait for the commits of experts already handed out (the store then shows them)."""
+        if self._commits:
+            await asyncio.gather(*list(self._commits), return_exceptions=True)
 
     async def ensure(self, model: RegisteredModel, entries: list[ExpertEntry]) -> None:
         """Return once every entry is in the store; raise the first typed error otherwise."""
@@ -155,23 +183,67 @@ class Fetcher:
 
     async def _fetch_reserved(self, model, to_fetch, reservations) -> None:  # type: ignore[no-untyped-def]
         spool = _Spool(self._store)
+        commits: list[asyncio.Task[None]] = []
 
         async def commit(entry: ExpertEntry, data: memoryview | None) -> None:
             digest = entry.digest_hex
             writer = spool.take(digest)
+            if data is None and writer is not None and self._hand_over(entry, writer):
+                task = asyncio.get_running_loop().create_task(
+                    self._commit_fresh(digest, reservations[digest], writer))
+                commits.append(task)
+                self._commits.add(task)
+                task.add_done_callback(self._commits.discard)
+                return
             await self._store.commit(digest, data, reservations[digest], writer)
-            self.counters["fetched_experts"] += 1
-            self.counters["fetched_bytes"] += entry.nbytes
-            self._settle(digest, None)
+            self._served(entry)
 
         try:
             errors = await self._upstream.fetch_experts(model.manifest, to_fetch, commit, spool)
         finally:
             spool.close()
+            # The reservations are released when this group ends: not before its commits do.
+            if commits:
+                await asyncio.gather(*commits, return_exceptions=True)
         for (layer, expert), exc in errors.items():
             self.counters[f"fetch_error_{exc.code}"] += 1
             digest = model.manifest.expert(layer, expert).digest_hex
             self._settle(digest, exc)
+
+    def _hand_over(self, entry: ExpertEntry, writer: BlobWriter) -> bool:
+        """Answer the waiters of a verified, streamed expert from its temp file."""
+        try:
+            fd = writer.open_reader()
+        except OSError as exc:
+            log.warning("event=fresh_open_failed digest=%s err=%s", entry.digest_hex, exc)
+            return False
+        digest = entry.digest_hex
+        self._fresh[digest] = (fd, entry.nbytes)
+        self._served(entry)
+        # Requests from now on wait for the commit (``_commit_fresh`` settles this one).
+        fut = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(_swallow)
+        self._inflight[digest] = fut
+        return True
+
+    async def _commit_fresh(self, digest: str, reservation: Reservation, writer: BlobWriter) -> None:
+        try:
+            await self._store.commit(digest, None, reservation, writer)
+        except CachecdError as exc:
+            self.counters["commit_failed"] += 1
+            log.warning("event=commit_failed digest=%s err=%s", digest, exc)
+        except Exception:
+            self.counters["commit_failed"] += 1
+            log.exception("commit failed digest=%s", digest)
+        finally:
+            fd, _ = self._fresh.pop(digest)
+            os.close(fd)
+            self._settle(digest, None)  # a failed commit: the waiters' open finds no blob, refetches
+
+    def _served(self, entry: ExpertEntry) -> None:
+        self.counters["fetched_experts"] += 1
+        self.counters["fetched_bytes"] += entry.nbytes
+        self._settle(entry.digest_hex, None)
 
     def _settle(self, digest: str, exc: CachecdError | None) -> None:
         fut = self._inflight.pop(digest, None)

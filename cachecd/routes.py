@@ -96,7 +96,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[DAEMON].status())
+    d = request.app[DAEMON]
+    await d.fetcher.settled()  # what was handed out is in the store before it is reported
+    return web.json_response(d.status())
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -189,6 +191,7 @@ async def coverage(request: web.Request) -> web.Response:
     model = d.model(_repo(request))
     m = model.manifest
     detail = request.query.get("detail") in ("1", "true")
+    await d.fetcher.settled()
 
     def build() -> dict[str, Any]:
         cached, access = cached_mask(m, d.store.has), access_array(m, d.store.access_counts(m.key))
@@ -209,6 +212,7 @@ async def warm(request: web.Request) -> web.Response:
     entries = d.entries(model, body.get("layer"), list(body.get("ids") or []))
     missing = d.fetcher.missing(entries)
     await d.fetcher.ensure(model, missing)
+    await d.fetcher.settled()
     d.counters["warm_fetched_experts"] += len(missing)
     return web.json_response({"requested": len(entries), "fetched": len(missing),
                               "fetched_bytes": sum(e.nbytes for e in missing)})
@@ -229,6 +233,7 @@ async def _pin(request: web.Request, on: bool) -> web.Response:
     entries = d.entries(model, body.get("layer"), list(body.get("ids") or []))
     if on:
         await d.ensure(model, entries)
+        await d.fetcher.settled()
     for e in entries:
         await (d.store.pin(e.digest_hex) if on else d.store.unpin(e.digest_hex))
     return web.json_response({"pinned" if on else "unpinned": len(entries)})
@@ -244,6 +249,7 @@ async def evict(request: web.Request) -> web.Response:
     nbytes = body.get("bytes", 0)
     if not isinstance(nbytes, int) or nbytes < 0:
         raise InvalidRequest("bytes must be a whole number >= 0")
+    await d.fetcher.settled()
     freed = await d.store.evict(digests, nbytes)
     return web.json_response({"freed_bytes": freed})
 

@@ -52,8 +52,14 @@ def test_crash_matrix(small: Model, pool, point: str) -> None:  # type: ignore[n
     d = pool.daemon(hub, [small], env={"CACHECD_CRASH_AT": point})
     layer, expert = small.layers[1], 7
     entry = small.entry(layer, expert)
-    with d.client(timeout=30) as c, pytest.raises(CachecdError):
-        c.experts(small.repo, layer, [expert])
+    with d.client(timeout=30) as c:
+        try:
+            # A verified expert is answered from its temp file while its commit runs, so the
+            # answer may beat the kill; whatever arrives must be the manifest's bytes.
+            fetch_verified(c, small, layer, [expert])
+            FIGURES.add("s01.answered_before_a_crash_point")
+        except CachecdError:
+            pass
     assert d.proc is not None and d.proc.wait(30) == -9, "the crash point did not fire"
     d.expect_killed = True
     FIGURES.add("s01.crash_points_killed")

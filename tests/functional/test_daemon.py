@@ -109,6 +109,32 @@ def test_client_without_daemon_names_the_fix(tmp_path):
         Client(Path("/tmp/no-such-cachecd.sock")).health()
 
 
+def test_a_miss_is_answered_once_verified_before_its_blob_is_durable(
+    hub, tiny_manifest, tiny_dir, tiny_manifest_path
+):
+    # The write path is held before its fsync; the verified bytes must not wait for it. A later
+    # request waits for the commit (it is counted a hit), and status shows the committed blob.
+    d = DaemonProcess(hub.url, [tiny_manifest_path],
+                      env={"CACHECD_PAUSE_AT": "after_tmp_write:4"}).start()
+    try:
+        layer = tiny_manifest.moe_layers[1]
+        want = expert_bytes_from_files(tiny_dir, tiny_manifest.expert(layer, 4))
+        digest = tiny_manifest.expert(layer, 4).digest_hex
+        blob = d.cache_dir / "blobs" / digest[:2] / digest
+        with d.client() as c:
+            assert c.expert(TINY_REPO, layer, 4).tobytes() == want
+            assert not blob.exists(), "answered only after the blob was renamed into place"
+            assert list((d.cache_dir / "tmp").iterdir()), "the temp file is still being committed"
+            assert c.expert(TINY_REPO, layer, 4).tobytes() == want
+            stats = c.stats()
+            assert stats["store"]["entries"] == 1 and blob.exists()
+            assert stats["counters"]["expert_misses"] == 1
+            assert stats["counters"]["expert_hits"] == 1
+            assert stats["counters"]["fetched_experts"] == 1
+    finally:
+        d.cleanup()
+
+
 def test_64_concurrent_requests_one_upstream_get(tiny_manifest, tiny_dir, tiny_manifest_path):
     with FakeHubThread(tiny_dir, repo=TINY_REPO, revision=tiny_manifest.revision) as fake:
         fake.faults.delay = 0.5
