@@ -77,6 +77,7 @@ def measure(served: Served, *, n_ids: int, reps: int, readers: int, rounds: int)
     ):
         for layer in layers:  # the warm-up pass: every expert fetched, verified, cached
             client.experts(served.repo, layer, list(range(m.experts_per_layer)))
+        client.stats()  # answers once the warm-up's commits are done: every blob is in place
         paths = {layer: served.blob_paths(d.cache_dir, layer, ids) for layer in layers}
         sizes = {layer: [m.expert(layer, e).nbytes for e in ids] for layer in layers}
         bufs = [np.ones(size, np.uint8) for _ in ids]  # touched: no page faults inside a round

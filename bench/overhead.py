@@ -77,6 +77,7 @@ def measure(served: Served, *, calls: int, n_ids: int, readers: int, rounds: int
     ):
         for layer in m.moe_layers:  # warm: every expert cached
             client.experts(served.repo, layer, list(range(m.experts_per_layer)))
+        client.stats()  # answers once the warm-up's commits are done: every blob is in place
         paths = [served.blob_paths(d.cache_dir, layer, ids) for layer, ids in token]
         sizes = [[m.expert(layer, e).nbytes for e in ids] for layer, ids in token]
         n = len(token[0][1])

@@ -116,6 +116,8 @@ def test_1000_requests_under_wrong_bytes_serve_no_bad_byte(small: Model, small_o
         served = _round(d, small, picks, outcomes)
         bad = {small.entry(*p).digest_hex for p in poisoned}
         assert not bad & served
+        with d.client() as c:
+            c.stats()  # answers once the round's commits are done: its blobs are in place
         assert _blob_names(d) == served, "a blob on disk that was not verified and served"
         for p, kind in poisoned.items():
             want = _range_of(small.entry(*p))

@@ -113,6 +113,7 @@ def test_open_drops_missing_and_short_blobs_and_refetches(small: Model, pool) ->
     layer = small.layers[1]
     with d.client() as c:
         fetch_verified(c, small, layer, [0, 1, 2])
+        c.stats()  # answers once the commits are done: the blobs are in place
         _blob(d, small, layer, 0).unlink()
         short = _blob(d, small, layer, 1)
         os.truncate(short, 100)

@@ -149,6 +149,7 @@ def test_symlink_at_blob_path_and_in_tmp_is_not_followed(setup, small: Model) ->
     entry = small.entry(layer, 4)
     with d.client() as c:
         fetch_verified(c, small, layer, [4])
+        c.stats()  # answers once the commit is done: the blob is in place
         blob = d.cache_dir / "blobs" / entry.digest_hex[:2] / entry.digest_hex
         blob.unlink()
         blob.symlink_to(victim)

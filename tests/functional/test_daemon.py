@@ -179,6 +179,7 @@ def test_budget_holds(hub, tiny_manifest, tiny_manifest_path):
         with d.client() as c:
             for layer in tiny_manifest.moe_layers:
                 c.experts(TINY_REPO, layer, list(range(8)))
+                c.stats()  # answers once the commits are done: every blob is in place
                 on_disk = sum(
                     f.stat().st_size for f in (d.cache_dir / "blobs").rglob("*") if f.is_file()
                 )

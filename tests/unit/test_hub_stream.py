@@ -67,10 +67,12 @@ def fetch(
             err: BaseException | None = None
             try:
                 wanted = [e for k, e in sorted(m.entries.items()) if k[0] == 0]
+                fetcher = Fetcher(store, up)
                 try:
-                    await Fetcher(store, up).ensure(_Model(m), wanted)  # type: ignore[arg-type]
+                    await fetcher.ensure(_Model(m), wanted)  # type: ignore[arg-type]
                 except errors.CachecdError as exc:
                     err = exc
+                await fetcher.settled()  # answered once verified; the commits finish after
                 got = {}
                 for e in wanted:
                     if store.has(e.digest_hex):
