@@ -54,6 +54,11 @@ SCENARIOS: dict[str, tuple[str, str]] = {
 
 # Shown under "Limits this run measured" when the figure is present and truthy.
 NOTES: dict[str, str] = {
+    "s01.answered_before_a_crash_point": (
+        "A verified miss is answered from its temp file while the blob's commit runs, so at a "
+        "crash point on the write path the client may already hold its (verified) bytes when "
+        "the daemon dies; the restart removes the temp or adopts the stray, and fetches again "
+        "where needed."),
     "s10.rotted_blob_served_on_hit_without_fsck": (
         "A blob whose bytes rot on disk but keep their length is served on a hit as it is: the "
         "zero-copy hit path does not re-hash. `cachecd fsck` finds it (exit 1) and `--repair` "
