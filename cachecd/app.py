@@ -230,7 +230,9 @@ class Daemon:
     def record_uses(self, uses: Uses) -> None:
         key, entries = uses
         for e in entries:
-            self.store.touch(e.digest_hex, key, e.layer, e.expert)
+            # A use of a blob still being committed reaches the policy once the blob is in.
+            later = self.fetcher.touch_after_commit(e.digest_hex)
+            self.store.touch(e.digest_hex, key, e.layer, e.expert, policy=not later)
 
     async def _open_blob(self, model: RegisteredModel, entry: ExpertEntry,
                          digest: str) -> tuple[int, int]:

@@ -83,6 +83,7 @@ class Fetcher:
         self._prefetch_slots = asyncio.Semaphore(prefetch_parallel)
         self._fresh: dict[str, tuple[int, int]] = {}  # digest -> (read-only fd of its temp, size)
         self._commits: set[asyncio.Task[None]] = set()
+        self._uses_after_commit: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()
 
     @property
@@ -94,6 +95,13 @@ class Fetcher:
 
     def committing(self, digest: str) -> bool:
         return digest in self._fresh
+
+    def touch_after_commit(self, digest: str) -> bool:
+        """If ``digest`` is being committed, count a use for the policy once it is in; True then."""
+        if digest not in self._fresh:
+            return False
+        self._uses_after_commit[digest] += 1
+        return True
 
     def take_fresh(self, digest: str) -> tuple[int, int] | None:
         """(fd, size) of a verified expert whose commit is under way, the fd the caller's own."""
@@ -229,6 +237,8 @@ class Fetcher:
     async def _commit_fresh(self, digest: str, reservation: Reservation, writer: BlobWriter) -> None:
         try:
             await self._store.commit(digest, None, reservation, writer)
+            for _ in range(self._uses_after_commit.pop(digest, 0)):
+                self._store.ledger.touch(digest)
         except CachecdError as exc:
             self.counters["commit_failed"] += 1
             log.warning("event=commit_failed digest=%s err=%s", digest, exc)
@@ -236,6 +246,7 @@ class Fetcher:
             self.counters["commit_failed"] += 1
             log.exception("commit failed digest=%s", digest)
         finally:
+            self._uses_after_commit.pop(digest, None)
             fd, _ = self._fresh.pop(digest)
             os.close(fd)
             self._settle(digest, None)  # a failed commit: the waiters' open finds no blob, refetches

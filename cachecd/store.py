@@ -307,11 +307,14 @@ class Store:
     # ---- access, pins, eviction --------------------------------------------------------
 
     def touch(
-        self, digest_hex: str, model_key: str | None = None, layer: int = -1, expert: int = -1
+        self, digest_hex: str, model_key: str | None = None, layer: int = -1, expert: int = -1,
+        *, policy: bool = True,
     ) -> None:
-        """Record one access (a hit if present, else a miss); stats are batched to the index."""
+        """Record one access (a hit if present, else a miss); stats are batched to the index.
+        ``policy=False`` records the statistics only: the caller tells the policy later."""
         digest = validate_digest(digest_hex)
-        self.ledger.touch(digest)
+        if policy:
+            self.ledger.touch(digest)
         self.index.record_access(digest, model_key, layer, expert, time.time())
 
     async def pin(self, digest_hex: str) -> None:
