@@ -2,7 +2,8 @@
 
 Invariants:
 - Every expert handed out was verified against its manifest before it entered the store; a hit
-  is served from the store only, and a miss goes through the single-flight fetcher.
+  is served from the store only, and a miss goes through the single-flight fetcher. A blob this
+  daemon did not commit itself is hashed on its first open (``Store.verify_open_blob``).
 - A hit reuses an fd the daemon already holds for that blob (``BlobFds``) only while the store
   still indexes the very same row and the file is still linked with the row's size; otherwise
   the blob is opened through ``Store.open_blob``, which drops or quarantines a bad one. An expert
@@ -236,12 +237,23 @@ class Daemon:
 
     async def _open_blob(self, model: RegisteredModel, entry: ExpertEntry,
                          digest: str) -> tuple[int, int]:
-        for _ in range(3):  # evicted between ensure and open: fetch again
+        for _ in range(3):  # evicted between ensure and open, or rotten: fetch again
             try:
                 fd, size = self.store.open_blob(digest)
             except ExpertNotFound:
                 await self.fetcher.ensure(model, [entry])
                 continue
+            if self.store.unverified(digest):  # from an earlier run: hash it before serving it
+                try:
+                    # The thread hashes its own dup: if this task is cancelled and closes ``fd``,
+                    # the hash still reads the blob, never whatever reuses the fd number.
+                    await asyncio.to_thread(self.store.verify_open_blob, digest, os.dup(fd))
+                except BaseException as exc:
+                    os.close(fd)
+                    if not isinstance(exc, ExpertNotFound):
+                        raise
+                    await self.fetcher.ensure(model, [entry])
+                    continue
             self.blob_fds.keep(digest, fd, size)
             return fd, size
         raise ExpertNotFound(f"layer {entry.layer} expert {entry.expert} vanished from the cache three "

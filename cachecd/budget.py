@@ -171,7 +171,8 @@ class Ledger:
         self.pins = pins
         self.unlinking: dict[str, threading.Event] = {}
         self.counters = dict.fromkeys(
-            ("hits", "misses", "inserts", "evictions", "bytes_evicted", "quarantined"), 0
+            ("hits", "misses", "inserts", "evictions", "bytes_evicted", "quarantined",
+             "verified_on_open", "bit_rot_on_open"), 0
         )
         for digest, entry in sorted(entries.items(), key=lambda kv: counts.get(kv[0], (0, 0))[1]):
             policy.on_insert(digest, entry.size, min(counts.get(digest, (0, 0.0))[0],

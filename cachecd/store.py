@@ -11,6 +11,10 @@ Invariants:
   leaves a stray, never a dangling row.
 - Usage <= budget + reservations, and usage + reservations <= budget once ``reserve`` returns:
   the bytes a reservation needs are evicted (unlinked) before ``reserve`` returns.
+- A blob is hashed against its name before this process first serves it, unless this process
+  committed it (its bytes were verified on the way in): rot that happened while no daemon ran
+  is caught on first open (quarantine, row dropped, refetch). Rot that happens later, while the
+  blob is in use, is left to ``cachecd fsck``: hits are zero-copy and not re-hashed.
 - An eviction never cuts off a read in progress: a reader holds an fd from ``open_blob`` and the
   kernel keeps an unlinked file's bytes until the last fd closes. No reader refcount is needed.
 - In-memory state (entries, policy, budget, pins) lives in the ``Ledger`` (budget.py) under one
@@ -31,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecd import errors
-from cachecd.blobs import BlobDirs, BlobWriter, validate_digest
+from cachecd.blobs import BlobDirs, BlobWriter, hash_fd, validate_digest
 from cachecd.budget import Budget, Ledger, Reservation, Victims
 from cachecd.crash import crash_point
 from cachecd.index import INDEX_DIRNAME, Entry, Index
@@ -52,6 +56,7 @@ class Store:
         self._models = index.load_models()
         self._models_mu = threading.Lock()
         self._closed = False
+        self._verified: set[str] = set()  # blobs whose bytes this process hashed
 
     @property
     def budget(self) -> Budget:
@@ -161,6 +166,29 @@ class Store:
             )
         return fd, size
 
+    def unverified(self, digest: str) -> bool:
+        """True until this process hashed the blob's bytes (its commit or its first open did)."""
+        return digest not in self._verified
+
+    def verify_open_blob(self, digest: str, fd: int) -> None:
+        """Hash an opened blob against its name, its xxh3-128, and close ``fd``. Rot goes to
+        quarantine/ and raises ``ExpertNotFound`` so the caller refetches. Blocking (reads the
+        whole blob): a thread's work."""
+        try:
+            got, _ = hash_fd(fd)
+        finally:
+            os.close(fd)
+        if got == digest:
+            self._verified.add(digest)
+            self.ledger.counters["verified_on_open"] += 1
+            return
+        self.ledger.counters["bit_rot_on_open"] += 1
+        log.error("event=bit_rot_on_open digest=%s got=%s", digest, got)
+        self.quarantine_sync(digest)
+        raise errors.ExpertNotFound(
+            f"blob {digest} failed its hash on first open (bit rot); quarantined, fetch it again"
+        )
+
     def _drop(
         self, digest: str, entry: Entry, *, quarantine: bool, why: str = "bad_on_open"
     ) -> None:
@@ -249,6 +277,7 @@ class Store:
             entry = self._write_and_index(digest, data, nbytes, writer)
             crash_point("after_index_commit")
             self.ledger.insert(digest, entry, res)
+            self._verified.add(digest)
         except BaseException:
             res.release()
             raise

@@ -3,8 +3,10 @@
 ``cachecd fsck`` (the real command) reports them with its exit bitmask (1 corrupt, 4
 unverifiable), ``--fast`` sees sizes only, ``--repair`` quarantines and drops rows, and the
 restarted daemon refetches good bytes. Without fsck, a running daemon's open drops a missing or
-short blob and refetches it. A flipped byte of the right length is NOT caught on the hit path
-(it is served without re-hashing, by design of the zero-copy path): the figure says so.
+short blob and refetches it, and a blob the daemon did not commit itself is hashed on its first
+open, so rot at rest (a flipped byte, same length) is quarantined and refetched. A byte flipped
+while the daemon already holds the blob is NOT caught on the hit path (served without
+re-hashing, by design of the zero-copy path) until a restart or fsck: the figure says so.
 """
 
 from __future__ import annotations
@@ -130,3 +132,23 @@ def test_open_drops_missing_and_short_blobs_and_refetches(small: Model, pool) ->
     FIGURES.set("s10.rotted_blob_served_on_hit_without_fsck", served_rot)
     assert d.stop() == 0
     assert fsck_cli(d.cache_dir, "--repair").returncode == 1  # fsck is what catches it
+
+
+def test_rot_at_rest_is_caught_on_the_first_open_after_a_restart(small: Model, pool) -> None:  # type: ignore[no-untyped-def]
+    hub = pool.hub(small)
+    d = pool.daemon(hub, [small])
+    layer = small.layers[2]
+    with d.client() as c:
+        fetch_verified(c, small, layer, [3, 4])
+    assert d.stop() == 0
+    rotten = _blob(d, small, layer, 3)
+    _flip(rotten, 50)  # same length: only a hash can tell
+    hub.clear_records()
+    d.start()
+    with d.client() as c:
+        fetch_verified(c, small, layer, [3, 4])  # the manifest's bytes, rotten blob or not
+        store = c.stats()["store"]
+    assert hub.count("cdn_get") == 1  # the rotten blob was fetched again, the good one was a hit
+    assert (store["bit_rot_on_open"], store["verified_on_open"]) == (1, 1)
+    assert any(p.name.startswith(rotten.name) for p in (d.cache_dir / "quarantine").iterdir())
+    FIGURES.set("s10.rot_at_rest_caught_on_first_open", store["bit_rot_on_open"])

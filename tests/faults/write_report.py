@@ -60,9 +60,11 @@ NOTES: dict[str, str] = {
         "the daemon dies; the restart removes the temp or adopts the stray, and fetches again "
         "where needed."),
     "s10.rotted_blob_served_on_hit_without_fsck": (
-        "A blob whose bytes rot on disk but keep their length is served on a hit as it is: the "
-        "zero-copy hit path does not re-hash. `cachecd fsck` finds it (exit 1) and `--repair` "
-        "quarantines it; missing and short blobs are caught on open and refetched."),
+        "A blob whose bytes rot on disk but keep their length while the daemon already holds "
+        "it is served on a hit as it is: the zero-copy hit path does not re-hash. Rot at rest "
+        "is caught: a blob the daemon did not commit itself is hashed on its first open. "
+        "`cachecd fsck` finds either (exit 1) and `--repair` quarantines it; missing and short "
+        "blobs are caught on open and refetched."),
     "s13.raw_junk_answers": (
         "Requests aiohttp cannot parse (junk, lines over 8190 bytes) get aiohttp's own 400 with "
         "a text/plain body, not the JSON error form: they never reach a handler."),
