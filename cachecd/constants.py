@@ -77,7 +77,7 @@ MAX_CONNECTIONS = 256
 # Open blob fds the daemon keeps for hits (a hit then costs an fstat and a dup, not an open).
 # Unused ones are closed after BLOB_FDS_IDLE_S, stale ones (evicted, quarantined) sooner.
 BLOB_FDS = 256
-BLOB_FDS_IDLE_S = 1.0
+BLOB_FDS_IDLE_S = float(os.environ.get("CACHECD_BLOB_FDS_IDLE_S") or 1.0)  # env: tests only
 BLOB_FDS_SWEEP_S = 0.25
 LMDB_MAP_SIZE = 64 * 1024 * 1024
 LMDB_MAP_CEILING = 64 * 1024 * 1024 * 1024

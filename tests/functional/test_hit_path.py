@@ -33,18 +33,25 @@ def _until(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
     return False
 
 
-def test_hits_reuse_kept_fds_and_an_idle_daemon_holds_none(daemon, tiny_manifest, tiny_dir):  # type: ignore[no-untyped-def]
-    layer, ids = tiny_manifest.moe_layers[0], [0, 1, 2, 3]
-    want = [expert_bytes_from_files(tiny_dir, tiny_manifest.expert(layer, e)) for e in ids]
-    with daemon.client() as c:
-        for _ in range(3):
-            assert [a.tobytes() for a in c.experts(TINY_REPO, layer, ids)] == want
-        # One kept fd per blob, not one per request (the daemon closes the dups it sent just
-        # after sending, so look until they are gone; idle closing comes only after 1 s).
-        assert _until(lambda: len(_blob_fds(daemon)) == len(ids), 0.8), _blob_fds(daemon)
-        counters = c.stats()["counters"]
-        assert counters["expert_hits"] == 8 and counters["expert_misses"] == 4
-    assert _until(lambda: not _blob_fds(daemon)), _blob_fds(daemon)
+def test_hits_reuse_kept_fds_and_an_idle_daemon_holds_none(hub, tiny_manifest_path, tiny_manifest, tiny_dir):  # type: ignore[no-untyped-def]
+    # Idle fds are closed after 4 s here (1 s by default), so a loaded machine cannot close
+    # them before the look below.
+    daemon = DaemonProcess(hub.url, [tiny_manifest_path],
+                           env={"CACHECD_BLOB_FDS_IDLE_S": "4"}).start()
+    try:
+        layer, ids = tiny_manifest.moe_layers[0], [0, 1, 2, 3]
+        want = [expert_bytes_from_files(tiny_dir, tiny_manifest.expert(layer, e)) for e in ids]
+        with daemon.client() as c:
+            for _ in range(3):
+                assert [a.tobytes() for a in c.experts(TINY_REPO, layer, ids)] == want
+            # One kept fd per blob, not one per request (the daemon closes the dups it sent
+            # just after sending, so look until they are gone).
+            assert _until(lambda: len(_blob_fds(daemon)) == len(ids), 3.0), _blob_fds(daemon)
+            counters = c.stats()["counters"]
+            assert counters["expert_hits"] == 8 and counters["expert_misses"] == 4
+        assert _until(lambda: not _blob_fds(daemon), 15.0), _blob_fds(daemon)
+    finally:
+        daemon.cleanup()
 
 
 def test_an_evicted_blob_is_neither_served_nor_kept_open(daemon, tiny_manifest, tiny_dir):  # type: ignore[no-untyped-def]
