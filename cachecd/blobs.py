@@ -31,7 +31,7 @@ import random
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -278,9 +278,9 @@ class BlobWriter:
     """One blob on its way in: a temp file written in pieces (any order, any thread), then
     ``finish`` (fsync, rename into place, fsync the dir) or ``abort`` (the temp is removed).
 
-    Writes of disjoint pieces may run on several threads at once. Each piece's dirty pages are
-    handed to the kernel's writeback at once (Linux), so ``finish``'s fsync finds most of the
-    blob already on disk when the pieces arrived over a slower network.
+    Writes of disjoint pieces may run on several threads at once. Writeback is left to the kernel
+    and to ``finish``'s fsync: starting it per piece made the disk compete with the download
+    (bench/README.md, 2026-12-03).
     """
 
     def __init__(self, cdir: CacheDir, digest: str, nbytes: int) -> None:
@@ -305,7 +305,6 @@ class BlobWriter:
         except OSError as exc:
             self._raise_space_error(exc)
             raise
-        _start_writeback(fd, offset, len(view))
 
     def writev(self, offset: int, views: list[memoryview]) -> None:
         """The buffers back to back at ``offset`` (one ``pwritev`` when the kernel takes it all)."""
@@ -321,8 +320,6 @@ class BlobWriter:
             raise
         if done < total:  # a short write: finish the rest the simple way
             self.write(offset + done, b"".join(views)[done:])
-            return
-        _start_writeback(fd, offset, total)
 
     def open_reader(self) -> int:
         """A read-only fd of the temp file: it stays valid across ``finish`` or ``abort``."""
@@ -369,33 +366,6 @@ class BlobWriter:
                 f"no space left in cache dir {self.cdir.root} writing {self.nbytes} bytes; "
                 "free space or lower the budget"
             ) from exc
-
-
-def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    fn.restype = ctypes.c_int
-    write_only = 2  # SYNC_FILE_RANGE_WRITE: start writeback, do not wait for it
-
-    def start(fd: int, offset: int, length: int) -> None:
-        fn(fd, offset, length, write_only)  # advisory: a failure only leaves work for fsync
-
-    return start
-
-
-_writeback = _load_sync_file_range()
-
-
-def _start_writeback(fd: int, offset: int, length: int) -> None:
-    if _writeback is not None and length:
-        _writeback(fd, offset, length)
 
 
 def _unlink_quiet(path: Path) -> None:
