@@ -238,10 +238,12 @@ class Fetcher:
 
     async def _commit_fresh(self, digest: str, reservation: Reservation, writer: BlobWriter,
                             downloaded: asyncio.Event) -> None:
+        started = False
         try:
             # fsyncs while the group still downloads slow its page-cache writes down (measured:
             # bench/README.md), so the group's commits start once its last byte is in.
             await downloaded.wait()
+            started = True  # from here Store.commit finishes or aborts the writer, even if cancelled
             await self._store.commit(digest, None, reservation, writer)
             for _ in range(self._uses_after_commit.pop(digest, 0)):
                 self._store.ledger.touch(digest)
@@ -252,6 +254,8 @@ class Fetcher:
             self.counters["commit_failed"] += 1
             log.exception("commit failed digest=%s", digest)
         finally:
+            if not started:
+                writer.abort()  # cancelled before its commit began: no temp outlives the fetch
             self._uses_after_commit.pop(digest, None)
             fd, _ = self._fresh.pop(digest)
             os.close(fd)
