@@ -178,11 +178,11 @@ class Store:
             got, _ = hash_fd(fd)
         finally:
             os.close(fd)
+        with self.ledger.mu:
+            self.ledger.counters["verified_on_open" if got == digest else "bit_rot_on_open"] += 1
         if got == digest:
             self._verified.add(digest)
-            self.ledger.counters["verified_on_open"] += 1
             return
-        self.ledger.counters["bit_rot_on_open"] += 1
         log.error("event=bit_rot_on_open digest=%s got=%s", digest, got)
         self.quarantine_sync(digest)
         raise errors.ExpertNotFound(
