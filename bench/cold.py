@@ -3,8 +3,9 @@
 A checkpoint with K3's real expert shapes is served by ``cachecd hub serve``. Alternating rounds:
   ours: a fresh daemon (empty cache, started before the clock) answers one
         ``client.experts(repo, layer, ids, out=buffers)``: the clock stops when the bytes are in
-        the client's buffers (resolve, ranged GETs, xxh3 verify, blob write + fsync, index
-        commit, fd hand-over and preadv all inside);
+        the client's buffers (resolve, ranged GETs, xxh3 verify, blob writes, fd hand-over and
+        preadv all inside; each blob's fsync, rename and index commit follow the answer, as in
+        production, and finish before the next round: stopping the daemon waits for them);
   curl: one ``curl -sI`` to the resolve URL for the signed Location (as the daemon does), then
         every expert's byte range as its own transfer, ``constants.MAX_PARALLEL_FETCHES`` at a
         time (``curl --parallel``), each into its own file in the same filesystem; every answer
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"info: curl then fsync of its files MB/s={res.curl_fsync_mbs:.0f} (the daemon fsyncs "
-        "every blob before it commits; curl does not)"
+        "every blob after its answer, outside the clock; curl does not fsync)"
     )
     c = res.cpu_s
     print(
