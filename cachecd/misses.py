@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from cachecd import constants
 from cachecd.blobs import BlobWriter
 from cachecd.errors import CachecdError, Internal
 from cachecd.store import Store
@@ -83,6 +84,7 @@ class Fetcher:
         self._prefetch_slots = asyncio.Semaphore(prefetch_parallel)
         self._fresh: dict[str, tuple[int, int]] = {}  # digest -> (read-only fd of its temp, size)
         self._commits: set[asyncio.Task[None]] = set()
+        self._committing: set[asyncio.Task[None]] = set()  # past the wait for their download
         self._uses_after_commit: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()
 
@@ -110,10 +112,22 @@ class Fetcher:
             return None
         return os.dup(held[0]), held[1]
 
-    async def settled(self) -> None:
-        """Wait for the commits of experts already handed out (the store then shows them)."""
-        if self._commits:
-            await asyncio.gather(*list(self._commits), return_exceptions=True)
+    async def settled(self, download_wait: float = constants.SETTLE_DOWNLOAD_WAIT_S) -> None:
+        """Wait for the commits of experts already handed out (the store then shows them).
+
+        A commit still waiting for the rest of its group's download is waited for at most
+        ``download_wait`` seconds: a stalled upstream must not stall ``cachecd status``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + download_wait
+        while self._commits:
+            queued = [t for t in self._commits if t not in self._committing]
+            if queued and loop.time() >= deadline:
+                started = list(self._committing)
+                if started:
+                    await asyncio.wait(started)
+                return
+            await asyncio.wait(list(self._commits), return_when=asyncio.FIRST_COMPLETED,
+                               timeout=deadline - loop.time() if queued else None)
 
     async def ensure(self, model: RegisteredModel, entries: list[ExpertEntry]) -> None:
         """Return once every entry is in the store; raise the first typed error otherwise."""
@@ -203,6 +217,7 @@ class Fetcher:
                 commits.append(task)
                 self._commits.add(task)
                 task.add_done_callback(self._commits.discard)
+                task.add_done_callback(self._committing.discard)
                 return
             await self._store.commit(digest, data, reservations[digest], writer)
             self._served(entry)
@@ -244,6 +259,9 @@ class Fetcher:
             # bench/README.md), so the group's commits start once its last byte is in.
             await downloaded.wait()
             started = True  # from here Store.commit finishes or aborts the writer, even if cancelled
+            task = asyncio.current_task()
+            if task is not None:
+                self._committing.add(task)
             await self._store.commit(digest, None, reservation, writer)
             for _ in range(self._uses_after_commit.pop(digest, 0)):
                 self._store.ledger.touch(digest)
