@@ -84,7 +84,7 @@ class Fetcher:
         self._prefetch_slots = asyncio.Semaphore(prefetch_parallel)
         self._fresh: dict[str, tuple[int, int]] = {}  # digest -> (read-only fd of its temp, size)
         self._commits: set[asyncio.Task[None]] = set()
-        self._committing: set[asyncio.Task[None]] = set()  # past the wait for their download
+        self._commits_started: set[asyncio.Task[None]] = set()  # past the wait for their download
         self._uses_after_commit: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()
 
@@ -120,9 +120,9 @@ class Fetcher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + download_wait
         while self._commits:
-            queued = [t for t in self._commits if t not in self._committing]
+            queued = [t for t in self._commits if t not in self._commits_started]
             if queued and loop.time() >= deadline:
-                started = list(self._committing)
+                started = list(self._commits_started)
                 if started:
                     await asyncio.wait(started)
                 return
@@ -217,7 +217,7 @@ class Fetcher:
                 commits.append(task)
                 self._commits.add(task)
                 task.add_done_callback(self._commits.discard)
-                task.add_done_callback(self._committing.discard)
+                task.add_done_callback(self._commits_started.discard)
                 return
             await self._store.commit(digest, data, reservations[digest], writer)
             self._served(entry)
@@ -261,7 +261,7 @@ class Fetcher:
             started = True  # from here Store.commit finishes or aborts the writer, even if cancelled
             task = asyncio.current_task()
             if task is not None:
-                self._committing.add(task)
+                self._commits_started.add(task)
             await self._store.commit(digest, None, reservation, writer)
             for _ in range(self._uses_after_commit.pop(digest, 0)):
                 self._store.ledger.touch(digest)

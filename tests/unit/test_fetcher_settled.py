@@ -18,7 +18,7 @@ def test_settled_waits_for_commits_but_not_for_a_stalled_download() -> None:
 
         committing = asyncio.create_task(asyncio.sleep(0.05))  # a commit under way
         f._commits.add(committing)
-        f._committing.add(committing)
+        f._commits_started.add(committing)
         await f.settled(download_wait=0.0)
         assert committing.done()  # waited for it, although the queued one is still there
 
