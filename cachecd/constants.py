@@ -78,10 +78,10 @@ MAX_CONNECTIONS = 256
 # Unused ones are closed after BLOB_FDS_IDLE_S, stale ones (evicted, quarantined) sooner.
 BLOB_FDS = 256
 BLOB_FDS_IDLE_S = float(os.environ.get("CACHECD_BLOB_FDS_IDLE_S") or 1.0)  # env: tests only
+BLOB_FDS_SWEEP_S = 0.25
 # Reports (status, coverage, ...) wait for the commits of experts already answered; one whose
 # fetch group is still downloading is waited for this long at most.
 SETTLE_DOWNLOAD_WAIT_S = 2.0
-BLOB_FDS_SWEEP_S = 0.25
 LMDB_MAP_SIZE = 64 * 1024 * 1024
 LMDB_MAP_CEILING = 64 * 1024 * 1024 * 1024
 
