@@ -21,8 +21,17 @@ Policies are the real classes: LRU and the default from cachecd.policies, LFU (L
 aging held at 0), replayed as the store drives them (bench/policy_sim.py); Belady is MIN on the
 scored requests from the best possible starting content, an upper bound for every policy. The
 cache holds 10%, 25% and 50% of the expert set. ``fixed*`` is the best FIXED set of that size
-in hindsight (the most used experts of the scored part): no policy without knowledge of the
-future does better on requests drawn independently from a fixed distribution.
+in hindsight (the most used experts of the scored part).
+
+Two more columns say how much of Belady any online policy could reach. ``A0*`` evicts the
+cached expert used least in the scored part (it knows how often, not when): the best online
+policy when requests are independent draws. ``Belady~`` is Belady on the scored calls in a
+random order (``Stream.shuffled``: each layer's calls shuffled among that layer's places).
+A row is order-free when its calls hold distinct experts (the per-call view) and Belady~ >=
+Belady: the order of the calls holds nothing, the requests are close to independent draws,
+and A0*/Belady is about the best ratio an online policy can expect there. (In the token view a
+prefill call repeats its experts, which recency exploits and A0 does not: A0* is no ceiling
+there.) One of the closing lines lists the order-free rows.
 
 Last line: ``ratio=X``, the worst default/Belady over all rows (the bar is 0.9).
 
@@ -51,7 +60,7 @@ BENCH = Path(__file__).resolve().parent
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-from policy_sim import LFU, belady_hits, replay  # noqa: E402
+from policy_sim import LFU, a0_hits, belady_hits, replay  # noqa: E402
 from traces import (  # noqa: E402
     PROMPTS,
     EngineSpec,
@@ -91,6 +100,7 @@ SYNTH = (
 
 # Filled before the pool forks: workers read them, never pickle them.
 _SPLITS: dict[str, Split] = {}
+_SHUFFLED: dict[str, np.ndarray] = {}  # split name -> its scored calls in a random order
 _POLICIES: dict[str, Callable[[], EvictionPolicy]] = {}
 
 
@@ -98,7 +108,14 @@ _POLICIES: dict[str, Callable[[], EvictionPolicy]] = {}
 class Row:
     trace: str
     budget: int
-    rates: dict[str, float]  # policy (and Belady, fixed*) -> hit rate on the scored requests
+    rates: dict[str, float]  # policy (and Belady, fixed*, A0*, Belady~) -> hit rate, scored part
+    distinct_calls: bool = False  # every call of the scored part holds distinct experts
+
+    @property
+    def order_free(self) -> bool:
+        """Calls of distinct experts, and shuffling them costs Belady nothing: about independent
+        draws, where A0* is the best an online policy can expect."""
+        return self.distinct_calls and self.rates["Belady~"] >= self.rates["Belady"]
 
     @property
     def ratio(self) -> float:
@@ -111,6 +128,10 @@ def _job(args: tuple[str, int, str, bool]) -> tuple[tuple[str, int, str], float]
     capacity = max(1, split.n_experts * budget // 100)
     if policy == "Belady":
         score = belady_hits(split.test.keys, capacity)
+    elif policy == "A0*":
+        score = a0_hits(split.train.keys, split.test.keys, capacity)
+    elif policy == "Belady~":
+        score = belady_hits(_SHUFFLED[name], capacity)
     else:
         score = replay(_POLICIES[policy], split.train.keys, split.test.keys, capacity, touch)
     return (name, budget, policy), score.rate
@@ -129,14 +150,14 @@ def evaluate(
     """Every policy (and ``also``: more names from cachecd.policies) on every split and budget."""
     _SPLITS.clear()
     _SPLITS.update({s.name: s for s in splits})
+    _SHUFFLED.clear()
+    _SHUFFLED.update({s.name: s.test.shuffled(np.random.default_rng(0)).keys for s in splits})
     _POLICIES.clear()
     _POLICIES.update(POLICIES)
     _POLICIES.update({name: functools.partial(make_policy, name) for name in also})
+    bounds = ("Belady", "A0*", "Belady~")
     todo = [
-        (s.name, b, p, daemon_touch)
-        for s in splits
-        for b in BUDGETS
-        for p in (*_POLICIES, "Belady")
+        (s.name, b, p, daemon_touch) for s in splits for b in BUDGETS for p in (*_POLICIES, *bounds)
     ]
     # The longest jobs first so the pool's tail is short.
     todo.sort(key=lambda j: -_SPLITS[j[0]].test.keys.size - _SPLITS[j[0]].train.keys.size)
@@ -148,9 +169,10 @@ def evaluate(
     rows = []
     for s in splits:
         for b in BUDGETS:
-            rates = {p: done[(s.name, b, p)] for p in (*_POLICIES, "Belady")}
+            rates = {p: done[(s.name, b, p)] for p in (*_POLICIES, *bounds)}
             rates["fixed*"] = fixed_best(s.test.keys, max(1, s.n_experts * b // 100))
-            rows.append(Row(s.name, b, rates))
+            distinct = bool(np.array_equal(s.test.per_call().keys, s.test.keys))
+            rows.append(Row(s.name, b, rates, distinct))
     return rows
 
 
@@ -164,6 +186,9 @@ HEADER = (
     "default/Belady",
     "default>LRU",
     "fixed*",
+    "A0*",
+    "A0*/Belady",
+    "Belady~",
 )
 
 
@@ -179,6 +204,9 @@ def row_cells(r: Row, also: tuple[str, ...]) -> list[str]:
         f"{r.ratio:.3f}",
         "yes" if rt["default"] > rt["LRU"] else "NO",
         f"{rt['fixed*']:.3f}",
+        f"{rt['A0*']:.3f}",
+        f"{rt['A0*'] / rt['Belady'] if rt['Belady'] else 0.0:.3f}",
+        f"{rt['Belady~']:.3f}",
         *(f"{rt[name]:.3f}" for name in also),
     ]
 
@@ -291,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     below = [f"{r.trace}@{r.budget}%" for r in rows if r.rates["default"] <= r.rates["LRU"]]
     print(f"below 0.9x Belady: {', '.join(misses) or 'none'}")
     print(f"default not above LRU: {', '.join(below) or 'none'}")
+    bound = [f"{r.trace}@{r.budget}% {r.rates['A0*'] / r.rates['Belady']:.3f}"
+             for r in rows if r.order_free and r.rates["Belady"]]  # fmt: skip
+    print(f"order-free rows, A0*/Belady (about the most an online policy can expect): "
+          f"{', '.join(bound) or 'none'}")  # fmt: skip
     print(f"elapsed_s={time.perf_counter() - t0:.1f}")
     print(f"ratio={min(r.ratio for r in rows):.3f}")
     return 0

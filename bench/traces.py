@@ -111,6 +111,20 @@ class Stream:
         starts = np.concatenate([[0], np.cumsum(kept)[:-1]]).astype(np.int64)
         return Stream(self.keys[first], starts)
 
+    def shuffled(self, rng: np.random.Generator) -> Stream:
+        """The same calls in a random order: each layer's calls are shuffled among the places
+        that layer's calls held, so the layers still take turns as before and every expert is
+        requested as often, but when is left to chance. What a policy can learn from such a
+        trace is how often, not when."""
+        ends = np.append(self.starts[1:], self.keys.size)
+        layer_of = self.keys[self.starts] // KEY_STRIDE
+        order = np.arange(self.starts.size)
+        for layer in np.unique(layer_of):
+            slots = np.flatnonzero(layer_of == layer)
+            order[slots] = rng.permutation(slots)
+        calls = [self.keys[self.starts[j] : ends[j]] for j in order.tolist()]
+        return Stream.of_calls(calls)
+
     def cut(self, frac: float) -> tuple[Stream, Stream]:
         """(head, tail) at the first call boundary at or after ``frac`` of the requests."""
         i = int(np.searchsorted(self.starts, int(self.keys.size * frac)))

@@ -20,7 +20,7 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 import policy_eval  # noqa: E402
-from policy_sim import LFU, belady_hits, next_use, replay  # noqa: E402
+from policy_sim import LFU, a0_hits, belady_hits, next_use, replay  # noqa: E402
 from traces import (  # noqa: E402
     KEY_STRIDE,
     Stream,
@@ -172,6 +172,42 @@ def test_synthetic_shape_determinism_and_skew() -> None:
                               a.test.keys)  # fmt: skip
 
 
+def test_a0_evicts_the_least_frequent_of_the_scored_part() -> None:
+    # Frequencies 1:3, 2:2, 3:1. Cold, capacity 2: 1 m, 2 m, 1 h, 3 m (drops 2), 1 h, 2 m.
+    test = np.array([1, 2, 1, 3, 1, 2], dtype=np.int64)
+    assert a0_hits(np.zeros(0, np.int64), test, 2).hits == 2
+    # Warm-up requests fill the cache but are not scored.
+    assert a0_hits(np.array([1, 2], dtype=np.int64), test, 2).hits == 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=40), st.integers(1, 4))
+def test_a0_never_beats_belady(seq: list[int], cap: int) -> None:
+    keys = np.array(seq, dtype=np.int64)
+    assert a0_hits(keys[::-1].copy(), keys, cap).hits <= belady_hits(keys, cap).hits
+
+
+def test_shuffled_keeps_each_layers_calls_and_their_places() -> None:
+    src = synthetic(SynthSpec(layers=3, experts=32, top_k=4, tokens=600, seed=2)).test
+    got = src.shuffled(np.random.default_rng(0))
+    assert got.keys.size == src.keys.size and not np.array_equal(got.keys, src.keys)
+
+    def calls(s: Stream) -> list[np.ndarray]:
+        return np.split(s.keys, s.starts[1:])
+
+    before, after = calls(src), calls(got)
+    assert [int(c[0] // KEY_STRIDE) for c in before] == [int(c[0] // KEY_STRIDE) for c in after]
+    assert sorted(c.tobytes() for c in before) == sorted(c.tobytes() for c in after)
+
+
+def test_a_row_is_order_free_only_with_distinct_calls_and_nothing_lost_to_a_shuffle() -> None:
+    rates = {"Belady": 0.30, "Belady~": 0.31, "A0*": 0.14}
+    assert policy_eval.Row("t/call", 10, rates, distinct_calls=True).order_free
+    assert not policy_eval.Row("t", 10, rates, distinct_calls=False).order_free
+    lower = {**rates, "Belady~": 0.29}
+    assert not policy_eval.Row("t/call", 10, lower, distinct_calls=True).order_free
+
+
 def test_fixed_best_is_the_top_counts() -> None:
     test = np.array([1, 1, 1, 2, 2, 3], dtype=np.int64)
     assert policy_eval.fixed_best(test, 1) == pytest.approx(3 / 6)
@@ -290,7 +326,10 @@ def test_policy_eval_runs_tiny(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0 and re.fullmatch(r"ratio=\d+\.\d{3}", out[-1])
     rows = [line for line in out if line.startswith("| engine-5x32k4/call | 10 |")]
-    assert len(rows) == 1 and len(rows[0].strip("|").split("|")) == 10  # 9 columns + lfuda
+    assert len(rows) == 1 and len(rows[0].strip("|").split("|")) == 13  # 12 columns + lfuda
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    belady, a0, shuffled = float(cells[5]), float(cells[9]), float(cells[11])
+    assert 0.0 <= a0 <= belady and 0.0 <= shuffled <= 1.0
     assert any(line.startswith("| trace |") and line.endswith("| lfuda |") for line in out)
     assert list(tmp_path.iterdir()) == [], "the work dir must be removed"
     worst = float(out[-1].split("=")[1])
