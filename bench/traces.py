@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,6 +206,7 @@ class EngineSpec:
 def record_engine(spec: EngineSpec, work: Path, train: list[str], test: list[str]) -> Split:
     """Write the tiny model, route both prompt sets through the streamed engine (experts read
     from the local checkpoint), record each set with ``TraceRecorder`` and read them back."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # as the cachecd CLI does
     from mlx_lm import stream_generate
 
     from cachecd.tiny_model import write_tiny_model

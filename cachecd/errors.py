@@ -101,6 +101,12 @@ class ShuttingDown(CachecdError):
     code, http_status, retryable = "shutting_down", 503, True
 
 
+class TooManyConnections(CachecdError):
+    """The control socket holds its limit of connections, each with a request started."""
+
+    code, http_status, retryable = "too_many_connections", 503, True
+
+
 class DaemonUnavailable(CachecdError):
     """Raised by the client only: nothing listens on the socket."""
 

@@ -254,8 +254,10 @@ async def evict(request: web.Request) -> web.Response:
     return web.json_response({"freed_bytes": freed})
 
 
-def build_app(daemon: Any, client_max_size: int) -> web.Application:
-    app = web.Application(middlewares=[errors_as_json, peer_check], client_max_size=client_max_size)
+def build_app(daemon: Any, client_max_size: int, door: Any = None) -> web.Application:
+    first = [door.middleware] if door is not None else []  # sees a request before any refusal
+    app = web.Application(middlewares=[*first, errors_as_json, peer_check],
+                          client_max_size=client_max_size)
     app[DAEMON] = daemon
     base = "/v1/models/{org}/{name}"
     app.router.add_get("/healthz", healthz)

@@ -78,6 +78,7 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     from huggingface_hub import get_token
 
     from cachecd.app import Daemon
+    from cachecd.control_door import ControlDoor, ControlSite
     from cachecd.datapath import DataServer
     from cachecd.hub import Upstream
     from cachecd.peer import bind_private_socket
@@ -98,10 +99,11 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
         await _register_or_refuse(daemon, Path(path))
     control = bind_private_socket(settings.socket)
     data = bind_private_socket(settings.data_socket)
-    runner = web.AppRunner(build_app(daemon, constants.CLIENT_MAX_SIZE), handle_signals=False,
+    door = ControlDoor(constants.MAX_CONTROL_CONNECTIONS, daemon.counters)
+    runner = web.AppRunner(build_app(daemon, constants.CLIENT_MAX_SIZE, door), handle_signals=False,
                            access_log=None)
     await runner.setup()
-    await web.SockSite(runner, control).start()
+    await ControlSite(runner, control, door).start()
     data_server = DataServer(daemon, data)
     data_server.start()
     return daemon, [runner, data_server]

@@ -1,6 +1,8 @@
 """Scenario 13: malformed and abusive requests on both sockets: raw junk, an 8 KiB+ header, a body
 past client_max_size, bad JSON, odd Range headers, a 10k-expert batch, bad frames, 200 slowloris
-connections and more data connections than the daemon admits. Only 4xx comes back (never 5xx),
+connections (the control socket keeps its count bounded by pushing out the oldest connection
+that never started a request, and answers a typed 503 when all have), and more data connections
+than the daemon admits. Only 4xx comes back (never 5xx),
 no traceback reaches the log (checked at teardown), /healthz stays under 100 ms, RSS stays under a
 cap and the connection count is bounded where the daemon bounds it."""
 
@@ -22,6 +24,7 @@ from tests.faults.support import (
     FaultDaemon,
     Model,
     check_bytes,
+    check_wire_error,
     fd_census,
     http_request,
     rss_bytes,
@@ -180,6 +183,8 @@ def test_bad_frames_on_the_data_path(setup: FaultDaemon) -> None:
 
 def test_slowloris_and_connection_floods(setup: FaultDaemon) -> None:
     base = fd_census(setup.pid)["other"]
+    with setup.client() as c:
+        dropped0 = c.stats()["counters"].get("control_connections_dropped", 0)
     slow = []
     for _ in range(200):  # control socket: half a request each, dribbled
         s = socket.socket(socket.AF_UNIX)
@@ -191,20 +196,88 @@ def test_slowloris_and_connection_floods(setup: FaultDaemon) -> None:
         s = socket.socket(socket.AF_UNIX)
         s.connect(str(setup.socket) + ".data")
         flood.append(s)
+    pushed_out: set[socket.socket] = set()
     try:
         for _ in range(6):
             for s in slow:
-                s.sendall(b"X")
+                try:
+                    s.sendall(b"X")
+                except OSError:  # the daemon closed it to admit a newer connection
+                    pushed_out.add(s)
             time.sleep(0.3)
         held = fd_census(setup.pid)["other"] - base
+        # A newcomer still gets in: it pushes out the oldest connection with no request.
+        status, _, _ = http_request(setup.socket, "GET", "/healthz")
         with setup.client() as c:
-            refused = c.stats()["counters"].get("data_connections_refused", 0)
+            counters = c.stats()["counters"]
     finally:
         for s in slow + flood:
             s.close()
+    dropped = counters.get("control_connections_dropped", 0) - dropped0
+    refused = counters.get("data_connections_refused", 0)
     FIGURES.set("s13.slowloris_connections", len(slow))
+    FIGURES.set("s13.slowloris_connections_pushed_out", dropped)
     FIGURES.set("s13.data_connections_opened", len(flood))
     FIGURES.set("s13.data_connections_refused", refused)
     FIGURES.peak("s13.extra_fds_held_during_flood", held)
+    assert status == 200
     assert refused >= 60  # the data path admits at most MAX_CONNECTIONS
-    assert held <= len(slow) + constants.MAX_CONNECTIONS + 8, held
+    assert dropped >= len(slow) - constants.MAX_CONTROL_CONNECTIONS, counters
+    assert len(pushed_out) >= len(slow) - constants.MAX_CONTROL_CONNECTIONS
+    assert held <= constants.MAX_CONTROL_CONNECTIONS + constants.MAX_CONNECTIONS + 8, held
+
+
+def _healthz_kept_alive(path: object) -> tuple[socket.socket, bytes]:
+    """A connection that sent one whole request and keeps itself open; and the answer."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(30)
+    s.connect(str(path))
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: d\r\n\r\n")
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    length = [h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")]
+    while length and len(body) < int(length[0].split(b":")[1]):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return s, head + b"\r\n\r\n" + body
+
+
+def test_control_connections_past_the_limit_get_a_typed_503(setup: FaultDaemon) -> None:
+    from cachecd.errors import TooManyConnections
+
+    held: list[socket.socket] = []
+    answer = b""
+    try:
+        # Every slot taken by a connection that started a request: none may be pushed out.
+        for _ in range(constants.MAX_CONTROL_CONNECTIONS + 1):
+            s, answer = _healthz_kept_alive(setup.socket)
+            held.append(s)
+            if not answer.startswith(b"HTTP/1.1 200"):
+                break
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+        payload = check_wire_error(503, answer.partition(b"\r\n\r\n")[2])
+        assert payload["error"] == "too_many_connections" and payload["retryable"] is True
+        with pytest.raises(TooManyConnections, match=f"limit of {constants.MAX_CONTROL_CONNECTIONS}"):
+            with setup.client() as c:
+                c.health()
+        FIGURES.set("s13.control_connections_admitted_before_503", len(held) - 1)
+    finally:
+        for s in held:
+            s.close()
+    # The slots free as the connections close; the next client is served.
+    for _ in range(100):
+        try:
+            with setup.client() as c:
+                assert c.health()["ok"]
+            break
+        except TooManyConnections:
+            time.sleep(0.05)
+    else:
+        pytest.fail("the control socket stayed full after its connections closed")

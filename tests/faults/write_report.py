@@ -69,8 +69,12 @@ NOTES: dict[str, str] = {
         "Requests aiohttp cannot parse (junk, lines over 8190 bytes) get aiohttp's own 400 with "
         "a text/plain body, not the JSON error form: they never reach a handler."),
     "s13.slowloris_connections": (
-        "The control socket does not cap connections or time out a half-sent request; the "
-        "data socket admits at most MAX_CONNECTIONS. Both sockets are 0600, same-uid only."),
+        "The control socket holds at most MAX_CONTROL_CONNECTIONS (128): a connection that "
+        "arrives at the limit pushes out the oldest one that never started a request, and when "
+        "every one has started a request the newcomer gets a typed 503 too_many_connections "
+        "(cachecd.control_door). A half-sent request that is not pushed out is closed by "
+        "aiohttp's keep-alive timer after 75 s. The data socket admits at most MAX_CONNECTIONS "
+        "(256). Both sockets are 0600, same-uid only."),
 }
 
 
