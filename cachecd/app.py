@@ -3,7 +3,8 @@
 Invariants:
 - Every expert handed out was verified against its manifest before it entered the store; a hit
   is served from the store only, and a miss goes through the single-flight fetcher. A blob this
-  daemon did not commit itself is hashed on its first open (``Store.verify_open_blob``).
+  daemon did not commit itself is hashed on its first open, and any blob again at an open a day
+  (``constants.REVERIFY_AFTER_S``) after its last hash (``Store.verify_open_blob``).
 - A hit reuses an fd the daemon already holds for that blob (``BlobFds``) only while the store
   still indexes the very same row and the file is still linked with the row's size; otherwise
   the blob is opened through ``Store.open_blob``, which drops or quarantines a bad one. An expert

@@ -79,6 +79,9 @@ MAX_CONTROL_CONNECTIONS = 128  # control socket (cachecd.control_door)
 # Unused ones are closed after BLOB_FDS_IDLE_S, stale ones (evicted, quarantined) sooner.
 BLOB_FDS = 256
 BLOB_FDS_IDLE_S = float(os.environ.get("CACHECD_BLOB_FDS_IDLE_S") or 1.0)  # env: tests only
+# A blob is hashed again when it is opened and its last hash is older than this: rot that sets
+# in while the daemon runs is caught within a day of it (at the blob's next open).
+REVERIFY_AFTER_S = float(os.environ.get("CACHECD_REVERIFY_AFTER_S") or 86400.0)  # env: tests only
 BLOB_FDS_SWEEP_S = 0.25
 # Reports (status, coverage, ...) wait for the commits of experts already answered; one whose
 # fetch group is still downloading is waited for this long at most.

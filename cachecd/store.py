@@ -13,8 +13,10 @@ Invariants:
   the bytes a reservation needs are evicted (unlinked) before ``reserve`` returns.
 - A blob is hashed against its name before this process first serves it, unless this process
   committed it (its bytes were verified on the way in): rot that happened while no daemon ran
-  is caught on first open (quarantine, row dropped, refetch). Rot that happens later, while the
-  blob is in use, is left to ``cachecd fsck``: hits are zero-copy and not re-hashed.
+  is caught on first open (quarantine, row dropped, refetch). A blob is hashed again when it
+  is opened ``constants.REVERIFY_AFTER_S`` (a day) after its last hash. Hits through an fd the
+  daemon already holds are zero-copy and not re-hashed: rot under a blob in constant use is
+  left to the next open after it idles, or to ``cachecd fsck``.
 - An eviction never cuts off a read in progress: a reader holds an fd from ``open_blob`` and the
   kernel keeps an unlinked file's bytes until the last fd closes. No reader refcount is needed.
 - In-memory state (entries, policy, budget, pins) lives in the ``Ledger`` (budget.py) under one
@@ -34,7 +36,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from cachecd import errors
+from cachecd import constants, errors
 from cachecd.blobs import BlobDirs, BlobWriter, hash_fd, validate_digest
 from cachecd.budget import Budget, Ledger, Reservation, Victims
 from cachecd.crash import crash_point
@@ -56,7 +58,7 @@ class Store:
         self._models = index.load_models()
         self._models_mu = threading.Lock()
         self._closed = False
-        self._verified: set[str] = set()  # blobs whose bytes this process hashed
+        self._verified: dict[str, float] = {}  # blob -> when this process last hashed it
 
     @property
     def budget(self) -> Budget:
@@ -167,8 +169,10 @@ class Store:
         return fd, size
 
     def unverified(self, digest: str) -> bool:
-        """True until this process hashed the blob's bytes (its commit or its first open did)."""
-        return digest not in self._verified
+        """True until this process hashed the blob's bytes (its commit or an open did), and
+        again once that hash is older than ``constants.REVERIFY_AFTER_S``."""
+        when = self._verified.get(digest)
+        return when is None or time.monotonic() - when > constants.REVERIFY_AFTER_S
 
     def verify_open_blob(self, digest: str, fd: int) -> None:
         """Hash an opened blob against its name, its xxh3-128, and close ``fd``. Rot goes to
@@ -181,12 +185,12 @@ class Store:
         with self.ledger.mu:
             self.ledger.counters["verified_on_open" if got == digest else "bit_rot_on_open"] += 1
         if got == digest:
-            self._verified.add(digest)
+            self._verified[digest] = time.monotonic()
             return
         log.error("event=bit_rot_on_open digest=%s got=%s", digest, got)
         self.quarantine_sync(digest)
         raise errors.ExpertNotFound(
-            f"blob {digest} failed its hash on first open (bit rot); quarantined, fetch it again"
+            f"blob {digest} failed its hash when opened (bit rot); quarantined, fetch it again"
         )
 
     def _drop(
@@ -277,7 +281,7 @@ class Store:
             entry = self._write_and_index(digest, data, nbytes, writer)
             crash_point("after_index_commit")
             self.ledger.insert(digest, entry, res)
-            self._verified.add(digest)
+            self._verified[digest] = time.monotonic()
         except BaseException:
             res.release()
             raise

@@ -4,15 +4,18 @@
 unverifiable), ``--fast`` sees sizes only, ``--repair`` quarantines and drops rows, and the
 restarted daemon refetches good bytes. Without fsck, a running daemon's open drops a missing or
 short blob and refetches it, and a blob the daemon did not commit itself is hashed on its first
-open, so rot at rest (a flipped byte, same length) is quarantined and refetched. A byte flipped
-while the daemon already holds the blob is NOT caught on the hit path (served without
-re-hashing, by design of the zero-copy path) until a restart or fsck: the figure says so.
+open, so rot at rest (a flipped byte, same length) is quarantined and refetched; so is rot
+that sets in while the daemon runs, at the blob's first open once its last hash is older than
+REVERIFY_AFTER_S (shortened here). A byte flipped while the daemon already holds the blob is
+NOT caught on the hit path (served without re-hashing, by design of the zero-copy path) until
+then, a restart or fsck: the figure says so.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import xxhash
@@ -152,3 +155,24 @@ def test_rot_at_rest_is_caught_on_the_first_open_after_a_restart(small: Model, p
     assert (store["bit_rot_on_open"], store["verified_on_open"]) == (1, 1)
     assert any(p.name.startswith(rotten.name) for p in (d.cache_dir / "quarantine").iterdir())
     FIGURES.set("s10.rot_at_rest_caught_on_first_open", store["bit_rot_on_open"])
+
+
+def test_rot_while_running_is_caught_once_the_last_hash_is_old(small: Model, pool) -> None:  # type: ignore[no-untyped-def]
+    hub = pool.hub(small)
+    d = pool.daemon(hub, [small], env={"CACHECD_REVERIFY_AFTER_S": "0.5",
+                                       "CACHECD_BLOB_FDS_IDLE_S": "0.2"})
+    layer = small.layers[-1]
+    with d.client() as c:
+        fetch_verified(c, small, layer, [5, 6])
+        c.stats()  # answers once the commits are done: the blobs are in place
+        rotten = _blob(d, small, layer, 5)
+        _flip(rotten, 20)
+        hub.clear_records()
+        # Past the re-hash age, and past the idle time after which the daemon closes its fds.
+        time.sleep(1.0)
+        fetch_verified(c, small, layer, [5, 6])  # the manifest's bytes, not the rotten ones
+        store = c.stats()["store"]
+    assert hub.count("cdn_get") == 1  # only the rotten blob was fetched again
+    assert store["bit_rot_on_open"] == 1 and store["verified_on_open"] >= 1, store
+    assert any(p.name.startswith(rotten.name) for p in (d.cache_dir / "quarantine").iterdir())
+    FIGURES.set("s10.rot_caught_on_reverify", store["bit_rot_on_open"])

@@ -62,7 +62,9 @@ NOTES: dict[str, str] = {
     "s10.rotted_blob_served_on_hit_without_fsck": (
         "A blob whose bytes rot on disk but keep their length while the daemon already holds "
         "it is served on a hit as it is: the zero-copy hit path does not re-hash. Rot at rest "
-        "is caught: a blob the daemon did not commit itself is hashed on its first open. "
+        "is caught: a blob the daemon did not commit itself is hashed on its first open, and "
+        "any blob again at its first open a day (REVERIFY_AFTER_S) after its last hash "
+        "(s10.rot_caught_on_reverify, with the day shortened). "
         "`cachecd fsck` finds either (exit 1) and `--repair` quarantines it; missing and short "
         "blobs are caught on open and refetched."),
     "s13.raw_junk_answers": (
