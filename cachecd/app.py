@@ -86,6 +86,9 @@ class BlobFds:
         self._removals = -1
         self._timer: asyncio.TimerHandle | None = None
 
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._fds
+
     def __len__(self) -> int:
         return len(self._fds)
 
@@ -217,6 +220,9 @@ class Daemon:
         self.blob_fds.check()
         opened: list[OpenedExpert] = []
         try:
+            to_hash = {e.digest_hex: e for e in entries if self._needs_hash(e.digest_hex)}
+            if len(to_hash) > 1:
+                await self._open_to_hash(model, to_hash)  # the hashes run side by side
             for entry in entries:
                 digest = entry.digest_hex
                 got = (self.blob_fds.take(digest) or self.fetcher.take_fresh(digest)
@@ -235,6 +241,25 @@ class Daemon:
             # A use of a blob still being committed reaches the policy once the blob is in.
             later = self.fetcher.touch_after_commit(e.digest_hex)
             self.store.touch(e.digest_hex, key, e.layer, e.expert, policy=not later)
+
+    def _needs_hash(self, digest: str) -> bool:
+        """Whether serving ``digest`` now would go through ``_open_blob`` and hash it."""
+        return (self.store.unverified(digest) and digest not in self.blob_fds
+                and not self.fetcher.committing(digest))
+
+    async def _open_to_hash(self, model: RegisteredModel, todo: dict[str, ExpertEntry]) -> None:
+        """Open (and so hash) these blobs at once, one task each, into ``blob_fds``, where the
+        request's loop then finds them. After a restart every blob is unverified, and hashing
+        them one after another would use one core."""
+        tasks = [asyncio.ensure_future(self._open_blob(model, e, d)) for d, e in todo.items()]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()  # it closes its own fd when the cancel lands
+                elif not t.cancelled() and t.exception() is None:
+                    os.close(t.result()[0])  # blob_fds kept a dup
 
     async def _open_blob(self, model: RegisteredModel, entry: ExpertEntry,
                          digest: str) -> tuple[int, int]:

@@ -45,7 +45,10 @@ _SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _TM_EXCLUDE_XATTR = "com.apple.metadata:com_apple_backup_excludeItem"
-HASH_CHUNK = 4 * 1024 * 1024
+# Reads while hashing a blob on disk. Small enough that the hash reads the chunk from the CPU's
+# cache and that its buffer is not a fresh mapping each time: 16 K3-sized blobs in the page
+# cache hashed in 60-64 ms with 64-256 KiB chunks, 145-151 ms with 4 MiB ones (this machine).
+HASH_CHUNK = 256 * 1024
 _IOV_MAX = 1024
 
 

@@ -58,6 +58,13 @@ def test_hits_core(served) -> None:  # type: ignore[no-untyped-def]
     assert not served.daemons, "the bench must stop its daemon"
 
 
+def test_reopen_core(served) -> None:  # type: ignore[no-untyped-def]
+    res = _load("reopen").measure(served, n_ids=3, readers=2, rounds=2)
+    _finite_positive(res.ratio, *res.ours_s, *res.raw_s)
+    assert res.hashed_per_round == [3, 3]  # a restart, then every blob asked for is hashed
+    assert not served.daemons, "the bench must stop its daemon"
+
+
 def test_overhead_core(served) -> None:  # type: ignore[no-untyped-def]
     overhead = _load("overhead")
     token = overhead.plan_token(served, 7, 4)

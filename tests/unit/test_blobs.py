@@ -152,3 +152,19 @@ def test_new_blobs_spread_over_dirs(tmp_path: Path) -> None:
     used = {blobs.write_blob(xxhash.xxh3_128(bytes([i])).hexdigest(), bytes([i])) for i in range(40)}
     assert used == {0, 1}
     blobs.release()
+
+
+def test_hash_fd_spans_chunks(tmp_path: Path) -> None:
+    import xxhash
+
+    from cachecd.blobs import HASH_CHUNK
+
+    for n in (0, 1, HASH_CHUNK, 3 * HASH_CHUNK + 17):
+        data = os.urandom(n)
+        path = tmp_path / f"b{n}"
+        path.write_bytes(data)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert hash_fd(fd) == (xxhash.xxh3_128(data).hexdigest(), n)
+        finally:
+            os.close(fd)
