@@ -8,6 +8,10 @@ timer closes it, 75 s later. The door keeps the count at ``limit``:
 - when every open connection has started a request, the newcomer is answered with a typed 503
   (``too_many_connections``) once its request has arrived, and closed.
 A request under way is never cut. The data socket bounds its connections itself (datapath).
+
+The door also builds each connection's aiohttp handler, as ``_JsonErrors``: what aiohttp answers
+on its own (a request it cannot parse, an oversized header line) comes in cachecd's typed JSON
+error form too, not as text/plain.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ import asyncio
 import json
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from cachecd.errors import TooManyConnections
+from cachecd.errors import Internal, InvalidRequest, TooManyConnections
 
 # A refused client gets this long to send its request and read the 503 before it is closed.
 REFUSAL_WAIT_S = 2.0
@@ -28,9 +33,10 @@ _MAX_REFUSED_HEAD = 16 << 10
 
 
 class ControlDoor:
-    def __init__(self, limit: int, counters: Counter[str]) -> None:
+    def __init__(self, limit: int, counters: Counter[str], handler_args: dict[str, Any]) -> None:
         self.limit = limit
         self._counters = counters
+        self._handler_args = handler_args  # the runner's too: the handlers aiohttp would build
         # Open connections, oldest first. Counted here and not from aiohttp's list: asyncio
         # accepts a burst of connections before any of them reaches connection_made.
         self._open: dict[_Counted, None] = {}
@@ -55,7 +61,8 @@ class ControlDoor:
             self._forget(slow)
             slow.handler.force_close()
             self._counters["control_connections_dropped"] += 1
-        conn = _Counted(server(), self)
+        handler = _JsonErrors(server, loop=asyncio.get_running_loop(), **self._handler_args)
+        conn = _Counted(handler, self)
         self._open[conn] = None
         self._by_handler[conn.handler] = conn
         return conn
@@ -63,6 +70,29 @@ class ControlDoor:
     def _forget(self, conn: _Counted) -> None:
         self._open.pop(conn, None)
         self._by_handler.pop(conn.handler, None)
+
+
+class _JsonErrors(RequestHandler):
+    """aiohttp's connection handler, with its own error answers in the typed JSON form."""
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; refuses if a reply began
+        # aiohttp's message can quote the request's bytes: name the failure, not the input.
+        what = type(exc).__name__ if exc is not None else "an unreadable request"
+        err = (
+            InvalidRequest(f"the daemon could not parse this HTTP request ({what})")
+            if 400 <= status < 500
+            else Internal(f"the daemon failed on this request ({what}); its log says more")
+        )
+        resp = web.json_response(err.to_wire(), status=status)
+        resp.force_close()
+        return resp
 
 
 class _Counted(asyncio.Protocol):

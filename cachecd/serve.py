@@ -99,9 +99,10 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
         await _register_or_refuse(daemon, Path(path))
     control = bind_private_socket(settings.socket)
     data = bind_private_socket(settings.data_socket)
-    door = ControlDoor(constants.MAX_CONTROL_CONNECTIONS, daemon.counters)
+    handler_args: dict[str, Any] = {"access_log": None}
+    door = ControlDoor(constants.MAX_CONTROL_CONNECTIONS, daemon.counters, handler_args)
     runner = web.AppRunner(build_app(daemon, constants.CLIENT_MAX_SIZE, door), handle_signals=False,
-                           access_log=None)
+                           **handler_args)
     await runner.setup()
     await ControlSite(runner, control, door).start()
     data_server = DataServer(daemon, data)

@@ -67,9 +67,6 @@ NOTES: dict[str, str] = {
         "(s10.rot_caught_on_reverify, with the day shortened). "
         "`cachecd fsck` finds either (exit 1) and `--repair` quarantines it; missing and short "
         "blobs are caught on open and refetched."),
-    "s13.raw_junk_answers": (
-        "Requests aiohttp cannot parse (junk, lines over 8190 bytes) get aiohttp's own 400 with "
-        "a text/plain body, not the JSON error form: they never reach a handler."),
     "s13.slowloris_connections": (
         "The control socket holds at most MAX_CONTROL_CONNECTIONS (128): a connection that "
         "arrives at the limit pushes out the oldest one that never started a request, and when "
