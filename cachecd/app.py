@@ -258,6 +258,7 @@ class Daemon:
             for t in tasks:
                 if not t.done():
                     t.cancel()  # it closes its own fd when the cancel lands
+                    t.add_done_callback(_retrieve)  # a second failure is not an unread error
                 elif not t.cancelled() and t.exception() is None:
                     os.close(t.result()[0])  # blob_fds kept a dup
 
@@ -306,6 +307,11 @@ class Daemon:
             "refused_models": dict(self.registry.refused),
             "debug": _process_counts(),
         }
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _process_counts() -> dict[str, int]:
