@@ -87,7 +87,20 @@ def render_status(info: dict[str, Any]) -> str:
                      f"{format_size(m['expert_bytes_total'])} of experts")
     for repo, why in info.get("refused_models", {}).items():
         lines.append(f"refused     {repo}: {why}")
+    lines += _attention(store, counters)
     return "\n".join(lines)
+
+
+def _attention(store: dict[str, Any], counters: dict[str, Any]) -> list[str]:
+    """Lines for what the user should look into, from the counters since the daemon started."""
+    out = []
+    if rot := store.get("bit_rot_on_open", 0):
+        out.append(f"attention   {rot} cached experts failed their hash when opened (bit rot): "
+                   "quarantined and fetched again; check the disk, then `cachecd fsck`")
+    if refused := counters.get("control_connections_refused", 0):
+        out.append(f"attention   {refused} control connections were refused: the daemon held "
+                   "its limit of connections with requests under way (`ss -xp | grep cachecd`)")
+    return out
 
 
 def pin(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ import xxhash
 
 from tests.faults.figures import FIGURES
 from tests.faults.support import FaultDaemon, Model, fetch_verified, fsck_cli
+from tests.harness import run_cli
 
 
 def _blob(d: FaultDaemon, model: Model, layer: int, expert: int) -> Path:
@@ -155,6 +156,8 @@ def test_rot_at_rest_is_caught_on_the_first_open_after_a_restart(small: Model, p
     assert (store["bit_rot_on_open"], store["verified_on_open"]) == (1, 1)
     assert any(p.name.startswith(rotten.name) for p in (d.cache_dir / "quarantine").iterdir())
     FIGURES.set("s10.rot_at_rest_caught_on_first_open", store["bit_rot_on_open"])
+    out = run_cli("status", "--socket", str(d.socket)).stdout  # what the user sees
+    assert "attention   1 cached experts failed their hash when opened" in out, out
 
 
 def test_rot_while_running_is_caught_once_the_last_hash_is_old(small: Model, pool) -> None:  # type: ignore[no-untyped-def]

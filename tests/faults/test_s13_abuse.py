@@ -29,6 +29,7 @@ from tests.faults.support import (
     http_request,
     rss_bytes,
 )
+from tests.harness import run_cli
 
 RSS_CAP = 512 << 20
 
@@ -289,3 +290,5 @@ def test_control_connections_past_the_limit_get_a_typed_503(setup: FaultDaemon) 
             time.sleep(0.05)
     else:
         pytest.fail("the control socket stayed full after its connections closed")
+    out = run_cli("status", "--socket", str(setup.socket)).stdout  # what the user sees
+    assert "control connections were refused" in out, out
