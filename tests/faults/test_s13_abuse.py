@@ -2,9 +2,9 @@
 past client_max_size, bad JSON, odd Range headers, a 10k-expert batch, bad frames, 200 slowloris
 connections (the control socket keeps its count bounded by pushing out the oldest connection
 that never started a request, and answers a typed 503 when all have), and more data connections
-than the daemon admits. Only 4xx comes back (never 5xx),
-no traceback reaches the log (checked at teardown), /healthz stays under 100 ms, RSS stays under a
-cap and the connection count is bounded where the daemon bounds it."""
+than the daemon admits. Only typed 4xx comes back (never 5xx), no traceback reaches the log
+(checked at teardown), /healthz stays under 100 ms, RSS stays under a cap and the connection
+count is bounded on both sockets."""
 
 from __future__ import annotations
 
