@@ -121,16 +121,14 @@ def split_call(
     and in reading the fds, over ``tokens`` tokens; and the round trip of an empty request
     (no expert: framing, asyncio and the two context switches alone)."""
     parts: dict[str, list[float]] = {"request": [], "read": [], "call": [], "empty_request": []}
-    real_request, real_read = client._data.request_parts, client_api.parallel_preadv
+    real_request, real_read = client._data.request, client_api.parallel_preadv
 
-    def request(payload: dict[str, Any], on_part: Any) -> Any:
-        # The last part's read runs inside the request (in on_part): it is timed as "read".
-        t0, read0 = time.perf_counter(), sum(parts["read"])
+    def request(payload: dict[str, Any]) -> Any:
+        t0 = time.perf_counter()
         try:
-            return real_request(payload, on_part)
+            return real_request(payload)
         finally:
-            spent = time.perf_counter() - t0 - (sum(parts["read"]) - read0)
-            parts["request"].append(spent)
+            parts["request"].append(time.perf_counter() - t0)
 
     def read(*args: Any) -> None:
         t0 = time.perf_counter()
@@ -139,7 +137,7 @@ def split_call(
         finally:
             parts["read"].append(time.perf_counter() - t0)
 
-    client._data.request_parts, client_api.parallel_preadv = request, read
+    client._data.request, client_api.parallel_preadv = request, read
     try:
         for _ in range(tokens):
             for layer, ids in token:
@@ -147,11 +145,10 @@ def split_call(
                 client.experts(repo, layer, ids, out=bufs)
                 parts["call"].append(time.perf_counter() - t0)
     finally:
-        client._data.request_parts, client_api.parallel_preadv = real_request, real_read
+        client._data.request, client_api.parallel_preadv = real_request, real_read
     for layer, _ in token:
         t0 = time.perf_counter()
-        real_request({"op": "experts", "model": repo, "layer": layer, "ids": [], "parts": True},
-                     lambda answer, fds: None)
+        real_request({"op": "experts", "model": repo, "layer": layer, "ids": []})
         parts["empty_request"].append(time.perf_counter() - t0)
     return {k: median(v) * 1e6 for k, v in parts.items()}
 

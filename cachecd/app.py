@@ -21,7 +21,6 @@ import logging
 import os
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -189,9 +188,9 @@ class Daemon:
             raise InvalidRequest(f"at most {constants.MAX_BATCH_EXPERTS} experts per request")
         return [model.manifest.expert(layer, _int(e, "expert")) for e in ids]
 
-    def _count(self, model: RegisteredModel, entries: list[ExpertEntry]) -> tuple[list[ExpertEntry], set[str]]:
-        """Count the request's hits and misses; returns (the distinct entries not in the store,
-        the digests that are misses). One count per distinct expert, whatever the caller repeats."""
+    async def ensure(self, model: RegisteredModel, entries: list[ExpertEntry]) -> set[str]:
+        """Make every entry local; returns the digests that were missing (fetched for this call)."""
+        # One count per distinct expert per request, whatever the caller repeats.
         distinct = list({(e.layer, e.expert): e for e in entries}.values())
         need = self.fetcher.missing(distinct)
         # An expert verified moments ago and still being committed is local: a hit that waits.
@@ -200,21 +199,9 @@ class Daemon:
         self.counters["expert_misses"] += len(missing)
         self.counters["expert_hits"] += len(distinct) - len(missing)
         self.history.record(model.manifest.key, len(distinct) - len(missing), len(missing))
-        return need, missing
-
-    async def ensure(self, model: RegisteredModel, entries: list[ExpertEntry]) -> set[str]:
-        """Make every entry local; returns the digests that were missing (fetched for this call)."""
-        need, missing = self._count(model, entries)
         if need:  # all hits: nothing can have changed since the look-up above (no await)
             await self.fetcher.ensure(model, entries)
         return missing
-
-    def plan(self, repo: str, layer: Any, ids: list[Any]) -> tuple[RegisteredModel, list[ExpertEntry], Uses]:
-        """The request's model and entries (validated), and the uses to record once answered:
-        one per distinct expert, whatever the caller repeats."""
-        model = self.model(repo)
-        entries = self.entries(model, layer, ids)
-        return model, entries, (model.manifest.key, list({e.expert: e for e in entries}.values()))
 
     async def open_experts(self, repo: str, layer: Any, ids: list[Any]) -> list[OpenedExpert]:
         """One opened blob per id, in order, uses recorded; the caller closes every fd."""
@@ -227,60 +214,26 @@ class Daemon:
         """``open_experts`` without recording the uses: the caller passes them to
         ``record_uses`` exactly once, after answering, so that bookkeeping overlaps the client's
         reads instead of delaying them."""
-        model, entries, uses = self.plan(repo, layer, ids)
+        model = self.model(repo)
+        entries = self.entries(model, layer, ids)
         missing = await self.ensure(model, entries)
-        opened = await self.open_positions(model, entries, missing)
-        return [o for _, o in opened], uses
-
-    async def open_parts(self, model: RegisteredModel, entries: list[ExpertEntry]
-                         ) -> AsyncIterator[tuple[list[tuple[int, OpenedExpert]], bool]]:
-        """Every entry opened, in parts as they become ready: first all that are local, then
-        each missing one as soon as its fetch hands it over. Yields ``(part, more)``, a part
-        being (position in ``entries``, opened) pairs; the caller owns the fds it was given.
-        An error ends the parts (after those already given)."""
-        need, missing = self._count(model, entries)
-        waits = dict(zip((e.digest_hex for e in need), self.fetcher.claim(model, need), strict=True))
-        ready = [i for i, e in enumerate(entries) if e.digest_hex not in waits]
-        pending = {fut: digest for digest, fut in waits.items()}
-        while True:
-            part = await self.open_positions(model, entries, missing, ready) if ready else []
-            if part or not pending:
-                yield part, bool(pending)
-            if not pending:
-                return
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            came = set()
-            for fut in done:
-                came.add(pending.pop(fut))
-                if (exc := fut.exception()) is not None:
-                    raise exc
-            ready = [i for i, e in enumerate(entries) if e.digest_hex in came]
-
-    async def open_positions(self, model: RegisteredModel, entries: list[ExpertEntry],
-                             missing: set[str], positions: Iterable[int] | None = None
-                             ) -> list[tuple[int, OpenedExpert]]:
-        """Open the entries at ``positions`` (all by default), each local or being committed:
-        (position, opened) pairs in that order; the caller closes every fd."""
         self.blob_fds.check()
-        positions = range(len(entries)) if positions is None else list(positions)
-        opened: list[tuple[int, OpenedExpert]] = []
+        opened: list[OpenedExpert] = []
         try:
-            to_hash = {entries[i].digest_hex: entries[i] for i in positions
-                       if self._needs_hash(entries[i].digest_hex)}
+            to_hash = {e.digest_hex: e for e in entries if self._needs_hash(e.digest_hex)}
             if len(to_hash) > 1:
                 await self._open_to_hash(model, to_hash)  # the hashes run side by side
-            for i in positions:
-                entry = entries[i]
+            for entry in entries:
                 digest = entry.digest_hex
                 got = (self.blob_fds.take(digest) or self.fetcher.take_fresh(digest)
                        or await self._open_blob(model, entry, digest))
-                opened.append((i, OpenedExpert(entry.expert, got[0], got[1], digest,
-                                               digest in missing)))
+                opened.append(OpenedExpert(entry.expert, got[0], got[1], digest, digest in missing))
         except BaseException:
-            for _, o in opened:
+            for o in opened:
                 os.close(o.fd)
             raise
-        return opened
+        # One use per distinct expert per request, whatever the caller repeats.
+        return opened, (model.manifest.key, list({e.expert: e for e in entries}.values()))
 
     def record_uses(self, uses: Uses) -> None:
         key, entries = uses

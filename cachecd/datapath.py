@@ -21,7 +21,7 @@ from cachecd.errors import CachecdError, Forbidden, Internal, InvalidRequest
 from cachecd.peer import peer_cred
 
 if TYPE_CHECKING:
-    from cachecd.app import Daemon, OpenedExpert, Uses
+    from cachecd.app import Daemon, Uses
 
 log = logging.getLogger(__name__)
 
@@ -118,19 +118,11 @@ class DataServer:
             conn.close()
 
     async def _answer(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, body: bytes) -> None:
+        fds: list[int] = []
         uses: Uses | None = None
         try:
-            req = protocol.decode(body)
-            model, entries, planned = self._plan(req)
-            if req.get("parts") is True:
-                async for part, more in self._daemon.open_parts(model, entries):
-                    await _send_opened(loop, conn, part, more)
-                uses = planned
-            else:
-                missing = await self._daemon.ensure(model, entries)
-                opened = await self._daemon.open_positions(model, entries, missing)
-                uses = planned
-                await _send_opened(loop, conn, opened, False)
+            frame, fds, uses = await self._handle(protocol.decode(body))
+            await _send_with_fds(loop, conn, frame, fds)
         except CachecdError as exc:
             await _safe_send(loop, conn, {"ok": False, **exc.to_wire()})
         except (ConnectionError, OSError):
@@ -139,16 +131,27 @@ class DataServer:
             log.exception("data path request failed")
             await _safe_send(loop, conn, {"ok": False, **Internal(repr(exc)).to_wire()})
         finally:
+            for fd in fds:
+                os.close(fd)
             if uses is not None:  # after the answer left: the client reads meanwhile
                 self._daemon.record_uses(uses)
 
-    def _plan(self, req: dict[str, Any]) -> tuple[Any, list[Any], Uses]:
+    async def _handle(self, req: dict[str, Any]) -> tuple[bytes, list[int], Uses]:
         if req.get("op") != "experts":
             raise InvalidRequest(f"unknown op {req.get('op')!r}; the data path knows 'experts'")
         ids = req.get("ids")
         if not isinstance(ids, list) or len(ids) > protocol.MAX_FDS_PER_FRAME:
             raise InvalidRequest(f"ids must be a list of at most {protocol.MAX_FDS_PER_FRAME} experts")
-        return self._daemon.plan(str(req.get("model", "")), req.get("layer"), ids)
+        opened, uses = await self._daemon.open_unrecorded(str(req.get("model", "")),
+                                                          req.get("layer"), ids)
+        fds = [o.fd for o in opened]
+        try:
+            frame = protocol.encode_experts([(o.expert, o.size, o.digest, o.fetched) for o in opened])
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return frame, fds, uses
 
     async def close(self) -> None:
         if self._accept_task:
@@ -159,19 +162,6 @@ class DataServer:
                              return_exceptions=True)
         self._daemon.blob_fds.clear()
         self._sock.close()
-
-
-async def _send_opened(loop: asyncio.AbstractEventLoop, conn: socket.socket,
-                       opened: list[tuple[int, OpenedExpert]], more: bool) -> None:
-    """One answer frame for (position, opened) pairs, their fds attached; closes the fds."""
-    fds = [o.fd for _, o in opened]
-    try:
-        frame = protocol.encode_experts(
-            [(o.expert, o.size, o.digest, o.fetched, at) for at, o in opened], more)
-        await _send_with_fds(loop, conn, frame, fds)
-    finally:
-        for fd in fds:
-            os.close(fd)
 
 
 async def _safe_send(loop: asyncio.AbstractEventLoop, conn: socket.socket, payload: dict[str, Any]) -> None:

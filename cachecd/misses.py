@@ -140,11 +140,6 @@ class Fetcher:
             if isinstance(result, BaseException):
                 raise result
 
-    def claim(self, model: RegisteredModel, missing: list[ExpertEntry]) -> list[asyncio.Future[None]]:
-        """For each entry (not in the store), the future that settles once it is served: the
-        fetch in flight for it, or a new one started now. Await them shielded: they are shared."""
-        return self._claim(model, missing) if missing else []
-
     def prefetch(self, model: RegisteredModel, entries: list[ExpertEntry]) -> int:
         """Queue a background fetch of the entries not cached or in flight; returns how many."""
         wanted = [e for e in self.missing(entries) if e.digest_hex not in self._inflight]

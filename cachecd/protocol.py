@@ -8,13 +8,6 @@ with one fd per expert attached (SCM_RIGHTS) to the answer's first byte, in the 
 client ``preadv``s each fd from offset 0 and closes it. An error answer is the wire error form
 ``{"ok": false, "error": code, "message": ..., "retryable": bool}`` with no fds.
 
-With ``"parts": true`` in the request the answer may come in several frames, so the client can
-read the experts that are ready while the others are still being fetched: each frame is an
-``ok`` answer for some of the experts, each row with ``"at"`` (its position in ``ids``), and
-``"more": true`` on every frame but the last. The first frame holds every expert that was
-already local. An error frame can follow parts already sent; it ends the answer. Every row has
-``at`` and every ``ok`` frame has ``more`` (false without ``parts``).
-
 A frame is a 4-byte big-endian length and that many bytes of UTF-8 JSON.
 """
 
@@ -41,16 +34,14 @@ def encode(payload: dict[str, Any]) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def encode_experts(experts: list[tuple[int, int, str, bool, int]], more: bool = False) -> bytes:
-    """The ``ok`` answer for (expert, size, digest hex, fetched, position) rows: the same bytes
-    as ``encode`` of the equivalent dict, built without the generic encoder (a hit is hot).
-    ``more``: further parts of this answer follow (see the module docstring)."""
+def encode_experts(experts: list[tuple[int, int, str, bool]]) -> bytes:
+    """The ``ok`` answer for (expert, size, digest hex, fetched) rows: the same bytes as
+    ``encode`` of the equivalent dict, built without the generic encoder (a hit is hot)."""
     rows = ",".join(
-        f'{{"expert":{int(e)},"size":{int(n)},"digest":"{_hex(d)}",'
-        f'"fetched":{"true" if f else "false"},"at":{int(at)}}}'
-        for e, n, d, f, at in experts
+        f'{{"expert":{int(e)},"size":{int(n)},"digest":"{_hex(d)}","fetched":{"true" if f else "false"}}}'
+        for e, n, d, f in experts
     )
-    body = f'{{"ok":true,"experts":[{rows}],"more":{"true" if more else "false"}}}'.encode()
+    body = f'{{"ok":true,"experts":[{rows}]}}'.encode()
     if len(body) > MAX_FRAME:
         raise InvalidRequest(f"frame of {len(body)} bytes is over the {MAX_FRAME}-byte limit")
     return HEADER.pack(len(body)) + body

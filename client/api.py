@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +20,7 @@ import numpy as np
 from cachecd.config import data_socket_path, load_settings
 from cachecd.errors import InvalidRequest
 from cachecd.protocol import MAX_FDS_PER_FRAME
-from cachecd_client.transport import (
-    ControlTransport,
-    DataTransport,
-    parallel_preadv,
-    submit_preadv,
-)
+from cachecd_client.transport import ControlTransport, DataTransport, parallel_preadv
 
 
 def default_socket() -> Path:
@@ -140,44 +135,19 @@ class Client:
 
     def _experts_frame(self, model: str, layer: int, ids: list[int],
                        out: Sequence[np.ndarray] | None) -> list[np.ndarray]:
-        # Asked in parts: the experts already local come first and are read while the daemon
-        # still fetches the others.
-        arrays: list[np.ndarray | None] = [None] * len(ids)
-        reads: list[Future[None]] = []
-        held: list[int] = []
-
-        def on_part(answer: dict[str, Any], fds: list[int]) -> None:
-            held.extend(fds)
-            rows = answer["experts"]
-            if len(fds) != len(rows):
-                raise InvalidRequest(f"daemon sent {len(fds)} descriptors for {len(rows)} experts")
-            sizes, views = [], []
-            for row in rows:
-                at, size = int(row["at"]), int(row["size"])
-                if not 0 <= at < len(ids) or arrays[at] is not None:
-                    raise InvalidRequest(f"daemon answered position {at} of {len(ids)} twice or out of range")
-                arrays[at] = np.empty(size, np.uint8) if out is None else _fit(out[at], size)
-                sizes.append(size)
-                views.append(memoryview(arrays[at].data))  # type: ignore[union-attr]
-                self.upstream_fetches += bool(row.get("fetched"))
-            if answer.get("more"):
-                reads.extend(submit_preadv(self._pool, fds, sizes, views))
-            else:
-                parallel_preadv(self._pool, fds, sizes, views)
-
+        answer, fds = self._data.request({"op": "experts", "model": model, "layer": int(layer), "ids": ids})
         try:
-            self._data.request_parts({"op": "experts", "model": model, "layer": int(layer),
-                                      "ids": ids, "parts": True}, on_part)
-            for fut in reads:
-                fut.result()
+            sizes = [int(e["size"]) for e in answer["experts"]]
+            self.upstream_fetches += sum(1 for e in answer["experts"] if e.get("fetched"))
+            if len(fds) != len(sizes):
+                raise InvalidRequest(f"daemon sent {len(fds)} descriptors for {len(sizes)} experts")
+            arrays: list[np.ndarray] = [np.empty(n, np.uint8) for n in sizes] if out is None else [
+                _fit(buf, n) for buf, n in zip(out, sizes, strict=False)]
+            parallel_preadv(self._pool, fds, sizes, [memoryview(a.data) for a in arrays])
+            return arrays
         finally:
-            for fut in reads:  # an fd is closed only once no read can still use its number
-                fut.exception()
-            for fd in held:
+            for fd in fds:
                 os.close(fd)
-        if any(a is None for a in arrays):
-            raise InvalidRequest("the daemon's answer left out some of the experts asked for")
-        return arrays  # type: ignore[return-value]
 
     def close(self) -> None:
         self._control.close()

@@ -13,8 +13,8 @@ import json
 import os
 import queue
 import socket
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,6 @@ _CHUNK = 4 << 20
 # one job runs in the caller's thread.
 _MIN_JOB = 256 << 10
 _RECV_SIZE = 64 * 1024
-# Room for the fds of more than one frame: one receive can reach into the next part.
-_MAX_FDS_PER_RECV = 2 * protocol.MAX_FDS_PER_FRAME
 
 
 def unavailable(path: Path, exc: OSError) -> DaemonUnavailable:
@@ -117,42 +115,6 @@ def _recv_answer(sock: socket.socket, fds: list[int]) -> dict[str, Any]:
             return protocol.decode(buf[protocol.HEADER.size:need])
 
 
-class _Frames:
-    """The frames of one data connection, each whole with its own fds: bytes and fds that came
-    with a frame but belong to the next (an answer in parts) are kept for it. A frame's fds are
-    as many as its rows; they come with its first byte."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._buf = bytearray()
-        self._fds: list[int] = []
-
-    def next(self) -> tuple[dict[str, Any], list[int]]:
-        head = protocol.HEADER.size
-        length = -1
-        while True:
-            if length < 0 and len(self._buf) >= head:
-                length = protocol.frame_length(bytes(self._buf[:head]))
-            if length >= 0 and len(self._buf) >= head + length:
-                break
-            want = max(_RECV_SIZE, head + max(length, 0) - len(self._buf))
-            msg, fds, _flags, _addr = socket.recv_fds(self.sock, want, _MAX_FDS_PER_RECV)
-            self._fds.extend(fds)
-            if not msg:
-                raise ConnectionResetError("daemon closed the data connection")
-            self._buf += msg
-        answer = protocol.decode(bytes(self._buf[head:head + length]))
-        del self._buf[:head + length]
-        n = len(answer.get("experts") or ()) if answer.get("ok") else 0
-        mine, self._fds = self._fds[:n], self._fds[n:]
-        return answer, mine
-
-    def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
-
-
 class DataTransport:
     """A small pool of data connections, so several threads can ask at once."""
 
@@ -190,39 +152,6 @@ class DataTransport:
             return answer, fds
         raise AssertionError("unreachable")
 
-    def request_parts(self, payload: dict[str, Any],
-                      on_part: Callable[[dict[str, Any], list[int]], None]) -> None:
-        """Send ``payload`` (with ``"parts": true``) and hand each ``ok`` frame of the answer
-        to ``on_part(answer, fds)``, which owns the fds, until the last. A connection that
-        breaks before the first part is reopened and the request sent again, once."""
-        frame = protocol.encode(payload)
-        for attempt in (0, 1):
-            sock = self._take()
-            frames = _Frames(sock)
-            parts = 0
-            try:
-                sock.sendall(frame)
-                while True:
-                    answer, fds = frames.next()
-                    if not answer.get("ok"):
-                        raise error_from_wire(answer)  # an error frame ends the answer
-                    parts += 1
-                    on_part(answer, fds)
-                    if not answer.get("more"):
-                        frames.close()  # nothing can follow the last part
-                        self._idle.put(sock)
-                        return
-            except (TimeoutError, ConnectionError, BrokenPipeError, OSError) as exc:
-                frames.close()
-                sock.close()
-                if attempt or parts:
-                    raise unavailable(self.path, exc) from None
-            except BaseException:
-                frames.close()
-                sock.close()  # not reused: frames of this answer may still be on their way
-                raise
-        raise AssertionError("unreachable")
-
     def close(self) -> None:
         while True:
             try:
@@ -235,23 +164,6 @@ def parallel_preadv(pool: ThreadPoolExecutor, fds: Sequence[int], sizes: Sequenc
                     outs: Sequence[memoryview]) -> None:
     """Fill ``outs[i]`` with the first ``sizes[i]`` bytes of ``fds[i]``: 4 MiB pieces across the
     pool, small reads grouped into one job, and all of them inline when they fit in one job."""
-    jobs = _jobs(fds, sizes, outs)
-    if len(jobs) == 1:
-        _read_pieces(jobs[0])
-        return
-    for fut in [pool.submit(_read_pieces, job) for job in jobs]:
-        fut.result()
-
-
-def submit_preadv(pool: ThreadPoolExecutor, fds: Sequence[int], sizes: Sequence[int],
-                  outs: Sequence[memoryview]) -> list[Future[None]]:
-    """``parallel_preadv`` without waiting: the reads run on the pool; the fds must stay open
-    until every future is done."""
-    return [pool.submit(_read_pieces, job) for job in _jobs(fds, sizes, outs)]
-
-
-def _jobs(fds: Sequence[int], sizes: Sequence[int],
-          outs: Sequence[memoryview]) -> list[list[tuple[int, memoryview, int]]]:
     jobs: list[list[tuple[int, memoryview, int]]] = [[]]
     job_bytes = 0
     for fd, size, out in zip(fds, sizes, outs, strict=False):
@@ -262,7 +174,12 @@ def _jobs(fds: Sequence[int], sizes: Sequence[int],
                 job_bytes = 0
             jobs[-1].append((fd, out[start:end], start))
             job_bytes += end - start
-    return jobs
+    if len(jobs) == 1:
+        _read_pieces(jobs[0])
+        return
+    futures = [pool.submit(_read_pieces, job) for job in jobs]
+    for fut in futures:
+        fut.result()
 
 
 def _read_pieces(pieces: list[tuple[int, memoryview, int]]) -> None:

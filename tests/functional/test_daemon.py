@@ -8,17 +8,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from cachecd.errors import (
-    CachecdError,
-    DaemonUnavailable,
-    ExpertNotFound,
-    InvalidRequest,
-    RepoNotAllowed,
-)
+from cachecd.errors import DaemonUnavailable, ExpertNotFound, InvalidRequest, RepoNotAllowed
 from tests.fakes.fake_hub import FakeHubThread
 from tests.harness import TINY_REPO, DaemonProcess, expert_bytes_from_files, run_cli
 
@@ -280,71 +273,3 @@ def test_fsck_finds_bit_rot_and_repair_leads_to_a_refetch(daemon, tiny_manifest,
         got = c.expert(TINY_REPO, layer, 1)
         assert c.stats()["counters"]["expert_misses"] == 1
     assert got.tobytes() == expert_bytes_from_files(tiny_dir, tiny_manifest.expert(layer, 1))
-
-
-def _parts(data_socket: Path, payload: dict[str, Any],
-           frames: list[Any] | None = None) -> list[tuple[dict[str, Any], list[bytes]]]:
-    """Each frame of an answer, with the bytes behind its fds (read here, fds closed)."""
-    from cachecd_client.transport import DataTransport
-
-    frames = [] if frames is None else frames
-
-    def on_part(answer: dict[str, Any], fds: list[int]) -> None:
-        try:
-            got = [os.pread(fd, int(row["size"]), 0) for fd, row in zip(fds, answer["experts"], strict=True)]
-        finally:
-            for fd in fds:
-                os.close(fd)
-        frames.append((answer, got))
-
-    t = DataTransport(data_socket, 30)
-    try:
-        t.request_parts(payload, on_part)
-    finally:
-        t.close()
-    return frames
-
-
-def test_an_answer_in_parts_sends_the_local_experts_first(daemon, tiny_manifest, tiny_dir):
-    layer = tiny_manifest.moe_layers[0]
-    with daemon.client() as c:
-        c.experts(TINY_REPO, layer, [2])
-        c.stats()  # answers once the commit is done: expert 2 is local
-    ids = [5, 2, 6, 2]
-    request = {"op": "experts", "model": TINY_REPO, "layer": layer, "ids": ids, "parts": True}
-    frames = _parts(Path(str(daemon.socket) + ".data"), request)
-    first = frames[0][0]
-    assert first["more"] is True and sorted(r["at"] for r in first["experts"]) == [1, 3]
-    assert frames[-1][0]["more"] is False and all(f[0]["more"] for f in frames[:-1])
-    by_at = {r["at"]: data for answer, got in frames for r, data in zip(answer["experts"], got, strict=True)}
-    assert sorted(by_at) == [0, 1, 2, 3]
-    for at, e in enumerate(ids):
-        assert by_at[at] == expert_bytes_from_files(tiny_dir, tiny_manifest.expert(layer, e))
-    # Without "parts": one frame, every expert in the order asked.
-    del request["parts"]
-    (answer, got), = _parts(Path(str(daemon.socket) + ".data"), request)
-    assert answer["more"] is False and [r["at"] for r in answer["experts"]] == [0, 1, 2, 3]
-
-
-def test_an_error_after_a_part_reaches_the_client_and_leaks_no_fd(daemon, tiny_manifest,
-                                                                  tiny_manifest_path):
-    layer = tiny_manifest.moe_layers[1]
-    with daemon.client() as c:
-        c.experts(TINY_REPO, layer, [4])
-    daemon.stop()
-    # Offline: expert 4 is local, expert 9 cannot be fetched.
-    dead = DaemonProcess("http://127.0.0.1:9", [tiny_manifest_path], cache_dir=daemon.cache_dir,
-                         socket=daemon.socket, args=["--offline"]).start()
-    try:
-        request = {"op": "experts", "model": TINY_REPO, "layer": layer, "ids": [4, 9], "parts": True}
-        parts: list[Any] = []
-        with pytest.raises(CachecdError) as caught:
-            _parts(Path(str(dead.socket) + ".data"), request, parts)
-        assert caught.value.code == "offline", caught.value
-        assert len(parts) == 1 and [r["at"] for r in parts[0][0]["experts"]] == [0]
-        fds_before = len(os.listdir("/proc/self/fd"))
-        with dead.client() as c, pytest.raises(CachecdError):
-            c.experts(TINY_REPO, layer, [4, 9])
-        assert len(os.listdir("/proc/self/fd")) <= fds_before
-    finally:
-        dead.stop()
