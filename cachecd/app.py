@@ -244,8 +244,9 @@ class Daemon:
 
     def _needs_hash(self, digest: str) -> bool:
         """Whether serving ``digest`` now would go through ``_open_blob`` and hash it."""
-        return (self.store.unverified(digest) and digest not in self.blob_fds
-                and not self.fetcher.committing(digest))
+        # Cheapest first: a warm hit's digest is in blob_fds, and this runs for every request.
+        return (digest not in self.blob_fds and not self.fetcher.committing(digest)
+                and self.store.unverified(digest))
 
     async def _open_to_hash(self, model: RegisteredModel, todo: dict[str, ExpertEntry]) -> None:
         """Open (and so hash) these blobs at once, one task each, into ``blob_fds``, where the
