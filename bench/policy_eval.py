@@ -168,10 +168,10 @@ def evaluate(
         done = dict(map(_job, todo))
     rows = []
     for s in splits:
+        distinct = bool(np.array_equal(s.test.per_call().keys, s.test.keys))
         for b in BUDGETS:
             rates = {p: done[(s.name, b, p)] for p in (*_POLICIES, *bounds)}
             rates["fixed*"] = fixed_best(s.test.keys, max(1, s.n_experts * b // 100))
-            distinct = bool(np.array_equal(s.test.per_call().keys, s.test.keys))
             rows.append(Row(s.name, b, rates, distinct))
     return rows
 
