@@ -23,6 +23,7 @@ from tests.faults.probe import HealthProbe, record_health
 from tests.faults.support import (
     FaultDaemon,
     Model,
+    _UnixConn,
     check_bytes,
     check_wire_error,
     fd_census,
@@ -236,50 +237,32 @@ def test_slowloris_and_connection_floods(setup: FaultDaemon) -> None:
     assert held <= constants.MAX_CONTROL_CONNECTIONS + constants.MAX_CONNECTIONS + 8, held
 
 
-def _healthz_kept_alive(path: object) -> tuple[socket.socket, bytes]:
-    """A connection that sent one whole request and keeps itself open; and the answer."""
-    s = socket.socket(socket.AF_UNIX)
-    s.settimeout(30)
-    s.connect(str(path))
-    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: d\r\n\r\n")
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        buf += chunk
-    head, _, body = buf.partition(b"\r\n\r\n")
-    length = [h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")]
-    while length and len(body) < int(length[0].split(b":")[1]):
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        body += chunk
-    return s, head + b"\r\n\r\n" + body
-
-
 def test_control_connections_past_the_limit_get_a_typed_503(setup: FaultDaemon) -> None:
     from cachecd.errors import TooManyConnections
 
-    held: list[socket.socket] = []
-    answer = b""
+    held: list[_UnixConn] = []
+    status, body = 0, b""
     try:
-        # Every slot taken by a connection that started a request: none may be pushed out.
+        # Every slot taken by a connection that started a request (kept alive after its
+        # answer): none may be pushed out.
         for _ in range(constants.MAX_CONTROL_CONNECTIONS + 1):
-            s, answer = _healthz_kept_alive(setup.socket)
-            held.append(s)
-            if not answer.startswith(b"HTTP/1.1 200"):
+            conn = _UnixConn(setup.socket, 30)
+            held.append(conn)
+            conn.request("GET", "/healthz")
+            resp = conn.getresponse()
+            status, body = resp.status, resp.read()
+            if status != 200:
                 break
-        assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
-        payload = check_wire_error(503, answer.partition(b"\r\n\r\n")[2])
+        assert status == 503, (status, body[:200])
+        payload = check_wire_error(503, body)
         assert payload["error"] == "too_many_connections" and payload["retryable"] is True
         with pytest.raises(TooManyConnections, match=f"limit of {constants.MAX_CONTROL_CONNECTIONS}"):
             with setup.client() as c:
                 c.health()
         FIGURES.set("s13.control_connections_admitted_before_503", len(held) - 1)
     finally:
-        for s in held:
-            s.close()
+        for conn in held:
+            conn.close()
     # The slots free as the connections close; the next client is served.
     for _ in range(100):
         try:
