@@ -23,7 +23,7 @@ scored requests from the best possible starting content, an upper bound for ever
 cache holds 10%, 25% and 50% of the expert set. ``fixed*`` is the best FIXED set of that size
 in hindsight (the most used experts of the scored part).
 
-Two more columns say how much of Belady any online policy could reach. ``A0*`` evicts the
+More columns say how much of Belady any online policy could reach. ``A0*`` evicts the
 cached expert used least in the scored part (it knows how often, not when): the best online
 policy when requests are independent draws. ``Belady~`` is Belady on the scored calls in a
 random order (``Stream.shuffled``: each layer's calls shuffled among that layer's places).
@@ -31,7 +31,15 @@ A row is order-free when its calls hold distinct experts (the per-call view) and
 Belady: the order of the calls holds nothing, the requests are close to independent draws,
 and A0*/Belady is about the best ratio an online policy can expect there. (In the token view a
 prefill call repeats its experts, which recency exploits and A0 does not: A0* is no ceiling
-there.) One of the closing lines lists the order-free rows.
+there.) ``now*`` (synthetic traces only) knows the distribution each request is drawn from
+at the moment it is drawn (every topic change and each sequence's favoured experts) and evicts
+the cached expert least likely under it: A0 told every change at once, which no policy is.
+
+``ceiling/Belady`` is about the most an online policy can expect, relative to Belady: on a
+per-call row the higher of A0* (if order-free) and now* (if synthetic); on a token row, Belady's
+own hits on the repeats inside calls plus the per-call ceiling's hits on the calls' first
+requests (``online_ceiling``); ``-`` where nothing is known. The closing lines list the rows
+below 0.9 x Belady whose ceiling is below 0.9 too.
 
 Last line: ``ratio=X``, the worst default/Belady over all rows (the bar is 0.9).
 
@@ -45,6 +53,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import multiprocessing as mp
 import shutil
 import sys
@@ -60,8 +69,9 @@ BENCH = Path(__file__).resolve().parent
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-from policy_sim import LFU, a0_hits, belady_hits, replay  # noqa: E402
+from policy_sim import LFU, a0_hits, belady_hits, belady_mask, now_hits, replay  # noqa: E402
 from traces import (  # noqa: E402
+    KEY_STRIDE,
     PROMPTS,
     EngineSpec,
     Split,
@@ -108,7 +118,7 @@ _POLICIES: dict[str, Callable[[], EvictionPolicy]] = {}
 class Row:
     trace: str
     budget: int
-    rates: dict[str, float]  # policy (and Belady, fixed*, A0*, Belady~) -> hit rate, scored part
+    rates: dict[str, float]  # policy (and the bounds, fixed*, ceiling) -> hit rate, scored part
     distinct_calls: bool = False  # every call of the scored part holds distinct experts
 
     @property
@@ -118,23 +128,47 @@ class Row:
         return self.distinct_calls and self.rates["Belady~"] >= self.rates["Belady"]
 
     @property
+    def ceiling(self) -> float:
+        """ceiling/Belady: the most an online policy can expect here, relative to Belady (NaN
+        where the row has no ceiling; see ``online_ceiling``)."""
+        c, best = self.rates["ceiling"], self.rates["Belady"]
+        return c / best if best else math.nan
+
+    @property
     def ratio(self) -> float:
         return self.rates["default"] / self.rates["Belady"] if self.rates["Belady"] else 0.0
 
 
-def _job(args: tuple[str, int, str, bool]) -> tuple[tuple[str, int, str], float]:
+def _job(args: tuple[str, int, str, bool]) -> list[tuple[tuple[str, int, str], float]]:
     name, budget, policy, touch = args
     split = _SPLITS[name]
     capacity = max(1, split.n_experts * budget // 100)
     if policy == "Belady":
-        score = belady_hits(split.test.keys, capacity)
-    elif policy == "A0*":
+        hit = belady_mask(split.test.keys, capacity)
+        n = max(1, hit.size)
+        # Belady@first: its hits on the requests that are their expert's first in a call.
+        first = float(hit[split.test.first_in_call()].sum()) / n
+        return [
+            ((name, budget, "Belady"), float(hit.sum()) / n),
+            ((name, budget, "Belady@first"), first),
+        ]
+    if policy == "A0*":
         score = a0_hits(split.train.keys, split.test.keys, capacity)
     elif policy == "Belady~":
         score = belady_hits(_SHUFFLED[name], capacity)
+    elif policy == "now*":
+        if split.dists is None or split.train.states is None or split.test.states is None:
+            return [((name, budget, policy), math.nan)]  # only a generator knows its dists
+        score = now_hits(
+            (split.train.keys, split.train.states),
+            (split.test.keys, split.test.states),
+            capacity,
+            split.dists,
+            KEY_STRIDE,
+        )
     else:
         score = replay(_POLICIES[policy], split.train.keys, split.test.keys, capacity, touch)
-    return (name, budget, policy), score.rate
+    return [((name, budget, policy), score.rate)]
 
 
 def fixed_best(test: np.ndarray, capacity: int) -> float:
@@ -155,7 +189,7 @@ def evaluate(
     _POLICIES.clear()
     _POLICIES.update(POLICIES)
     _POLICIES.update({name: functools.partial(make_policy, name) for name in also})
-    bounds = ("Belady", "A0*", "Belady~")
+    bounds = ("Belady", "A0*", "Belady~", "now*")
     todo = [
         (s.name, b, p, daemon_touch) for s in splits for b in BUDGETS for p in (*_POLICIES, *bounds)
     ]
@@ -163,17 +197,49 @@ def evaluate(
     todo.sort(key=lambda j: -_SPLITS[j[0]].test.keys.size - _SPLITS[j[0]].train.keys.size)
     if jobs > 1:
         with mp.get_context("fork").Pool(jobs) as pool:
-            done = dict(pool.imap_unordered(_job, todo))
+            done = dict(kv for out in pool.imap_unordered(_job, todo) for kv in out)
     else:
-        done = dict(map(_job, todo))
+        done = dict(kv for job in todo for kv in _job(job))
     rows = []
     for s in splits:
         distinct = bool(np.array_equal(s.test.per_call().keys, s.test.keys))
         for b in BUDGETS:
-            rates = {p: done[(s.name, b, p)] for p in (*_POLICIES, *bounds)}
+            rates = {p: done[(s.name, b, p)] for p in (*_POLICIES, *bounds, "Belady@first")}
             rates["fixed*"] = fixed_best(s.test.keys, max(1, s.n_experts * b // 100))
             rows.append(Row(s.name, b, rates, distinct))
+    online_ceiling(rows, {s.name: s for s in splits})
     return rows
+
+
+def online_ceiling(rows: list[Row], splits: dict[str, Split]) -> None:
+    """Fill ``rates["ceiling"]``: about the best hit rate an online policy can expect.
+
+    - A per-call row (its calls hold distinct experts): A0* if it is order-free, now* if it is
+      synthetic; the higher of the two where both apply (a drift-following policy can beat A0*
+      on a synthetic row that looks order-free).
+    - A token row whose per-call row has such a ceiling. Its requests are the calls' first
+      requests (the per-call stream) and repeats inside a call. Granted: Belady's own hits on
+      the repeats, plus on the first requests the per-call ceiling's hits (no more than
+      Belady's there). Both parts are generous to an online policy.
+    - Otherwise NaN: nothing known.
+    """
+    by_key = {(r.trace, r.budget): r for r in rows}
+    for r in rows:
+        if not r.distinct_calls:
+            continue
+        found = [r.rates["now*"]] if not math.isnan(r.rates["now*"]) else []
+        if r.order_free:
+            found.append(r.rates["A0*"])
+        r.rates["ceiling"] = max(found) if found else math.nan
+    for r in rows:
+        if r.distinct_calls:
+            continue
+        call = by_key.get((f"{r.trace}/call", r.budget))
+        r.rates["ceiling"] = math.nan
+        if call is not None and not math.isnan(call.rates["ceiling"]):
+            share = splits[call.trace].test.keys.size / splits[r.trace].test.keys.size
+            on_first = min(call.rates["ceiling"] * share, r.rates["Belady@first"])
+            r.rates["ceiling"] = r.rates["Belady"] - r.rates["Belady@first"] + on_first
 
 
 HEADER = (
@@ -189,6 +255,8 @@ HEADER = (
     "A0*",
     "A0*/Belady",
     "Belady~",
+    "now*",
+    "ceiling/Belady",
 )
 
 
@@ -207,8 +275,14 @@ def row_cells(r: Row, also: tuple[str, ...]) -> list[str]:
         f"{rt['A0*']:.3f}",
         f"{rt['A0*'] / rt['Belady'] if rt['Belady'] else 0.0:.3f}",
         f"{rt['Belady~']:.3f}",
+        _cell(rt["now*"]),
+        _cell(r.ceiling),
         *(f"{rt[name]:.3f}" for name in also),
     ]
+
+
+def _cell(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.3f}"
 
 
 def print_table(rows: list[Row], markdown: bool, also: tuple[str, ...] = ()) -> None:
@@ -323,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
              for r in rows if r.order_free and r.rates["Belady"]]  # fmt: skip
     print(f"order-free rows, A0*/Belady (about the most an online policy can expect): "
           f"{', '.join(bound) or 'none'}")  # fmt: skip
+    capped = [f"{r.trace}@{r.budget}% {r.ceiling:.3f}" for r in rows
+              if r.ratio < 0.9 and r.ceiling < 0.9]  # fmt: skip
+    print(f"below 0.9x Belady with an online ceiling below 0.9 too ({len(capped)} of "
+          f"{len(misses)}): {', '.join(capped) or 'none'}")  # fmt: skip
     print(f"elapsed_s={time.perf_counter() - t0:.1f}")
     print(f"ratio={min(r.ratio for r in rows):.3f}")
     return 0

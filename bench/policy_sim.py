@@ -17,6 +17,11 @@ Invariants:
   cached key that occurs least. When requests are independent draws from fixed frequencies
   (the independent reference model), that is the best any demand-paging policy can do without
   seeing the future (the classical A0 result), so A0 on such a trace is an online ceiling.
+- ``now_hits`` (synthetic traces) knows the distribution each request is drawn from, at the
+  time it is drawn, but not the draws: it evicts the cached key least likely to be picked next
+  under the present distribution. That is A0 for a distribution that changes (topic drift, a
+  new sequence's favoured experts), told every change the moment it happens, which no policy
+  is: about the most an online policy can expect on such a trace.
 """
 
 from __future__ import annotations
@@ -106,14 +111,19 @@ def next_use(keys: np.ndarray) -> np.ndarray:
 
 def belady_hits(test: np.ndarray, capacity: int) -> Score:
     """MIN's hits on ``test`` from the best starting content (see the module docstring)."""
+    return Score(int(belady_mask(test, capacity).sum()), int(test.size))
+
+
+def belady_mask(test: np.ndarray, capacity: int) -> np.ndarray:
+    """Which requests of ``test`` MIN hits, from the best starting content."""
     nxt = next_use(test).tolist()
     cached: dict[int, int] = {}  # key -> its next use
     heap: list[tuple[int, int]] = []  # (-next use, key); stale rows skipped
-    hits = 0
+    hit = np.zeros(test.size, dtype=bool)
     for i, k in enumerate(test.tolist()):
         nu = nxt[i]
         if k in cached:
-            hits += 1
+            hit[i] = True
         elif len(cached) >= capacity:
             while True:
                 neg, victim = heapq.heappop(heap)
@@ -122,8 +132,41 @@ def belady_hits(test: np.ndarray, capacity: int) -> Score:
                     break
         cached[k] = nu
         heapq.heappush(heap, (-nu, k))
-    distinct = int(np.unique(test).size)
-    return Score(hits + min(capacity, distinct), int(test.size))
+    # The best starting content: the first min(capacity, distinct) keys that cold MIN missed
+    # on their first request are loaded already (a key's first request is its first in a call).
+    _, first = np.unique(test, return_index=True)
+    hit[np.sort(first)[:capacity]] = True
+    return hit
+
+
+def now_hits(
+    train: tuple[np.ndarray, np.ndarray],
+    test: tuple[np.ndarray, np.ndarray],
+    capacity: int,
+    dists: np.ndarray,
+    key_stride: int,
+) -> Score:
+    """A0 under the present distribution: ``train`` and ``test`` are (keys, states) and
+    ``dists[state, layer, expert]`` the probability of each expert in that state."""
+    n_states, _, per_layer = dists.shape
+    flat = dists.reshape(n_states, -1)
+    slot: dict[int, int] = {}  # dense key -> its place in ``held``
+    held = np.zeros(capacity, dtype=np.int64)  # the cached dense keys
+    hits = 0
+    for (keys, states), scored in ((train, False), (test, True)):
+        dense = (keys // key_stride) * per_layer + keys % key_stride
+        for k, state in zip(dense.tolist(), states.tolist(), strict=True):
+            if k in slot:
+                hits += scored
+                continue
+            if len(slot) < capacity:
+                i = len(slot)
+            else:
+                i = int(np.argmin(flat[state][held]))
+                del slot[int(held[i])]
+            held[i] = k
+            slot[k] = i
+    return Score(hits, int(test[0].size))
 
 
 def a0_hits(train: np.ndarray, test: np.ndarray, capacity: int) -> Score:

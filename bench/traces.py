@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -87,6 +88,8 @@ class Stream:
 
     keys: np.ndarray  # int64 keys, layer * KEY_STRIDE + expert
     starts: np.ndarray  # int64 offsets of the calls, ascending, starts[0] == 0 when non-empty
+    # Synthetic traces only: per request, the row of ``Split.dists`` it was drawn from.
+    states: np.ndarray | None = None
 
     @classmethod
     def of_calls(cls, calls: list[np.ndarray]) -> Stream:
@@ -103,14 +106,26 @@ class Stream:
         distinct experts together), in first-use order."""
         if self.keys.size == 0:
             return self
-        call = np.repeat(
-            np.arange(self.starts.size), np.diff(np.append(self.starts, self.keys.size))
-        )
-        _, first = np.unique(call * (KEY_STRIDE << 12) + self.keys, return_index=True)
-        first.sort()
+        first = np.flatnonzero(self.first_in_call())
+        call = self.call_of()
         kept = np.bincount(call[first], minlength=self.starts.size)
         starts = np.concatenate([[0], np.cumsum(kept)[:-1]]).astype(np.int64)
-        return Stream(self.keys[first], starts)
+        return Stream(self.keys[first], starts, _take(self.states, first))
+
+    def call_of(self) -> np.ndarray:
+        """For each request, the index of its call."""
+        return np.repeat(
+            np.arange(self.starts.size), np.diff(np.append(self.starts, self.keys.size))
+        )
+
+    def first_in_call(self) -> np.ndarray:
+        """A mask of the requests that are their expert's first in their call (what the daemon
+        sees); the others repeat an expert the same call already asked for."""
+        mask = np.zeros(self.keys.size, dtype=bool)
+        if self.keys.size:
+            _, first = np.unique(self.call_of() * (KEY_STRIDE << 12) + self.keys, return_index=True)
+            mask[first] = True
+        return mask
 
     def shuffled(self, rng: np.random.Generator) -> Stream:
         """The same calls in a random order: each layer's calls are shuffled among the places
@@ -131,9 +146,13 @@ class Stream:
         i = int(np.searchsorted(self.starts, int(self.keys.size * frac)))
         at = int(self.starts[i]) if i < self.starts.size else self.keys.size
         return (
-            Stream(self.keys[:at], self.starts[:i]),
-            Stream(self.keys[at:], self.starts[i:] - at),
+            Stream(self.keys[:at], self.starts[:i], _take(self.states, slice(None, at))),
+            Stream(self.keys[at:], self.starts[i:] - at, _take(self.states, slice(at, None))),
         )
+
+
+def _take(states: np.ndarray | None, where: np.ndarray | slice) -> np.ndarray | None:
+    return None if states is None else states[where]
 
 
 @dataclass(frozen=True)
@@ -144,10 +163,17 @@ class Split:
     train: Stream
     test: Stream
     n_experts: int  # MoE layers x experts per layer: what a cache percentage is of
+    # Synthetic traces only: [state, layer, expert] -> the probability that a token's routing
+    # in that layer picks that expert first, in the state (sequence) a request was drawn in.
+    dists: np.ndarray | None = None
 
     def per_call(self) -> Split:
         return Split(
-            f"{self.name}/call", self.train.per_call(), self.test.per_call(), self.n_experts
+            f"{self.name}/call",
+            self.train.per_call(),
+            self.test.per_call(),
+            self.n_experts,
+            self.dists,
         )
 
     def describe(self) -> str:
@@ -181,9 +207,11 @@ def expert_set_size(keys: np.ndarray) -> int:
     return int(layers * (int((keys % KEY_STRIDE).max()) + 1))
 
 
-def split_by_time(name: str, stream: Stream, train_frac: float, n_experts: int) -> Split:
+def split_by_time(
+    name: str, stream: Stream, train_frac: float, n_experts: int, dists: np.ndarray | None = None
+) -> Split:
     train, test = stream.cut(train_frac)
-    return Split(name, train, test, n_experts)
+    return Split(name, train, test, n_experts, dists)
 
 
 # ---- the tiny engine ------------------------------------------------------------------
@@ -273,18 +301,26 @@ def synthetic(spec: SynthSpec) -> Split:
     base = 1.0 / np.arange(1, spec.experts + 1)[None, :] ** exps[:, None]  # [layer, rank]
     ranking = np.stack([rng.permutation(spec.experts) for _ in range(spec.layers)])
     parts: list[tuple[np.ndarray, np.ndarray]] = []
+    dists: list[np.ndarray] = []  # each sequence's routing distribution, [layer, expert]
     done, next_drift = 0, spec.drift_every
     while done < spec.tokens:
         n = min(int(rng.integers(*spec.seq_len, endpoint=True)), spec.tokens - done)
         while done + n > next_drift and next_drift < spec.tokens:
             _drift(rng, ranking, spec.drift_frac)
             next_drift += spec.drift_every
-        parts.append(_sequence(rng, spec, base, ranking, n))
+        keys, sizes, weights = _sequence(rng, spec, base, ranking, n)
+        parts.append((keys, sizes))
+        dists.append(weights / weights.sum(axis=1, keepdims=True))
         done += n
-    stream = Stream.of_sizes(
-        np.concatenate([k for k, _ in parts]), np.concatenate([n for _, n in parts])
+    stream = dataclasses.replace(
+        Stream.of_sizes(
+            np.concatenate([k for k, _ in parts]), np.concatenate([n for _, n in parts])
+        ),
+        states=np.concatenate([np.full(k.size, i, np.int32) for i, (k, _) in enumerate(parts)]),
     )
-    return split_by_time(spec.name, stream, spec.train_frac, spec.layers * spec.experts)
+    return split_by_time(
+        spec.name, stream, spec.train_frac, spec.layers * spec.experts, np.stack(dists)
+    )
 
 
 def _drift(rng: np.random.Generator, ranking: np.ndarray, frac: float) -> None:
@@ -298,9 +334,9 @@ def _drift(rng: np.random.Generator, ranking: np.ndarray, frac: float) -> None:
 
 def _sequence(
     rng: np.random.Generator, spec: SynthSpec, base: np.ndarray, ranking: np.ndarray, n: int
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One sequence's requests, routed [token, layer, k] then laid out in the engine's order,
-    and the sizes of its layer calls."""
+    the sizes of its layer calls, and the routing weights they were drawn with [layer, expert]."""
     weights = np.empty_like(base)
     for layer in range(spec.layers):
         weights[layer, ranking[layer]] = base[layer]  # expert ranking[l][r] has weight base[l][r]
@@ -315,4 +351,4 @@ def _sequence(
     head = routed[:prefill].transpose(1, 0, 2).reshape(-1)  # one call per layer, tokens inside
     tail = routed[prefill:].reshape(-1)  # decoding: token by token, layer by layer
     sizes = [prefill * spec.top_k] * spec.layers + [spec.top_k] * (spec.layers * (n - prefill))
-    return np.concatenate([head, tail]), np.array(sizes, dtype=np.int64)
+    return np.concatenate([head, tail]), np.array(sizes, dtype=np.int64), weights

@@ -20,7 +20,7 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 import policy_eval  # noqa: E402
-from policy_sim import LFU, a0_hits, belady_hits, next_use, replay  # noqa: E402
+from policy_sim import LFU, a0_hits, belady_hits, belady_mask, next_use, now_hits, replay  # noqa: E402
 from traces import (  # noqa: E402
     KEY_STRIDE,
     Stream,
@@ -187,6 +187,92 @@ def test_a0_never_beats_belady(seq: list[int], cap: int) -> None:
     assert a0_hits(keys[::-1].copy(), keys, cap).hits <= belady_hits(keys, cap).hits
 
 
+def test_now_evicts_the_least_likely_under_the_present_distribution() -> None:
+    # One layer of 3 experts, two states: first expert 0 is likeliest, then expert 2.
+    dists = np.array([[[0.6, 0.3, 0.1]], [[0.1, 0.3, 0.6]]])
+    keys = np.array([0, 1, 2, 0, 2, 1], dtype=np.int64)
+    # State 0 throughout, capacity 2: 0 m, 1 m, 2 m (drops 2 itself? no: drops the least
+    # likely CACHED one, 1), 0 h, 2 h, 1 m.
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.int32))
+    assert now_hits(empty, (keys, np.zeros(6, np.int32)), 2, dists, KEY_STRIDE).hits == 2
+    # In state 1 from the third request on, 0 is the least likely when 2 arrives: 0 m, 1 m,
+    # 2 m (drops 0), 0 m (drops 1), 2 h, 1 m.
+    states = np.array([0, 0, 1, 1, 1, 1], dtype=np.int32)
+    assert now_hits(empty, (keys, states), 2, dists, KEY_STRIDE).hits == 1
+    # Warm-up requests fill the cache but are not scored; keys of layer 1 map to row 1.
+    two = np.array([[[0.5, 0.5], [0.9, 0.1]]])
+    layer1 = np.array([KEY_STRIDE, KEY_STRIDE + 1, KEY_STRIDE], dtype=np.int64)
+    warm = (np.array([KEY_STRIDE], dtype=np.int64), np.zeros(1, np.int32))
+    assert now_hits(warm, (layer1, np.zeros(3, np.int32)), 1, two, KEY_STRIDE).hits == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=40), st.integers(1, 4), st.integers(0, 9))
+def test_now_never_beats_belady(seq: list[int], cap: int, seed: int) -> None:
+    keys = np.array(seq, dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    dists = rng.dirichlet(np.ones(6), size=(3, 1))
+    states = rng.integers(0, 3, size=keys.size).astype(np.int32)
+    warm = (keys[::-1].copy(), states[::-1].copy())
+    assert (
+        now_hits(warm, (keys, states), cap, dists, KEY_STRIDE).hits <= belady_hits(keys, cap).hits
+    )
+
+
+def test_belady_mask_marks_each_hit() -> None:
+    # Capacity 1 from the best start: 1 is loaded, 1 h, 2 m, 2 h, 1 m, 1 h.
+    hit = belady_mask(np.array([1, 1, 2, 2, 1, 1], dtype=np.int64), 1)
+    assert hit.tolist() == [True, True, False, True, False, True]
+
+
+def test_first_in_call_and_states_follow_the_views() -> None:
+    s = Stream(np.array([5, 6, 5, 6, 7, 7], dtype=np.int64), np.array([0, 4]),
+               np.array([0, 0, 0, 1, 2, 3], dtype=np.int32))  # fmt: skip
+    assert s.first_in_call().tolist() == [True, True, False, False, True, False]
+    c = s.per_call()
+    assert c.keys.tolist() == [5, 6, 7] and c.states is not None
+    assert c.states.tolist() == [0, 0, 2]
+    head, tail = s.cut(0.5)
+    assert head.states is not None and tail.states is not None
+    assert head.states.tolist() == [0, 0, 0, 1] and tail.states.tolist() == [2, 3]
+
+
+def test_synthetic_states_index_the_distribution_each_request_was_drawn_from() -> None:
+    split = synthetic(SynthSpec(layers=3, experts=32, top_k=4, tokens=600, seed=2))
+    assert split.dists is not None and split.test.states is not None
+    assert split.dists.shape[1:] == (3, 32)
+    assert np.allclose(split.dists.sum(axis=2), 1.0)
+    # Requests land mostly on what their own state makes likely: the favoured experts of the
+    # sequence are boosted, so the drawn experts' mean probability beats a random state's.
+    keys, states = split.test.keys, split.test.states
+    own = split.dists[states, keys // KEY_STRIDE, keys % KEY_STRIDE].mean()
+    other = split.dists[(states + 1) % len(split.dists), keys // KEY_STRIDE, keys % KEY_STRIDE]
+    assert own > 1.1 * other.mean()  # 0.090 against 0.079 (seed 2)
+
+
+def test_ceiling_of_a_token_row_comes_from_its_call_row() -> None:
+    from traces import Split
+
+    token = Stream(np.array([1, 1, 1, 2], dtype=np.int64), np.array([0, 3]))
+    call = token.per_call()
+    splits = {"t": Split("t", token, token, 4), "t/call": Split("t/call", call, call, 4)}
+
+    def row(name: str, distinct: bool, **rates: float) -> policy_eval.Row:
+        base = {"now*": float("nan"), "A0*": 0.0, "Belady~": 0.0, "Belady": 0.0}
+        return policy_eval.Row(name, 10, {**base, **rates}, distinct)
+
+    # The call row is order-free (Belady~ >= Belady): its ceiling is A0*.
+    c = row("t/call", True, **{"A0*": 0.5, "Belady": 1.0, "Belady~": 1.0})
+    # Token row: Belady hits 3 of 4, 1 of them on a call's first request (2 of 4 are firsts).
+    t = row("t", False, Belady=0.75, **{"Belady@first": 0.25})
+    other = row("u", False, Belady=0.5, **{"Belady@first": 0.25})  # no call row: no ceiling
+    policy_eval.online_ceiling([t, c, other], splits)
+    assert c.rates["ceiling"] == 0.5
+    # Belady's 2 hits on repeats, and on firsts min(0.5 x 2 of the 4 requests, Belady's 1).
+    assert t.rates["ceiling"] == pytest.approx(0.75) and t.ceiling == pytest.approx(1.0)
+    assert np.isnan(other.rates["ceiling"])
+
+
 def test_shuffled_keeps_each_layers_calls_and_their_places() -> None:
     src = synthetic(SynthSpec(layers=3, experts=32, top_k=4, tokens=600, seed=2)).test
     got = src.shuffled(np.random.default_rng(0))
@@ -326,10 +412,15 @@ def test_policy_eval_runs_tiny(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0 and re.fullmatch(r"ratio=\d+\.\d{3}", out[-1])
     rows = [line for line in out if line.startswith("| engine-5x32k4/call | 10 |")]
-    assert len(rows) == 1 and len(rows[0].strip("|").split("|")) == 13  # 12 columns + lfuda
+    assert len(rows) == 1 and len(rows[0].strip("|").split("|")) == 15  # 14 columns + lfuda
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     belady, a0, shuffled = float(cells[5]), float(cells[9]), float(cells[11])
     assert 0.0 <= a0 <= belady and 0.0 <= shuffled <= 1.0
+    assert cells[12] == "-"  # now* needs a generator's distributions
+    synth = [line for line in out if line.startswith("| synth-k3/call | 10 |")]
+    cells = [c.strip() for c in synth[0].strip("|").split("|")]
+    now, ceiling = float(cells[12]), float(cells[13])
+    assert 0.0 <= now <= float(cells[5]) and 0.0 <= ceiling <= 1.0
     assert any(line.startswith("| trace |") and line.endswith("| lfuda |") for line in out)
     assert list(tmp_path.iterdir()) == [], "the work dir must be removed"
     worst = float(out[-1].split("=")[1])
