@@ -46,7 +46,9 @@ from cachecd.coverage_render import Grid, render_html, render_json, render_png, 
 from cachecd.manifest import Manifest
 
 
-def workload(m: Manifest, seed: int = 0) -> tuple[dict[tuple[int, int], tuple[int, float]], set[str]]:
+def workload(
+    m: Manifest, seed: int = 0
+) -> tuple[dict[tuple[int, int], tuple[int, float]], set[str]]:
     rng = np.random.default_rng(seed)
     per = m.experts_per_layer
     weights = 1.0 / np.arange(1, per + 1) ** 1.1
@@ -122,14 +124,20 @@ def main() -> None:
     png_first_s, _ = median_time(lambda: render_png(report, grid), 1)  # includes the import
     png_s, png = median_time(lambda: render_png(report, grid), args.runs)
     html_s, page = median_time(lambda: render_html(report, png), args.runs)
-    print(f"experts={m.n_experts} cached={report['experts_cached']} "
-          f"bytes_cached={report['bytes_cached']} used_experts={len(counts)} "
-          f"accesses={report['accesses']} workload_coverage={report['workload_coverage']:.4f}")
+    print(
+        f"experts={m.n_experts} cached={report['experts_cached']} "
+        f"bytes_cached={report['bytes_cached']} used_experts={len(counts)} "
+        f"accesses={report['accesses']} workload_coverage={report['workload_coverage']:.4f}"
+    )
     print(f"to_reach={[(r['target'], r['bytes_more']) for r in report['to_reach']]}")
     print(f"cached_mask_s={mask_s:.4f} access_array_s={access_s:.4f} coverage_report_s={cov_s:.4f}")
-    print(f"daemon_part_s={daemon_s:.4f} command_part_s={command_s:.4f} "
-          f"table_chars={len(table)} json_chars={len(text)}")
-    print(f"png_first_s={png_first_s:.3f} png_s={png_s:.3f} png_bytes={len(png)} html_s={html_s:.4f} html_bytes={len(page)}")
+    print(
+        f"daemon_part_s={daemon_s:.4f} command_part_s={command_s:.4f} "
+        f"table_chars={len(table)} json_chars={len(text)}"
+    )
+    print(
+        f"png_first_s={png_first_s:.3f} png_s={png_s:.3f} png_bytes={len(png)} html_s={html_s:.4f} html_bytes={len(page)}"
+    )
     print(f"lmdb_access_counts_s={lmdb_read_s(m, counts, args.runs):.4f}")
     print(f"report_s={daemon_s + command_s:.3f}")
 

@@ -54,7 +54,8 @@ def synthetic_k3(seed: int = 0) -> Manifest:
     shard_bytes = np.bincount(shard, weights=sizes, minlength=SHARDS).astype(np.int64)
     names = [f"model-{i + 1:05d}-of-{SHARDS:05d}.safetensors" for i in range(SHARDS)]
     files = [
-        FileInfo(nm, data0 + int(b), _sha(nm), HEADER_LEN) for nm, b in zip(names, shard_bytes, strict=True)
+        FileInfo(nm, data0 + int(b), _sha(nm), HEADER_LEN)
+        for nm, b in zip(names, shard_bytes, strict=True)
     ]
     files += [FileInfo(nm, 4096, _sha(nm), 0) for nm in ("config.json", "tokenizer_config.json")]
     files.append(FileInfo("model.safetensors.index.json", 1 << 20, _sha("index"), 0))
