@@ -5,8 +5,12 @@ finishes a request (slowloris) holds a file descriptor with each until aiohttp's
 timer closes it, 75 s later. The door keeps the count at ``limit``:
 - a connection that arrives at the limit pushes out the oldest open connection that has not
   started a request (its headers never completed), so a health check still gets in;
-- when every open connection has started a request, the newcomer is answered with a typed 503
-  (``too_many_connections``) once its request has arrived, and closed.
+- failing that, the connection idle longest among those kept alive after their last answer, if
+  that was ``IDLE_CLOSE_AFTER_S`` ago or more (HTTP lets a server close an idle kept-alive
+  connection at any time; cachecd's client resends on a fresh one);
+- when every open connection has a request under way or answered within that time, the
+  newcomer is answered with a typed 503 (``too_many_connections``) once its request has
+  arrived, and closed.
 A request under way is never cut. The data socket bounds its connections itself (datapath).
 
 The door also builds each connection's aiohttp handler, as ``_JsonErrors``: what aiohttp answers
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -29,6 +34,9 @@ from cachecd.errors import Internal, InvalidRequest, TooManyConnections
 
 # A refused client gets this long to send its request and read the 503 before it is closed.
 REFUSAL_WAIT_S = 2.0
+# A kept-alive connection may be closed for a newcomer once its last answer is this old: long
+# after aiohttp has written a control answer, short of the 75 s its keep-alive timer waits.
+IDLE_CLOSE_AFTER_S = 1.0
 _MAX_REFUSED_HEAD = 16 << 10
 
 
@@ -47,25 +55,43 @@ class ControlDoor:
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         conn = self._by_handler.get(request.protocol)
-        if conn is not None:
-            conn.started = True
-        return await handler(request)
+        if conn is None:
+            return await handler(request)
+        conn.started = True
+        conn.active += 1
+        try:
+            return await handler(request)
+        finally:
+            conn.active -= 1
+            conn.idle_since = asyncio.get_running_loop().time()
 
     def admit(self, server: web.Server) -> asyncio.BaseProtocol:
         """The protocol for a connection just accepted (an asyncio protocol factory's job)."""
         if len(self._open) >= self.limit:
-            slow = next((c for c in self._open if not c.started and c.transport), None)
-            if slow is None:
+            out = self._to_close()
+            if out is None:
                 self._counters["control_connections_refused"] += 1
                 return _Refusal(self.limit)
-            self._forget(slow)
-            slow.handler.force_close()
-            self._counters["control_connections_dropped"] += 1
+            conn, counter = out
+            self._forget(conn)
+            conn.handler.force_close()
+            self._counters[counter] += 1
         handler = _JsonErrors(server, loop=asyncio.get_running_loop(), **self._handler_args)
         conn = _Counted(handler, self)
         self._open[conn] = None
         self._by_handler[conn.handler] = conn
         return conn
+
+    def _to_close(self) -> tuple[_Counted, str] | None:
+        """The connection a newcomer at the limit replaces, and the counter that records it."""
+        slow = next((c for c in self._open if not c.started and c.transport), None)
+        if slow is not None:
+            return slow, "control_connections_dropped"
+        cutoff = asyncio.get_running_loop().time() - IDLE_CLOSE_AFTER_S
+        idle = [c for c in self._open if c.transport and not c.active and c.idle_since <= cutoff]
+        if idle:
+            return min(idle, key=lambda c: c.idle_since), "control_connections_idle_closed"
+        return None
 
     def _forget(self, conn: _Counted) -> None:
         self._open.pop(conn, None)
@@ -82,6 +108,12 @@ class _JsonErrors(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
+        if isinstance(exc, ConnectionResetError) and (
+            request.transport is None or request.transport.is_closing()
+        ):
+            # The client left before its request was in (a half-sent body): nothing to answer
+            # and nothing wrong here. aiohttp takes this as a premature disconnection (debug).
+            raise ConnectionResetError("the client closed its connection mid-request") from exc
         super().handle_error(request, status, exc, message)  # logs; refuses if a reply began
         # aiohttp's message can quote the request's bytes: name the failure, not the input.
         what = type(exc).__name__ if exc is not None else "an unreadable request"
@@ -101,6 +133,8 @@ class _Counted(asyncio.Protocol):
     def __init__(self, handler: RequestHandler, door: ControlDoor) -> None:
         self.handler = handler
         self.started = False  # a request got as far as the app
+        self.active = 0  # requests in the app now
+        self.idle_since = math.inf  # loop time its last request left the app
         self.transport: asyncio.BaseTransport | None = None
         self._door = door
 
@@ -149,7 +183,7 @@ class _Refusal(asyncio.Protocol):
     def __init__(self, limit: int) -> None:
         err = TooManyConnections(
             f"the daemon already serves its limit of {limit} control connections, each with a "
-            f"request under way or kept alive; retry in a moment, or find what holds them "
+            f"request under way or just answered; retry in a moment, or find what holds them "
             f"(`ss -xp | grep cachecd`)"
         )
         body = json.dumps(err.to_wire()).encode()

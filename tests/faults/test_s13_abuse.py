@@ -8,22 +8,23 @@ count is bounded on both sockets."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
 import socket
 import struct
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from cachecd import constants, protocol
+from cachecd import constants, control_door, protocol
 from tests.faults.figures import FIGURES
 from tests.faults.probe import HealthProbe, record_health
 from tests.faults.support import (
     FaultDaemon,
     Model,
-    _UnixConn,
     check_bytes,
     check_wire_error,
     fd_census,
@@ -237,22 +238,35 @@ def test_slowloris_and_connection_floods(setup: FaultDaemon) -> None:
     assert held <= constants.MAX_CONTROL_CONNECTIONS + constants.MAX_CONNECTIONS + 8, held
 
 
+def _busy_connection(sock_path: Path) -> tuple[socket.socket, int, bytes]:
+    """A connection answered once and then kept busy: /healthz, pipelined with a POST whose
+    body never arrives (its handler waits for the body). Returns (socket, status, body) of the
+    /healthz answer."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(str(sock_path))
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n"
+              b"POST /v1/evict HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 64\r\n\r\n{")  # fmt: skip
+    resp = http.client.HTTPResponse(s)
+    resp.begin()
+    return s, resp.status, resp.read()
+
+
 def test_control_connections_past_the_limit_get_a_typed_503(setup: FaultDaemon) -> None:
     from cachecd.errors import TooManyConnections
 
-    held: list[_UnixConn] = []
+    held: list[socket.socket] = []
     status, body = 0, b""
     try:
-        # Every slot taken by a connection that started a request (kept alive after its
-        # answer): none may be pushed out.
+        # Every slot taken by a connection with a request under way: none may be closed.
         for _ in range(constants.MAX_CONTROL_CONNECTIONS + 1):
-            conn = _UnixConn(setup.socket, 30)
-            held.append(conn)
-            conn.request("GET", "/healthz")
-            resp = conn.getresponse()
-            status, body = resp.status, resp.read()
+            s, status, body = _busy_connection(setup.socket)
+            held.append(s)
             if status != 200:
                 break
+        time.sleep(control_door.IDLE_CLOSE_AFTER_S + 0.2)  # busy, however long they have been
+        status, _, body = http_request(setup.socket, "GET", "/healthz")
         assert status == 503, (status, body[:200])
         payload = check_wire_error(503, body)
         assert payload["error"] == "too_many_connections" and payload["retryable"] is True
@@ -275,3 +289,30 @@ def test_control_connections_past_the_limit_get_a_typed_503(setup: FaultDaemon) 
         pytest.fail("the control socket stayed full after its connections closed")
     out = run_cli("status", "--socket", str(setup.socket)).stdout  # what the user sees
     assert "control connections were refused" in out, out
+
+
+def test_an_idle_kept_alive_connection_makes_room_for_a_newcomer(setup: FaultDaemon) -> None:
+    with setup.client() as c:
+        closed0 = c.stats()["counters"].get("control_connections_idle_closed", 0)
+    held = []
+    try:
+        # Every slot taken by a cachecd client whose connection is kept alive after an answer
+        # (the health probe holds the last one, and is never idle for long).
+        for _ in range(constants.MAX_CONTROL_CONNECTIONS - 1):
+            held.append(setup.client())
+            assert held[-1].health()["ok"]
+        time.sleep(control_door.IDLE_CLOSE_AFTER_S + 0.2)
+        with setup.client() as c:  # gets in: the connection idle longest is closed for it
+            assert c.health()["ok"]
+            closed = c.stats()["counters"].get("control_connections_idle_closed", 0) - closed0
+        assert closed == 1
+        # The first client's connection was that one. Its next call goes out on a fresh
+        # connection, which takes the slot of the next connection idle longest.
+        assert held[0].health()["ok"]
+        with setup.client() as c:
+            closed = c.stats()["counters"].get("control_connections_idle_closed", 0) - closed0
+        assert closed >= 2
+        FIGURES.set("s13.idle_connections_closed_for_newcomers", closed)
+    finally:
+        for client in held:
+            client.close()

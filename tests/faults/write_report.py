@@ -69,9 +69,12 @@ NOTES: dict[str, str] = {
         "blobs are caught on open and refetched."),
     "s13.slowloris_connections": (
         "The control socket holds at most MAX_CONTROL_CONNECTIONS (128): a connection that "
-        "arrives at the limit pushes out the oldest one that never started a request, and when "
-        "every one has started a request the newcomer gets a typed 503 too_many_connections "
-        "(cachecd.control_door). A half-sent request that is not pushed out is closed by "
+        "arrives at the limit pushes out the oldest one that never started a request, or else "
+        "the one kept alive idle longest if that is 1 s or more (IDLE_CLOSE_AFTER_S; "
+        "s13.idle_connections_closed_for_newcomers). When every one has a request under way "
+        "or was answered within that second, the newcomer gets a typed 503 too_many_connections "
+        "(cachecd.control_door). A client that leaves mid-request is a debug line, not a "
+        "traceback. A half-sent request that is not pushed out is closed by "
         "aiohttp's keep-alive timer after 75 s. The data socket admits at most MAX_CONNECTIONS "
         "(256). Both sockets are 0600, same-uid only."),
 }
