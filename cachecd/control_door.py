@@ -88,7 +88,7 @@ class ControlDoor:
         if slow is not None:
             return slow, "control_connections_dropped"
         cutoff = asyncio.get_running_loop().time() - IDLE_CLOSE_AFTER_S
-        idle = [c for c in self._open if c.transport and not c.active and c.idle_since <= cutoff]
+        idle = [c for c in self._open if c.idle_since <= cutoff and not c.active and c.flushed()]
         if idle:
             return min(idle, key=lambda c: c.idle_since), "control_connections_idle_closed"
         return None
@@ -137,6 +137,12 @@ class _Counted(asyncio.Protocol):
         self.idle_since = math.inf  # loop time its last request left the app
         self.transport: asyncio.BaseTransport | None = None
         self._door = door
+
+    def flushed(self) -> bool:
+        """Open, with every byte of its answers handed to the kernel (a slow reader's last
+        answer may still sit in the transport's buffer after its handler returned)."""
+        t = self.transport
+        return isinstance(t, asyncio.WriteTransport) and t.get_write_buffer_size() == 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport

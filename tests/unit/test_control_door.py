@@ -20,12 +20,16 @@ class _Transport(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
         self.closed = False
+        self.unsent = 0  # bytes of answers the kernel has not taken yet
 
     def close(self) -> None:
         self.closed = True
 
     def is_closing(self) -> bool:
         return self.closed
+
+    def get_write_buffer_size(self) -> int:
+        return self.unsent
 
     def get_extra_info(self, name: str, default: object = None) -> object:
         return default
@@ -58,8 +62,12 @@ def test_at_the_limit_the_door_replaces_unstarted_then_long_idle_connections() -
         # Nothing to replace: every connection is busy or was answered just now.
         assert not isinstance(door.admit(server), control_door._Counted)
         assert counters["control_connections_refused"] == 1
-        # Idle long enough: the one idle longest goes, a newcomer takes its place.
+        # Idle long enough, but its last answer is not all out yet: it stays.
         a.idle_since = now - control_door.IDLE_CLOSE_AFTER_S - 2
+        a.transport.unsent = 1
+        assert not isinstance(door.admit(server), control_door._Counted)
+        # Idle long enough: the one idle longest goes, a newcomer takes its place.
+        a.transport.unsent = 0
         c.idle_since = now - control_door.IDLE_CLOSE_AFTER_S - 1
         new = door.admit(server)
         assert isinstance(new, control_door._Counted)
