@@ -106,8 +106,8 @@ class Stream:
         distinct experts together), in first-use order."""
         if self.keys.size == 0:
             return self
-        first = np.flatnonzero(self.first_in_call())
         call = self.call_of()
+        first = self._firsts(call)
         kept = np.bincount(call[first], minlength=self.starts.size)
         starts = np.concatenate([[0], np.cumsum(kept)[:-1]]).astype(np.int64)
         return Stream(self.keys[first], starts, _take(self.states, first))
@@ -123,9 +123,13 @@ class Stream:
         sees); the others repeat an expert the same call already asked for."""
         mask = np.zeros(self.keys.size, dtype=bool)
         if self.keys.size:
-            _, first = np.unique(self.call_of() * (KEY_STRIDE << 12) + self.keys, return_index=True)
-            mask[first] = True
+            mask[self._firsts(self.call_of())] = True
         return mask
+
+    def _firsts(self, call: np.ndarray) -> np.ndarray:
+        """Ascending positions of the requests that are their expert's first in their call."""
+        _, first = np.unique(call * (KEY_STRIDE << 12) + self.keys, return_index=True)
+        return np.sort(first)
 
     def shuffled(self, rng: np.random.Generator) -> Stream:
         """The same calls in a random order: each layer's calls are shuffled among the places

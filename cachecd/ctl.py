@@ -99,7 +99,7 @@ def _attention(store: dict[str, Any], counters: dict[str, Any]) -> list[str]:
                    "quarantined and fetched again; check the disk, then `cachecd fsck`")
     if refused := counters.get("control_connections_refused", 0):
         out.append(f"attention   {refused} control connections were refused: the daemon held "
-                   "its limit of connections with requests under way (`ss -xp | grep cachecd`)")
+                   "its limit of connections, each busy or just answered (`ss -xp | grep cachecd`)")
     return out
 
 

@@ -102,7 +102,7 @@ class ShuttingDown(CachecdError):
 
 
 class TooManyConnections(CachecdError):
-    """The control socket holds its limit of connections, each with a request started."""
+    """The control socket holds its limit of connections, each busy or just answered."""
 
     code, http_status, retryable = "too_many_connections", 503, True
 
