@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from cachecd.config import data_socket_path, load_settings
-from cachecd.errors import InvalidRequest
+from cachecd.errors import ExpertSizeMismatch, InvalidRequest
 from cachecd.protocol import MAX_FDS_PER_FRAME
-from cachecd_client.transport import ControlTransport, DataTransport, parallel_preadv
+from cachecd_client.transport import ControlTransport, DataTransport, Target, parallel_preadv
 
 
 def default_socket() -> Path:
@@ -126,28 +126,64 @@ class Client:
         ids = [int(i) for i in ids]
         if out is not None and len(out) != len(ids):
             raise InvalidRequest(f"out has {len(out)} buffers for {len(ids)} experts")
-        results: list[np.ndarray] = []
+        arrays: list[np.ndarray] = []
+
+        def targets(sizes: list[int], start: int) -> list[Target]:
+            if out is None:
+                got = [np.empty(n, np.uint8) for n in sizes]
+            else:
+                got = [_fit(buf, n) for buf, n in zip(out[start:start + len(sizes)], sizes, strict=True)]
+            arrays.extend(got)
+            return [memoryview(a.data) for a in got]
+
+        self._read_experts(model, layer, ids, targets)
+        return arrays
+
+    def experts_into(self, model: str, layer: int, ids: Sequence[int],
+                     targets: Sequence[Target]) -> list[int]:
+        """Read several experts of one layer straight into the caller's memory; their sizes.
+
+        ``targets[i]`` is a writable buffer of at least the expert's size, or a list of buffers
+        that the expert's bytes fill one after another (each tensor into its own array, with no
+        copy in between). Misses are fetched, verified and cached by the daemon first.
+        """
+        ids = [int(i) for i in ids]
+        if len(targets) != len(ids):
+            raise InvalidRequest(f"{len(targets)} targets for {len(ids)} experts")
+        sizes: list[int] = []
+
+        def given(got: list[int], start: int) -> list[Target]:
+            chunk = list(targets[start:start + len(got)])
+            for i, (size, target) in enumerate(zip(got, chunk, strict=True)):
+                room = target.nbytes if isinstance(target, memoryview) else sum(
+                    v.nbytes for v in target)
+                if size > room:
+                    raise ExpertSizeMismatch(
+                        f"the daemon has {size} bytes for expert {ids[start + i]} of layer "
+                        f"{layer}; the buffers given hold {room}")
+            sizes.extend(got)
+            return chunk
+
+        self._read_experts(model, layer, ids, given)
+        return sizes
+
+    def _read_experts(self, model: str, layer: int, ids: list[int],
+                      targets: Callable[[list[int], int], list[Target]]) -> None:
         for start in range(0, len(ids), MAX_FDS_PER_FRAME):
             chunk = ids[start:start + MAX_FDS_PER_FRAME]
-            bufs = None if out is None else out[start:start + len(chunk)]
-            results.extend(self._experts_frame(model, layer, chunk, bufs))
-        return results
-
-    def _experts_frame(self, model: str, layer: int, ids: list[int],
-                       out: Sequence[np.ndarray] | None) -> list[np.ndarray]:
-        answer, fds = self._data.request({"op": "experts", "model": model, "layer": int(layer), "ids": ids})
-        try:
-            sizes = [int(e["size"]) for e in answer["experts"]]
-            self.upstream_fetches += sum(1 for e in answer["experts"] if e.get("fetched"))
-            if len(fds) != len(sizes):
-                raise InvalidRequest(f"daemon sent {len(fds)} descriptors for {len(sizes)} experts")
-            arrays: list[np.ndarray] = [np.empty(n, np.uint8) for n in sizes] if out is None else [
-                _fit(buf, n) for buf, n in zip(out, sizes, strict=False)]
-            parallel_preadv(self._pool, fds, sizes, [memoryview(a.data) for a in arrays])
-            return arrays
-        finally:
-            for fd in fds:
-                os.close(fd)
+            answer, fds = self._data.request(
+                {"op": "experts", "model": model, "layer": int(layer), "ids": chunk})
+            try:
+                sizes = [int(e["size"]) for e in answer["experts"]]
+                self.upstream_fetches += sum(1 for e in answer["experts"] if e.get("fetched"))
+                if len(fds) != len(sizes) or len(sizes) != len(chunk):
+                    raise InvalidRequest(
+                        f"daemon sent {len(fds)} descriptors and {len(sizes)} sizes for "
+                        f"{len(chunk)} experts")
+                parallel_preadv(self._pool, fds, sizes, targets(sizes, start))
+            finally:
+                for fd in fds:
+                    os.close(fd)
 
     def close(self) -> None:
         self._control.close()

@@ -160,26 +160,51 @@ class DataTransport:
                 return
 
 
+Target = memoryview | Sequence[memoryview]  # one buffer, or a list the bytes fill in order
+
+
 def parallel_preadv(pool: ThreadPoolExecutor, fds: Sequence[int], sizes: Sequence[int],
-                    outs: Sequence[memoryview]) -> None:
+                    outs: Sequence[Target]) -> None:
     """Fill ``outs[i]`` with the first ``sizes[i]`` bytes of ``fds[i]``: 4 MiB pieces across the
-    pool, small reads grouped into one job, and all of them inline when they fit in one job."""
+    pool, small reads grouped into one job, and all of them inline when they fit in one job.
+
+    An out may be a list of buffers (an iovec): the file's bytes fill them one after another, so
+    one expert can land in several arrays with no copy in between.
+    """
     jobs: list[list[tuple[int, memoryview, int]]] = [[]]
     job_bytes = 0
     for fd, size, out in zip(fds, sizes, outs, strict=False):
-        for start in range(0, size, _CHUNK):
-            end = min(size, start + _CHUNK)
-            if job_bytes >= _MIN_JOB:
-                jobs.append([])
-                job_bytes = 0
-            jobs[-1].append((fd, out[start:end], start))
-            job_bytes += end - start
+        for view, start in _spans(out, size):
+            for piece in range(0, len(view), _CHUNK):
+                if job_bytes >= _MIN_JOB:
+                    jobs.append([])
+                    job_bytes = 0
+                part = view[piece:piece + _CHUNK]
+                jobs[-1].append((fd, part, start + piece))
+                job_bytes += len(part)
     if len(jobs) == 1:
         _read_pieces(jobs[0])
         return
     futures = [pool.submit(_read_pieces, job) for job in jobs]
     for fut in futures:
         fut.result()
+
+
+def _spans(out: Target, size: int) -> list[tuple[memoryview, int]]:
+    """(buffer, file offset) covering the first ``size`` bytes of the file, in order."""
+    views = [out] if isinstance(out, memoryview) else list(out)
+    spans: list[tuple[memoryview, int]] = []
+    pos = 0
+    for view in views:
+        if pos >= size:
+            break
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        take = view[:size - pos]
+        spans.append((take, pos))
+        pos += len(take)
+    if pos < size:
+        raise ValueError(f"buffers hold {pos} bytes, the file has {size}")
+    return spans
 
 
 def _read_pieces(pieces: list[tuple[int, memoryview, int]]) -> None:

@@ -14,9 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from cachecd.errors import CachecdError, ModelNotFound
+from cachecd.errors import CachecdError, ExpertSizeMismatch, ModelNotFound
 from cachecd.manifest import ExpertEntry, Manifest
 
 log = logging.getLogger(__name__)
@@ -46,8 +44,14 @@ class DaemonSource:
     def entry(self, layer: int, expert: int) -> ExpertEntry:
         return self.manifest.expert(layer, expert)
 
-    def experts(self, layer: int, ids: list[int]) -> Sequence[np.ndarray]:
-        return self.client.experts(self.repo, layer, ids)
+    def read_into(self, layer: int, ids: list[int], targets: Sequence[Sequence[memoryview]]) -> None:
+        sizes = self.client.experts_into(self.repo, layer, ids, targets)
+        for e, size in zip(ids, sizes, strict=True):
+            if size != self.manifest.expert(layer, e).nbytes:
+                raise ExpertSizeMismatch(
+                    f"daemon served {size} bytes for layer {layer} expert {e}; the manifest "
+                    f"says {self.manifest.expert(layer, e).nbytes}"
+                )
 
     def prefetch(self, layer: int, ids: list[int]) -> None:
         self._hints.submit(self._hint, layer, list(ids))

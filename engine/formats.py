@@ -1,19 +1,21 @@
-"""Expert bytes -> mx arrays, one decoder per quant format.
+"""Expert bytes -> the arrays mlx-lm's expert bank computes from, one rule per quant format.
 
 Invariants:
 - The layout of an expert's bytes comes only from its manifest entry (``tensors`` and
   ``blob_offsets``): the bytes are the expert's tensors as they lie in the checkpoint, in order.
-- A decoded expert holds, per projection (``gate_proj``/``up_proj``/``down_proj``), exactly the
-  arrays mlx-lm's ``sanitize`` puts in that expert's row of the resident stack: same dtype, same
-  shape, same bytes. So a stack of decoded experts equals a selection of rows of the resident
-  stack, which is what makes the streamed bank bit-identical.
-- One copy per tensor: numpy views over the buffer, then one copy into mx.
+- Every expert of a model has the same tensors (name suffix, dtype, shape); ``StackLayout``
+  names them once, and ``pieces`` maps one expert's blob onto them, refusing an expert that
+  differs. A stack of ``n`` experts holds, per tensor, an array ``[n, *shape]`` of its raw storage
+  dtype, so expert bytes can be read straight into the stack.
+- ``finish`` turns raw stacks into exactly the arrays mlx-lm's ``sanitize`` puts in the resident
+  stack (same dtype, same shape, same bytes, row for row): reinterpreting views, and for int4
+  the biases mlx derives from the scales, computed the same way over the same values.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,7 +28,7 @@ from cachecd import errors
 PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _SUFFIX_RE = re.compile(r"\.experts\.\d+\.(w[123]|gate_proj|up_proj|down_proj)\.(\w+)$")
 
-# numpy has no bfloat16: read its bits as uint16 and reinterpret in mx.
+# Storage dtypes numpy can hold; bfloat16 is kept as its uint16 bits and reinterpreted in mx.
 _NP_DTYPES: dict[str, type[np.generic]] = {
     "U8": np.uint8,
     "I8": np.int8,
@@ -37,6 +39,9 @@ _NP_DTYPES: dict[str, type[np.generic]] = {
     "F32": np.float32,
 }
 
+Key = tuple[str, str]  # (projection, checkpoint suffix), e.g. ("gate_proj", "weight_packed")
+Arrays = dict[str, dict[str, mx.array]]  # projection -> {"weight"/"scales"/"biases": array}
+
 
 class TensorLayout(Protocol):
     name: str
@@ -46,7 +51,7 @@ class TensorLayout(Protocol):
 
 
 class ExpertLayout(Protocol):
-    """The part of ``cachecd.manifest.ExpertEntry`` the decoders read."""
+    """The part of ``cachecd.manifest.ExpertEntry`` the engine reads."""
 
     @property
     def nbytes(self) -> int: ...
@@ -54,11 +59,6 @@ class ExpertLayout(Protocol):
     def tensors(self) -> Sequence[TensorLayout]: ...
     @property
     def blob_offsets(self) -> Sequence[int]: ...
-
-
-Buffer = bytes | bytearray | memoryview | np.ndarray  # anything exposing contiguous bytes
-Arrays = dict[str, dict[str, mx.array]]  # projection -> {"weight"/"scales"/"biases": array}
-Raw = dict[tuple[str, str], "np.ndarray | mx.array"]  # (projection, checkpoint suffix) -> tensor
 
 
 @dataclass(frozen=True)
@@ -89,94 +89,136 @@ def quant_spec(fmt: str) -> QuantSpec:
 
 
 @dataclass(frozen=True)
-class DecodedExpert:
-    arrays: Arrays
-    nbytes: int  # bytes held by the arrays (what the RAM tier budgets)
+class TensorSlot:
+    """One tensor every expert has, as the stack stores it."""
+
+    key: Key
+    dtype: str  # safetensors dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(_NP_DTYPES[self.dtype])
 
 
-def _to_mx(view: np.ndarray, dtype: str) -> mx.array:
-    arr = mx.array(view)
-    return arr.view(mx.bfloat16) if dtype == "BF16" else arr
+@dataclass(frozen=True)
+class StackLayout:
+    slots: tuple[TensorSlot, ...]  # sorted by key
+    expert_nbytes: int
+
+    @classmethod
+    def of(cls, entry: ExpertLayout) -> StackLayout:
+        slots = sorted((_slot(t) for t in entry.tensors), key=lambda s: s.key)
+        if len({s.key for s in slots}) != len(slots):
+            raise errors.UnsupportedFormat("an expert names the same tensor twice")
+        return cls(tuple(slots), entry.nbytes)
 
 
-def tensor_views(entry: ExpertLayout, buf: Buffer) -> Raw:
-    """Split an expert's bytes into its tensors, keyed by (projection, checkpoint suffix)."""
-    # Any contiguous buffer: bytes, mmap, a numpy array from the daemon client.
-    mv = (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
-    if mv.nbytes != entry.nbytes:
-        raise errors.ExpertSizeMismatch(
-            f"expert buffer has {mv.nbytes} bytes, its manifest entry says {entry.nbytes}"
+def _slot(t: TensorLayout) -> TensorSlot:
+    m = _SUFFIX_RE.search(t.name)
+    if m is None or t.dtype not in _NP_DTYPES:
+        raise errors.UnsupportedFormat(
+            f"expert tensor {t.name!r} ({t.dtype}) is not a known expert tensor"
         )
-    out: Raw = {}
+    key = (PROJECTIONS.get(m.group(1), m.group(1)), m.group(2))
+    return TensorSlot(key, t.dtype, tuple(t.shape), t.nbytes)
+
+
+Piece = tuple[int, int, Key]  # (offset in the expert's blob, bytes, tensor)
+
+
+def pieces(entry: ExpertLayout, layout: StackLayout) -> tuple[Piece, ...]:
+    """The expert's blob as consecutive tensors of ``layout`` (every byte covered exactly once)."""
+    by_key = {s.key: s for s in layout.slots}
+    out: list[Piece] = []
     for tensor, offset in zip(entry.tensors, entry.blob_offsets, strict=True):
-        m = _SUFFIX_RE.search(tensor.name)
-        np_dtype = _NP_DTYPES.get(tensor.dtype)
-        if m is None or np_dtype is None:
+        slot = _slot(tensor)
+        if by_key.get(slot.key) != slot:
             raise errors.UnsupportedFormat(
-                f"expert tensor {tensor.name!r} ({tensor.dtype}) is not a known expert tensor"
+                f"expert tensor {tensor.name!r} {tensor.dtype}{list(tensor.shape)} differs from "
+                f"the other experts of the model"
             )
-        count = tensor.nbytes // np.dtype(np_dtype).itemsize
-        view = np.frombuffer(mv, dtype=np_dtype, count=count, offset=offset)
-        proj = PROJECTIONS.get(m.group(1), m.group(1))
-        out[(proj, m.group(2))] = _to_mx(view.reshape(tensor.shape), tensor.dtype)
-    return out
+        out.append((offset, tensor.nbytes, slot.key))
+    out.sort()
+    pos = 0
+    for offset, nbytes, _ in out:
+        if offset != pos:
+            raise errors.UnsupportedFormat(f"expert tensors leave a gap or overlap at byte {pos}")
+        pos += nbytes
+    if pos != entry.nbytes or len(out) != len(layout.slots):
+        raise errors.ExpertSizeMismatch(
+            f"expert tensors cover {pos} bytes, its manifest entry says {entry.nbytes}"
+        )
+    return tuple(out)
 
 
-def _need(raw: Raw, proj: str, suffix: str) -> mx.array:
+Raw = Mapping[Key, mx.array]  # tensor -> its stack [n, *shape] in the storage dtype
+
+
+def _need(raw: Raw, proj: str, suffix: str, dtype: str) -> mx.array:
     arr = raw.get((proj, suffix))
     if arr is None:
         raise errors.UnsupportedFormat(f"expert has no {proj}.{suffix} tensor")
-    assert isinstance(arr, mx.array)
-    return arr
+    return arr.view(mx.bfloat16) if dtype == "BF16" else arr
 
 
-def _mxfp4(raw: Raw) -> Arrays:
+def _mxfp4(raw: Raw, dtypes: Mapping[Key, str]) -> Arrays:
     # Packed U8 [out, in/2] is the uint32 [out, in/8] mlx wants; e8m0 scales stay uint8.
-    return {
-        p: {
-            "weight": _need(raw, p, "weight_packed").view(mx.uint32),
-            "scales": _need(raw, p, "weight_scale"),
+    out: Arrays = {}
+    for p in PROJECTIONS.values():
+        w = _need(raw, p, "weight_packed", dtypes.get((p, "weight_packed"), "U8"))
+        out[p] = {
+            "weight": w.view(mx.uint32),
+            "scales": _need(raw, p, "weight_scale", dtypes.get((p, "weight_scale"), "U8")),
         }
+    return out
+
+
+def _int4_symmetric(raw: Raw, dtypes: Mapping[Key, str]) -> Arrays:
+    # compressed-tensors int4 is symmetric around 8: mlx's affine form needs biases = -8 * scales.
+    out: Arrays = {}
+    for p in PROJECTIONS.values():
+        scales = _need(raw, p, "weight_scale", dtypes.get((p, "weight_scale"), "BF16"))
+        w = _need(raw, p, "weight_packed", dtypes.get((p, "weight_packed"), "U8"))
+        out[p] = {"weight": w.view(mx.uint32), "scales": scales, "biases": -8 * scales}
+    return out
+
+
+def _plain(raw: Raw, dtypes: Mapping[Key, str]) -> Arrays:
+    return {
+        p: {"weight": _need(raw, p, "weight", dtypes.get((p, "weight"), "F32"))}
         for p in PROJECTIONS.values()
     }
 
 
-def _int4_symmetric(raw: Raw) -> Arrays:
-    # compressed-tensors int4 is symmetric around 8: mlx's affine form needs biases = -8 * scales.
-    out: Arrays = {}
-    for p in PROJECTIONS.values():
-        scales = _need(raw, p, "weight_scale")
-        out[p] = {
-            "weight": _need(raw, p, "weight_packed").view(mx.uint32),
-            "scales": scales,
-            "biases": -8 * scales,
-        }
-    return out
-
-
-def _plain(raw: Raw) -> Arrays:
-    return {p: {"weight": _need(raw, p, "weight")} for p in PROJECTIONS.values()}
-
-
-_DECODERS: dict[str, Callable[[Raw], Arrays]] = {
+_FINISH: dict[str, Callable[[Raw, Mapping[Key, str]], Arrays]] = {
     "mxfp4-pack-quantized": _mxfp4,
     "pack-quantized": _int4_symmetric,
     "none": _plain,
 }
 
 
-def decode_expert(spec: QuantSpec, entry: ExpertLayout, buf: Buffer) -> DecodedExpert:
-    """Decode one expert's bytes; the arrays are materialized, so ``buf`` may be reused after."""
-    arrays = _DECODERS[spec.fmt](tensor_views(entry, buf))
-    flat = [a for proj in arrays.values() for a in proj.values()]
-    mx.eval(flat)
-    return DecodedExpert(arrays, sum(a.nbytes for a in flat))
+def finish(spec: QuantSpec, layout: StackLayout, raw: Raw) -> Arrays:
+    """The projection arrays of a stack, from its raw tensor stacks (lazy views, no copy)."""
+    return _FINISH[spec.fmt](raw, {s.key: s.dtype for s in layout.slots})
 
 
-def stack_experts(experts: Sequence[DecodedExpert]) -> Arrays:
-    """One stack per projection array, rows in the given order: the shrunk weight bank."""
-    first = experts[0].arrays
-    return {
-        proj: {name: mx.stack([e.arrays[proj][name] for e in experts]) for name in names}
-        for proj, names in first.items()
-    }
+def stack_from_blobs(
+    spec: QuantSpec, entries: Sequence[ExpertLayout], blobs: Sequence[bytes | memoryview]
+) -> Arrays:
+    """The stack of these experts from whole blobs (tests and tools; the engine reads in place)."""
+    layout = StackLayout.of(entries[0])
+    raw: dict[Key, list[np.ndarray]] = {s.key: [] for s in layout.slots}
+    slots = {s.key: s for s in layout.slots}
+    for entry, blob in zip(entries, blobs, strict=True):
+        mv = memoryview(blob).cast("B")
+        if mv.nbytes != entry.nbytes:
+            raise errors.ExpertSizeMismatch(
+                f"expert buffer has {mv.nbytes} bytes, its manifest entry says {entry.nbytes}"
+            )
+        for offset, nbytes, key in pieces(entry, layout):
+            s = slots[key]
+            raw[key].append(np.frombuffer(mv[offset : offset + nbytes], s.np_dtype).reshape(s.shape))
+    stacks = {k: mx.array(np.stack(v)) for k, v in raw.items()}
+    return finish(spec, layout, stacks)

@@ -26,7 +26,8 @@ from cachecd.manifest import EXPERT_RE
 from cachecd.manifest_build import quant_format_of
 from cachecd_engine.formats import quant_spec
 from cachecd_engine.prefetch import install_prefetch
-from cachecd_engine.ram_tier import RamTier
+from cachecd_engine.memory import default_expert_memory, default_ram_tier
+from cachecd_engine.ram_tier import DEFAULT_POLICY, RamTier
 from cachecd_engine.streamed_moe import (
     EngineStats,
     ExpertBank,
@@ -37,7 +38,6 @@ from cachecd_engine.streamed_moe import (
 # Model types whose MoE layers expose ``mlp.switch_mlp`` as a SwitchGLU (the hook point).
 # kimi_k2 (K2-Thinking's config) is mlx-lm's deepseek_v3 through its model-type remapping.
 SUPPORTED_MODEL_TYPES = ("kimi_k3", "kimi_k2", "deepseek_v3")
-DEFAULT_RAM_BYTES = 2 * 1024**3
 
 
 def is_expert_weight(key: str) -> bool:
@@ -81,22 +81,30 @@ def load(
     model_dir: Path,
     source: ExpertSource,
     *,
-    ram_bytes: int = DEFAULT_RAM_BYTES,
+    ram_bytes: int | None = None,
+    expert_memory: int | None = None,
     stats: EngineStats | None = None,
     lazy: bool = False,
-    prefetch: bool = False,
+    prefetch: bool = True,
+    ram_policy: str = DEFAULT_POLICY,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """(model, tokenizer) for ``mlx_lm.generate``/``stream_generate``; the bank is ``model.bank``.
 
     ``model_dir`` holds config.json, the tokenizer files and the resident weights
-    (``model*.safetensors``); expert tensors there, if any, are ignored. With ``prefetch`` each
-    MoE layer sends the source a hint of the next layer's likely experts (``model.prefetcher``).
+    (``model*.safetensors``); expert tensors there, if any, are ignored. ``ram_bytes`` is the RAM
+    tier (default: a share of the memory left after loading), ``expert_memory`` the bound on the
+    stack buffers a layer call is read into. With ``prefetch`` each MoE layer reads ahead (or
+    hints) the next layer's likely experts (``model.prefetcher``).
     """
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     spec = quant_spec(quant_format_of(config))
-    bank = ExpertBank(source, spec, RamTier(ram_bytes), stats or EngineStats())
+    bound = default_expert_memory() if expert_memory is None else expert_memory
+    tier = RamTier(ram_bytes or 0, ram_policy)
+    bank = ExpertBank(source, spec, tier, stats or EngineStats(), expert_memory=bound)
     model, config = load_model(model_dir, lazy=lazy, get_model_classes=streamed_classes(bank))
+    if ram_bytes is None:
+        tier.budget = default_ram_tier()
     object.__setattr__(model, "bank", bank)  # outside the module tree: not a parameter
     pf = install_prefetch(model, bank) if prefetch else None
     object.__setattr__(model, "prefetcher", pf)

@@ -11,6 +11,8 @@ Invariants:
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -43,36 +45,49 @@ class LocalSource:
         self.calls: list[tuple[int, list[int]]] = []
         self.prefetched: list[tuple[int, list[int]]] = []
         self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()  # read-ahead reads from other threads
 
     def _fd(self, name: str) -> int:
-        fd = self._fds.get(name)
-        if fd is None:
-            fd = self._fds[name] = os.open(self.model_dir / name, os.O_RDONLY)
-        return fd
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is None:
+                fd = self._fds[name] = os.open(self.model_dir / name, os.O_RDONLY)
+            return fd
 
     def entry(self, layer: int, expert: int) -> ExpertEntry:
         return self.manifest.expert(layer, expert)
 
-    def experts(self, layer: int, ids: list[int]) -> list[memoryview]:
-        self.calls.append((layer, list(ids)))
-        return [self._read(self.entry(layer, e)) for e in ids]
+    def read_into(self, layer: int, ids: list[int], targets: Sequence[Sequence[memoryview]]) -> None:
+        with self._lock:
+            self.calls.append((layer, list(ids)))
+        for e, target in zip(ids, targets, strict=True):
+            self._read(self.entry(layer, e), list(target))
 
-    def _read(self, entry: ExpertEntry) -> memoryview:
-        buf = memoryview(bytearray(entry.nbytes))
-        pos = 0
+    def _read(self, entry: ExpertEntry, target: list[memoryview]) -> None:
+        views = [v.cast("B") for v in target]
+        if sum(v.nbytes for v in views) != entry.nbytes:
+            raise errors.ExpertSizeMismatch(
+                f"targets hold {sum(v.nbytes for v in views)} bytes; layer={entry.layer} "
+                f"expert={entry.expert} has {entry.nbytes}"
+            )
         for r in entry.ranges:
-            got = os.preadv(self._fd(r.file), [buf[pos : pos + r.length]], r.start)
+            part, views = _take(views, r.length)
+            got = os.preadv(self._fd(r.file), part, r.start)
             if got != r.length:
                 raise errors.ExpertSizeMismatch(f"{r.file}: short read at {r.start} ({got} bytes)")
-            pos += r.length
-        if self.verify and xxhash.xxh3_128(buf).digest() != entry.xxh3:
-            raise errors.ChecksumMismatch(
-                f"layer={entry.layer} expert={entry.expert}: bytes on disk do not match the manifest"
-            )
-        return buf
+        if self.verify:
+            h = xxhash.xxh3_128()
+            for v in target:
+                h.update(v)
+            if h.digest() != entry.xxh3:
+                raise errors.ChecksumMismatch(
+                    f"layer={entry.layer} expert={entry.expert}: bytes on disk do not match the "
+                    f"manifest"
+                )
 
     def prefetch(self, layer: int, ids: list[int]) -> None:
-        self.prefetched.append((layer, list(ids)))
+        with self._lock:
+            self.prefetched.append((layer, list(ids)))
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -86,3 +101,19 @@ class LocalSource:
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _take(views: list[memoryview], n: int) -> tuple[list[memoryview], list[memoryview]]:
+    """The first ``n`` bytes of a list of buffers, and the rest."""
+    head: list[memoryview] = []
+    while n:
+        v = views[0]
+        if v.nbytes <= n:
+            head.append(v)
+            views = views[1:]
+            n -= v.nbytes
+        else:
+            head.append(v[:n])
+            views = [v[n:], *views[1:]]
+            n = 0
+    return head, views

@@ -1,20 +1,22 @@
-"""Next-layer prefetch hints: guess layer L+1's experts from layer L's MoE input.
+"""Next-layer read-ahead: guess layer L+1's experts from layer L's MoE input.
 
-The hidden state changes little from one layer to the next, so layer L+1's router applied to
-layer L's MoE input picks most of the experts L+1 will route to. The guess is sent to the source
-as a fire-and-forget hint (the daemon starts fetching misses while layer L computes).
+The hidden state changes little from one layer to the next, so layer L+1's own router applied
+to layer L's MoE input picks most of the experts L+1 will route to. In a call too small to sort
+(decode), the guessed experts are read into the stack buffer layer L+1 will use while layer L
+computes; otherwise (prefill) the daemon gets a hint and fetches missing ones meanwhile.
 
 Invariants:
-- A hint never changes a token: the guess is computed beside the model, never fed into it, and
-  the real routing of L+1 is still read back and served in full.
+- A guess never changes a token: it is computed beside the model, never fed into it, and the
+  real routing of L+1 is still read back and served in full; a wrong guess costs bandwidth.
 - No extra sync: the guess is evaluated together with layer L's routing read-back.
-- Experts already in the RAM tier are not hinted; an empty hint is not sent.
+- Experts already in the RAM tier are not read ahead or hinted; an empty hint is not sent.
 - The model's parameter tree is unchanged (the MoE modules change class, not contents).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import mlx.core as mx
@@ -22,9 +24,26 @@ import numpy as np
 from mlx import nn
 
 from cachecd import errors
+from cachecd_engine.dispatch import SORT_ROWS
 from cachecd_engine.streamed_moe import ExpertBank, StreamedSwitchGLU
 
 log = logging.getLogger(__name__)
+
+
+def route(moe: nn.Module, x: mx.array) -> mx.array:
+    """The experts ``moe``'s router picks for ``x`` (lazy), with the model's own selection."""
+    picked = moe.gate(x)
+    if isinstance(picked, tuple):  # deepseek_v3 / kimi_k2: the gate returns (indices, scores)
+        return picked[0]
+    args = moe.args  # kimi_k3: the gate is a Linear; the module's own function selects
+    select = getattr(sys.modules[type(moe).__module__], "_group_expert_select", None)
+    if select is not None:
+        return select(picked, moe.e_score_correction_bias, args.num_experts_per_token,
+                      args.num_expert_group, args.topk_group, args.routed_scaling_factor,
+                      args.moe_renormalize)[0]
+    scores = mx.sigmoid(picked.astype(mx.float32)) + moe.e_score_correction_bias
+    k = args.num_experts_per_token
+    return mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
 
 
 class Prefetcher:
@@ -34,26 +53,41 @@ class Prefetcher:
         self.bank = bank
         self.next_gates = next_gates  # layer -> (next MoE layer, its SparseMoE module)
         self._pending: dict[int, mx.array] = {}
+        self._guessed: dict[int, set[int]] = {}  # next layer -> the experts guessed for it
         self.hinted = 0  # experts hinted since construction
         self.hints = 0  # hint calls
+        self.guessed = 0  # experts guessed that the layer then routed to ...
+        self.routed = 0  # ... out of the experts routed in layers that had a guess
 
     def guess(self, layer: int, x: mx.array) -> None:
         """Record a lazy guess of the next MoE layer's experts from this layer's MoE input."""
         nxt = self.next_gates.get(layer)
-        if nxt is None:
-            return
-        _, moe = nxt
-        scores = mx.sigmoid(moe.gate(x).astype(mx.float32)) + moe.e_score_correction_bias
-        k = moe.args.num_experts_per_token
-        self._pending[layer] = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
+        if nxt is not None:
+            self._pending[layer] = route(nxt[1], x)
 
     def take(self, layer: int) -> mx.array | None:
         return self._pending.pop(layer, None)
 
-    def send(self, layer: int, guess: np.ndarray) -> None:
+    def score(self, layer: int, ids: set[int]) -> None:
+        """Count how much of this layer's routing its guess had (the guess's recall)."""
+        guessed = self._guessed.pop(layer, None)
+        if guessed is not None:
+            self.guessed += len(guessed.intersection(ids))
+            self.routed += len(ids)
+
+    @property
+    def recall(self) -> float:
+        return self.guessed / self.routed if self.routed else 0.0
+
+    def send(self, layer: int, guess: np.ndarray, rows: int) -> None:
         next_layer, _ = self.next_gates[layer]
-        ids = [e for e in np.unique(guess).tolist() if (next_layer, e) not in self.bank.ram]
+        ids = np.unique(guess).tolist()
+        self._guessed[next_layer] = set(ids)
+        ids = [e for e in ids if (next_layer, e) not in self.bank.ram]
         if not ids:
+            return
+        if rows < SORT_ROWS:
+            self.bank.stage(next_layer, ids, room=rows)
             return
         self.hints += 1
         self.hinted += len(ids)

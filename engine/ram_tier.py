@@ -1,22 +1,28 @@
-"""A RAM tier of decoded experts: an LRU keyed by (layer, expert) under a byte budget.
+"""A RAM tier of hot experts: their bytes (blob layout) in memory, under a byte budget.
+
+A hit is copied from here into the layer call's stack buffer (one memory copy, no disk read);
+a demand read is copied back in after the kernel has its stack, if the policy admits it.
 
 Invariants:
-- ``bytes_used`` is the sum of ``nbytes`` of the entries held and never exceeds ``budget`` once a
+- ``bytes_used`` is the sum of the sizes of the experts held and never exceeds ``budget`` once a
   call returns. An expert bigger than the whole budget is not kept (a budget of 0 keeps nothing).
-- Lookups move entries to the most-recently-used end; a batch is looked up in one call so the
-  experts of one layer refresh together.
-- Not thread-safe: the engine calls it from the thread that runs the model.
+- Which expert leaves is the policy's: the daemon's own eviction policies (``cachecd.policies``),
+  driven as the daemon's store drives them, so ``bench/ram_tier.py`` can rank them on routing
+  traces with the same replay. Buffers of evicted experts are reused for the next admission of
+  the same size, so a warm tier does not fault in new pages.
+- Not thread-safe: the engine uses it from the thread that runs the model.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cachecd_engine.formats import DecodedExpert
+import numpy as np
 
-Key = tuple[int, int]
+from cachecd.policies import EvictionPolicy, make_policy
+
+DEFAULT_POLICY = "lru"  # chosen by bench/ram_tier.py; see the README's table
 
 
 @dataclass
@@ -28,55 +34,84 @@ class TierCounters:
 
 
 class RamTier:
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, policy: str = DEFAULT_POLICY) -> None:
         if budget < 0:
             raise ValueError(f"RAM tier budget must be >= 0, got {budget}")
         self.budget = budget
         self.bytes_used = 0
         self.counters = TierCounters()
-        self._lru: OrderedDict[Key, DecodedExpert] = OrderedDict()
+        self.policy: EvictionPolicy = make_policy(policy)
+        self._held: dict[str, np.ndarray] = {}
+        self._spare: list[np.ndarray] = []
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._held)
 
-    def __contains__(self, key: Key) -> bool:
-        return key in self._lru
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return _name(*key) in self._held
 
-    def get_many(
-        self, layer: int, experts: Iterable[int]
-    ) -> tuple[dict[int, DecodedExpert], list[int]]:
-        """Return (found by expert id, missing ids in the order asked)."""
-        found: dict[int, DecodedExpert] = {}
-        missing: list[int] = []
+    def lookup(self, layer: int, experts: Iterable[int]) -> dict[int, np.ndarray]:
+        """The experts held (by id). A hit is a use; a miss becomes one if ``admit`` keeps it."""
+        found: dict[int, np.ndarray] = {}
+        asked = 0
         for e in experts:
-            hit = self._lru.get((layer, e))
-            if hit is None:
-                missing.append(e)
-                continue
-            self._lru.move_to_end((layer, e))
-            found[e] = hit
+            asked += 1
+            blob = self._held.get(_name(layer, e))
+            if blob is not None:
+                self.policy.on_access(_name(layer, e))
+                found[e] = blob
         self.counters.hits += len(found)
-        self.counters.misses += len(missing)
-        return found, missing
+        self.counters.misses += asked - len(found)
+        return found
 
-    def put(self, layer: int, expert: int, decoded: DecodedExpert) -> None:
-        key = (layer, expert)
-        if decoded.nbytes > self.budget:
-            return
-        old = self._lru.pop(key, None)
-        if old is not None:
-            self.bytes_used -= old.nbytes
-        self._lru[key] = decoded
-        self.bytes_used += decoded.nbytes
-        self.counters.inserted_bytes += decoded.nbytes
-        self._evict()
+    def admit(self, layer: int, expert: int, nbytes: int) -> np.ndarray | None:
+        """A buffer to copy a demand-read expert into, after evicting what the policy says.
 
-    def _evict(self) -> None:
-        while self.bytes_used > self.budget:
-            _, victim = self._lru.popitem(last=False)
-            self.bytes_used -= victim.nbytes
-            self.counters.evicted_bytes += victim.nbytes
+        As the daemon's store does on a miss: victims for the room, then insert, then the use.
+        """
+        key = _name(layer, expert)
+        if key in self._held or nbytes > self.budget:
+            return None
+        room = self.bytes_used + nbytes - self.budget
+        if room > 0:
+            for victim in self.policy.victims(room, ()):
+                self._drop(victim)
+        if self.bytes_used + nbytes > self.budget:
+            return None
+        blob = self._buffer(nbytes)
+        self._held[key] = blob
+        self.policy.on_insert(key, nbytes)
+        self.policy.on_access(key)
+        self.bytes_used += nbytes
+        self.counters.inserted_bytes += nbytes
+        return blob
+
+    def discard(self, layer: int, expert: int) -> None:
+        """Forget an expert whose admission copy failed."""
+        if _name(layer, expert) in self._held:
+            self._drop(_name(layer, expert))
+
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        for i, spare in enumerate(self._spare):
+            if spare.size == nbytes:
+                return self._spare.pop(i)
+        return np.empty(nbytes, np.uint8)
+
+    def _drop(self, key: str) -> None:
+        blob = self._held.pop(key)
+        self.policy.on_remove(key)
+        self.bytes_used -= blob.size
+        self.counters.evicted_bytes += blob.size
+        if len(self._spare) < 2:
+            self._spare.append(blob)
 
     def clear(self) -> None:
-        self._lru.clear()
+        for key in list(self._held):
+            self.policy.on_remove(key)
+        self._held.clear()
+        self._spare.clear()
         self.bytes_used = 0
+
+
+def _name(layer: int, expert: int) -> str:
+    return f"{layer}:{expert}"

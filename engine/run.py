@@ -17,8 +17,8 @@ from cachecd.config import format_size
 
 
 def load(repo: str, socket: str | Path | None = None, *, ram_bytes: int | None = None,
-         stats: Any = None, trace: str | Path | None = None,
-         prefetch: bool = False) -> tuple[Any, Any]:
+         expert_memory: int | None = None, stats: Any = None, trace: str | Path | None = None,
+         prefetch: bool = True) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of a registered model, as ``mlx_lm.load`` returns them.
 
     The resident weights come from the local files ``cachecd setup --stream`` installed; every
@@ -27,12 +27,11 @@ def load(repo: str, socket: str | Path | None = None, *, ram_bytes: int | None =
     routing is recorded to that file (``cachecd_engine.trace``), closed at exit.
     """
     from cachecd_engine.daemon_source import DaemonSource
-    from cachecd_engine.loader import DEFAULT_RAM_BYTES
     from cachecd_engine.loader import load as load_dir
 
     source, local_dir = DaemonSource.connect(repo, socket)
-    ram = DEFAULT_RAM_BYTES if ram_bytes is None else ram_bytes
-    model, tokenizer = load_dir(local_dir, source, ram_bytes=ram, stats=stats, prefetch=prefetch)
+    model, tokenizer = load_dir(local_dir, source, ram_bytes=ram_bytes, expert_memory=expert_memory,
+                                stats=stats, prefetch=prefetch)
     _attach_trace(model, repo, trace)
     return model, tokenizer
 
@@ -56,10 +55,16 @@ def register(sub: Any) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new", type=int, default=64, help="tokens to generate")
     p.add_argument("--socket")
-    p.add_argument("--ram", default="2GiB", help="RAM tier for hot experts, e.g. 8GiB; 0 disables")
+    p.add_argument("--ram", default="auto",
+                   help="RAM tier for hot experts, e.g. 8GiB; 0 disables; auto (default): a quarter "
+                        "of the memory left once the model is loaded")
+    p.add_argument("--expert-memory", default="auto",
+                   help="bound on the buffers a layer's experts are read into, e.g. 2GiB; a long "
+                        "prefill runs in groups within it (auto: 4GiB, at most 1/8 of RAM)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--prefetch", action="store_true",
-                   help="send next-layer prefetch hints to the daemon (helps a cold cache)")
+    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+                   help="read the next layer's likely experts ahead while a layer computes "
+                        "(default on; --no-prefetch turns it off)")
     p.add_argument("--stats", action="store_true", help="per-token stats on stderr")
     p.add_argument("--json", action="store_true", help="print token ids and per-token stats as JSON")
     p.add_argument("--trace", metavar="FILE",
@@ -81,11 +86,11 @@ def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
     from mlx_lm import stream_generate
 
-    from cachecd.config import parse_size
     from cachecd_engine.streamed_moe import EngineStats
 
     stats = EngineStats()
-    model, tokenizer = load(args.model, args.socket, ram_bytes=parse_size(args.ram, "--ram"), stats=stats,
+    model, tokenizer = load(args.model, args.socket, ram_bytes=_size(args.ram, "--ram"),
+                            expert_memory=_size(args.expert_memory, "--expert-memory"), stats=stats,
                             trace=args.trace, prefetch=args.prefetch)
     bank_source = model.bank.source
     print(cold_cost_notice(bank_source.client, args.model), file=sys.stderr)
@@ -122,14 +127,21 @@ def run(args: argparse.Namespace) -> int:
         if last is not None:
             print(f"prompt {last.prompt_tokens} tokens at {last.prompt_tps:.1f} tok/s, generated "
                   f"{last.generation_tokens} at {last.generation_tps:.1f} tok/s", file=sys.stderr)
+    model.bank.close()
     bank_source.close()
     if model.bank.trace is not None:
         model.bank.trace.close()
     return 0
 
 
+def _size(value: str, flag: str) -> int | None:
+    from cachecd.config import parse_size
+
+    return None if value == "auto" else parse_size(value, flag)
+
+
 def _stat_line(i: int, s: dict[str, Any]) -> str:
-    return (f"token {i}: routed {s['experts_routed']} RAM hits {s['ram_hits']} daemon {s['source_hits']} "
-            f"of which fetched upstream {s['fetched_upstream']} "
-            f"({format_size(s['source_bytes'])}) waited {s['source_wait_s'] * 1000:.1f} ms "
-            f"total {s['s'] * 1000:.1f} ms")
+    return (f"token {i}: routed {s['experts_routed']} RAM hits {s['ram_hits']} read ahead "
+            f"{s['staged_hits']} daemon {s['source_hits']} of which fetched upstream "
+            f"{s['fetched_upstream']} ({format_size(s['source_bytes'])}) waited for experts "
+            f"{s['wait_s'] * 1000:.1f} ms total {s['s'] * 1000:.1f} ms")

@@ -1,16 +1,18 @@
-"""The streamed expert bank: mlx-lm's SwitchGLU computation over a shrunk stack of routed experts.
+"""The streamed expert bank: mlx-lm's SwitchGLU over a stack of just the routed experts.
 
 Invariants (the bit-identity argument):
 - Every routed expert is used; none is skipped, pruned or approximated.
-- The stack holds exactly the routed experts of this call, in ascending id order, with the same
-  dtype and layout as the resident stack; indices are remapped monotonically into it, so every
-  row meets the same weights, the sort decision (made on the indices' size) is the same, and the
-  ordering of rows after mlx-lm's argsort is the same as in the resident model.
-- The computation is mlx-lm's own SwitchGLU (and its QuantizedSwitchLinear/SwitchLinear): one
-  gather per projection over all routed rows, the same activation.
-- Routing is read back once per layer. The output stays lazy: the next MoE layer's read-back
-  evaluates it (its routing depends on it), so at most two layers' stacks are alive, plus the
-  RAM tier.
+- The stack holds the routed experts' bytes as the checkpoint has them, in arrays of the same
+  dtype and layout as the resident stack; every row meets the same weights as in the resident
+  model. Slots are in ascending expert order (indices remapped monotonically), except in a call
+  too small for mlx-lm to sort its rows, where experts read ahead into the stack keep the slot
+  they were read into: such a call gathers its rows in their own order whatever the slots are.
+- Every gather reaches the kernel the resident call reaches on this backend (``dispatch``): the
+  ``sorted_indices`` flag and, for groups, dummy rows, are set so. A call routing to more experts
+  than the stack buffer holds runs in groups of experts; each row is computed by the same kernel
+  from the same input and weights, and the outputs are put back in the resident order.
+- The computation is mlx-lm's own: its SwitchGLU when the call fits one stack, else its
+  projections and activation group by group; routing is read back once per layer.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -26,27 +29,31 @@ import numpy as np
 from mlx import nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
 
+from cachecd_engine import dispatch
+from cachecd_engine.arena import StackArena, StackBuffer
 from cachecd_engine.formats import (
-    Arrays,
-    Buffer,
-    DecodedExpert,
+    ExpertLayout,
+    Piece,
     QuantSpec,
-    decode_expert,
-    stack_experts,
+    StackLayout,
+    finish,
+    pieces,
 )
 from cachecd_engine.ram_tier import RamTier
 
 log = logging.getLogger(__name__)
 
+Targets = Sequence[Sequence[memoryview]]  # per expert, the buffers its bytes fill in order
+
 
 class ExpertSource(Protocol):
     """Where expert bytes come from (the daemon client in production)."""
 
-    def experts(self, layer: int, ids: list[int]) -> Sequence[Buffer]:
-        """Each expert's bytes, in the order asked."""
+    def read_into(self, layer: int, ids: list[int], targets: Targets) -> None:
+        """Read each expert's bytes into its targets (thread-safe: read-ahead uses threads)."""
         ...
 
-    def entry(self, layer: int, expert: int) -> Any:
+    def entry(self, layer: int, expert: int) -> ExpertLayout:
         """The expert's manifest entry (``cachecd.manifest.ExpertEntry``): its layout."""
         ...
 
@@ -60,13 +67,18 @@ class EngineStats:
     """Counters since the last ``reset``; the caller reads and resets them per step."""
 
     layer_calls: int = 0
+    groups: int = 0  # stack fills (one per call unless a call is split by the memory bound)
     rows: int = 0  # routed (token, slot) pairs
     experts_routed: int = 0  # distinct experts per layer call, summed
     ram_hits: int = 0
-    source_hits: int = 0  # experts the source delivered (RAM misses)
-    source_bytes: int = 0
-    source_wait_s: float = 0.0
-    decode_s: float = 0.0
+    staged_hits: int = 0  # routed experts already read ahead from the guess
+    source_hits: int = 0  # experts read from the source on demand
+    source_bytes: int = 0  # bytes read from the source (demand and read-ahead)
+    copied_bytes: int = 0  # bytes copied into stacks and into the RAM tier
+    staged: int = 0  # experts read ahead
+    readback_s: float = 0.0  # blocked reading back the routing (it runs what came before)
+    wait_s: float = 0.0  # blocked getting experts into the stack (not hidden behind compute)
+    plan_s: float = 0.0  # remapping, planning and building the arrays
 
     def reset(self) -> None:
         for name, value in asdict(EngineStats()).items():
@@ -76,52 +88,339 @@ class EngineStats:
         return asdict(self)
 
 
-class ExpertBank:
-    """Gets a layer's routed experts (RAM tier first, then one source call for the misses)."""
+@dataclass
+class Staged:
+    """Experts of one layer read ahead into a stack buffer, and their reads."""
 
-    def __init__(
-        self, source: ExpertSource, spec: QuantSpec, ram: RamTier, stats: EngineStats | None = None
-    ) -> None:
+    layer: int
+    buffer: StackBuffer
+    slots: dict[int, int]  # expert -> slot
+    reads: dict[int, Future[None]] = field(default_factory=dict)
+
+
+class ExpertBank:
+    """Gets a layer call's experts into the stack the kernel reads, and runs the call.
+
+    Args:
+        source: expert bytes (the daemon in production).
+        spec: the quantization the resident model uses for the experts.
+        ram: the RAM tier of hot experts.
+        expert_memory: bytes the stack buffers may take together (the prefill memory bound).
+        experts_per_layer: experts in the resident stack of a layer (for the kernel decision).
+    """
+
+    def __init__(self, source: ExpertSource, spec: QuantSpec, ram: RamTier,
+                 stats: EngineStats | None = None, *, expert_memory: int = 4 << 30,
+                 experts_per_layer: int = 0, readers: int = 2) -> None:
         self.source = source
         self.spec = spec
         self.ram = ram
         self.stats = stats or EngineStats()
+        self.expert_memory = expert_memory
+        self.experts_per_layer = experts_per_layer
+        self.backend = dispatch.current_backend()
         # Optional observer called with (layer, routed ids) once per layer call (engine.trace).
         self.trace: Callable[[int, np.ndarray], None] | None = None
+        self.arena: StackArena | None = None
+        self._pieces: dict[tuple[int, int], tuple[Piece, ...]] = {}
+        self._staged: Staged | None = None
+        self._readers = ThreadPoolExecutor(readers, thread_name_prefix="cachecd-ahead")
 
-    def experts(self, layer: int, ids: list[int]) -> list[DecodedExpert]:
-        found, missing = self.ram.get_many(layer, ids)
-        self.stats.experts_routed += len(ids)
-        self.stats.ram_hits += len(found)
-        if missing:
-            found.update(self._fetch(layer, missing))
-        return [found[e] for e in ids]
+    # layout ----------------------------------------------------------------------------------
+    def pieces(self, layer: int, expert: int) -> tuple[Piece, ...]:
+        key = (layer, expert)
+        got = self._pieces.get(key)
+        if got is None:
+            entry = self.source.entry(layer, expert)
+            if self.arena is None:
+                self.arena = StackArena(StackLayout.of(entry), self.expert_memory)
+            got = self._pieces[key] = pieces(entry, self.arena.layout)
+        return got
 
-    def _fetch(self, layer: int, missing: list[int]) -> dict[int, DecodedExpert]:
+    def _arena(self, layer: int, expert: int) -> StackArena:
+        self.pieces(layer, expert)
+        assert self.arena is not None
+        return self.arena
+
+    # read-ahead ------------------------------------------------------------------------------
+    def stage(self, layer: int, guess: list[int], room: int) -> None:
+        """Start reading the guessed experts of ``layer`` into the stack buffer its call will
+        use, keeping ``room`` slots free for the experts the guess misses."""
+        self.drop_staged()
+        guess = [e for e in guess if (layer, e) not in self.ram]
+        arena = self._arena(layer, guess[0]) if guess else None
+        if arena is None or arena.capacity - room < 1:
+            return
+        guess = guess[: arena.capacity - room]
+        buf = arena.peek()
+        buf.settle()
+        buf.reserve(len(guess) + room)
+        staged = Staged(layer, buf, {e: i for i, e in enumerate(guess)})
+        for e, slot in staged.slots.items():
+            fut = self._readers.submit(self._read, layer, [e], [buf.targets(slot, self.pieces(layer, e))])
+            staged.reads[e] = fut
+            buf.track(fut)
+        self._staged = staged
+        self.stats.staged += len(guess)
+
+    def _read(self, layer: int, ids: list[int], targets: Targets) -> None:
+        self.source.read_into(layer, ids, targets)
+
+    def drop_staged(self) -> None:
+        """Forget a read-ahead no call used (its reads finish before its buffer is refilled)."""
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            _cancel(staged, set())
+
+    # a layer call ----------------------------------------------------------------------------
+    def run(self, layer: int, glu: SwitchGLU, x: mx.array, routed: np.ndarray) -> mx.array:
+        """The layer's expert output for ``x`` routed to ``routed`` (mlx-lm's shapes)."""
         t0 = time.perf_counter()
-        bufs = self.source.experts(layer, missing)
+        ids = np.unique(routed).tolist()
+        self.stats.layer_calls += 1
+        self.stats.rows += routed.size
+        self.stats.experts_routed += len(ids)
+        arena = self._arena(layer, ids[0])
+        staged = self._staged if self._staged is not None and self._staged.layer == layer else None
+        if staged is None:
+            self.drop_staged()
+        self._staged = None
+        order = ids
+        if staged is not None:
+            slots = dict(staged.slots)
+            for e in ids:
+                slots.setdefault(e, len(slots))
+            if routed.size >= dispatch.SORT_ROWS or len(slots) > arena.capacity:
+                _cancel(staged, set())  # a sorted call needs ascending slots; too big: start over
+                staged = None
+            else:
+                order = sorted(slots, key=slots.__getitem__)
+        groups = dispatch.plan_groups(self.backend, self.spec.mode is not None,
+                                      _counts(routed, order), arena.capacity,
+                                      self.experts_per_layer or len(order))
+        self.stats.plan_s += time.perf_counter() - t0
+        if len(groups) > 1:
+            return self._run_groups(layer, glu, x, routed, ids, groups)
+        buf = arena.next()
+        if staged is None or staged.buffer is not buf:
+            if staged is not None:
+                _cancel(staged, set())
+                staged, order = None, ids
+            buf.settle()
+        self._fill(layer, buf, order, staged, set(ids))
         t1 = time.perf_counter()
-        out: dict[int, DecodedExpert] = {}
-        for e, buf in zip(missing, bufs, strict=True):
-            entry = self.source.entry(layer, e)
-            decoded = decode_expert(self.spec, entry, buf)  # checks len(buf) == entry.nbytes
-            self.ram.put(layer, e, decoded)
-            self.stats.source_bytes += entry.nbytes
-            out[e] = decoded
-        self.stats.source_hits += len(missing)
-        self.stats.source_wait_s += t1 - t0
-        self.stats.decode_s += time.perf_counter() - t1
-        return out
+        y = self._compute_whole(glu, buf, len(order), x, _local(routed, order), groups[0].fit)
+        buf.guard(y)
+        self.stats.plan_s += time.perf_counter() - t1
+        self._admit(layer, buf, order, set(ids))
+        return y
 
-    def stacks(self, layer: int, ids: list[int]) -> Arrays:
-        return stack_experts(self.experts(layer, ids))
+    def _fill(self, layer: int, buf: StackBuffer, order: list[int], staged: Staged | None,
+              routed: set[int]) -> None:
+        """Every routed expert into its slot of ``buf``: already read ahead, copied from the RAM
+        tier, or read from the source now. Read-ahead the routing did not want is dropped."""
+        t0 = time.perf_counter()
+        buf.reserve(len(order))
+        slot_of = {e: i for i, e in enumerate(order)}
+        ahead = _cancel(staged, routed) if staged is not None else {}
+        wanted = [e for e in order if e in routed and e not in ahead]
+        found = self.ram.lookup(layer, wanted)
+        for e, blob in found.items():
+            buf.fill(slot_of[e], self.pieces(layer, e), blob)
+            self.stats.copied_bytes += blob.size
+        self.stats.ram_hits += len(found)
+        demand = [e for e in wanted if e not in found]
+        self._read_now(layer, buf, slot_of, demand)
+        again = []
+        for e, fut in ahead.items():
+            if fut.exception() is None:
+                self.stats.staged_hits += 1
+                self.stats.source_bytes += self._nbytes(layer, e)
+            else:  # a failed read-ahead is read again on demand, which raises if it fails too
+                again.append(e)
+        self._read_now(layer, buf, slot_of, again)
+        self.stats.groups += 1
+        self.stats.wait_s += time.perf_counter() - t0
+
+    def _read_now(self, layer: int, buf: StackBuffer, slot_of: dict[int, int],
+                  ids: list[int]) -> None:
+        if not ids:
+            return
+        targets = [buf.targets(slot_of[e], self.pieces(layer, e)) for e in ids]
+        self.source.read_into(layer, ids, targets)
+        self.stats.source_hits += len(ids)
+        self.stats.source_bytes += sum(self._nbytes(layer, e) for e in ids)
+
+    def _nbytes(self, layer: int, expert: int) -> int:
+        offset, n, _ = self.pieces(layer, expert)[-1]
+        return offset + n
+
+    def _arrays(self, buf: StackBuffer, n: int) -> dict[str, dict[str, mx.array]]:
+        assert self.arena is not None
+        return finish(self.spec, self.arena.layout, buf.stacks(n))
+
+    def _compute_whole(self, glu: SwitchGLU, buf: StackBuffer, n: int, x: mx.array,
+                       local: np.ndarray, fit: dispatch.Fit) -> mx.array:
+        assert fit.pad == 0, "a call over all its rows never needs dummy rows"
+        with _loaded(glu, self._arrays(buf, n), fit.sorted):
+            y = glu(x, mx.array(local))
+        mx.async_eval(y)
+        return y
+
+    def _run_groups(self, layer: int, glu: SwitchGLU, x: mx.array, routed: np.ndarray,
+                    ids: list[int], groups: list[dispatch.Group]) -> mx.array:
+        """A call over more experts than one stack holds, group by group (rows sorted by
+        expert, so each group's rows are one slice)."""
+        assert self.arena is not None
+        flat = routed.reshape(-1)
+        local = np.searchsorted(np.asarray(ids), flat).astype(np.uint32)
+        order = np.argsort(local, kind="stable")
+        inv = np.empty_like(order)
+        inv[order] = np.arange(order.size)
+        k = routed.shape[-1]
+        xs = mx.expand_dims(x, (-2, -3)).flatten(0, -3)  # [tokens, 1, D]
+        outs = []
+        pos = 0
+        for g in groups:
+            buf = self.arena.next()
+            buf.settle()
+            members = ids[g.start:g.stop]
+            self._fill(layer, buf, members, None, set(members))
+            rows = order[pos:pos + g.rows]
+            pos += g.rows
+            idx = local[rows] - g.start
+            if g.fit.pad:
+                rows = np.concatenate([rows, np.full(g.fit.pad, rows[-1])])
+                idx = np.concatenate([idx, np.full(g.fit.pad, g.stop - g.start - 1, np.uint32)])
+            y = self._project(glu, buf, len(members), xs[mx.array(rows // k)], mx.array(idx),
+                              g.fit.sorted)
+            y = y[: g.rows] if g.fit.pad else y
+            mx.async_eval(y)  # computes while the next group is read into the other buffer
+            buf.guard(y)
+            self._admit(layer, buf, members, set(members))
+            outs.append(y)
+        y = mx.concatenate(outs, axis=0)[mx.array(inv)]
+        return mx.unflatten(y, 0, routed.shape).squeeze(-2)
+
+    def _project(self, glu: SwitchGLU, buf: StackBuffer, n: int, x: mx.array, idx: mx.array,
+                 sorted_flag: bool) -> mx.array:
+        # mlx-lm's SwitchGLU body on rows already gathered and sorted by expert.
+        with _loaded(glu, self._arrays(buf, n), sorted_flag):
+            up = glu.up_proj(x, idx, sorted_indices=True)
+            gate = glu.gate_proj(x, idx, sorted_indices=True)
+            return glu.down_proj(glu.activation(up, gate), idx, sorted_indices=True)
+
+    def _admit(self, layer: int, buf: StackBuffer, order: list[int], routed: set[int]) -> None:
+        """Copy experts read from the source into the RAM tier, if it keeps them (after the
+        kernel has its stack: the copy runs beside the compute)."""
+        if self.ram.budget == 0:
+            return
+        for slot, e in enumerate(order):
+            if e not in routed or (layer, e) in self.ram:
+                continue
+            p = self.pieces(layer, e)
+            blob = self.ram.admit(layer, e, self._nbytes(layer, e))
+            if blob is not None:
+                buf.copy_out(slot, p, blob)
+                self.stats.copied_bytes += blob.size
+
+    def close(self) -> None:
+        self.drop_staged()
+        self._readers.shutdown(wait=True, cancel_futures=True)
+
+
+def _cancel(staged: Staged, keep: set[int]) -> dict[int, Future[None]]:
+    """Cancel the read-ahead of experts not in ``keep`` (reads under way finish before the
+    buffer is refilled: it tracks them); the reads of those in ``keep``."""
+    kept = {}
+    for e, fut in staged.reads.items():
+        if e in keep:
+            kept[e] = fut
+        else:
+            fut.cancel()
+    return kept
+
+
+def _counts(routed: np.ndarray, order: list[int]) -> list[int]:
+    c = np.bincount(routed.reshape(-1), minlength=max(order) + 1)
+    return [int(c[e]) for e in order]
+
+
+_SMALL = 64  # below this many rows (decode) plain Python beats numpy's per-call overhead
+
+
+def _local(routed: np.ndarray, order: list[int]) -> np.ndarray:
+    """``routed`` with each expert id replaced by its slot in ``order``."""
+    if routed.size < _SMALL:
+        pos = {e: i for i, e in enumerate(order)}
+        flat = [pos[e] for e in routed.ravel().tolist()]
+        return np.array(flat, dtype=routed.dtype).reshape(routed.shape)
+    lut = np.zeros(max(order) + 1, dtype=routed.dtype)
+    lut[np.asarray(order)] = np.arange(len(order), dtype=routed.dtype)
+    return lut[routed]
+
+
+def remap(routed: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """(distinct experts ascending, indices replaced by their position in that list)."""
+    ids = np.unique(routed).tolist()
+    return ids, _local(routed, ids)
+
+
+class _loaded:
+    """The template's projections hold this stack (and the sorted flag) for one call."""
+
+    def __init__(self, glu: SwitchGLU, arrays: dict[str, dict[str, mx.array]],
+                 sorted_flag: bool) -> None:
+        self.glu, self.arrays, self.sorted_flag = glu, arrays, sorted_flag
+
+    def __enter__(self) -> None:
+        for proj, arrays in self.arrays.items():
+            module = getattr(self.glu, proj)
+            for name, arr in arrays.items():
+                setattr(module, name, arr)
+            object.__setattr__(module, "_allow_sorted", self.sorted_flag)
+
+    def __exit__(self, *exc: object) -> None:
+        for proj in self.arrays:
+            _release(getattr(self.glu, proj))
+
+
+_EMPTY = mx.zeros((0,), dtype=mx.uint8)
+
+
+def _release(proj: nn.Module) -> None:
+    # Drop the call's stacks now rather than when the next call overwrites them.
+    for name in ("weight", "scales", "biases"):
+        if name in proj and proj[name] is not None:
+            proj[name] = _EMPTY
+
+
+def _flag_class(base: type) -> type:
+    class Flagged(base):  # type: ignore[misc, valid-type]
+        """mlx-lm's projection; the bank may clear ``sorted_indices`` to keep the kernel."""
+
+        def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> Any:
+            allow = self.__dict__.get("_allow_sorted", True)
+            return super().__call__(x, indices, sorted_indices=sorted_indices and allow)
+
+    Flagged.__name__ = f"Flagged{base.__name__}"
+    return Flagged
+
+
+_FLAGGED: dict[type, type] = {}
 
 
 def as_template(glu: SwitchGLU, spec: QuantSpec) -> SwitchGLU:
-    """Make ``glu`` compute like the resident bank of this format: quantize it as mlx-lm would."""
+    """Make ``glu`` compute like the resident bank of this format: quantize it as mlx-lm would,
+    and let the bank choose each call's ``sorted_indices``."""
     if spec.mode is not None and isinstance(glu.gate_proj, SwitchLinear):
         # Lazy: the placeholder weights are never evaluated, each call replaces them.
         nn.quantize(glu, spec.group_size, spec.bits, mode=spec.mode)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        module = getattr(glu, proj)
+        base = type(module)
+        if not base.__name__.startswith("Flagged"):
+            module.__class__ = _FLAGGED.setdefault(base, _flag_class(base))
     return glu
 
 
@@ -137,54 +436,25 @@ class StreamedSwitchGLU(nn.Module):
         self.prefetcher: Any = None  # set by cachecd_engine.prefetch.install_prefetch
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        guess = self.prefetcher.take(self.layer) if self.prefetcher is not None else None
-        if guess is not None:
-            mx.eval(indices, guess)  # one sync for the routing and the next layer's guess
-            self.prefetcher.send(self.layer, np.array(guess))
-        routed = np.array(indices)  # the one read-back of this layer's routing
-        ids, local = remap(routed)
         bank: ExpertBank = self._bank
+        guess = self.prefetcher.take(self.layer) if self.prefetcher is not None else None
+        t0 = time.perf_counter()
+        # The one read-back of this layer's routing (and the next layer's guess with it). The
+        # eval runs without the GIL, so read-ahead threads keep reading meanwhile.
+        mx.eval(indices) if guess is None else mx.eval(indices, guess)
+        routed = np.array(indices)
+        bank.stats.readback_s += time.perf_counter() - t0
         if bank.trace is not None:
             bank.trace(self.layer, routed)
-        bank.stats.layer_calls += 1
-        bank.stats.rows += routed.size
-        stacks = bank.stacks(self.layer, ids)
-        glu: SwitchGLU = self._glu
-        for proj, arrays in stacks.items():
-            for name, arr in arrays.items():
-                setattr(getattr(glu, proj), name, arr)
-        y = glu(x, mx.array(local))
-        for proj in stacks:
-            _release(getattr(glu, proj))
+        if self.prefetcher is not None:
+            self.prefetcher.score(self.layer, set(routed.ravel().tolist()))
+        y = bank.run(self.layer, self._glu, x, routed)
+        if guess is not None:  # after this call has its buffer: the read-ahead takes the other
+            self.prefetcher.send(self.layer, np.array(guess), rows=routed.size)
         return y
 
     def _extra_repr(self) -> str:
         return f"layer={self.layer}, streamed"
-
-
-_SMALL = 64  # below this many rows (decode) plain Python beats numpy's per-call overhead
-
-
-def remap(routed: np.ndarray) -> tuple[list[int], np.ndarray]:
-    """(distinct experts ascending, indices replaced by their position in that list)."""
-    if routed.size < _SMALL:
-        flat = routed.ravel().tolist()
-        ids = sorted(set(flat))
-        pos = {e: i for i, e in enumerate(ids)}
-        local = np.array([pos[e] for e in flat], dtype=routed.dtype).reshape(routed.shape)
-        return ids, local
-    uniq = np.unique(routed)
-    return uniq.tolist(), np.searchsorted(uniq, routed).astype(routed.dtype)
-
-
-_EMPTY = mx.zeros((0,), dtype=mx.uint8)
-
-
-def _release(proj: nn.Module) -> None:
-    # Drop the call's stacks now rather than when the next call overwrites them.
-    for name in ("weight", "scales", "biases"):
-        if name in proj and proj[name] is not None:
-            proj[name] = _EMPTY
 
 
 def install_streamed_banks(model: nn.Module, bank: ExpertBank) -> list[int]:
@@ -196,6 +466,8 @@ def install_streamed_banks(model: nn.Module, bank: ExpertBank) -> list[int]:
         if isinstance(glu, StreamedSwitchGLU):
             layers.append(idx)
         elif mlp is not None and isinstance(glu, SwitchGLU):
+            if not bank.experts_per_layer:
+                bank.experts_per_layer = glu.gate_proj.weight.shape[0]
             mlp.switch_mlp = StreamedSwitchGLU(idx, as_template(glu, bank.spec), bank)
             layers.append(idx)
     log.debug("streamed banks installed layers=%d", len(layers))

@@ -9,7 +9,7 @@ import xxhash
 
 from cachecd import errors
 from cachecd.manifest import ByteRange, ExpertEntry, TensorInfo
-from cachecd_engine.formats import decode_expert, quant_spec, stack_experts
+from cachecd_engine.formats import Arrays, QuantSpec, quant_spec, stack_from_blobs
 
 PREFIX = "language_model.model.layers.3.block_sparse_moe.experts.7."
 SHAPES = {"w1": (64, 96), "w2": (96, 64), "w3": (64, 96)}  # [out, in]
@@ -64,6 +64,12 @@ def mxfp4_expert(seed: int) -> tuple[dict[str, tuple[mx.array, mx.array]], list]
     return quantized, tensors
 
 
+def decode_expert(spec: QuantSpec, entry: object, blob: object) -> Arrays:
+    """One expert's arrays: its row of a one-expert stack."""
+    stack = stack_from_blobs(spec, [entry], [blob])  # type: ignore[list-item]
+    return {p: {k: v[0] for k, v in arrays.items()} for p, arrays in stack.items()}
+
+
 def _equal(a: mx.array, b: mx.array) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bool(mx.array_equal(a, b).item())
 
@@ -75,10 +81,9 @@ def test_mxfp4_decodes_to_mlx_quantized_rows(order: str) -> None:
     blob, entry = make_entry(tensors)
     dec = decode_expert(quant_spec("mxfp4-pack-quantized"), entry, blob)
     for w, (q, s) in quantized.items():
-        arrays = dec.arrays[PROJ[w]]
+        arrays = dec[PROJ[w]]
         assert set(arrays) == {"weight", "scales"}
         assert _equal(arrays["weight"], q) and _equal(arrays["scales"], s)
-    assert dec.nbytes == len(blob)
 
 
 def test_numpy_and_memoryview_buffers_decode_the_same() -> None:
@@ -87,9 +92,9 @@ def test_numpy_and_memoryview_buffers_decode_the_same() -> None:
     spec = quant_spec("mxfp4-pack-quantized")
     a = decode_expert(spec, entry, np.frombuffer(blob, np.uint8))
     b = decode_expert(spec, entry, memoryview(bytearray(blob)))
-    for proj in a.arrays:
-        for name in a.arrays[proj]:
-            assert _equal(a.arrays[proj][name], b.arrays[proj][name])
+    for proj in a:
+        for name in a[proj]:
+            assert _equal(a[proj][name], b[proj][name])
 
 
 @pytest.mark.parametrize(("dtype", "mx_dtype"), [("F32", mx.float32), ("BF16", mx.bfloat16)])
@@ -103,7 +108,7 @@ def test_plain_weights(dtype: str, mx_dtype: mx.Dtype) -> None:
     blob, entry = make_entry(tensors)
     dec = decode_expert(quant_spec("none"), entry, blob)
     for w, arr in want.items():
-        assert _equal(dec.arrays[PROJ[w]]["weight"], arr)
+        assert _equal(dec[PROJ[w]]["weight"], arr)
 
 
 def test_int4_symmetric_matches_compressed_tensors_meaning() -> None:
@@ -126,7 +131,7 @@ def test_int4_symmetric_matches_compressed_tensors_meaning() -> None:
     blob, entry = make_entry(tensors)
     dec = decode_expert(quant_spec("pack-quantized"), entry, blob)
     for w, expected in want.items():
-        a = dec.arrays[PROJ[w]]
+        a = dec[PROJ[w]]
         assert a["scales"].dtype == a["biases"].dtype == mx.bfloat16
         f32 = [a["scales"].astype(mx.float32), a["biases"].astype(mx.float32)]
         got = mx.dequantize(a["weight"], *f32, group_size=32, bits=4)
@@ -135,13 +140,13 @@ def test_int4_symmetric_matches_compressed_tensors_meaning() -> None:
 
 def test_stack_keeps_the_given_order() -> None:
     spec = quant_spec("mxfp4-pack-quantized")
-    decoded, raw = [], []
+    made, raw = [], []
     for seed in (10, 11, 12):
         quantized, tensors = mxfp4_expert(seed)
-        blob, entry = make_entry(sorted(tensors))
-        decoded.append(decode_expert(spec, entry, blob))
+        made.append(make_entry(sorted(tensors)))
         raw.append(quantized)
-    stacks = stack_experts([decoded[2], decoded[0]])
+    (blob2, entry2), (blob0, entry0) = made[2], made[0]
+    stacks = stack_from_blobs(spec, [entry2, entry0], [blob2, blob0])
     want = mx.stack([raw[2]["w2"][0], raw[0]["w2"][0]])
     assert _equal(stacks["down_proj"]["weight"], want)
     assert stacks["gate_proj"]["scales"].shape == (2, 64, 3)

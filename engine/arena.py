@@ -1,0 +1,137 @@
+"""The memory the expert kernel reads: reusable stack buffers that expert bytes are read into.
+
+Each layer call (or each group of a large call) gets one ``StackBuffer``: per expert tensor an
+MLX array ``[capacity, *shape]`` in the tensor's storage dtype, allocated once and reused. Expert
+bytes are ``preadv``'d (or copied from the RAM tier) straight into a slot's rows through a
+writable view of that MLX memory, so the page cache -> kernel path is one copy, and the stack
+handed to the kernel is a leading slice ``[:n]`` of these arrays (a view, no copy).
+
+Invariants:
+- Two buffers alternate. A buffer is refilled only after ``settle``: every background read into
+  it has finished and every output computed from it has been evaluated. So bytes the kernel is
+  still reading are never overwritten (MLX evaluates lazily; the guard makes it explicit).
+- Both buffers together stay within ``limit`` bytes of expert memory (``capacity`` experts each).
+- Nothing here decides which expert goes where; slots are the caller's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import Future
+
+import mlx.core as mx
+import numpy as np
+
+from cachecd import errors
+from cachecd_engine.formats import Key, Piece, StackLayout
+
+_MX_DTYPES = {
+    np.dtype(np.uint8): mx.uint8,
+    np.dtype(np.int8): mx.int8,
+    np.dtype(np.int32): mx.int32,
+    np.dtype(np.uint32): mx.uint32,
+    np.dtype(np.float16): mx.float16,
+    np.dtype(np.uint16): mx.uint16,
+    np.dtype(np.float32): mx.float32,
+}
+
+
+class StackBuffer:
+    """One set of stack arrays; see the module docstring."""
+
+    def __init__(self, layout: StackLayout, max_capacity: int) -> None:
+        self.layout = layout
+        self.max_capacity = max_capacity
+        self.capacity = 0
+        self.arrays: dict[Key, mx.array] = {}
+        self._rows: dict[Key, np.ndarray] = {}  # uint8 [capacity, tensor bytes] views of arrays
+        self._guards: list[mx.array] = []
+        self._pending: list[Future[object]] = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.layout.expert_nbytes
+
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` experts (after ``settle``); grows, never shrinks."""
+        if n > self.max_capacity:
+            raise errors.InvalidRequest(
+                f"{n} experts do not fit a stack buffer of {self.max_capacity}"
+            )
+        if n <= self.capacity:
+            return
+        cap = min(self.max_capacity, max(n, 2 * self.capacity))
+        self.settle()
+        self.arrays, self._rows = {}, {}  # the old buffers go before the new ones are made
+        for s in self.layout.slots:
+            arr = mx.zeros((cap, *s.shape), dtype=_MX_DTYPES[s.np_dtype])
+            mx.eval(arr)
+            self.arrays[s.key] = arr
+            self._rows[s.key] = np.frombuffer(memoryview(arr), np.uint8).reshape(cap, -1)
+        self.capacity = cap
+
+    def targets(self, slot: int, expert_pieces: Iterable[Piece]) -> list[memoryview]:
+        """Writable views, in blob order, that an expert's bytes fill to land in ``slot``."""
+        return [memoryview(self._rows[key][slot, :n]) for _, n, key in expert_pieces]
+
+    def fill(self, slot: int, expert_pieces: Iterable[Piece], blob: np.ndarray) -> None:
+        """Copy a whole expert blob held in memory (the RAM tier) into ``slot``."""
+        for offset, n, key in expert_pieces:
+            self._rows[key][slot, :n] = blob[offset : offset + n]
+
+    def copy_out(self, slot: int, expert_pieces: Iterable[Piece], blob: np.ndarray) -> None:
+        """Copy ``slot`` back into a blob-layout buffer (admission into the RAM tier)."""
+        for offset, n, key in expert_pieces:
+            blob[offset : offset + n] = self._rows[key][slot, :n]
+
+    def stacks(self, n: int) -> dict[Key, mx.array]:
+        """The first ``n`` slots of every tensor: what the kernel reads."""
+        return {k: a[:n] for k, a in self.arrays.items()}
+
+    def guard(self, out: mx.array) -> None:
+        """``out`` was computed from this buffer: evaluate it before the buffer is refilled."""
+        self._guards.append(out)
+
+    def track(self, fut: Future[object]) -> None:
+        """A background read into this buffer: wait for it before the buffer is refilled."""
+        self._pending.append(fut)
+
+    def settle(self) -> None:
+        pending, self._pending = self._pending, []
+        for fut in pending:
+            if not fut.cancel():
+                fut.exception()  # waits; a failed background read is the caller's to report
+        if self._guards:
+            mx.eval(self._guards)
+            self._guards.clear()
+
+
+class StackArena:
+    """Two alternating ``StackBuffer``s within ``limit`` bytes of expert memory."""
+
+    def __init__(self, layout: StackLayout, limit: int) -> None:
+        per = limit // 2 // layout.expert_nbytes
+        if per < 1:
+            raise errors.InvalidRequest(
+                f"expert memory of {limit} bytes cannot hold two experts of "
+                f"{layout.expert_nbytes} bytes; raise it (cachecd run --expert-memory)"
+            )
+        self.layout = layout
+        self.limit = limit
+        self.capacity = per
+        self.buffers = (StackBuffer(layout, per), StackBuffer(layout, per))
+        self._turn = 0
+
+    def next(self) -> StackBuffer:
+        """The buffer the next layer call (or group) uses; the turn passes to the other."""
+        buf = self.buffers[self._turn]
+        self._turn ^= 1
+        return buf
+
+    def peek(self) -> StackBuffer:
+        """The buffer ``next`` will return, without taking the turn (background staging)."""
+        return self.buffers[self._turn]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
