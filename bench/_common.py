@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -34,7 +35,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from cachecd.manifest import Manifest  # noqa: E402
-from tests.harness import DaemonProcess, HubProcess, run_cli  # noqa: E402
+from tests.harness import DaemonProcess, HubProcess, run_cli, short_tmp  # noqa: E402
 
 GIB = float(1 << 30)
 # One K3 expert: w1/w3 [3072, 3584] and w2 [3584, 3072] in mxfp4 (DESIGN.md).
@@ -185,6 +186,20 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def touched_buffers(n: int, size: int, align: int = 64) -> list[Any]:
+    """``n`` uint8 buffers of ``size`` bytes, written once (no page faults inside a round) and
+    starting on a cache line: the kernel copies page-cache bytes into such memory about 3x
+    faster here than into memory 16 bytes past one, which is where malloc puts big arrays."""
+    import numpy as np
+
+    out = []
+    for _ in range(n):
+        raw = np.ones(size + align, np.uint8)
+        off = -raw.ctypes.data % align
+        out.append(raw[off : off + size])
+    return out
+
+
 def open_all(paths: Sequence[Path]) -> list[int]:
     return [os.open(p, os.O_RDONLY) for p in paths]
 
@@ -192,3 +207,58 @@ def open_all(paths: Sequence[Path]) -> list[int]:
 def close_all(fds: Sequence[int]) -> None:
     for fd in fds:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def installed(served: Served) -> Iterator[tuple[Path, Path]]:
+    """``cachecd setup --stream`` with the cache and models under the work dir (the socket in a
+    short temp dir); yields (socket, cache dir); stops the daemon and removes both."""
+    base = short_tmp("cdeng")
+    sock = base / "run" / "s.sock"
+    cache = Path(tempfile.mkdtemp(prefix="installed-", dir=served.work))
+    try:
+        run_cli(
+            "setup",
+            "--stream",
+            served.repo,
+            "--endpoint",
+            served.hub.url,
+            "--socket",
+            str(sock),
+            "--cache-dir",
+            str(cache / "cache"),
+            "--models-dir",
+            str(cache / "models"),
+            "--manifest",
+            str(served.manifest_path),
+        )
+        yield sock, cache / "cache"
+    finally:
+        _stop_daemon(sock)
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _stop_daemon(sock: Path) -> None:
+    from cachecd.errors import DaemonUnavailable
+    from cachecd_client import Client
+
+    try:
+        with Client(sock, timeout=5) as c:
+            pid = int(c.health()["pid"])
+    except DaemonUnavailable:
+        return
+    os.kill(pid, signal.SIGTERM)
+    for _ in range(400):
+        if not sock.exists():
+            return
+        time.sleep(0.05)
+
+
+def warm_disk(sock: Path, served: Served) -> None:
+    from cachecd_client import Client
+
+    m = served.manifest
+    with Client(sock) as c:
+        for layer in m.moe_layers:
+            c.experts(served.repo, layer, list(range(m.experts_per_layer)))

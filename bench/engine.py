@@ -24,20 +24,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import shutil
-import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from _common import Served, add_common_args, alternate, median, paired_ratio, served_checkpoint
+from _common import (
+    Served,
+    add_common_args,
+    alternate,
+    installed,
+    median,
+    paired_ratio,
+    served_checkpoint,
+    warm_disk,
+)
 from mlx_lm.utils import load_model
-
-from tests.harness import run_cli, short_tmp
 
 REPO = "bench/tiny-k3"
 PROMPT = "Once upon a time, in a land far away, a tiny model streamed its experts"
@@ -88,64 +91,12 @@ def runner(case: Case, prompt: mx.array, n: int) -> Callable[[], float]:
 
 
 @contextlib.contextmanager
-def installed(served: Served) -> Iterator[Path]:
-    """``cachecd setup --stream`` into a short temp dir; yields the socket; stops the daemon."""
-    base = short_tmp("cdeng")
-    sock = base / "run" / "s.sock"
-    try:
-        run_cli(
-            "setup",
-            "--stream",
-            served.repo,
-            "--endpoint",
-            served.hub.url,
-            "--socket",
-            str(sock),
-            "--cache-dir",
-            str(base / "cache"),
-            "--models-dir",
-            str(base / "models"),
-            "--manifest",
-            str(served.manifest_path),
-        )
-        yield sock
-    finally:
-        _stop_daemon(sock)
-        shutil.rmtree(base, ignore_errors=True)
-
-
-def _stop_daemon(sock: Path) -> None:
-    from cachecd.errors import DaemonUnavailable
-    from cachecd_client import Client
-
-    try:
-        with Client(sock, timeout=5) as c:
-            pid = int(c.health()["pid"])
-    except DaemonUnavailable:
-        return
-    os.kill(pid, signal.SIGTERM)
-    for _ in range(400):
-        if not sock.exists():
-            return
-        time.sleep(0.05)
-
-
-def warm_disk(sock: Path, served: Served) -> None:
-    from cachecd_client import Client
-
-    m = served.manifest
-    with Client(sock) as c:
-        for layer in m.moe_layers:
-            c.experts(served.repo, layer, list(range(m.experts_per_layer)))
-
-
-@contextlib.contextmanager
 def streamed_models(served: Served, source: str) -> Iterator[tuple[Any, Any, Any]]:
     """(warm model, RAM-0 model, tokenizer), through the daemon or an in-process LocalSource."""
     if source == "daemon":
         from cachecd_engine.run import load
 
-        with installed(served) as sock:
+        with installed(served) as (sock, _):
             warm_disk(sock, served)
             warm, tok = load(served.repo, sock, ram_bytes=RAM_ALL)
             ram0, _ = load(served.repo, sock, ram_bytes=0)

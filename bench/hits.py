@@ -37,6 +37,7 @@ from _common import (
     proc_cpu_s,
     served_checkpoint,
     timed,
+    touched_buffers,
 )
 
 from cachecd_client.transport import parallel_preadv
@@ -80,7 +81,7 @@ def measure(served: Served, *, n_ids: int, reps: int, readers: int, rounds: int)
         client.stats()  # answers once the warm-up's commits are done: every blob is in place
         paths = {layer: served.blob_paths(d.cache_dir, layer, ids) for layer in layers}
         sizes = {layer: [m.expert(layer, e).nbytes for e in ids] for layer in layers}
-        bufs = [np.ones(size, np.uint8) for _ in ids]  # touched: no page faults inside a round
+        bufs = touched_buffers(len(ids), size)
         views = [memoryview(b) for b in bufs]
         cycle = itertools.cycle(layers)
 

@@ -25,8 +25,8 @@ from cachecd import errors
 from cachecd.manifest import EXPERT_RE
 from cachecd.manifest_build import quant_format_of
 from cachecd_engine.formats import quant_spec
-from cachecd_engine.prefetch import install_prefetch
 from cachecd_engine.memory import default_expert_memory, default_ram_tier
+from cachecd_engine.prefetch import install_prefetch
 from cachecd_engine.ram_tier import DEFAULT_POLICY, RamTier
 from cachecd_engine.streamed_moe import (
     EngineStats,

@@ -251,6 +251,18 @@ class ExpertBank:
         self.stats.source_hits += len(ids)
         self.stats.source_bytes += sum(self._nbytes(layer, e) for e in ids)
 
+    def load_stack(self, layer: int, ids: list[int]) -> dict[str, dict[str, mx.array]]:
+        """The stack of these experts (ascending ids), evaluated, as a layer call builds it: what
+        the kernel would read. For benches and checks; calls use ``run``."""
+        ids = sorted(set(ids))
+        arena = self._arena(layer, ids[0])
+        buf = arena.next()
+        buf.settle()
+        self._fill(layer, buf, ids, None, set(ids))
+        arrays = self._arrays(buf, len(ids))
+        mx.eval([a for proj in arrays.values() for a in proj.values()])
+        return arrays
+
     def _nbytes(self, layer: int, expert: int) -> int:
         offset, n, _ = self.pieces(layer, expert)[-1]
         return offset + n

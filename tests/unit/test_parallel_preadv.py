@@ -65,3 +65,36 @@ def test_a_short_file_is_an_error(tmp_path: Path) -> None:
             transport.parallel_preadv(pool, fds, [200], [memoryview(bytearray(200))])
     finally:
         os.close(fds[0])
+
+
+@pytest.mark.parametrize("chunk", [4 << 20, 1000, 333])
+def test_lists_of_buffers_fill_in_order(tmp_path: Path, monkeypatch, chunk: int) -> None:  # type: ignore[no-untyped-def]
+    """An out that is a list of buffers (one expert into several stack arrays): the bytes fill
+    them one after another, windows spanning several buffers, and nothing past the size."""
+    monkeypatch.setattr(transport, "_CHUNK", chunk)
+    monkeypatch.setattr(transport, "_MIN_JOB", 1)
+    parts = [[7, 1000, 1, 2048], [4096], [1, 1, 1, 997], [5 << 20, 300]]
+    sizes = [sum(p) for p in parts]
+    fds, datas = _files(tmp_path, sizes)
+    stacks = [[np.zeros(n, np.uint8) for n in p] for p in parts]
+    stacks[-1][-1] = np.zeros(310, np.uint8)  # a last buffer with room to spare stays zero past it
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            transport.parallel_preadv(
+                pool, fds, sizes, [[memoryview(b) for b in bufs] for bufs in stacks]
+            )
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for bufs, data in zip(stacks, datas, strict=True):
+        got = b"".join(b.tobytes() for b in bufs)
+        assert got[: len(data)] == data and not any(got[len(data):])
+
+
+def test_buffers_too_small_for_the_file_are_refused(tmp_path: Path) -> None:
+    fds, _ = _files(tmp_path, [100])
+    try:
+        with ThreadPoolExecutor(2) as pool, pytest.raises(ValueError, match="hold 90"):
+            transport.parallel_preadv(pool, fds, [100], [[memoryview(bytearray(90))]])
+    finally:
+        os.close(fds[0])
