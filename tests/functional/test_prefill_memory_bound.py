@@ -1,0 +1,74 @@
+"""A prefill that routes to nearly every expert of a K3-shaped layer stays within the expert
+memory bound, and its logits are the resident model's, bitwise.
+
+The checkpoint has K3's real expert shapes (17,547,264 bytes an expert: w1/w3 [3072, 3584] and
+w2 [3584, 3072] in mxfp4), 48 experts in its one MoE layer, top-16. A 16-token prompt routes
+256 rows to nearly all of them (842 MB of experts); the stack buffers may hold 8 experts in
+all (140 MB), so the call runs in groups of 4. MLX's peak memory over the streamed prefill,
+above what was allocated before it, must stay within that bound plus the activations (a few
+MB at this size). Activations are fp32 on both sides (MLX's CPU quantized matmul is ~10x
+slower in bf16); the experts stay mxfp4 bytes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.utils import load_model
+
+from cachecd.tiny_model import write_tiny_model
+from cachecd_engine.loader import load
+from cachecd_engine.local_source import LocalSource, manifest_from_dir
+from tests.exactness import assert_bitwise
+
+EXPERTS, TOP_K, TOKENS = 48, 16, 16
+K3_EXPERT = {"expert_hidden": 3584, "moe_intermediate": 3072}
+ACTIVATIONS = 64 << 20  # generous for 256 rows x 3,584 x fp32 and their intermediates
+
+
+@pytest.fixture(scope="module")
+def k3_layer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    root = tmp_path_factory.mktemp("k3-layer")
+    full = write_tiny_model(root / "full", seed=3, experts=EXPERTS, top_k=TOP_K, layers=2,
+                            shard_bytes=4_000_000_000, **K3_EXPERT)
+    manifest = manifest_from_dir(full, repo="cachecd/k3-layer")
+    assert manifest.experts_per_layer == EXPERTS and int(manifest.sizes[0]) == 17_547_264
+    return full, manifest
+
+
+def _prefill_logits(model: object, tokens: list[int]) -> np.ndarray:
+    logits = model(mx.array(tokens)[None])  # type: ignore[operator]
+    return np.array(logits.astype(mx.float32))
+
+
+def test_k3_shaped_prefill_stays_under_the_bound(k3_layer) -> None:  # type: ignore[no-untyped-def]
+    full, manifest = k3_layer
+    tokens = np.random.default_rng(0).integers(0, 384, size=TOKENS).tolist()
+    reference, _ = load_model(full)
+    reference.set_dtype(mx.float32)
+    ref = _prefill_logits(reference, tokens)
+    del reference
+    mx.clear_cache()
+
+    bound = 8 * int(manifest.sizes[0]) + 1
+    with LocalSource(manifest, full, verify=False) as source:
+        model, _ = load(full, source, ram_bytes=0, expert_memory=bound, prefetch=False)
+        model.set_dtype(mx.float32)
+        mx.eval(model.parameters())
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        got = _prefill_logits(model, tokens)
+        peak = mx.get_peak_memory() - before
+        stats = model.bank.stats
+    assert_bitwise([ref], [got])
+    routed = stats.experts_routed
+    print(f"routed {routed} of {EXPERTS} experts; peak {peak / 2**20:.0f} MiB over the "
+          f"{before / 2**20:.0f} MiB before; bound {bound / 2**20:.0f} MiB; groups {stats.groups}")
+    assert routed >= 0.9 * EXPERTS  # nearly every expert of the layer
+    assert stats.groups >= routed // 4  # 4 experts a buffer
+    assert peak <= bound + ACTIVATIONS
+    assert routed * int(manifest.sizes[0]) > 4 * (bound + ACTIVATIONS)  # the bound is what held
