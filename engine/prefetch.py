@@ -9,7 +9,7 @@ Invariants:
 - A guess never changes a token: it is computed beside the model, never fed into it, and the
   real routing of L+1 is still read back and served in full; a wrong guess costs bandwidth.
 - No extra sync: the guess is evaluated together with layer L's routing read-back.
-- Experts already in the RAM tier are not read ahead or hinted; an empty hint is not sent.
+- Experts already in the RAM tier are copied ahead, never hinted; an empty hint is not sent.
 - The model's parameter tree is unchanged (the MoE modules change class, not contents).
 """
 
@@ -83,11 +83,11 @@ class Prefetcher:
         next_layer, _ = self.next_gates[layer]
         ids = np.unique(guess).tolist()
         self._guessed[next_layer] = set(ids)
+        if rows < SORT_ROWS:  # RAM-tier experts too: their copy also overlaps the compute
+            self.bank.stage(next_layer, ids, room=rows)
+            return
         ids = [e for e in ids if (next_layer, e) not in self.bank.ram]
         if not ids:
-            return
-        if rows < SORT_ROWS:
-            self.bank.stage(next_layer, ids, room=rows)
             return
         self.hints += 1
         self.hinted += len(ids)

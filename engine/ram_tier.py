@@ -64,6 +64,15 @@ class RamTier:
         self.counters.misses += asked - len(found)
         return found
 
+    def peek(self, layer: int, experts: Iterable[int]) -> dict[int, np.ndarray]:
+        """The experts held, without counting a use (read-ahead; the call counts it)."""
+        found = {}
+        for e in experts:
+            blob = self._held.get(_name(layer, e))
+            if blob is not None:
+                found[e] = blob
+        return found
+
     def admit(self, layer: int, expert: int, nbytes: int) -> np.ndarray | None:
         """A buffer to copy a demand-read expert into, after evicting what the policy says.
 

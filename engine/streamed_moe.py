@@ -124,6 +124,7 @@ class ExpertBank:
         self.arena: StackArena | None = None
         self._pieces: dict[tuple[int, int], tuple[Piece, ...]] = {}
         self._staged: Staged | None = None
+        self._straggling: list[Future[None]] = []  # unwanted read-ahead still running
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="cachecd-ahead")
 
     # layout ----------------------------------------------------------------------------------
@@ -144,10 +145,10 @@ class ExpertBank:
 
     # read-ahead ------------------------------------------------------------------------------
     def stage(self, layer: int, guess: list[int], room: int) -> None:
-        """Start reading the guessed experts of ``layer`` into the stack buffer its call will
-        use, keeping ``room`` slots free for the experts the guess misses."""
+        """Start getting the guessed experts of ``layer`` into the stack buffer its call will use
+        (read from the source, or copied from the RAM tier), in the background, keeping ``room``
+        slots free for the experts the guess misses."""
         self.drop_staged()
-        guess = [e for e in guess if (layer, e) not in self.ram]
         arena = self._arena(layer, guess[0]) if guess else None
         if arena is None or arena.capacity - room < 1:
             return
@@ -155,9 +156,14 @@ class ExpertBank:
         buf = arena.peek()
         buf.settle()
         buf.reserve(len(guess) + room)
+        held = self.ram.peek(layer, guess)
         staged = Staged(layer, buf, {e: i for i, e in enumerate(guess)})
         for e, slot in staged.slots.items():
-            fut = self._readers.submit(self._read, layer, [e], [buf.targets(slot, self.pieces(layer, e))])
+            p = self.pieces(layer, e)
+            if e in held:
+                fut = self._readers.submit(buf.fill, slot, p, held[e])
+            else:
+                fut = self._readers.submit(self._read, layer, [e], [buf.targets(slot, p)])
             staged.reads[e] = fut
             buf.track(fut)
         self._staged = staged
@@ -170,7 +176,19 @@ class ExpertBank:
         """Forget a read-ahead no call used (its reads finish before its buffer is refilled)."""
         staged, self._staged = self._staged, None
         if staged is not None:
-            _cancel(staged, set())
+            self._cancel(staged, set())
+
+    def _cancel(self, staged: Staged, keep: set[int]) -> dict[int, Future[None]]:
+        """Cancel the read-ahead of experts not in ``keep``, and return the reads of those in
+        it. Copies already under way may still read RAM-tier blobs: the tier evicts nothing
+        until they are done (``_admit``)."""
+        kept = {}
+        for e, fut in staged.reads.items():
+            if e in keep:
+                kept[e] = fut
+            elif not fut.cancel():
+                self._straggling.append(fut)
+        return kept
 
     # a layer call ----------------------------------------------------------------------------
     def run(self, layer: int, glu: SwitchGLU, x: mx.array, routed: np.ndarray) -> mx.array:
@@ -191,7 +209,7 @@ class ExpertBank:
             for e in ids:
                 slots.setdefault(e, len(slots))
             if routed.size >= dispatch.SORT_ROWS or len(slots) > arena.capacity:
-                _cancel(staged, set())  # a sorted call needs ascending slots; too big: start over
+                self._cancel(staged, set())  # sorted calls need ascending slots; too big: redo
                 staged = None
             else:
                 order = sorted(slots, key=slots.__getitem__)
@@ -204,7 +222,7 @@ class ExpertBank:
         buf = arena.next()
         if staged is None or staged.buffer is not buf:
             if staged is not None:
-                _cancel(staged, set())
+                self._cancel(staged, set())
                 staged, order = None, ids
             buf.settle()
         self._fill(layer, buf, order, staged, set(ids))
@@ -217,28 +235,30 @@ class ExpertBank:
 
     def _fill(self, layer: int, buf: StackBuffer, order: list[int], staged: Staged | None,
               routed: set[int]) -> None:
-        """Every routed expert into its slot of ``buf``: already read ahead, copied from the RAM
-        tier, or read from the source now. Read-ahead the routing did not want is dropped."""
+        """Every routed expert into its slot of ``buf``: already there (read ahead), copied from
+        the RAM tier, or read from the source now. Read-ahead the routing did not want is
+        dropped; a failed one is read again now (which raises if it fails again)."""
         t0 = time.perf_counter()
         buf.reserve(len(order))
         slot_of = {e: i for i, e in enumerate(order)}
-        ahead = _cancel(staged, routed) if staged is not None else {}
-        wanted = [e for e in order if e in routed and e not in ahead]
-        found = self.ram.lookup(layer, wanted)
-        for e, blob in found.items():
-            buf.fill(slot_of[e], self.pieces(layer, e), blob)
-            self.stats.copied_bytes += blob.size
-        self.stats.ram_hits += len(found)
-        demand = [e for e in wanted if e not in found]
-        self._read_now(layer, buf, slot_of, demand)
-        again = []
-        for e, fut in ahead.items():
-            if fut.exception() is None:
-                self.stats.staged_hits += 1
-                self.stats.source_bytes += self._nbytes(layer, e)
-            else:  # a failed read-ahead is read again on demand, which raises if it fails too
-                again.append(e)
+        ahead = self._cancel(staged, routed) if staged is not None else {}
+        wanted = [e for e in order if e in routed]
+        found = self.ram.lookup(layer, wanted)  # counts each routed expert's use once
+        copies = [
+            self._readers.submit(buf.fill, slot_of[e], self.pieces(layer, e), blob)
+            for e, blob in found.items()
+            if e not in ahead
+        ]
+        self._read_now(layer, buf, slot_of, [e for e in wanted if e not in found and e not in ahead])
+        again = [e for e, fut in ahead.items() if fut.exception() is not None]
         self._read_now(layer, buf, slot_of, again)
+        for fut in copies:
+            fut.result()
+        self.stats.ram_hits += len(found)
+        self.stats.staged_hits += len(ahead) - len(again)
+        self.stats.copied_bytes += sum(blob.size for blob in found.values())
+        self.stats.source_bytes += sum(self._nbytes(layer, e) for e in ahead
+                                       if e not in found and e not in again)
         self.stats.groups += 1
         self.stats.wait_s += time.perf_counter() - t0
 
@@ -325,6 +345,9 @@ class ExpertBank:
     def _admit(self, layer: int, buf: StackBuffer, order: list[int], routed: set[int]) -> None:
         """Copy experts read from the source into the RAM tier, if it keeps them (after the
         kernel has its stack: the copy runs beside the compute)."""
+        straggling, self._straggling = self._straggling, []
+        for fut in straggling:
+            fut.exception()  # waits: it may be copying a blob the tier is about to evict
         if self.ram.budget == 0:
             return
         for slot, e in enumerate(order):
@@ -339,18 +362,6 @@ class ExpertBank:
     def close(self) -> None:
         self.drop_staged()
         self._readers.shutdown(wait=True, cancel_futures=True)
-
-
-def _cancel(staged: Staged, keep: set[int]) -> dict[int, Future[None]]:
-    """Cancel the read-ahead of experts not in ``keep`` (reads under way finish before the
-    buffer is refilled: it tracks them); the reads of those in ``keep``."""
-    kept = {}
-    for e, fut in staged.reads.items():
-        if e in keep:
-            kept[e] = fut
-        else:
-            fut.cancel()
-    return kept
 
 
 def _counts(routed: np.ndarray, order: list[int]) -> list[int]:

@@ -51,7 +51,8 @@ def test_bitwise_cold_and_warm_from_resident_dir(checkpoint) -> None:
         cold, _ = run_logits(model, prompt, toks)
         assert_bitwise(ref, cold)
         stats = model.bank.stats
-        assert stats.source_hits > 0 and stats.source_hits == len(model.bank.ram)
+        # Every expert read from the source (on demand or ahead) went into the tier.
+        assert stats.source_hits > 0 and stats.source_bytes == model.bank.ram.bytes_used
         stats.reset()
         warm, _ = run_logits(model, prompt, toks)
         assert_bitwise(ref, warm)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -101,3 +102,39 @@ def test_engine_script_ends_with_ratio(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     assert "same tokens from all three" in out
     assert RATIO_LINE.match(out.strip().splitlines()[-1])
+
+
+def test_ram_tier_core() -> None:
+    ram_tier = _load("ram_tier")
+    traces = importlib.import_module("traces")  # the module ram_tier itself imports
+    spec = traces.SynthSpec(
+        name="tiny", layers=3, experts=16, top_k=4, tokens=160, seq_len=(8, 40), burst_experts=4
+    )
+    raw = traces.synthetic(spec)
+    view = [ram_tier.engine_view(s, 6) for s in (raw.train, raw.test)]
+    for s in view:  # batches of at most 6 distinct experts of one layer, ascending
+        for batch in np.split(s.keys, s.starts[1:]):
+            assert 0 < batch.size <= 6 and np.all(np.diff(batch) > 0)
+            assert np.unique(batch // traces.KEY_STRIDE).size == 1
+    split = traces.Split(raw.name, view[0], view[1], raw.n_experts)
+    trace = ram_tier.Trace(split, spec.layers * spec.top_k)
+    rows = ram_tier.evaluate([trace], jobs=1)
+    assert [r.capacity for r in rows] == ram_tier.capacities(trace)
+    assert len(rows) == len(set(ram_tier.capacities(trace))) >= 5
+    for r in rows:
+        assert set(r.rates) == {*ram_tier.CANDIDATES, *ram_tier.PROTOTYPES, "fixed*", "Belady"}
+        assert 0 < r.rates["Belady"] <= 1
+        for policy, rate in r.rates.items():
+            assert 0 <= rate <= r.rates["Belady"], (r.capacity, policy, r.rates)
+    cells = ram_tier.table(rows)
+    assert len(cells) == len(rows) + 1
+    assert {len(c) for c in cells} == {len(cells[0])}
+    assert cells[0][:4] == ["trace", "tokens", "experts", "%all"] and "Belady" in cells[0]
+    assert ram_tier.recommend(rows) in ram_tier.CANDIDATES
+
+
+def test_ram_tier_script_ends_with_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    _load("ram_tier").main(["--no-engine", "--tokens", "48", "--layers", "2", "--jobs", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-3].startswith("recommended default: ")
+    assert RATIO_LINE.match(lines[-1])
