@@ -129,7 +129,8 @@ def report(cases: dict[str, Case], n: int) -> None:
             f"{name:9s} per token: {s['layer_calls']:.0f} MoE layer calls, "
             f"{s['experts_routed']:.1f} experts routed, {s['ram_hits']:.1f} RAM hits, "
             f"{s['source_hits']:.1f} from the source ({s['source_bytes']:.0f} B), "
-            f"source wait {s['source_wait_s'] * 1e3:.2f} ms, decode {s['decode_s'] * 1e3:.2f} ms, "
+            f"{s['staged_hits']:.1f} of them read ahead, expert wait {s['wait_s'] * 1e3:.2f} ms, "
+            f"plan/views {s['plan_s'] * 1e3:.2f} ms, "
             f"whole token {1e3 / median(cases[name].tps):.2f} ms "
             f"(resident {1e3 / ref:.2f} ms)"
         )

@@ -32,6 +32,7 @@ from cachecd_engine.streamed_moe import (
     EngineStats,
     ExpertBank,
     ExpertSource,
+    StreamedSwitchGLU,
     install_streamed_banks,
 )
 
@@ -77,6 +78,10 @@ def streamed_classes(bank: ExpertBank) -> Callable[[dict], tuple[type[nn.Module]
     return get_classes
 
 
+def _streamed_banks(model: nn.Module) -> list[StreamedSwitchGLU]:
+    return [m for _, m in model.named_modules() if isinstance(m, StreamedSwitchGLU)]
+
+
 def load(
     model_dir: Path,
     source: ExpertSource,
@@ -105,6 +110,9 @@ def load(
     model, config = load_model(model_dir, lazy=lazy, get_model_classes=streamed_classes(bank))
     if ram_bytes is None:
         tier.budget = default_ram_tier()
+    moe = [glu.layer for glu in _streamed_banks(model)]
+    if moe:
+        bank.prepare(moe[0])  # an expert memory bound too small for two experts fails here
     object.__setattr__(model, "bank", bank)  # outside the module tree: not a parameter
     pf = install_prefetch(model, bank) if prefetch else None
     object.__setattr__(model, "prefetcher", pf)

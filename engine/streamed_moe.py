@@ -138,6 +138,10 @@ class ExpertBank:
             got = self._pieces[key] = pieces(entry, self.arena.layout)
         return got
 
+    def prepare(self, layer: int) -> None:
+        """Read the expert layout from the manifest and size the stack buffers now."""
+        self._arena(layer, 0)
+
     def _arena(self, layer: int, expert: int) -> StackArena:
         self.pieces(layer, expert)
         assert self.arena is not None

@@ -106,6 +106,20 @@ def test_run_json_streams_tokens_with_stats(installed):
     assert text.strip() and text.strip() == data["text"].strip()
 
 
+def test_run_within_a_small_expert_memory_bound(installed):
+    """--expert-memory small enough that every call runs in groups: the same text; too small
+    for two experts: a one-line error that says what to raise."""
+    args = ["run", "--model", TINY_REPO, "--prompt", PROMPT, "--max-new", "6", "--socket",
+            str(installed.socket)]
+    whole = json.loads(run_cli(*args, "--json").stdout)
+    grouped = json.loads(run_cli(*args, "--json", "--expert-memory", "40KB").stdout)
+    assert grouped["tokens"] == whole["tokens"]
+    assert grouped["per_token"][0]["groups"] > grouped["per_token"][0]["layer_calls"]
+    bad = run_cli(*args, "--expert-memory", "1KB", check=False)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert "cannot hold two experts" in bad.stderr and "--expert-memory" in bad.stderr
+
+
 def test_demo_runs_end_to_end():
     out = run_cli("demo", "--max-new", "8", timeout=600).stdout
     summary = json.loads(out.strip().splitlines()[-1])
