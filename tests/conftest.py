@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.harness import TINY_REPO, DaemonProcess, HubProcess, run_cli, short_tmp
+from tests.other_uid import NOBODY, OtherUid, new_root, prepare
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +53,24 @@ def daemon(hub: HubProcess, tiny_manifest_path: Path) -> Iterator[DaemonProcess]
     d = DaemonProcess(hub.url, [tiny_manifest_path]).start()
     yield d
     d.cleanup()
+
+
+@pytest.fixture(scope="session")
+def as_nobody() -> Iterator[Callable[..., OtherUid]]:
+    """``as_nobody(*probe)``: how to run Python as uid 65534 with what ``probe`` imports
+    (tests/other_uid.py); skips, saying why, where that cannot be done."""
+    made: dict[tuple[str, ...], tuple[Path, OtherUid]] = {}
+
+    def get(*probe: str) -> OtherUid:
+        if probe not in made:
+            root = new_root()
+            try:
+                made[probe] = (root, prepare(NOBODY, probe, root))
+            except BaseException:
+                shutil.rmtree(root, ignore_errors=True)
+                raise
+        return made[probe][1]
+
+    yield get
+    for root, _ in made.values():
+        shutil.rmtree(root, ignore_errors=True)

@@ -53,7 +53,7 @@ def test_fsck_bitmask_fast_repair_then_refetch(small: Model, pool) -> None:  # t
     with d.client() as c:
         fetch_verified(c, small, layer, list(range(6)))
     assert d.stop() == 0
-    rotten, short, gone, locked = (_blob(d, small, layer, e) for e in (0, 1, 2, 3))
+    rotten, short, gone = (_blob(d, small, layer, e) for e in (0, 1, 2))
     _flip(rotten, 100)
     os.truncate(short, short.stat().st_size // 2)
     gone.unlink()
@@ -72,7 +72,6 @@ def test_fsck_bitmask_fast_repair_then_refetch(small: Model, pool) -> None:  # t
                                    gone.name: "missing"}
     FIGURES.set("s10.fsck_exit_corrupt", full.returncode)
     FIGURES.set("s10.fsck_fast_misses_flipped_byte", rotten.name not in _kinds(fast.stdout))
-    FIGURES.set("s10.fsck_exit_unverifiable", _unverifiable_exit(d.cache_dir, locked))
 
     repair = fsck_cli(d.cache_dir, "--repair")
     assert repair.returncode == 1 and "(repaired)" in repair.stdout
@@ -89,28 +88,33 @@ def test_fsck_bitmask_fast_repair_then_refetch(small: Model, pool) -> None:  # t
     FIGURES.set("s10.refetched_after_repair", hub.count("cdn_get"))
 
 
-def _unverifiable_exit(cache_dir: Path, blob: Path) -> int:
-    """fsck as uid 65534 on a cache it owns, with one blob it may not read: bit 4 is set."""
-    uid = 65534
-    subprocess.run(["chown", "-R", f"{uid}:{uid}", str(cache_dir)], check=True)
+def test_fsck_as_another_uid_unreadable_blob_is_unverifiable(small: Model, pool, as_nobody) -> None:  # type: ignore[no-untyped-def]
+    """fsck as uid 65534 on a cache it owns, with one blob it may not read: exit 4 (bit 4 only)."""
+    hub = pool.hub(small)
+    d = pool.daemon(hub, [small])
+    layer = small.layers[0]
+    with d.client() as c:
+        fetch_verified(c, small, layer, list(range(4)))
+    assert d.stop() == 0
+    cache_dir, blob = d.cache_dir, _blob(d, small, layer, 3)
+    # The probe: the same fsck run here first (exit 0), so the uid gets what hashing imports.
+    nobody = as_nobody("-m", "cachecd.cli", "fsck", "--cache-dir", str(cache_dir))
+    subprocess.run(["chown", "-R", f"{nobody.uid}:{nobody.uid}", str(cache_dir)], check=True)
     parent_mode = cache_dir.parent.stat().st_mode
-    cache_dir.parent.chmod(0o711)  # let uid 65534 reach its cache dir
+    cache_dir.parent.chmod(0o711)  # let the uid reach its cache dir
     mode = blob.stat().st_mode
     blob.chmod(0)
     try:
         proc = subprocess.run(
-            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-             "/work/venv/bin/python" if os.path.exists("/work/venv/bin/python") else "python3",
-             "-m", "cachecd.cli", "fsck", "--cache-dir", str(cache_dir)],
-            capture_output=True, text=True, timeout=120, cwd="/", env={"PATH": os.environ["PATH"],
-                                                                       "HOME": "/tmp"})
+            nobody.argv("-m", "cachecd.cli", "fsck", "--cache-dir", str(cache_dir)),
+            capture_output=True, text=True, timeout=120, cwd="/", env=nobody.env(HOME="/tmp"))
     finally:
         cache_dir.parent.chmod(parent_mode & 0o7777)
         blob.chmod(mode & 0o7777)
         subprocess.run(["chown", "-R", "0:0", str(cache_dir)], check=True)
-    assert proc.returncode & 4, proc.stdout + proc.stderr
-    assert "unverifiable" in proc.stdout
-    return proc.returncode
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert _kinds(proc.stdout) == {blob.name: "unverifiable"}, proc.stdout
+    FIGURES.set("s10.fsck_exit_unverifiable", proc.returncode)
 
 
 def test_open_drops_missing_and_short_blobs_and_refetches(small: Model, pool) -> None:  # type: ignore[no-untyped-def]

@@ -15,15 +15,13 @@ import os
 import socket
 import stat
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 from tests.faults.figures import FIGURES
 from tests.faults.support import FaultDaemon, Model, fetch_verified, new_dir
-
-NOBODY = 65534
+from tests.other_uid import NOBODY, OtherUid
 
 _AS_NOBODY = r"""
 import json, socket, struct, sys
@@ -60,11 +58,10 @@ print(json.dumps(out))
 """
 
 
-def _as_nobody(d: FaultDaemon) -> dict:  # type: ignore[type-arg]
+def _as_nobody(d: FaultDaemon, nobody: OtherUid) -> dict:  # type: ignore[type-arg]
     proc = subprocess.run(
-        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable,
-         "-I", "-c", _AS_NOBODY, str(d.socket), str(d.socket) + ".data"],
-        capture_output=True, text=True, timeout=60, cwd="/", env={"PATH": os.environ["PATH"]})
+        nobody.argv("-I", "-c", _AS_NOBODY, str(d.socket), str(d.socket) + ".data"),
+        capture_output=True, text=True, timeout=60, cwd="/", env=nobody.env())
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -74,7 +71,8 @@ def _modes(path: Path) -> tuple[int, int, int]:
             stat.S_IMODE(os.lstat(str(path) + ".data").st_mode))
 
 
-def test_modes_from_bind_nobody_refused_then_forbidden(small: Model, pool) -> None:  # type: ignore[no-untyped-def]
+def test_modes_from_bind_nobody_refused_then_forbidden(small: Model, pool, as_nobody) -> None:  # type: ignore[no-untyped-def]
+    nobody = as_nobody()  # its client code needs the stdlib only
     hub = pool.hub(small)
     d = pool.daemon(hub, [small], start=False)
     first: list[tuple[int, int, int]] = []
@@ -96,7 +94,7 @@ def test_modes_from_bind_nobody_refused_then_forbidden(small: Model, pool) -> No
     FIGURES.set("s11.modes_at_first_sight",
                 f"dir {dir_mode:o}, control {ctl_mode:o}, data {data_mode:o}")
     assert first[0] == (0o700, 0o600, 0o600), first
-    refused = _as_nobody(d)
+    refused = _as_nobody(d, nobody)
     assert refused["control"] == {"connect_errno": 13} and refused["data"] == {"connect_errno": 13}
     FIGURES.set("s11.nobody_with_normal_modes", "EACCES on both sockets")
     d.base.chmod(0o711)  # the test's own temp dir, above the socket dir
@@ -104,7 +102,7 @@ def test_modes_from_bind_nobody_refused_then_forbidden(small: Model, pool) -> No
     d.socket.chmod(0o666)
     os.chmod(str(d.socket) + ".data", 0o666)
     try:
-        let_in = _as_nobody(d)
+        let_in = _as_nobody(d, nobody)
     finally:
         d.base.chmod(0o700)
         d.socket.parent.chmod(0o700)
