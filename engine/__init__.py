@@ -2,9 +2,11 @@
 
 Modules (imported on demand; importing this package does not import mlx):
 ``loader`` (load a model dir with streamed banks), ``streamed_moe`` (the bank, ExpertSource,
-EngineStats), ``formats`` (expert bytes -> mx arrays), ``ram_tier`` (LRU of decoded experts),
-``prefetch`` (next-layer hints), ``local_source`` (experts read from a local checkpoint),
-``daemon_source`` (experts through the daemon), ``run`` (``cachecd run``).
+EngineStats), ``arena`` (the stack buffers experts are read into), ``dispatch`` (the kernel each
+call reaches), ``formats`` (expert bytes -> the kernel's arrays), ``ram_tier`` (hot experts in
+memory), ``memory`` (default sizes), ``prefetch`` (next-layer read-ahead), ``local_source``
+(experts read from a local checkpoint), ``daemon_source`` (experts through the daemon), ``run``
+(``cachecd run``). See docs/architecture.md.
 """
 
 from typing import Any

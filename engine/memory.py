@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 
 GIB = 1 << 30
-DEFAULT_EXPERT_MEMORY = 4 * GIB  # both stack buffers together; 116 K3 experts each
+DEFAULT_EXPERT_MEMORY = 4 * GIB  # both stack buffers together; 122 K3 experts each
 RAM_TIER_SHARE = 0.25  # of the memory available after the resident model is loaded
 
 
