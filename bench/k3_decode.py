@@ -156,11 +156,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=8, help="greedy decode steps a round")
     ap.add_argument("--ram", default="1GiB", help="RAM tier of the streamed models")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--top-k", type=int, default=16)
+    ap.add_argument("--tiny-experts", action="store_true",
+                    help="the tiny model's 6.5 KB experts (for the smoke test; says nothing of K3)")
     args = ap.parse_args(argv)
     from cachecd_engine.run import load
 
-    opts: dict[str, Any] = dict(experts=args.experts, layers=args.layers, top_k=16,
-                                shard_bytes=4_000_000_000, **K3_SHAPE)
+    shape = {} if args.tiny_experts else K3_SHAPE
+    opts: dict[str, Any] = dict(experts=args.experts, layers=args.layers, top_k=args.top_k,
+                                shard_bytes=4_000_000_000, **shape)
     dtype = getattr(mx, args.dtype)
     with served_checkpoint(args.dir, REPO, **opts) as served:
         with installed(served) as (sock, cache_dir):
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     if len({tuple(c.tokens) for c in cases.values()}) != 1:
         raise SystemExit("streamed and resident greedy decodes emitted different tokens")
     print(f"k3_decode: {args.layers - 1} MoE layers x {args.experts} experts of "
-          f"{int(served.manifest.sizes[0])} B, top-16, {args.tokens} tokens a round, "
+          f"{int(served.manifest.sizes[0])} B, top-{args.top_k}, {args.tokens} tokens a round, "
           f"rounds={args.rounds}, activations {args.dtype}, RAM tier {args.ram}; same tokens "
           f"from all three")
     report(cases, rate, recall)

@@ -138,3 +138,18 @@ def test_ram_tier_script_ends_with_ratio(capsys: pytest.CaptureFixture[str]) -> 
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-3].startswith("recommended default: ")
     assert RATIO_LINE.match(lines[-1])
+
+
+def test_k3_delivery_core(served) -> None:  # type: ignore[no-untyped-def]
+    res = _load("k3_delivery").measure(served, n_ids=4, reps=1, readers=2, rounds=1)
+    _finite_positive(res.ours_gibs, res.raw_gibs, res.ratio, res.paired)
+    assert res.copies_per_expert == 1.0  # one copy: page cache to the kernel's arrays
+    assert res.bytes_per_case == 4 * int(served.manifest.sizes.max())
+
+
+def test_k3_decode_script_ends_with_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    _load("k3_decode").main(["--tiny-experts", "--experts", "8", "--layers", "3", "--top-k", "4",
+                             "--tokens", "2", "--rounds", "1", "--ram", "0"])
+    out = capsys.readouterr().out
+    assert "same tokens from all three" in out and "exposed wait" in out
+    assert RATIO_LINE.match(out.strip().splitlines()[-1])
