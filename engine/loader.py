@@ -24,17 +24,12 @@ from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 from cachecd import errors
 from cachecd.manifest import EXPERT_RE
 from cachecd.manifest_build import quant_format_of
+from cachecd_engine.bank import EngineStats, ExpertBank, ExpertSource
 from cachecd_engine.formats import quant_spec
 from cachecd_engine.memory import default_expert_memory, default_ram_tier
 from cachecd_engine.prefetch import install_prefetch
 from cachecd_engine.ram_tier import DEFAULT_POLICY, RamTier
-from cachecd_engine.streamed_moe import (
-    EngineStats,
-    ExpertBank,
-    ExpertSource,
-    StreamedSwitchGLU,
-    install_streamed_banks,
-)
+from cachecd_engine.streamed_moe import StreamedSwitchGLU, install_streamed_banks
 
 # Model types whose MoE layers expose ``mlp.switch_mlp`` as a SwitchGLU (the hook point).
 # kimi_k2 (K2-Thinking's config) is mlx-lm's deepseek_v3 through its model-type remapping.

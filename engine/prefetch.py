@@ -24,8 +24,9 @@ import numpy as np
 from mlx import nn
 
 from cachecd import errors
+from cachecd_engine.bank import ExpertBank
 from cachecd_engine.dispatch import SORT_ROWS
-from cachecd_engine.streamed_moe import ExpertBank, StreamedSwitchGLU
+from cachecd_engine.streamed_moe import StreamedSwitchGLU
 
 log = logging.getLogger(__name__)
 

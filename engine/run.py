@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
     from mlx_lm import stream_generate
 
-    from cachecd_engine.streamed_moe import EngineStats
+    from cachecd_engine.bank import EngineStats
 
     stats = EngineStats()
     model, tokenizer = load(args.model, args.socket, ram_bytes=_size(args.ram, "--ram"),
