@@ -18,7 +18,7 @@ from cachecd.config import format_size
 
 def load(repo: str, socket: str | Path | None = None, *, ram_bytes: int | None = None,
          expert_memory: int | None = None, stats: Any = None, trace: str | Path | None = None,
-         prefetch: bool = True) -> tuple[Any, Any]:
+         prefetch: bool | None = None) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of a registered model, as ``mlx_lm.load`` returns them.
 
     The resident weights come from the local files ``cachecd setup --stream`` installed; every
@@ -62,9 +62,9 @@ def register(sub: Any) -> None:
                    help="bound on the buffers a layer's experts are read into, e.g. 2GiB; a long "
                         "prefill runs in groups within it (auto: 4GiB, at most 1/8 of RAM)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="read the next layer's likely experts ahead while a layer computes "
-                        "(default on; --no-prefetch turns it off)")
+                        "(default: on where the model computes on a GPU, off on the CPU)")
     p.add_argument("--stats", action="store_true", help="per-token stats on stderr")
     p.add_argument("--json", action="store_true", help="print token ids and per-token stats as JSON")
     p.add_argument("--trace", metavar="FILE",
