@@ -16,6 +16,8 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Iterable
 from concurrent.futures import Future
 
@@ -46,10 +48,33 @@ def _aligned(shape: tuple[int, ...], dtype: mx.Dtype, nbytes: int) -> mx.array:
     base = mx.zeros((nbytes + ALIGN,), mx.uint8)
     mx.eval(base)
     addr = np.frombuffer(memoryview(base), np.uint8).ctypes.data
+    _huge_pages(addr, nbytes + ALIGN)
     off = -addr % ALIGN
     arr = base[off : off + nbytes].view(dtype).reshape(shape)  # a view: shares base's memory
     mx.eval(arr)
     return arr
+
+
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # Linux
+
+
+def _huge_pages(addr: int, nbytes: int) -> None:
+    """Back a buffer with huge pages where Linux allows it (numpy asks the same for its big
+    arrays; MLX's allocator does not): reads into it ran 5-10% faster here. A hint: any failure
+    (another OS, an old kernel, THP off) leaves the buffer as it was."""
+    if not sys.platform.startswith("linux"):
+        return
+    page = 4096
+    start, end = -(-addr // page) * page, (addr + nbytes) // page * page
+    if end <= start:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0:
+            libc.madvise(start, end - start, _MADV_COLLAPSE)  # the pages zeros() already touched
+    except (OSError, AttributeError):
+        pass
 
 
 class StackBuffer:
