@@ -67,9 +67,9 @@ class StreamedModelProvider(ModelProvider):
             return_config=True, trust_remote_code=self.cli_args.trust_remote_code,
             stats=self.stats, **self.engine)
         with self._lock:
-            self.model_key = (model_path, adapter_path, draft_model_path)
+            self.model_key = (model_path, adapter_path, draft_model_path)  # type: ignore[assignment]
             self.model, self.tokenizer, self.draft_model = model, tokenizer, None
-        self.processor = load_processor(model, config)
+        self.processor = load_processor(model, config)  # type: ignore[assignment]
         self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
 
     def reset(self) -> None:
@@ -102,7 +102,7 @@ class CachecdHandler(APIHandler):
 
     @property
     def provider(self) -> StreamedModelProvider:
-        return self.response_generator.model_provider  # type: ignore[no-any-return]
+        return self.response_generator.model_provider  # type: ignore[return-value]
 
     def do_POST(self) -> None:
         origin = self.headers.get("Origin")
@@ -193,8 +193,8 @@ class _Server(ThreadingHTTPServer):
 
     def server_activate(self) -> None:
         super().server_activate()
-        host, port = self.server_address[:2]
-        host = f"[{host}]" if ":" in str(host) else host
+        host, port = str(self.server_address[0]), int(self.server_address[1])
+        host = f"[{host}]" if ":" in host else host
         print(f"cachecd openai: {self.banner} at http://{host}:{port}/v1", flush=True)
 
 
@@ -204,7 +204,8 @@ def serve(cli_args: argparse.Namespace, engine: dict[str, Any]) -> None:
     maybe_set_recommended_wired_limit()
     provider = StreamedModelProvider(cli_args, engine)
     provider.load_default()  # no daemon, an unknown model: the command's one-line error, now
-    print(cold_cost_notice(provider.model.bank.source.client, cli_args.model), file=sys.stderr)
+    model: Any = provider.model
+    print(cold_cost_notice(model.bank.source.client, cli_args.model), file=sys.stderr)
     generator = ResponseGenerator(provider, LRUPromptCache(cli_args.prompt_cache_size))
     server = type("Server", (_Server,), {"banner": f"serving {cli_args.model}"})
     signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: mlx-lm's server cleans up

@@ -69,14 +69,14 @@ def load(
             local_dir, source, ram_bytes=ram_bytes, expert_memory=expert_memory, stats=stats,
             lazy=lazy, prefetch=prefetch, model_config=model_config,
             tokenizer_config=tokenizer_config, return_config=True)
+        if adapter_path is not None:
+            from mlx_lm.utils import load_adapters
+
+            model = load_adapters(model, adapter_path)
+            model.eval()
     except BaseException:
         source.close()
         raise
-    if adapter_path is not None:
-        from mlx_lm.utils import load_adapters
-
-        model = load_adapters(model, adapter_path)
-        model.eval()
     attach_trace(model, repo, trace)
     return (model, tokenizer, config) if return_config else (model, tokenizer)
 
