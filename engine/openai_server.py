@@ -22,6 +22,7 @@ import argparse
 import gc
 import json
 import signal
+import socket
 import sys
 import threading
 from http.server import ThreadingHTTPServer
@@ -202,6 +203,7 @@ def serve(cli_args: argparse.Namespace, engine: dict[str, Any]) -> None:
     """mlx-lm's server on ``cli_args.host``/``port`` (mlx_lm.server's namespace), its model loaded
     through ``cachecd_engine.load`` with ``engine``'s keywords, until SIGINT or SIGTERM."""
     maybe_set_recommended_wired_limit()
+    _check_address(cli_args.host, cli_args.port)  # before a load that can take minutes
     provider = StreamedModelProvider(cli_args, engine)
     provider.load_default()  # no daemon, an unknown model: the command's one-line error, now
     model: Any = provider.model
@@ -214,10 +216,26 @@ def serve(cli_args: argparse.Namespace, engine: dict[str, Any]) -> None:
         _run_http_server(cli_args.host, cli_args.port, generator, server_class=server,
                          handler_class=CachecdHandler)
     except OSError as exc:
-        raise ConfigInvalid(f"cannot listen on {cli_args.host}:{cli_args.port}: {exc.strerror}; "
-                            f"choose another --host or --port") from exc
+        raise _cannot_listen(cli_args.host, cli_args.port, exc) from exc
     finally:
         generator.stop_and_join()
+
+
+def _check_address(host: str, port: int) -> None:
+    """Bind and release the address as the server will (address reuse on), to fail early."""
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        raise _cannot_listen(host, port, exc) from exc
+
+
+def _cannot_listen(host: str, port: int, exc: OSError) -> ConfigInvalid:
+    why = exc.strerror or str(exc)
+    return ConfigInvalid(f"cannot listen on {host}:{port}: {why}; choose another --host or --port")
 
 
 def _interrupt(signum: int, frame: Any) -> None:

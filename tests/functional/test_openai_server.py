@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import TINY_REPO, Installed, OpenAIServer
+from tests.harness import TINY_REPO, Installed, OpenAIServer, run_cli
 
 openai = pytest.importorskip("openai")
 
@@ -119,3 +119,13 @@ def test_unknown_model_and_browser_origin_are_refused(client: Any) -> None:
         page.completions.create(model=TINY_REPO, prompt="x", max_tokens=2)
     # the served model stayed loaded
     assert client.completions.create(model=TINY_REPO, prompt="x", max_tokens=2).choices
+
+
+def test_what_cannot_be_served_fails_at_start(installed_module: Installed, server: OpenAIServer) -> None:
+    socket = str(installed_module.socket)
+    unknown = run_cli("openai", "--model", "nobody/nothing", "--socket", socket, check=False)
+    port = server.url.rsplit(":", 1)[1].split("/")[0]
+    taken = run_cli("openai", "--model", TINY_REPO, "--socket", socket, "--port", port, check=False)
+    for proc, says in ((unknown, "cachecd setup --stream nobody/nothing"), (taken, "--port")):
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        assert says in proc.stderr.strip().splitlines()[-1]
