@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
             rate = raw_rate(served, cache_dir, readers=4)
             resident, _ = load_model(served.repo_dir)
             ram = parse_size(args.ram, "--ram")
-            ahead, _ = load(served.repo, sock, ram_bytes=ram)
+            ahead, _ = load(served.repo, sock, ram_bytes=ram, prefetch=True)
             no_ahead, _ = load(served.repo, sock, ram_bytes=ram, prefetch=False)
             for model in (resident, ahead, no_ahead):
                 model.set_dtype(dtype)

@@ -250,6 +250,8 @@ class ExpertBank:
             for e, blob in found.items()
             if e not in ahead
         ]
+        for fut in copies:  # if a read below fails, the buffer still waits for these
+            buf.track(fut)
         self._read_now(layer, buf, slot_of, [e for e in wanted if e not in found and e not in ahead])
         again = [e for e, fut in ahead.items() if fut.exception() is not None]
         self._read_now(layer, buf, slot_of, again)
@@ -307,9 +309,9 @@ class ExpertBank:
         assert self.arena is not None
         flat = routed.reshape(-1)
         local = np.searchsorted(np.asarray(ids), flat).astype(np.uint32)
-        order = np.argsort(local, kind="stable")
-        inv = np.empty_like(order)
-        inv[order] = np.arange(order.size)
+        row_order = np.argsort(local, kind="stable")
+        inv = np.empty_like(row_order)
+        inv[row_order] = np.arange(row_order.size)
         k = routed.shape[-1]
         xs = mx.expand_dims(x, (-2, -3)).flatten(0, -3)  # [tokens, 1, D]
         outs = []
@@ -319,7 +321,7 @@ class ExpertBank:
             buf.settle()
             members = ids[g.start:g.stop]
             self._fill(layer, buf, members, None, set(members))
-            rows = order[pos:pos + g.rows]
+            rows = row_order[pos:pos + g.rows]
             pos += g.rows
             idx = local[rows] - g.start
             if g.fit.pad:

@@ -27,7 +27,7 @@ from cachecd.manifest_build import quant_format_of
 from cachecd_engine.bank import EngineStats, ExpertBank, ExpertSource
 from cachecd_engine.formats import quant_spec
 from cachecd_engine.memory import default_expert_memory, default_ram_tier
-from cachecd_engine.prefetch import install_prefetch
+from cachecd_engine.prefetch import install_prefetch, read_ahead_by_default
 from cachecd_engine.ram_tier import DEFAULT_POLICY, RamTier
 from cachecd_engine.streamed_moe import StreamedSwitchGLU, install_streamed_banks
 
@@ -85,7 +85,7 @@ def load(
     expert_memory: int | None = None,
     stats: EngineStats | None = None,
     lazy: bool = False,
-    prefetch: bool = True,
+    prefetch: bool | None = None,
     ram_policy: str = DEFAULT_POLICY,
     model_config: dict[str, Any] | None = None,
     tokenizer_config: dict[str, Any] | None = None,
@@ -97,9 +97,9 @@ def load(
     (``model*.safetensors``); expert tensors there, if any, are ignored. ``ram_bytes`` is the RAM
     tier (default: a share of the memory left after loading), ``expert_memory`` the bound on the
     stack buffers a layer call is read into. With ``prefetch`` each MoE layer reads ahead (or
-    hints) the next layer's likely experts (``model.prefetcher``). ``model_config``,
-    ``tokenizer_config`` and ``return_config`` are ``mlx_lm.load``'s (the config is the one
-    ``load_model`` returns).
+    hints) the next layer's likely experts (``model.prefetcher``); by default only where the model
+    computes on a GPU (``read_ahead_by_default``). ``model_config``, ``tokenizer_config`` and
+    ``return_config`` are ``mlx_lm.load``'s (the config is the one ``load_model`` returns).
     """
     model_dir = Path(model_dir)
     config = {**json.loads((model_dir / "config.json").read_text()), **(model_config or {})}
@@ -119,6 +119,8 @@ def load(
     if moe:
         bank.prepare(moe[0])  # an expert memory bound too small for two experts fails here
     object.__setattr__(model, "bank", bank)  # outside the module tree: not a parameter
+    if prefetch is None:
+        prefetch = read_ahead_by_default()
     pf = install_prefetch(model, bank) if prefetch else None
     object.__setattr__(model, "prefetcher", pf)
     tokenizer = load_tokenizer(model_dir, tokenizer_config, eos_token_ids=config.get("eos_token_id"))

@@ -39,7 +39,7 @@ def load(
     expert_memory: int | None = None,
     stats: Any = None,
     trace: str | Path | None = None,
-    prefetch: bool = True,
+    prefetch: bool | None = None,
 ) -> Any:
     """``(model, tokenizer)``, or ``(model, tokenizer, config)`` with ``return_config``, exactly as
     ``mlx_lm.load`` returns them for the same arguments; ``mlx_lm.generate``, ``stream_generate``
@@ -53,7 +53,8 @@ def load(
 
     Keyword-only, the engine's own: ``socket`` (the daemon's), ``ram_bytes`` (RAM tier of hot
     experts), ``expert_memory`` (bound on a layer's expert buffers), ``stats`` (an
-    ``EngineStats`` to count into), ``trace`` (record the routing to this file), ``prefetch``.
+    ``EngineStats`` to count into), ``trace`` (record the routing to this file), ``prefetch``
+    (read ahead the next layer's experts; default: where the model computes on a GPU).
     """
     from cachecd_engine.daemon_source import DaemonSource
     from cachecd_engine.loader import load as load_dir

@@ -18,7 +18,7 @@ from typing import Any
 from cachecd.config import format_size
 
 # mlx_lm.generate's defaults (DEFAULT_TEMP, ...): literals so `cachecd --help` needs no mlx
-# import; tests/unit/test_run_flags.py holds them equal to mlx-lm's.
+# import; tests/unit/test_openai_cli.py holds them equal to mlx-lm's.
 TEMP, TOP_P, TOP_K, MIN_P, PREFILL_STEP = 0.0, 1.0, 0, 0.0, 2048
 
 
@@ -39,9 +39,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-memory", default="auto",
                    help="bound on the buffers a layer's experts are read into, e.g. 2GiB; a long "
                         "prefill runs in groups within it (auto: 4GiB, at most 1/8 of RAM)")
-    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="read the next layer's likely experts ahead while a layer computes "
-                        "(default on; --no-prefetch turns it off)")
+                        "(default: on where the model computes on a GPU, off on the CPU)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Each checkpoint is served by `cachecd hub serve`, its manifest built by `cachecd manifest build`,
 and installed by `cachecd setup --stream` into a daemon on a Unix socket under a short /tmp dir.
-The engine reads every routed expert through that daemon (read-ahead on, as by default); the
+The engine reads every routed expert through that daemon (read-ahead on); the
 reference is ``mlx_lm.utils.load_model`` on the full checkpoint. Cold cache (fetched upstream),
 then warm (hits only), then warm with the RAM tier on.
 """
@@ -118,7 +118,7 @@ def test_logits_bitwise_through_daemon_cold_warm_and_ram_tier(served: Served) ->
     reference, _ = load_model(served.full)
     streamed = ram = None
     try:
-        streamed, tokenizer = load(served.repo, served.daemon.socket, ram_bytes=0)
+        streamed, tokenizer = load(served.repo, served.daemon.socket, ram_bytes=0, prefetch=True)
         prompt = tokenizer.encode(PROMPT)
         assert len(prompt) * served.top_k >= SORTED_GATHER_ROWS
         ref, toks = run_logits(reference, prompt)
@@ -141,7 +141,7 @@ def test_logits_bitwise_through_daemon_cold_warm_and_ram_tier(served: Served) ->
         assert after_warm["expert_hits"] > after_cold.get("expert_hits", 0)
         assert streamed.bank.stats.staged_hits > 0  # decode steps used experts read ahead
 
-        ram, _ = load(served.repo, served.daemon.socket, ram_bytes=1 << 30)
+        ram, _ = load(served.repo, served.daemon.socket, ram_bytes=1 << 30, prefetch=True)
         tiered, _ = run_logits(ram, prompt, toks)
         assert_bitwise(ref, tiered)
         after_ram = _counters(served)

@@ -95,7 +95,7 @@ def test_bitwise_cold_and_warm(checkpoint) -> None:
 def test_bitwise_without_ram_tier_from_full_dir(checkpoint: tuple[Path, ...]) -> None:
     full, manifest, _, reference = checkpoint
     with LocalSource(manifest, full) as source:
-        model, tokenizer = load(full, source, ram_bytes=0)
+        model, tokenizer = load(full, source, ram_bytes=0, prefetch=True)
         prompt = tokenizer.encode(PROMPT_TEXT)
         ref, toks = run_logits(reference, prompt)
         got, _ = run_logits(model, prompt, toks)
