@@ -26,6 +26,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.ctl",
     "cachecd.service",
     "cachecd_engine.run",
+    "cachecd_engine.openai_cli",
     "cachecd.demo",
     "cachecd.warm",
     "cachecd.coverage_cli",

@@ -143,6 +143,13 @@ class UnsupportedFormat(CachecdError):
     code, http_status = "unsupported_format", 422
 
 
+class NotStreamable(CachecdError):
+    """Asked of the engine but not possible with streamed experts (a local folder, an adapter or
+    config that changes the experts, another revision): the message says what to use instead."""
+
+    code, http_status = "not_streamable", 422
+
+
 class ExpertSizeMismatch(CachecdError):
     """An expert buffer's length differs from its manifest entry: the bytes are not used."""
 

@@ -1,23 +1,29 @@
 """MLX engine: mlx-lm models whose expert banks are streamed through the cachecd daemon.
 
+``cachecd_engine.load`` is ``mlx_lm.load`` for a model installed with ``cachecd setup --stream``
+(``registered.load``): same arguments, same result, every routed expert through the daemon.
+
 Modules (imported on demand; importing this package does not import mlx):
-``loader`` (load a model dir with streamed banks), ``streamed_moe`` (the bank, ExpertSource,
-EngineStats), ``arena`` (the stack buffers experts are read into), ``dispatch`` (the kernel each
-call reaches), ``formats`` (expert bytes -> the kernel's arrays), ``ram_tier`` (hot experts in
-memory), ``memory`` (default sizes), ``prefetch`` (next-layer read-ahead), ``local_source``
-(experts read from a local checkpoint), ``daemon_source`` (experts through the daemon), ``run``
-(``cachecd run``). See docs/architecture.md.
+``registered`` (``load``), ``loader`` (load a model dir with streamed banks), ``streamed_moe``
+(the ``switch_mlp`` mlx-lm calls), ``bank`` (experts into the stack, EngineStats), ``arena`` (the
+stack buffers experts are read into), ``dispatch`` (the kernel each call reaches), ``formats``
+(expert bytes -> the kernel's arrays), ``ram_tier`` (hot experts in memory), ``memory`` (default
+sizes), ``prefetch`` (next-layer read-ahead), ``local_source`` (experts read from a local
+checkpoint), ``daemon_source`` (experts through the daemon), ``run`` (``cachecd run``),
+``openai_server`` (``cachecd openai``), ``request_view`` (the cache's view of one request).
+See docs/architecture.md.
 """
 
 from typing import Any
 
 
-def load(repo: str, socket: Any = None, **kwargs: Any) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` of a model installed with ``cachecd setup --stream``, as ``mlx_lm.load``
-    returns them; every routed expert comes through the daemon on ``socket``. See ``run.load``."""
-    from cachecd_engine.run import load as load_registered
+def __getattr__(name: str) -> Any:
+    # ``load`` itself, with mlx_lm.load's signature, without importing mlx with the package.
+    if name == "load":
+        from cachecd_engine.registered import load
 
-    return load_registered(repo, socket, **kwargs)
+        return load
+    raise AttributeError(f"module 'cachecd_engine' has no attribute {name!r}")
 
 
 __all__ = ["load"]

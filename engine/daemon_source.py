@@ -34,11 +34,15 @@ class DaemonSource:
         from cachecd_client import Client
 
         client = Client(socket)
-        info = client.model(repo)
-        if not info.get("local_dir"):
-            raise ModelNotFound(f"{repo} is registered without resident files; run "
-                                f"`cachecd setup --stream {repo}`")
-        manifest = Manifest.from_bytes(client.manifest_bytes(repo), f"daemon:{repo}")
+        try:
+            info = client.model(repo)
+            if not info.get("local_dir"):
+                raise ModelNotFound(f"{repo} is registered without resident files; run "
+                                    f"`cachecd setup --stream {repo}`")
+            manifest = Manifest.from_bytes(client.manifest_bytes(repo), f"daemon:{repo}")
+        except BaseException:
+            client.close()  # a server asked for many unknown names must not keep their sockets
+            raise
         return cls(client, repo, manifest), Path(info["local_dir"])
 
     def entry(self, layer: int, expert: int) -> ExpertEntry:

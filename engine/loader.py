@@ -87,7 +87,10 @@ def load(
     lazy: bool = False,
     prefetch: bool | None = None,
     ram_policy: str = DEFAULT_POLICY,
-) -> tuple[nn.Module, TokenizerWrapper]:
+    model_config: dict[str, Any] | None = None,
+    tokenizer_config: dict[str, Any] | None = None,
+    return_config: bool = False,
+) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict[str, Any]]:
     """(model, tokenizer) for ``mlx_lm.generate``/``stream_generate``; the bank is ``model.bank``.
 
     ``model_dir`` holds config.json, the tokenizer files and the resident weights
@@ -95,15 +98,21 @@ def load(
     tier (default: a share of the memory left after loading), ``expert_memory`` the bound on the
     stack buffers a layer call is read into. With ``prefetch`` each MoE layer reads ahead (or
     hints) the next layer's likely experts (``model.prefetcher``); by default only where the model
-    computes on a GPU (``read_ahead_by_default``).
+    computes on a GPU (``read_ahead_by_default``). ``model_config``, ``tokenizer_config`` and
+    ``return_config`` are ``mlx_lm.load``'s (the config is the one ``load_model`` returns).
     """
     model_dir = Path(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
+    config = {**json.loads((model_dir / "config.json").read_text()), **(model_config or {})}
+    if config.get("model_file"):  # load_model would build that file's classes, not streamed ones
+        raise errors.NotStreamable(
+            f"{model_dir}'s config names a custom model_file ({config['model_file']}); only "
+            f"mlx-lm's own model classes can stream their experts")
     spec = quant_spec(quant_format_of(config))
     bound = default_expert_memory() if expert_memory is None else expert_memory
     tier = RamTier(ram_bytes or 0, ram_policy)
     bank = ExpertBank(source, spec, tier, stats or EngineStats(), expert_memory=bound)
-    model, config = load_model(model_dir, lazy=lazy, get_model_classes=streamed_classes(bank))
+    model, config = load_model(model_dir, lazy=lazy, model_config=model_config,
+                               get_model_classes=streamed_classes(bank))
     if ram_bytes is None:
         tier.budget = default_ram_tier()
     moe = [glu.layer for glu in _streamed_banks(model)]
@@ -114,5 +123,5 @@ def load(
         prefetch = read_ahead_by_default()
     pf = install_prefetch(model, bank) if prefetch else None
     object.__setattr__(model, "prefetcher", pf)
-    tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
-    return model, tokenizer
+    tokenizer = load_tokenizer(model_dir, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
+    return (model, tokenizer, config) if return_config else (model, tokenizer)

@@ -1,7 +1,9 @@
-"""``cachecd run``: greedy generation through the daemon, streaming text, with per-token stats.
+"""``cachecd run``: generation through the daemon as ``mlx_lm.generate`` does it, with per-token stats.
 
-Before a prefill the user is told what a cold cache costs: a long prompt can route to nearly
-every expert of every layer, and each missing one is fetched from the Hub first.
+Greedy unless asked to sample (``--temp``, ``--top-p``, ``--top-k``, ``--min-p``, ``--seed``: the
+defaults are mlx_lm.generate's). Before a prefill the user is told what a cold cache costs: a
+long prompt can route to nearly every expert of every layer, and each missing one is fetched from
+the Hub first; a prefill longer than one step prints its progress (tokens, experts read, fetched).
 """
 
 from __future__ import annotations
@@ -15,56 +17,55 @@ from typing import Any
 
 from cachecd.config import format_size
 
-
-def load(repo: str, socket: str | Path | None = None, *, ram_bytes: int | None = None,
-         expert_memory: int | None = None, stats: Any = None, trace: str | Path | None = None,
-         prefetch: bool | None = None) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` of a registered model, as ``mlx_lm.load`` returns them.
-
-    The resident weights come from the local files ``cachecd setup --stream`` installed; every
-    routed expert comes through the daemon on ``socket``. ``mlx_lm.generate`` and
-    ``stream_generate`` work unchanged on the result. With ``trace`` (or ``CACHECD_TRACE``) the
-    routing is recorded to that file (``cachecd_engine.trace``), closed at exit.
-    """
-    from cachecd_engine.daemon_source import DaemonSource
-    from cachecd_engine.loader import load as load_dir
-
-    source, local_dir = DaemonSource.connect(repo, socket)
-    model, tokenizer = load_dir(local_dir, source, ram_bytes=ram_bytes, expert_memory=expert_memory,
-                                stats=stats, prefetch=prefetch)
-    _attach_trace(model, repo, trace)
-    return model, tokenizer
+# mlx_lm.generate's defaults (DEFAULT_TEMP, ...): literals so `cachecd --help` needs no mlx
+# import; tests/unit/test_openai_cli.py holds them equal to mlx-lm's.
+TEMP, TOP_P, TOP_K, MIN_P, PREFILL_STEP = 0.0, 1.0, 0, 0.0, 2048
 
 
-def _attach_trace(model: Any, repo: str, path: str | Path | None) -> None:
-    import atexit
+def load(repo: str, socket: str | Path | None = None, **engine: Any) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of a registered model (``cachecd_engine.load`` with the engine's
+    keywords: ram_bytes, expert_memory, stats, trace, prefetch)."""
+    from cachecd_engine.registered import load as load_registered
 
-    from cachecd import constants
-    from cachecd_engine.trace import TraceRecorder
-
-    path = path or constants.TRACE_PATH
-    if path:
-        recorder = TraceRecorder(path, repo)
-        model.bank.trace = recorder
-        atexit.register(recorder.close)
+    return load_registered(repo, socket=socket, **engine)
 
 
-def register(sub: Any) -> None:
-    p = sub.add_parser("run", help="generate through the daemon (greedy)")
-    p.add_argument("--model", required=True, help="ORG/NAME, installed with setup --stream")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new", type=int, default=64, help="tokens to generate")
-    p.add_argument("--socket")
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that set the engine (``cachecd run`` and ``cachecd openai``)."""
+    p.add_argument("--socket", help="the daemon's socket (default: from config)")
     p.add_argument("--ram", default="auto",
                    help="RAM tier for hot experts, e.g. 8GiB; 0 disables; auto (default): a quarter "
                         "of the memory left once the model is loaded")
     p.add_argument("--expert-memory", default="auto",
                    help="bound on the buffers a layer's experts are read into, e.g. 2GiB; a long "
                         "prefill runs in groups within it (auto: 4GiB, at most 1/8 of RAM)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="read the next layer's likely experts ahead while a layer computes "
                         "(default: on where the model computes on a GPU, off on the CPU)")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``cachecd_engine.load`` keywords from ``add_engine_flags``' flags."""
+    return {"socket": args.socket, "ram_bytes": _size(args.ram, "--ram"),
+            "expert_memory": _size(args.expert_memory, "--expert-memory"),
+            "prefetch": args.prefetch}
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("run", help="generate through the daemon (greedy unless --temp)")
+    p.add_argument("--model", required=True, help="ORG/NAME, installed with setup --stream")
+    p.add_argument("--prompt", required=True, help="the prompt; '-' reads it from standard input")
+    p.add_argument("--max-tokens", "--max-new", dest="max_tokens", type=int, default=64,
+                   help="tokens to generate (default 64)")
+    p.add_argument("--temp", type=float, default=TEMP, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=TOP_P, help="nucleus sampling top-p")
+    p.add_argument("--top-k", type=int, default=TOP_K, help="top-k sampling (0: off)")
+    p.add_argument("--min-p", type=float, default=MIN_P, help="min-p sampling (0: off)")
+    p.add_argument("--seed", type=int, help="PRNG seed: the same seed samples the same text")
+    p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
+                   help="prompt tokens per prefill step (progress is printed after each)")
+    add_engine_flags(p)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--stats", action="store_true", help="per-token stats on stderr")
     p.add_argument("--json", action="store_true", help="print token ids and per-token stats as JSON")
     p.add_argument("--trace", metavar="FILE",
@@ -82,28 +83,69 @@ def cold_cost_notice(client: Any, repo: str) -> str:
             f"be fetched first (warm it ahead: cachecd warm)")
 
 
+class PrefillProgress:
+    """mlx-lm's ``prompt_progress_callback``: a stderr line after each step of a prefill longer
+    than one step, with the experts read through the daemon and fetched from the Hub so far."""
+
+    def __init__(self, stats: Any, client: Any, step: int) -> None:
+        self.stats, self.client, self.step = stats, client, step
+        self.t0 = time.perf_counter()
+        self.fetched0 = client.upstream_fetches
+
+    def __call__(self, done: int, total: int) -> None:
+        if total <= self.step or done == 0:
+            return
+        s = self.stats
+        print(f"prefill {done}/{total} tokens: {s.source_hits} experts read through the daemon "
+              f"({format_size(s.source_bytes)}), {self.client.upstream_fetches - self.fetched0} "
+              f"fetched from the Hub, {time.perf_counter() - self.t0:.1f} s", file=sys.stderr,
+              flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
-    from mlx_lm import stream_generate
 
     from cachecd_engine.bank import EngineStats
 
     stats = EngineStats()
-    model, tokenizer = load(args.model, args.socket, ram_bytes=_size(args.ram, "--ram"),
-                            expert_memory=_size(args.expert_memory, "--expert-memory"), stats=stats,
-                            trace=args.trace, prefetch=args.prefetch)
+    model, tokenizer = load(args.model, stats=stats, trace=args.trace, **engine_options(args))
     bank_source = model.bank.source
-    print(cold_cost_notice(bank_source.client, args.model), file=sys.stderr)
-    prompt: Any = args.prompt
+    try:
+        print(cold_cost_notice(bank_source.client, args.model), file=sys.stderr)
+        if args.seed is not None:
+            mx.random.seed(args.seed)
+        records, last = _generate(args, model, tokenizer, stats)
+        mx.synchronize()
+    finally:
+        model.bank.close()
+        bank_source.close()
+        if model.bank.trace is not None:
+            model.bank.trace.close()
+    _summary(args, records, last)
+    return 0
+
+
+def _prompt(args: argparse.Namespace, tokenizer: Any) -> Any:
+    prompt: Any = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat and getattr(tokenizer, "chat_template", None):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                add_generation_prompt=True)
+    return prompt
+
+
+def _generate(args: argparse.Namespace, model: Any, tokenizer: Any,
+              stats: Any) -> tuple[list[dict[str, Any]], Any]:
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    client = model.bank.source.client
+    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+    progress = PrefillProgress(stats, client, args.prefill_step_size)
     records: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-    last = None
-    client = bank_source.client
-    fetched = client.upstream_fetches
-    for resp in stream_generate(model, tokenizer, prompt, max_tokens=args.max_new):
+    t0, last, fetched = time.perf_counter(), None, client.upstream_fetches
+    for resp in stream_generate(model, tokenizer, _prompt(args, tokenizer), max_tokens=args.max_tokens,
+                                sampler=sampler, prefill_step_size=args.prefill_step_size,
+                                prompt_progress_callback=progress):
         now = time.perf_counter()
         step = {"token": int(resp.token), "text": resp.text, "s": round(now - t0, 6), **stats.snapshot(),
                 "fetched_upstream": client.upstream_fetches - fetched}
@@ -116,22 +158,20 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         if args.stats and not args.json:
             print(_stat_line(len(records), step), file=sys.stderr)
-    mx.synchronize()
+    return records, last
+
+
+def _summary(args: argparse.Namespace, records: list[dict[str, Any]], last: Any) -> None:
     if args.json:
         print(json.dumps({"model": args.model, "tokens": [r["token"] for r in records],
                           "text": "".join(r["text"] for r in records), "per_token": records,
                           "prompt_tps": last.prompt_tps if last else 0.0,
                           "generation_tps": last.generation_tps if last else 0.0}))
-    else:
-        print()
-        if last is not None:
-            print(f"prompt {last.prompt_tokens} tokens at {last.prompt_tps:.1f} tok/s, generated "
-                  f"{last.generation_tokens} at {last.generation_tps:.1f} tok/s", file=sys.stderr)
-    model.bank.close()
-    bank_source.close()
-    if model.bank.trace is not None:
-        model.bank.trace.close()
-    return 0
+        return
+    print()
+    if last is not None:
+        print(f"prompt {last.prompt_tokens} tokens at {last.prompt_tps:.1f} tok/s, generated "
+              f"{last.generation_tokens} at {last.generation_tps:.1f} tok/s", file=sys.stderr)
 
 
 def _size(value: str, flag: str) -> int | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import TINY_REPO, DaemonProcess, HubProcess, run_cli, short_tmp
+from tests.harness import TINY_REPO, DaemonProcess, HubProcess, Installed, run_cli, short_tmp
 from tests.other_uid import NOBODY, OtherUid, new_root, prepare
 
 
@@ -25,6 +25,14 @@ def hub_root() -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def tiny_dir(hub_root: Path) -> Path:
     return hub_root / TINY_REPO
+
+
+@pytest.fixture(scope="session")
+def tiny_resident(tiny_dir: Path):  # type: ignore[no-untyped-def]
+    """``mlx_lm.load`` of the tiny checkpoint, every weight resident: the reference."""
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_dir))
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +61,22 @@ def daemon(hub: HubProcess, tiny_manifest_path: Path) -> Iterator[DaemonProcess]
     d = DaemonProcess(hub.url, [tiny_manifest_path]).start()
     yield d
     d.cleanup()
+
+
+@pytest.fixture
+def installed(hub: HubProcess, tiny_manifest_path: Path) -> Iterator[Installed]:
+    """`cachecd setup --stream` of the tiny model: its resident files and the daemon it started."""
+    inst = Installed.setup(hub.url, tiny_manifest_path)
+    yield inst
+    inst.cleanup()
+
+
+@pytest.fixture(scope="module")
+def installed_module(hub: HubProcess, tiny_manifest_path: Path) -> Iterator[Installed]:
+    """``installed``, shared by one test module's tests (each module gets its own daemon)."""
+    inst = Installed.setup(hub.url, tiny_manifest_path)
+    yield inst
+    inst.cleanup()
 
 
 @pytest.fixture(scope="session")

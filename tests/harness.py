@@ -166,3 +166,79 @@ def expert_bytes_from_files(repo_dir: Path, entry: Any) -> bytes:
             f.seek(r.start)
             out += f.read(r.end - r.start)
     return bytes(out)
+
+
+class Installed:
+    """What `cachecd setup --stream` installs: the resident model and the daemon it started."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.socket = base / "run" / "s.sock"
+
+    @classmethod
+    def setup(cls, endpoint: str, manifest: Path, repo: str = TINY_REPO) -> Installed:
+        inst = cls(short_tmp("cdi"))
+        out = run_cli("setup", "--stream", repo, "--endpoint", endpoint, "--socket", str(inst.socket),
+                      "--cache-dir", str(inst.base / "cache"), "--models-dir",
+                      str(inst.base / "models"), "--manifest", str(manifest)).stdout
+        assert "installed" in out and "started a daemon" in out
+        return inst
+
+    def client(self) -> Any:
+        from cachecd_client import Client
+
+        return Client(self.socket)
+
+    def stop(self) -> None:
+        from cachecd.errors import DaemonUnavailable
+
+        try:
+            with self.client() as c:
+                pid = c.health()["pid"]
+        except DaemonUnavailable:
+            return
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(400):
+            if not self.socket.exists():
+                return
+            time.sleep(0.05)
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+class OpenAIServer:
+    """`cachecd openai` on 127.0.0.1, port chosen by the OS; stopped with SIGTERM as a supervisor
+    would, and expected to exit 0."""
+
+    def __init__(self, repo: str, socket: Path, *args: str) -> None:
+        self.log_path = short_tmp("cdo") / "openai.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [*CACHECD, "openai", "--model", repo, "--socket", str(socket), "--port", "0", *args],
+                stdout=subprocess.PIPE, stderr=log, text=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        match = re.search(r"(http://\S+)", line)
+        if not match:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"cachecd openai printed {line!r}:\n{self.log()}")
+        self.url = match.group(1)  # ends in /v1, as the openai client's base_url
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"cachecd openai ignored SIGTERM:\n{self.log()}") from None
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        shutil.rmtree(self.log_path.parent, ignore_errors=True)
+        return self.proc.returncode

@@ -3,54 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import time
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 
 from tests.exactness import assert_bitwise, run_logits
-from tests.harness import TINY_REPO, run_cli, short_tmp
+from tests.harness import TINY_REPO, run_cli
 
 PROMPT = "Experts stream from the hub into a verified cache, layer after layer."
-
-
-class Installed:
-    def __init__(self, base: Path) -> None:
-        self.base = base
-        self.socket = base / "run" / "s.sock"
-
-    def client(self):  # type: ignore[no-untyped-def]
-        from cachecd_client import Client
-
-        return Client(self.socket)
-
-    def stop(self) -> None:
-        from cachecd.errors import DaemonUnavailable
-
-        try:
-            with self.client() as c:
-                pid = c.health()["pid"]
-        except DaemonUnavailable:
-            return
-        os.kill(pid, signal.SIGTERM)
-        for _ in range(400):
-            if not self.socket.exists():
-                return
-            time.sleep(0.05)
-
-
-@pytest.fixture
-def installed(hub, tiny_manifest_path) -> Iterator[Installed]:  # type: ignore[no-untyped-def]
-    inst = Installed(short_tmp("cdi"))
-    out = run_cli("setup", "--stream", TINY_REPO, "--endpoint", hub.url, "--socket", str(inst.socket),
-                  "--cache-dir", str(inst.base / "cache"), "--models-dir", str(inst.base / "models"),
-                  "--manifest", str(tiny_manifest_path)).stdout
-    assert "installed" in out and "started a daemon" in out
-    yield inst
-    inst.stop()
 
 
 def test_setup_is_idempotent_and_installs_no_expert(installed, hub, tiny_manifest, tiny_manifest_path):

@@ -1,0 +1,242 @@
+"""mlx-lm's OpenAI-compatible server over a model whose experts stream through the daemon.
+
+mlx-lm's server does the serving (``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
+SSE streaming, batching of concurrent requests, the prompt cache, sampling, tool calls); this
+module gives it a model provider that loads through ``cachecd_engine.load``, and a handler that
+adds the cache's view to each answer (``request_view``) and lists the daemon's models. The
+command is ``openai_cli``.
+
+Invariants:
+- Bound to 127.0.0.1 unless ``--host`` says otherwise. A browser page's request (one with an
+  ``Origin`` header) is refused unless ``--allowed-origins`` names it: any page could otherwise
+  make this machine fetch experts from the Hub.
+- Only models registered with the daemon load; a request naming another model gets a one-line
+  error and the loaded model stays loaded.
+- The engine's counters are never reset while serving (windows are differences), and survive a
+  switch to another model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import signal
+import socket
+import sys
+import threading
+from http.server import ThreadingHTTPServer
+from typing import Any
+from urllib.parse import unquote
+
+import mlx.core as mx
+from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+from mlx_lm.processors import load_processor
+from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, _run_http_server
+from mlx_lm.utils import maybe_set_recommended_wired_limit
+
+from cachecd.errors import CachecdError, ConfigInvalid, NotStreamable
+from cachecd_client import Client
+from cachecd_engine.bank import EngineStats
+from cachecd_engine.registered import check_name, load
+from cachecd_engine.request_view import RequestViews
+from cachecd_engine.run import cold_cost_notice
+
+
+class StreamedModelProvider(ModelProvider):
+    """mlx-lm's model provider; its models come from ``cachecd_engine.load``."""
+
+    def __init__(self, cli_args: argparse.Namespace, engine: dict[str, Any]) -> None:
+        super().__init__(cli_args)
+        self.engine = engine
+        self.stats = EngineStats()  # every load counts into it: windows span a model switch
+        self.views = RequestViews(self.counters)
+        self._fetched_before = 0  # upstream fetches of models already unloaded
+        self._lock = threading.Lock()
+
+    def _load(self, model_path: str, adapter_path: str | None = None,
+              draft_model_path: str | None = None) -> None:
+        # mlx-lm's _load, through cachecd_engine.load; its distributed branch does not apply.
+        if draft_model_path is not None:
+            raise NotStreamable(f"cachecd openai serves no draft model ({draft_model_path}); "
+                                f"ask without draft_model")
+        self.reset()
+        gc.collect()
+        mx.clear_cache()
+        model, tokenizer, config = load(
+            model_path, tokenizer_config=self._tokenizer_config, adapter_path=adapter_path,
+            return_config=True, trust_remote_code=self.cli_args.trust_remote_code,
+            stats=self.stats, **self.engine)
+        with self._lock:
+            self.model_key = (model_path, adapter_path, draft_model_path)  # type: ignore[assignment]
+            self.model, self.tokenizer, self.draft_model = model, tokenizer, None
+        self.processor = load_processor(model, config)  # type: ignore[assignment]
+        self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+
+    def reset(self) -> None:
+        with self._lock:
+            model = self.model
+            if model is not None:
+                self._fetched_before += model.bank.source.client.upstream_fetches
+            super().reset()
+        if model is not None:
+            model.bank.close()
+            model.bank.source.close()
+            if model.bank.trace is not None:
+                model.bank.trace.close()
+
+    def counters(self) -> dict[str, float]:
+        """The engine's counters since the server started (``request_view.FIELDS``)."""
+        with self._lock:
+            model = self.model
+            fetched = self._fetched_before + (
+                model.bank.source.client.upstream_fetches if model is not None else 0)
+        return {**self.stats.snapshot(), "fetched": fetched}
+
+
+class CachecdHandler(APIHandler):
+    """mlx-lm's request handler, with the cache's view in each answer and the daemon's models.
+
+    The view (``request_view``) goes in ``usage.cachecd`` (the non-streamed answer, and the usage
+    chunk of a stream asked with ``stream_options={"include_usage": true}``) and, for a non-streamed
+    answer, in the ``X-Cachecd-Fetched-Experts`` and ``X-Cachecd-Other-Requests`` headers."""
+
+    @property
+    def provider(self) -> StreamedModelProvider:
+        return self.response_generator.model_provider  # type: ignore[return-value]
+
+    def do_POST(self) -> None:
+        origin = self.headers.get("Origin")
+        allowed = self.response_generator.cli_args.allowed_origins
+        if origin is not None and "*" not in allowed and origin not in allowed:
+            self._error(403, f"origin {origin} is not allowed; start cachecd openai with "
+                             f"--allowed-origins {origin} to let that page use the model",
+                        "origin_not_allowed")
+            return
+        super().do_POST()
+
+    def handle_completion(self, request: Any, stop_words: list[str]) -> None:
+        if not self._installed_model(self.requested_model):
+            return
+        self.window = self.provider.views.open()
+        try:
+            super().handle_completion(request, stop_words)
+        finally:
+            self.provider.views.close(self.window)
+
+    def generate_response(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        response = super().generate_response(*args, **kwargs)
+        if not self.stream:  # the headers are still open: mlx-lm ends them after this answer
+            view = self.provider.views.view(self.window)
+            response["usage"]["cachecd"] = view
+            self.send_header("X-Cachecd-Fetched-Experts", str(view["experts_fetched"]))
+            self.send_header("X-Cachecd-Other-Requests", str(view["other_requests"]))
+        return response
+
+    def completion_usage_response(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        response = super().completion_usage_response(*args, **kwargs)
+        response["usage"]["cachecd"] = self.provider.views.view(self.window)
+        return response
+
+    def _installed_model(self, name: str) -> bool:
+        """Whether ``name`` can be served; if not, answered with an error that says why. Checked
+        here, before mlx-lm's provider unloads the model in use to load another."""
+        served = self.provider.model_key[0] if self.provider.model_key else None
+        if name in ("default_model", self.provider.cli_args.model, served):
+            return True
+        try:
+            with Client(self.provider.engine.get("socket"), timeout=10) as client:
+                client.model(check_name(name))
+            return True
+        except CachecdError as exc:
+            self._error(404, exc.message, exc.code)
+            return False
+
+    def handle_models_request(self) -> None:
+        """The served model, then the daemon's other installed models (each loads on request)."""
+        names = [self.provider.cli_args.model, *self._installed()]
+        models = [{"id": n, "object": "model", "created": self.created, "owned_by": n.split("/")[0]}
+                  for n in dict.fromkeys(names)]
+        wanted = unquote(self.path.removeprefix("/v1/models").strip("/"))  # the openai client: %2F
+        if wanted:
+            match = [m for m in models if m["id"] == wanted]
+            if not match:
+                self._error(404, f"{wanted} is not installed; run `cachecd setup --stream {wanted}`",
+                            "model_not_found")
+                return
+            self._json(match[0])
+        else:
+            self._json({"object": "list", "data": models})
+
+    def _installed(self) -> list[str]:
+        try:
+            with Client(self.provider.engine.get("socket"), timeout=10) as client:
+                return [m["repo"] for m in client.models() if m.get("local_dir")]
+        except CachecdError:
+            return []  # the served model is listed all the same
+
+    def _json(self, body: dict[str, Any], status: int = 200) -> None:
+        data = json.dumps(body).encode()
+        self._set_completion_headers(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status: int, message: str, code: str) -> None:
+        # OpenAI's error shape, so its clients show the message (mlx-lm's own are plain strings).
+        self._json({"error": {"message": message, "type": "invalid_request_error", "code": code}},
+                   status)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # a stalled client must not keep the process alive at exit
+    banner = ""
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        host, port = str(self.server_address[0]), int(self.server_address[1])
+        host = f"[{host}]" if ":" in host else host
+        print(f"cachecd openai: {self.banner} at http://{host}:{port}/v1", flush=True)
+
+
+def serve(cli_args: argparse.Namespace, engine: dict[str, Any]) -> None:
+    """mlx-lm's server on ``cli_args.host``/``port`` (mlx_lm.server's namespace), its model loaded
+    through ``cachecd_engine.load`` with ``engine``'s keywords, until SIGINT or SIGTERM."""
+    maybe_set_recommended_wired_limit()
+    _check_address(cli_args.host, cli_args.port)  # before a load that can take minutes
+    provider = StreamedModelProvider(cli_args, engine)
+    provider.load_default()  # no daemon, an unknown model: the command's one-line error, now
+    model: Any = provider.model
+    print(cold_cost_notice(model.bank.source.client, cli_args.model), file=sys.stderr)
+    generator = ResponseGenerator(provider, LRUPromptCache(cli_args.prompt_cache_size))
+    server = type("Server", (_Server,), {"banner": f"serving {cli_args.model}"})
+    signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: mlx-lm's server cleans up
+    try:
+        # mlx_lm.server.run drops its handler_class in 0.32; the function it calls takes it.
+        _run_http_server(cli_args.host, cli_args.port, generator, server_class=server,
+                         handler_class=CachecdHandler)
+    except OSError as exc:
+        raise _cannot_listen(cli_args.host, cli_args.port, exc) from exc
+    finally:
+        generator.stop_and_join()
+
+
+def _check_address(host: str, port: int) -> None:
+    """Bind and release the address as the server will (address reuse on), to fail early."""
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        raise _cannot_listen(host, port, exc) from exc
+
+
+def _cannot_listen(host: str, port: int, exc: OSError) -> ConfigInvalid:
+    why = exc.strerror or str(exc)
+    return ConfigInvalid(f"cannot listen on {host}:{port}: {why}; choose another --host or --port")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,139 @@
+"""``cachecd_engine.load``: ``mlx_lm.load``'s signature and result for a model the daemon streams.
+
+Invariants:
+- ``path_or_hf_repo`` is the ORG/NAME ``cachecd setup --stream`` registered with the daemon. The
+  resident weights, config and tokenizer come from the files setup installed; every routed expert
+  comes through the daemon. A local folder or an unregistered repo is a one-line error naming
+  what to run instead; nothing is downloaded here (setup owns downloads and pins the revision).
+- Each mlx-lm argument means what it means to ``mlx_lm.load`` (the same ``load_model``,
+  ``load_tokenizer`` and ``load_adapters`` do the work), or is refused with ``NotStreamable`` where
+  streamed experts cannot honour it: a revision other than the pinned one, an adapter with
+  expert weights, a config naming a custom ``model_file``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import re
+from pathlib import Path
+from typing import Any
+
+from cachecd.errors import NotStreamable
+
+# An HF repo id as the daemon names models: exactly one slash, no leading "." or "/".
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def load(
+    path_or_hf_repo: str,
+    tokenizer_config: dict[str, Any] | None = None,
+    model_config: dict[str, Any] | None = None,
+    adapter_path: str | None = None,
+    lazy: bool = False,
+    return_config: bool = False,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    *,
+    socket: str | Path | None = None,
+    ram_bytes: int | None = None,
+    expert_memory: int | None = None,
+    stats: Any = None,
+    trace: str | Path | None = None,
+    prefetch: bool | None = None,
+) -> Any:
+    """``(model, tokenizer)``, or ``(model, tokenizer, config)`` with ``return_config``, exactly as
+    ``mlx_lm.load`` returns them for the same arguments; ``mlx_lm.generate``, ``stream_generate``
+    and ``mlx_lm.server`` work unchanged on the result.
+
+    ``path_or_hf_repo`` is an ORG/NAME installed with ``cachecd setup --stream``; ``revision``, if
+    given, must be the commit setup pinned. ``trust_remote_code`` is accepted for the signature: it
+    only lets mlx-lm run a config's custom ``model_file``, which cannot be streamed (pass
+    ``tokenizer_config={"trust_remote_code": True}`` for a tokenizer's remote code, as with
+    mlx-lm). An adapter may change resident weights only (``mlx_lm.tuner``'s ``load_adapters``).
+
+    Keyword-only, the engine's own: ``socket`` (the daemon's), ``ram_bytes`` (RAM tier of hot
+    experts), ``expert_memory`` (bound on a layer's expert buffers), ``stats`` (an
+    ``EngineStats`` to count into), ``trace`` (record the routing to this file), ``prefetch``
+    (read ahead the next layer's experts; default: where the model computes on a GPU).
+    """
+    from cachecd_engine.daemon_source import DaemonSource
+    from cachecd_engine.loader import load as load_dir
+
+    del trust_remote_code  # see the docstring: nothing else it could allow here
+    repo = check_name(path_or_hf_repo)
+    source, local_dir = DaemonSource.connect(repo, socket)
+    try:
+        check_revision(repo, source.manifest.revision, revision)
+        if adapter_path is not None:
+            check_adapter(Path(adapter_path))
+        model, tokenizer, config = load_dir(
+            local_dir, source, ram_bytes=ram_bytes, expert_memory=expert_memory, stats=stats,
+            lazy=lazy, prefetch=prefetch, model_config=model_config,
+            tokenizer_config=tokenizer_config, return_config=True)
+        if adapter_path is not None:
+            from mlx_lm.utils import load_adapters
+
+            model = load_adapters(model, adapter_path)
+            model.eval()
+    except BaseException:
+        source.close()
+        raise
+    attach_trace(model, repo, trace)
+    return (model, tokenizer, config) if return_config else (model, tokenizer)
+
+
+def check_name(path_or_hf_repo: str | Path) -> str:
+    """The ORG/NAME to ask the daemon for, or a one-line error for anything else."""
+    name = str(path_or_hf_repo)
+    if _REPO_ID.fullmatch(name):
+        return name
+    if Path(name).expanduser().exists():
+        raise NotStreamable(
+            f"{name} is a local folder; cachecd_engine.load streams a model registered with the "
+            f"daemon: load a local checkpoint with mlx_lm.load, or install ORG/NAME with "
+            f"`cachecd setup --stream ORG/NAME` and load that name")
+    raise NotStreamable(
+        f"{name!r} is not a Hugging Face repo id (ORG/NAME); install one with "
+        f"`cachecd setup --stream ORG/NAME` and load that name")
+
+
+def check_revision(repo: str, pinned: str, asked: str | None) -> None:
+    # A branch or tag would need the Hub to resolve; setup pinned one commit and the daemon's
+    # manifest verifies that commit's bytes only.
+    if asked is None or (len(asked) >= 7 and pinned.startswith(asked)):
+        return
+    raise NotStreamable(
+        f"{repo} is installed at commit {pinned}, not revision {asked!r}; run "
+        f"`cachecd setup --stream {repo}@{asked}` to install that one, or pass revision=None")
+
+
+def check_adapter(adapter_path: Path) -> None:
+    """Refuse an adapter that has expert weights: mlx-lm would apply them to a bank that is not
+    there (the streamed bank has no parameters), and the experts are the Hub's bytes, verified."""
+    from safetensors import safe_open
+
+    from cachecd_engine.loader import is_expert_weight
+
+    weights = adapter_path / "adapters.safetensors"
+    if not weights.exists():
+        return  # mlx-lm's load_adapters says what is missing
+    with safe_open(str(weights), framework="numpy") as f:
+        expert_keys = [k for k in f.keys() if is_expert_weight(k)]
+    if expert_keys:
+        raise NotStreamable(
+            f"adapter {adapter_path} changes routed-expert weights ({expert_keys[0]}, "
+            f"{len(expert_keys)} in all); streamed experts are the Hub's verified bytes: train "
+            f"the adapter without the experts (lora_parameters keys), or fuse it (mlx_lm.fuse) "
+            f"and run the fused checkpoint with mlx_lm.load")
+
+
+def attach_trace(model: Any, repo: str, path: str | Path | None) -> None:
+    """Record the routing to ``path`` (or ``CACHECD_TRACE``), closed at exit."""
+    from cachecd import constants
+    from cachecd_engine.trace import TraceRecorder
+
+    path = path or constants.TRACE_PATH
+    if path:
+        recorder = TraceRecorder(path, repo)
+        model.bank.trace = recorder
+        atexit.register(recorder.close)

@@ -1,0 +1,131 @@
+"""`cachecd openai` as a user runs it, answered through the official openai client: its model's
+experts stream through a real daemon (set up by `cachecd setup --stream` from `cachecd hub serve`),
+and its greedy text is mlx-lm's on the fully resident checkpoint."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.harness import TINY_REPO, Installed, OpenAIServer, run_cli
+
+openai = pytest.importorskip("openai")
+
+PROMPT = "Experts stream from the hub into a verified cache, layer after layer."
+CHAT = [{"role": "user", "content": "Which experts does this token need?"}]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def server(installed_module: Installed) -> Iterator[OpenAIServer]:
+    # --ram 0: every expert a request uses is read through the daemon, so the counts show it.
+    srv = OpenAIServer(TINY_REPO, installed_module.socket, "--ram", "0")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server: OpenAIServer) -> Any:
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def resident_text(tiny_resident: Any, prompt: Any, max_tokens: int = N) -> str:
+    from mlx_lm import generate
+
+    model, tokenizer = tiny_resident
+    return generate(model, tokenizer, prompt, max_tokens=max_tokens)
+
+
+def resident_chat(tiny_resident: Any, messages: list[dict[str, str]]) -> str:
+    tokenizer = tiny_resident[1]
+    assert tokenizer.chat_template  # the tiny tokenizer has one (cachecd/tiny_tokenizer.py)
+    return resident_text(tiny_resident, tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def test_models_lists_the_served_model(client: Any) -> None:
+    assert [m.id for m in client.models.list()] == [TINY_REPO]
+    assert client.models.retrieve(TINY_REPO).id == TINY_REPO
+    with pytest.raises(openai.NotFoundError, match="cachecd setup --stream"):
+        client.models.retrieve("nobody/nothing")
+
+
+def test_completion_equals_resident_mlx_lm_streamed_and_not(client: Any, tiny_resident: Any) -> None:
+    want = resident_text(tiny_resident, PROMPT)
+    raw = client.completions.with_raw_response.create(
+        model=TINY_REPO, prompt=PROMPT, max_tokens=N, temperature=0)
+    done = raw.parse()
+    assert done.choices[0].text == want
+    view = done.usage.model_extra["cachecd"]
+    assert int(raw.headers["x-cachecd-fetched-experts"]) == view["experts_fetched"]
+    assert view["experts_from_daemon"] + view["experts_read_ahead"] > 0  # --ram 0: all via daemon
+    chunks = list(client.completions.create(model=TINY_REPO, prompt=PROMPT, max_tokens=N,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+    assert "cachecd" in chunks[-1].usage.model_extra
+
+
+def test_chat_equals_resident_mlx_lm_streamed_and_not(client: Any, tiny_resident: Any) -> None:
+    want = resident_chat(tiny_resident, CHAT)
+    done = client.chat.completions.create(model=TINY_REPO, messages=CHAT, max_tokens=N, temperature=0)
+    assert done.choices[0].message.content == want
+    stream = client.chat.completions.create(model=TINY_REPO, messages=CHAT, max_tokens=N,
+                                            temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+
+
+def test_two_requests_at_once(client: Any, tiny_resident: Any) -> None:
+    prompts = [PROMPT, "A second prompt, routed to other experts at the same time."]
+    start = threading.Barrier(len(prompts))
+    got: dict[int, Any] = {}
+
+    def ask(i: int) -> None:
+        start.wait()
+        got[i] = client.completions.create(model=TINY_REPO, prompt=prompts[i], max_tokens=N,
+                                           temperature=0)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got[i].choices[0].text for i in range(2)] == [resident_text(tiny_resident, p) for p in prompts]
+    # Overlap is mutual: either both saw the other in flight (their counts are shared) or neither.
+    others = [got[i].usage.model_extra["cachecd"]["other_requests"] for i in range(2)]
+    assert others in ([0, 0], [1, 1])
+
+
+def test_cold_request_counts_its_hub_fetches(client: Any, installed_module: Installed) -> None:
+    with installed_module.client() as c:
+        c.evict(nbytes=1 << 40)  # every expert: the next request fetches from the hub again
+        assert c.coverage(TINY_REPO)["bytes_cached"] == 0
+    prompt = "Cold again: every expert of this prompt comes from the hub."
+    cold = client.completions.create(model=TINY_REPO, prompt=prompt, max_tokens=8, temperature=0)
+    warm = client.completions.create(model=TINY_REPO, prompt=prompt, max_tokens=8, temperature=0)
+    assert cold.usage.model_extra["cachecd"]["experts_fetched"] > 0
+    assert warm.usage.model_extra["cachecd"]["experts_fetched"] == 0
+    assert warm.choices[0].text == cold.choices[0].text
+
+
+def test_unknown_model_and_browser_origin_are_refused(client: Any) -> None:
+    with pytest.raises(openai.NotFoundError, match="cachecd setup --stream nobody/nothing"):
+        client.completions.create(model="nobody/nothing", prompt="x", max_tokens=2)
+    page = client.with_options(default_headers={"Origin": "https://example.com"})
+    with pytest.raises(openai.PermissionDeniedError, match="--allowed-origins"):
+        page.completions.create(model=TINY_REPO, prompt="x", max_tokens=2)
+    # the served model stayed loaded
+    assert client.completions.create(model=TINY_REPO, prompt="x", max_tokens=2).choices
+
+
+def test_what_cannot_be_served_fails_at_start(installed_module: Installed, server: OpenAIServer) -> None:
+    socket = str(installed_module.socket)
+    unknown = run_cli("openai", "--model", "nobody/nothing", "--socket", socket, check=False)
+    port = server.url.rsplit(":", 1)[1].split("/")[0]
+    taken = run_cli("openai", "--model", TINY_REPO, "--socket", socket, "--port", port, check=False)
+    for proc, says in ((unknown, "cachecd setup --stream nobody/nothing"), (taken, "--port")):
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        assert says in proc.stderr.strip().splitlines()[-1]

@@ -1,0 +1,60 @@
+"""`cachecd run` as people use mlx_lm.generate: --max-tokens (and --max-new), sampling with a
+seed, the prompt from standard input, and progress on stderr during a long prefill."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from typing import Any
+
+from tests.harness import CACHECD, TINY_REPO, Installed, run_cli
+
+PROMPT = "Experts stream from the hub into a verified cache, layer after layer."
+
+
+def run_json(inst: Installed, *args: str) -> dict[str, Any]:
+    out = run_cli("run", "--model", TINY_REPO, "--socket", str(inst.socket), "--json", *args).stdout
+    return json.loads(out)
+
+
+def test_max_tokens_and_its_alias(installed_module: Installed, tiny_resident: Any) -> None:
+    from mlx_lm import generate
+
+    got = run_json(installed_module, "--prompt", PROMPT, "--max-tokens", "7")
+    assert len(got["tokens"]) == 7
+    assert got["text"] == generate(*tiny_resident, PROMPT, max_tokens=7)  # greedy by default
+    assert run_json(installed_module, "--prompt", PROMPT, "--max-new", "7")["tokens"] == got["tokens"]
+
+
+def test_sampling_is_seeded(installed_module: Installed, tiny_resident: Any) -> None:
+    import mlx.core as mx
+    from mlx_lm import generate
+    from mlx_lm.sample_utils import make_sampler
+
+    args = ["--prompt", PROMPT, "--max-tokens", "12", "--temp", "1.5", "--top-p", "0.95"]
+    seven = run_json(installed_module, *args, "--seed", "7")
+    mx.random.seed(7)  # mlx_lm.generate's --seed: the same draws, so the same text
+    assert seven["text"] == generate(*tiny_resident, PROMPT, max_tokens=12,
+                                     sampler=make_sampler(1.5, 0.95))
+    assert run_json(installed_module, *args, "--seed", "8")["tokens"] != seven["tokens"]
+
+
+def test_prompt_from_stdin_with_prefill_progress(installed_module: Installed,
+                                                 tiny_resident: Any) -> None:
+    from mlx_lm import generate
+
+    long_prompt = PROMPT * 3  # about 210 tokens: 7 prefill steps of 32
+    proc = subprocess.run(
+        [*CACHECD, "run", "--model", TINY_REPO, "--socket", str(installed_module.socket), "--prompt",
+         "-", "--max-tokens", "4", "--prefill-step-size", "32", "--json"],
+        input=long_prompt, capture_output=True, text=True, timeout=300, env={**os.environ})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["text"] == generate(*tiny_resident, long_prompt, max_tokens=4)
+    steps = re.findall(r"prefill (\d+)/(\d+) tokens: (\d+) experts read through the daemon "
+                       r"\(.+?\), (\d+) fetched from the Hub", proc.stderr)
+    assert len(steps) >= 6, proc.stderr
+    done = [int(s[0]) for s in steps]
+    assert done == sorted(done) and done[0] == 32 and done[-1] == int(steps[-1][1])
+    assert int(steps[-1][2]) > 0  # experts arrived through the daemon during the prefill
