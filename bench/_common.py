@@ -34,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from cachecd.manifest import Manifest  # noqa: E402
+from cachecd.manifest.manifest import Manifest  # noqa: E402
 from tests.harness import DaemonProcess, HubProcess, run_cli, short_tmp  # noqa: E402
 
 GIB = float(1 << 30)

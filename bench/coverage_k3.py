@@ -43,7 +43,7 @@ from cachecd.coverage import (
     unpack_detail,
 )
 from cachecd.coverage_render import Grid, render_html, render_json, render_png, render_table
-from cachecd.manifest import Manifest
+from cachecd.manifest.manifest import Manifest
 
 
 def workload(

@@ -35,7 +35,7 @@ from cachecd.store import Store
 if TYPE_CHECKING:
     from cachecd.hub import Upstream
     from cachecd.index import Entry
-    from cachecd.manifest import ExpertEntry
+    from cachecd.manifest.manifest import ExpertEntry
 
 log = logging.getLogger(__name__)
 

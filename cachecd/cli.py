@@ -20,7 +20,7 @@ from cachecd.errors import CachecdError
 _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.tiny_model",
     "cachecd.hub_server",
-    "cachecd.manifest_cli",
+    "cachecd.manifest.cli",
     "cachecd.setup_stream",
     "cachecd.serve",
     "cachecd.ctl",

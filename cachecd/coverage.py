@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from cachecd.manifest import Manifest
+from cachecd.manifest.manifest import Manifest
 
 TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
 MOST_WANTED = 20

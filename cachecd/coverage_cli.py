@@ -27,7 +27,7 @@ from cachecd.coverage_render import (
     render_table,
 )
 from cachecd.errors import InvalidRequest
-from cachecd.manifest import Manifest
+from cachecd.manifest.manifest import Manifest
 
 DAEMON_WORKLOAD = "the daemon's recorded accesses"
 

@@ -35,7 +35,7 @@ from cachecd.store import Store
 if TYPE_CHECKING:
     from cachecd.budget import Reservation
     from cachecd.hub import Upstream
-    from cachecd.manifest import ExpertEntry
+    from cachecd.manifest.manifest import ExpertEntry
     from cachecd.registry import RegisteredModel
 
 log = logging.getLogger(__name__)

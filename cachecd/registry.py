@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecd.errors import CachecdError, InvalidRequest, RepoNotAllowed
-from cachecd.manifest import Manifest, write_atomic
+from cachecd.manifest.manifest import Manifest, write_atomic
 from cachecd.store import Store
 
 log = logging.getLogger(__name__)

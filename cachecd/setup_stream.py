@@ -59,7 +59,7 @@ def resolve_commit(repo: str, rev: str, endpoint: str, offline: bool) -> str:
 
 
 def choose_manifest(args: argparse.Namespace, repo: str, commit: str, settings: Settings) -> Path:
-    from cachecd.manifest import Manifest, shipped_manifest
+    from cachecd.manifest.manifest import Manifest, shipped_manifest
 
     path: Path | None
     if args.manifest:
@@ -88,8 +88,8 @@ def _stale(repo: str, commit: str, path: Path) -> Path:
 def _build_manifest(repo: str, commit: str, endpoint: str, out: Path) -> None:
     from huggingface_hub import get_token
 
-    from cachecd.manifest_build import build_manifest
-    from cachecd.manifest_source import HubSource
+    from cachecd.manifest.build import build_manifest
+    from cachecd.manifest.source import HubSource
 
     out.parent.mkdir(parents=True, exist_ok=True)
     build_manifest(HubSource(repo, commit, endpoint=endpoint, token=get_token())).save(out)
@@ -196,7 +196,7 @@ def wait_healthy(client: Any, proc: subprocess.Popen[bytes], log_path: Path, tim
 
 
 def run(args: argparse.Namespace) -> int:
-    from cachecd.manifest import Manifest
+    from cachecd.manifest.manifest import Manifest
 
     settings = load_settings({k: getattr(args, k, None) for k in
                               ("endpoint", "socket", "cache_dirs", "budget", "models_dir")})

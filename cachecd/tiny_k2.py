@@ -25,7 +25,7 @@ import numpy as np
 
 from cachecd import tiny_tokenizer
 from cachecd.errors import InvalidRequest
-from cachecd.manifest import EXPERT_RE
+from cachecd.manifest.manifest import EXPERT_RE
 from cachecd.tiny_config import TensorDef, TinyOptions
 from cachecd.tiny_model import _rng, _write_index, tensor_values, write_shard
 from cachecd.tiny_shards import ShardPlan, plan_shards

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecd.errors import CachecdError, ExpertSizeMismatch, ModelNotFound
-from cachecd.manifest import ExpertEntry, Manifest
+from cachecd.manifest.manifest import ExpertEntry, Manifest
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ def tiny_manifest_path(hub: HubProcess, hub_root: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_manifest(tiny_manifest_path: Path):  # type: ignore[no-untyped-def]
-    from cachecd.manifest import Manifest
+    from cachecd.manifest.manifest import Manifest
 
     return Manifest.load(tiny_manifest_path)
 

@@ -22,7 +22,7 @@ from cachecd.coverage import (
 )
 from cachecd.coverage_render import Grid, render_html, render_json, render_png, render_table
 from cachecd.errors import InvalidRequest
-from cachecd.manifest import Manifest, shipped_manifest
+from cachecd.manifest.manifest import Manifest, shipped_manifest
 from cachecd.warm import fit_room, plan_batches, read_prompts
 from cachecd_engine.trace import TraceRecorder, read_trace
 

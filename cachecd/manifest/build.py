@@ -22,7 +22,7 @@ import xxhash
 from tqdm import tqdm
 
 from cachecd import constants, errors
-from cachecd.manifest import (
+from cachecd.manifest.manifest import (
     ByteRange,
     ExpertEntry,
     FileInfo,
@@ -30,7 +30,7 @@ from cachecd.manifest import (
     TensorInfo,
     parse_expert_name,
 )
-from cachecd.safetensors_header import HeaderTensor, header_length, parse_header
+from cachecd.manifest.safetensors_header import HeaderTensor, header_length, parse_header
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from cachecd.manifest_meta import DTYPE_BITS, EXPERT_RE, Ctx, check_meta
+from cachecd.manifest.meta import DTYPE_BITS, EXPERT_RE, Ctx, check_meta
 
 # name -> (numpy dtype it is stored as, number of dimensions); row counts are checked below.
 COLUMNS: dict[str, tuple[type, int]] = {

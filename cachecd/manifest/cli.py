@@ -57,8 +57,8 @@ def _quiet_http(args: argparse.Namespace) -> None:
 
 def _build(args: argparse.Namespace) -> int:
     _quiet_http(args)
-    from cachecd.manifest_build import build_manifest
-    from cachecd.manifest_source import HubSource, LocalSource
+    from cachecd.manifest.build import build_manifest
+    from cachecd.manifest.source import HubSource, LocalSource
 
     repo, rev = parse_spec(args.spec)
     source: Any
@@ -77,7 +77,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from cachecd.manifest import Manifest
+    from cachecd.manifest.manifest import Manifest
 
     manifest = Manifest.load(args.file)
     _print_summary(manifest)
@@ -97,8 +97,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _check_against_hub(manifest: Any, endpoint: str, token: str | None) -> list[str]:
-    from cachecd.manifest_build import HEX64
-    from cachecd.manifest_source import HubSource
+    from cachecd.manifest.build import HEX64
+    from cachecd.manifest.source import HubSource
 
     source = HubSource(manifest.repo, manifest.revision, endpoint=endpoint, token=token)
     hub = {f.name: f for f in source.list_files()}

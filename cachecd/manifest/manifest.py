@@ -3,7 +3,7 @@
 An expert's bytes (the blob the store keeps, the bytes the daemon serves, the buffer the engine
 parses) are ALWAYS its byte ranges concatenated in order, ranges ordered by (shard order, start);
 shard order is the safetensors files sorted by name. Invariants, checked on every load
-(vectorised in ``manifest_validate`` so a K3-sized manifest loads in well under a second):
+(vectorised in ``validate`` so a K3-sized manifest loads in well under a second):
 
 - ``revision`` is a 40-hex commit; every digest is 16 bytes (xxh3-128).
 - Rows are sorted by (layer, expert) and every MoE layer has experts 0..experts_per_layer-1.
@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from cachecd import errors
-from cachecd.manifest_meta import EXPERT_PATTERN, EXPERT_RE, FORMAT_NAME
-from cachecd.manifest_validate import Checked, check_archive
+from cachecd.manifest.meta import EXPERT_PATTERN, EXPERT_RE, FORMAT_NAME
+from cachecd.manifest.validate import Checked, check_archive
 
 __all__ = [
     "EXPERT_PATTERN",
@@ -282,7 +282,7 @@ class Manifest:
         experts_per_layer: int | None = None,
     ) -> Manifest:
         """A validated manifest from objects (the builder, tests and benches use this)."""
-        from cachecd.manifest_encode import build_meta, encode_experts
+        from cachecd.manifest.encode import build_meta, encode_experts
 
         experts = list(experts)
         if experts_per_layer is None:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from cachecd import constants, errors
-from cachecd.manifest import (
+from cachecd.manifest.manifest import (
     EXPERT_PATTERN,
     EXPERT_RE,
     FORMAT_NAME,

@@ -1,4 +1,4 @@
-"""Where ``manifest_build`` reads a repo from: a Hub endpoint (HTTP) or a local folder.
+"""Where ``build`` reads a repo from: a Hub endpoint (HTTP) or a local folder.
 
 Hub invariants: the revision is resolved ONCE to a 40-hex commit (X-Repo-Commit) and every
 later request names that commit; the token goes only to the endpoint's own origin (a signed
@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from cachecd import constants, errors
-from cachecd.manifest_build import HEX64, SourceFile
+from cachecd.manifest.build import HEX64, SourceFile
 
 log = logging.getLogger(__name__)
 
