@@ -30,12 +30,12 @@ from cachecd.coverage import HitHistory
 from cachecd.errors import ExpertNotFound, InvalidRequest
 from cachecd.misses import Fetcher
 from cachecd.registry import RegisteredModel, Registry, check_repo
-from cachecd.store import Store
+from cachecd.store.store import Store
 
 if TYPE_CHECKING:
     from cachecd.hub import Upstream
-    from cachecd.index import Entry
     from cachecd.manifest.manifest import ExpertEntry
+    from cachecd.store.index import Entry
 
 log = logging.getLogger(__name__)
 

@@ -128,7 +128,7 @@ def evict(args: argparse.Namespace) -> int:
 def fsck(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from cachecd.fsck import fsck as run_fsck
+    from cachecd.store.fsck import fsck as run_fsck
 
     dirs = load_settings({"cache_dirs": args.cache_dirs}).cache_dirs
     bar = tqdm(unit="blob", desc="fsck", disable=None)

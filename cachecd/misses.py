@@ -28,15 +28,15 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from cachecd import constants
-from cachecd.blobs import BlobWriter
 from cachecd.errors import CachecdError, Internal
-from cachecd.store import Store
+from cachecd.store.blobs import BlobWriter
+from cachecd.store.store import Store
 
 if TYPE_CHECKING:
-    from cachecd.budget import Reservation
     from cachecd.hub import Upstream
     from cachecd.manifest.manifest import ExpertEntry
     from cachecd.registry import RegisteredModel
+    from cachecd.store.budget import Reservation
 
 log = logging.getLogger(__name__)
 

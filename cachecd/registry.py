@@ -17,7 +17,7 @@ from typing import Any
 
 from cachecd.errors import CachecdError, InvalidRequest, RepoNotAllowed
 from cachecd.manifest.manifest import Manifest, write_atomic
-from cachecd.store import Store
+from cachecd.store.store import Store
 
 log = logging.getLogger(__name__)
 

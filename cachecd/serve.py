@@ -83,7 +83,7 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     from cachecd.hub import Upstream
     from cachecd.peer import bind_private_socket
     from cachecd.routes import build_app
-    from cachecd.store import Store
+    from cachecd.store.store import Store
 
     store = await Store.open(settings.cache_dirs, budget=settings.budget, policy=settings.policy,
                              map_size=settings.map_size)

@@ -11,7 +11,7 @@ import xxhash
 
 from cachecd import constants
 from cachecd.app import BlobFds
-from cachecd.store import Store
+from cachecd.store.store import Store
 
 
 def _blob(i: int, size: int = 4096) -> tuple[str, bytes]:

@@ -27,8 +27,8 @@ from types import TracebackType
 from typing import Any, Self
 
 from cachecd import errors
-from cachecd.index import Entry
-from cachecd.policies import EvictionPolicy
+from cachecd.store.index import Entry
+from cachecd.store.policies import EvictionPolicy
 
 # Restored lifetime counts are capped: the policy's aging restarts at 0 after a restart, and an
 # expert that was hot last month must not outrank today's hot set for weeks.

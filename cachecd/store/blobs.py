@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachecd import errors
-from cachecd.crash import crash_point
+from cachecd.store.crash import crash_point
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cachecd import blobs as blobs_mod
 from cachecd import errors
-from cachecd.blobs import BlobDirs, OnDisk
-from cachecd.index import Entry, Index
+from cachecd.store import blobs as blobs_mod
+from cachecd.store.blobs import BlobDirs, OnDisk
+from cachecd.store.index import Entry, Index
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cachecd.blobs import BlobDirs, hash_fd
-from cachecd.index import INDEX_DIRNAME, Entry, Index
-from cachecd.recovery import RecoveryReport, handle_stray, scan_blobs
+from cachecd.store.blobs import BlobDirs, hash_fd
+from cachecd.store.index import INDEX_DIRNAME, Entry, Index
+from cachecd.store.recovery import RecoveryReport, handle_stray, scan_blobs
 
 log = logging.getLogger(__name__)
 

@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from cachecd import constants, errors
-from cachecd.blobs import BlobDirs, BlobWriter, hash_fd, validate_digest
-from cachecd.budget import Budget, Ledger, Reservation, Victims
-from cachecd.crash import crash_point
-from cachecd.index import INDEX_DIRNAME, Entry, Index
-from cachecd.policies import make_policy
-from cachecd.recovery import RecoveryReport, mark_clean, recover
+from cachecd.store.blobs import BlobDirs, BlobWriter, hash_fd, validate_digest
+from cachecd.store.budget import Budget, Ledger, Reservation, Victims
+from cachecd.store.crash import crash_point
+from cachecd.store.index import INDEX_DIRNAME, Entry, Index
+from cachecd.store.policies import make_policy
+from cachecd.store.recovery import RecoveryReport, mark_clean, recover
 
 log = logging.getLogger(__name__)
 
