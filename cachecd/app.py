@@ -33,9 +33,9 @@ from cachecd.registry import RegisteredModel, Registry, check_repo
 from cachecd.store.store import Store
 
 if TYPE_CHECKING:
-    from cachecd.hub import Upstream
     from cachecd.manifest.manifest import ExpertEntry
     from cachecd.store.index import Entry
+    from cachecd.upstream.hub import Upstream
 
 log = logging.getLogger(__name__)
 

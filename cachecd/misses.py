@@ -33,10 +33,10 @@ from cachecd.store.blobs import BlobWriter
 from cachecd.store.store import Store
 
 if TYPE_CHECKING:
-    from cachecd.hub import Upstream
     from cachecd.manifest.manifest import ExpertEntry
     from cachecd.registry import RegisteredModel
     from cachecd.store.budget import Reservation
+    from cachecd.upstream.hub import Upstream
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecd.errors import ChecksumMismatch
-from cachecd.verify import digest
+from cachecd.upstream.verify import digest
 
 RESIDENT_FILE = "model-resident.safetensors"
 _GROUP_BYTES = 64 << 20

@@ -80,10 +80,10 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     from cachecd.app import Daemon
     from cachecd.control_door import ControlDoor, ControlSite
     from cachecd.datapath import DataServer
-    from cachecd.hub import Upstream
     from cachecd.peer import bind_private_socket
     from cachecd.routes import build_app
     from cachecd.store.store import Store
+    from cachecd.upstream.hub import Upstream
 
     store = await Store.open(settings.cache_dirs, budget=settings.budget, policy=settings.policy,
                              map_size=settings.map_size)

@@ -127,8 +127,8 @@ async def fetch_resident(manifest: Any, local: Path, settings: Settings) -> int:
     from huggingface_hub import get_token
     from tqdm import tqdm
 
-    from cachecd.hub import Upstream
     from cachecd.resident import ResidentWriter
+    from cachecd.upstream.hub import Upstream
 
     writer = ResidentWriter(manifest, local)
     if writer.done():

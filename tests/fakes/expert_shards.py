@@ -51,7 +51,7 @@ def write_expert_shards(
     import numpy as np
 
     from cachecd.manifest.manifest import ByteRange, ExpertEntry, FileInfo
-    from cachecd.verify import digest
+    from cachecd.upstream.verify import digest
 
     rng = np.random.default_rng(seed)
     folder = Path(folder)

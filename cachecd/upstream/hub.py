@@ -27,10 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from cachecd import constants, errors
-from cachecd.hub_client import HubClient
-from cachecd.hub_plan import DEFAULT_MAX_GAP, EntryLike, RangeRequest, plan_requests
-from cachecd.hub_stream import Stream, VectorWriter
-from cachecd.verify import verify_async, verify_digest
+from cachecd.upstream.hub_client import HubClient
+from cachecd.upstream.hub_plan import DEFAULT_MAX_GAP, EntryLike, RangeRequest, plan_requests
+from cachecd.upstream.hub_stream import Stream, VectorWriter
+from cachecd.upstream.verify import verify_async, verify_digest
 
 log = logging.getLogger(__name__)
 

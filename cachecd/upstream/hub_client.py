@@ -25,8 +25,8 @@ from huggingface_hub import hf_hub_url
 from huggingface_hub.utils import build_hf_headers
 
 from cachecd import constants, errors
-from cachecd import hub_http as hh
-from cachecd.singleflight import SingleFlight
+from cachecd.upstream import hub_http as hh
+from cachecd.upstream.singleflight import SingleFlight
 
 log = logging.getLogger(__name__)
 
