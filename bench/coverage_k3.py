@@ -34,15 +34,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from manifest_load import synthetic_k3
 
-from cachecd.coverage import (
+from cachecd.manifest.manifest import Manifest
+from cachecd.report.coverage import (
     access_array,
     cached_mask,
     coverage_report,
     pack_detail,
     unpack_detail,
 )
-from cachecd.coverage_render import Grid, render_html, render_json, render_png, render_table
-from cachecd.manifest.manifest import Manifest
+from cachecd.report.coverage_render import Grid, render_html, render_json, render_png, render_table
 from cachecd.store.blobs import validate_digest
 
 

@@ -17,8 +17,10 @@ from typing import Any
 import numpy as np
 
 from cachecd.config import load_settings
-from cachecd.coverage import access_array, coverage_report, unpack_detail
-from cachecd.coverage_render import (
+from cachecd.errors import InvalidRequest
+from cachecd.manifest.manifest import Manifest
+from cachecd.report.coverage import access_array, coverage_report, unpack_detail
+from cachecd.report.coverage_render import (
     FORMATS,
     Grid,
     render_html,
@@ -26,8 +28,6 @@ from cachecd.coverage_render import (
     render_png,
     render_table,
 )
-from cachecd.errors import InvalidRequest
-from cachecd.manifest.manifest import Manifest
 
 DAEMON_WORKLOAD = "the daemon's recorded accesses"
 
