@@ -22,7 +22,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.hub_server",
     "cachecd.manifest.cli",
     "cachecd.setup_stream",
-    "cachecd.serve",
+    "cachecd.daemon.serve",
     "cachecd.ctl",
     "cachecd.service",
     "cachecd_engine.run",

@@ -74,7 +74,7 @@ SHUTDOWN_TIMEOUT_S = 10.0
 CLIENT_MAX_SIZE = 16 * 1024 * 1024
 MAX_BATCH_EXPERTS = 4096
 MAX_CONNECTIONS = 256  # data socket
-MAX_CONTROL_CONNECTIONS = 128  # control socket (cachecd.control_door)
+MAX_CONTROL_CONNECTIONS = 128  # control socket (cachecd.daemon.control_door)
 # Open blob fds the daemon keeps for hits (a hit then costs an fstat and a dup, not an open).
 # Unused ones are closed after BLOB_FDS_IDLE_S, stale ones (evicted, quarantined) sooner.
 BLOB_FDS = 256

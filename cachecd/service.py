@@ -37,7 +37,7 @@ _INSTEAD = ("run `cachecd serve` in the foreground under your own supervisor (a 
 
 
 def register(sub: Any) -> None:
-    from cachecd.serve import add_daemon_arguments
+    from cachecd.daemon.serve import add_daemon_arguments
 
     p = sub.add_parser("service", help="run the daemon under launchd or systemd")
     p.set_defaults(func=lambda _args: _usage(p))
@@ -79,7 +79,7 @@ def _usage(p: argparse.ArgumentParser) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> tuple[Manager, ServiceSpec, str]:
-    from cachecd.serve import settings_from_args
+    from cachecd.daemon.serve import settings_from_args
 
     mgr = manager_for(args.platform)
     explicit = {k: getattr(args, k, None) for k in _EXPLICIT_KEYS}
@@ -239,7 +239,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _make_dirs(mgr: Manager, spec: ServiceSpec) -> None:
-    from cachecd.peer import ensure_private_dir
+    from cachecd.daemon.peer import ensure_private_dir
 
     for d in spec.writable_dirs:
         d.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import xxhash
 
 from cachecd import constants
-from cachecd.app import BlobFds
+from cachecd.daemon.app import BlobFds
 from cachecd.store.store import Store
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from cachecd import errors
-from cachecd.misses import Fetcher
+from cachecd.daemon.misses import Fetcher
 from cachecd.store import blobs
 from cachecd.store.store import Store
 from cachecd.upstream.hub import Upstream

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from cachecd import constants
 from cachecd.config import Settings
+from cachecd.daemon.misses import Fetcher
+from cachecd.daemon.registry import RegisteredModel, Registry, check_repo
 from cachecd.errors import ExpertNotFound, InvalidRequest
-from cachecd.misses import Fetcher
-from cachecd.registry import RegisteredModel, Registry, check_repo
 from cachecd.report.coverage import HitHistory
 from cachecd.store.store import Store
 

@@ -17,11 +17,11 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from cachecd import protocol
+from cachecd.daemon.peer import peer_cred
 from cachecd.errors import CachecdError, Forbidden, Internal, InvalidRequest
-from cachecd.peer import peer_cred
 
 if TYPE_CHECKING:
-    from cachecd.app import Daemon, Uses
+    from cachecd.daemon.app import Daemon, Uses
 
 log = logging.getLogger(__name__)
 

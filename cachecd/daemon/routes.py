@@ -18,9 +18,9 @@ from typing import Any
 
 from aiohttp import web
 
+from cachecd.daemon.metrics import render_metrics
+from cachecd.daemon.peer import peer_cred
 from cachecd.errors import CachecdError, Forbidden, Internal, InvalidRequest, NotFound
-from cachecd.metrics import render_metrics
-from cachecd.peer import peer_cred
 from cachecd.report.coverage import access_array, cached_mask, coverage_report, pack_detail
 
 log = logging.getLogger(__name__)

@@ -77,11 +77,11 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     from aiohttp import web
     from huggingface_hub import get_token
 
-    from cachecd.app import Daemon
-    from cachecd.control_door import ControlDoor, ControlSite
-    from cachecd.datapath import DataServer
-    from cachecd.peer import bind_private_socket
-    from cachecd.routes import build_app
+    from cachecd.daemon.app import Daemon
+    from cachecd.daemon.control_door import ControlDoor, ControlSite
+    from cachecd.daemon.datapath import DataServer
+    from cachecd.daemon.peer import bind_private_socket
+    from cachecd.daemon.routes import build_app
     from cachecd.store.store import Store
     from cachecd.upstream.hub import Upstream
 

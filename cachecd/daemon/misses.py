@@ -33,8 +33,8 @@ from cachecd.store.blobs import BlobWriter
 from cachecd.store.store import Store
 
 if TYPE_CHECKING:
+    from cachecd.daemon.registry import RegisteredModel
     from cachecd.manifest.manifest import ExpertEntry
-    from cachecd.registry import RegisteredModel
     from cachecd.store.budget import Reservation
     from cachecd.upstream.hub import Upstream
 
