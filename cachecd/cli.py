@@ -23,13 +23,13 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.manifest.cli",
     "cachecd.setup_stream",
     "cachecd.daemon.serve",
-    "cachecd.ctl",
+    "cachecd.ctl.cache",
     "cachecd.service",
     "cachecd_engine.run",
     "cachecd_engine.openai_cli",
     "cachecd.demo",
-    "cachecd.warm",
-    "cachecd.coverage_cli",
+    "cachecd.ctl.warm",
+    "cachecd.ctl.coverage",
 )
 
 

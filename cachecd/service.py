@@ -187,7 +187,7 @@ def status(args: argparse.Namespace) -> int:
 
 
 def _print_daemon_status(socket: Path) -> int:
-    from cachecd.ctl import render_status
+    from cachecd.ctl.cache import render_status
     from cachecd_client import Client
 
     try:

@@ -9,6 +9,7 @@ import struct
 import numpy as np
 import pytest
 
+from cachecd.ctl.warm import fit_room, plan_batches, read_prompts
 from cachecd.errors import InvalidRequest
 from cachecd.manifest.manifest import Manifest, shipped_manifest
 from cachecd.report.coverage import (
@@ -23,7 +24,6 @@ from cachecd.report.coverage import (
     warm_order,
 )
 from cachecd.report.coverage_render import Grid, render_html, render_json, render_png, render_table
-from cachecd.warm import fit_room, plan_batches, read_prompts
 from cachecd_engine.trace import TraceRecorder, read_trace
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from cachecd.config import format_size, parse_size
-from cachecd.coverage_cli import DAEMON_WORKLOAD, Snapshot, client_for, snapshot, trace_access
+from cachecd.ctl.coverage import DAEMON_WORKLOAD, Snapshot, client_for, snapshot, trace_access
 from cachecd.errors import CachecdError, InvalidRequest
 from cachecd.report.coverage import access_array, trace_weighted, warm_order
 
