@@ -24,7 +24,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.setup_stream",
     "cachecd.daemon.serve",
     "cachecd.ctl.cache",
-    "cachecd.service",
+    "cachecd.service.cli",
     "cachecd_engine.run",
     "cachecd_engine.openai_cli",
     "cachecd.demo",

@@ -97,11 +97,11 @@ HF_HOME: str = hf_constants.HF_HOME
 # Engine: record the routing trace to this file (``cachecd_engine.trace``); `run --trace` wins.
 TRACE_PATH: str | None = os.environ.get("CACHECD_TRACE") or None
 
-# Managed service (service*.py): where unit files go and what of the installing shell the service
+# Managed service (service/): where unit files go and what of the installing shell the service
 # sees. HF_TOKEN is deliberately absent: a token never goes into a unit file; the service reads
 # huggingface_hub's token file instead.
 # CACHECD_SERVICE_INSTANCE names a second, separate service (tests use one so that a real install
-# never touches the user's own); service_manager validates it.
+# never touches the user's own); service.manager validates it.
 SERVICE_INSTANCE = os.environ.get("CACHECD_SERVICE_INSTANCE", "")
 SERVICE_LABEL = "io.cachecd.daemon" + (f".{SERVICE_INSTANCE}" if SERVICE_INSTANCE else "")
 SYSTEMD_UNIT = APP + (f"-{SERVICE_INSTANCE}" if SERVICE_INSTANCE else "") + ".service"

@@ -173,7 +173,7 @@ def service_hint(serve_args: list[str]) -> str:
     """How to keep a daemon running across logins and reboots, or why this machine cannot."""
     import shlex
 
-    from cachecd.service_manager import manager_for
+    from cachecd.service.manager import manager_for
 
     reason = manager_for(None).unavailable()
     if reason:

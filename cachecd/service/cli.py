@@ -27,8 +27,8 @@ from cachecd.errors import (
     ServiceCommandFailed,
     ServiceManagerUnavailable,
 )
-from cachecd.service_manager import Command, Launchd, Manager, manager_for
-from cachecd.service_render import ServiceSpec, build_spec
+from cachecd.service.manager import Command, Launchd, Manager, manager_for
+from cachecd.service.render import ServiceSpec, build_spec
 
 _EXPLICIT_KEYS = ("budget", "policy", "max_parallel", "offline", "manifests")
 _INSTEAD = ("run `cachecd serve` in the foreground under your own supervisor (a container's "

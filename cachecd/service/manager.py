@@ -1,7 +1,7 @@
 """The two service managers cachecd installs into: a systemd user manager and launchd.
 
 Each backend only *describes* what to do: where the file goes, which commands install, remove,
-show and tail it, and how to ask the manager about the daemon. ``cachecd.service`` runs or prints
+show and tail it, and how to ask the manager about the daemon. ``service.cli`` runs or prints
 those commands, so ``--dry-run`` shows exactly what a real run executes. Queries (is it loaded,
 which pid) are read-only and may run during a dry run.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cachecd import constants
 from cachecd.errors import ConfigInvalid
-from cachecd.service_render import ServiceSpec, render_launchd, render_systemd
+from cachecd.service.render import ServiceSpec, render_launchd, render_systemd
 
 # States in which `systemctl --user` reaches a working manager.
 _SYSTEMD_UP = ("running", "degraded", "starting", "initializing", "maintenance")
