@@ -21,7 +21,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.tiny_model",
     "cachecd.hub_server",
     "cachecd.manifest.cli",
-    "cachecd.setup_stream",
+    "cachecd.setup.stream",
     "cachecd.daemon.serve",
     "cachecd.ctl.cache",
     "cachecd.service.cli",

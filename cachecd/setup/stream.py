@@ -127,7 +127,7 @@ async def fetch_resident(manifest: Any, local: Path, settings: Settings) -> int:
     from huggingface_hub import get_token
     from tqdm import tqdm
 
-    from cachecd.resident import ResidentWriter
+    from cachecd.setup.resident import ResidentWriter
     from cachecd.upstream.hub import Upstream
 
     writer = ResidentWriter(manifest, local)
