@@ -144,7 +144,7 @@ class Served:
 @contextlib.contextmanager
 def served_checkpoint(base: str, repo: str, **tiny_opts: Any) -> Iterator[Served]:
     """Write a tiny-model checkpoint, serve it, build its manifest; clean everything at the end."""
-    from cachecd.tiny_model import write_tiny_model
+    from cachecd.testbed.tiny_model import write_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="cd-bench-", dir=base))
     hub: HubProcess | None = None

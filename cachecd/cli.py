@@ -18,8 +18,8 @@ from cachecd.errors import CachecdError
 
 # Modules that own commands, in the order `--help` lists them.
 _COMMAND_MODULES: tuple[str, ...] = (
-    "cachecd.tiny_model",
-    "cachecd.hub_server",
+    "cachecd.testbed.tiny_model",
+    "cachecd.testbed.hub_server",
     "cachecd.manifest.cli",
     "cachecd.setup.stream",
     "cachecd.daemon.serve",
@@ -27,7 +27,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.service.cli",
     "cachecd_engine.run",
     "cachecd_engine.openai_cli",
-    "cachecd.demo",
+    "cachecd.testbed.demo",
     "cachecd.ctl.warm",
     "cachecd.ctl.coverage",
 )

@@ -14,7 +14,7 @@ from tests.other_uid import NOBODY, OtherUid, new_root, prepare
 
 @pytest.fixture(scope="session")
 def hub_root() -> Iterator[Path]:
-    from cachecd.tiny_model import write_tiny_model
+    from cachecd.testbed.tiny_model import write_tiny_model
 
     root = short_tmp("cdhub")
     write_tiny_model(root / TINY_REPO)

@@ -68,7 +68,7 @@ class Model:
 def build_model(root: Path, repo: str, revision: str = REVISION, **opts: Any) -> Model:
     from cachecd.manifest.build import build_manifest
     from cachecd.manifest.source import LocalSource
-    from cachecd.tiny_model import write_tiny_model
+    from cachecd.testbed.tiny_model import write_tiny_model
 
     folder = root / repo.replace("/", "--")
     write_tiny_model(folder, **opts)

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 from cachecd.errors import InvalidRequest
-from cachecd.tiny_config import TensorDef
+from cachecd.testbed.tiny_config import TensorDef
 
 _DTYPE_BYTES = {"BF16": 2, "F32": 4, "U8": 1}
 _EXPERT_RE = re.compile(r"\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")

@@ -36,7 +36,7 @@ from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
-from cachecd.hub_server_repo import (
+from cachecd.testbed.hub_server_repo import (
     SHARED_HASHES,
     HashCache,
     RepoFile,
@@ -48,7 +48,7 @@ from cachecd.hub_server_repo import (
     valid_repo_part,
 )
 
-log = logging.getLogger("cachecd.hub_server")
+log = logging.getLogger("cachecd.testbed.hub_server")
 
 DEFAULT_URL_TTL_S = 3600.0
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$", re.IGNORECASE | re.ASCII)

@@ -79,7 +79,7 @@ def _stop_daemon(socket: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cachecd.tiny_model import write_tiny_model
+    from cachecd.testbed.tiny_model import write_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="cachecd-demo-", dir="/tmp"))
     socket, hub = tmp / "run" / "cachecd.sock", None

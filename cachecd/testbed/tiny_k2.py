@@ -9,7 +9,7 @@ Invariants:
 - Every other weight is bf16, except ``e_score_correction_bias`` (fp32, as K2 keeps it and as
   mlx-lm's ``cast_predicate`` leaves it). Layer 0 is dense; the others are MoE.
 - Same seed and options => byte-identical files; non-expert values come from the same
-  per-tensor generators as ``cachecd.tiny_model``, sharding is ``cachecd.tiny_shards``' rule.
+  per-tensor generators as ``tiny_model``, sharding is ``tiny_shards``' rule.
 - Writing removes any ``model*.safetensors`` already in OUT first (mlx-lm loads them all).
 """
 
@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from cachecd import tiny_tokenizer
 from cachecd.errors import InvalidRequest
 from cachecd.manifest.manifest import EXPERT_RE
-from cachecd.tiny_config import TensorDef, TinyOptions
-from cachecd.tiny_model import _rng, _write_index, tensor_values, write_shard
-from cachecd.tiny_shards import ShardPlan, plan_shards
+from cachecd.testbed import tiny_tokenizer
+from cachecd.testbed.tiny_config import TensorDef, TinyOptions
+from cachecd.testbed.tiny_model import _rng, _write_index, tensor_values, write_shard
+from cachecd.testbed.tiny_shards import ShardPlan, plan_shards
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from aiohttp import web
 
 from cachecd import constants
 from cachecd.errors import InvalidRequest
-from cachecd.hub_server_app import DEFAULT_URL_TTL_S, HUB_KEY, AccessLog, build_app
-from cachecd.hub_server_repo import HashCache, repo_commit, snapshot
+from cachecd.testbed.hub_server_app import DEFAULT_URL_TTL_S, HUB_KEY, AccessLog, build_app
+from cachecd.testbed.hub_server_repo import HashCache, repo_commit, snapshot
 
 __all__ = ["HashCache", "HubServer", "repo_commit", "serve_in_thread", "spawn_hub", "start_hub"]
 

@@ -28,9 +28,15 @@ from typing import Any
 import numpy as np
 from safetensors import TensorSpec, serialize_file
 
-from cachecd import tiny_tokenizer
-from cachecd.tiny_config import TensorDef, TinyOptions, expert_defs, model_config, tensor_defs
-from cachecd.tiny_shards import ShardPlan, plan_shards, split_experts
+from cachecd.testbed import tiny_tokenizer
+from cachecd.testbed.tiny_config import (
+    TensorDef,
+    TinyOptions,
+    expert_defs,
+    model_config,
+    tensor_defs,
+)
+from cachecd.testbed.tiny_shards import ShardPlan, plan_shards, split_experts
 
 log = logging.getLogger(__name__)
 
