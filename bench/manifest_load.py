@@ -20,7 +20,8 @@ import numpy as np
 
 from cachecd import constants
 from cachecd.manifest.encode import build_meta
-from cachecd.manifest.manifest import FileInfo, Manifest, TensorInfo
+from cachecd.manifest.entries import FileInfo, TensorInfo
+from cachecd.manifest.manifest import Manifest
 
 # (suffix, rows, cols) of one K3 expert's tensors, in on-disk (name) order.
 K3_TENSORS = (

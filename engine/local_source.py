@@ -21,10 +21,8 @@ import xxhash
 
 from cachecd import errors
 from cachecd.manifest.build import build_manifest
-from cachecd.manifest.manifest import (
-    ExpertEntry,
-    Manifest,
-)
+from cachecd.manifest.entries import ExpertEntry
+from cachecd.manifest.manifest import Manifest
 from cachecd.manifest.source import LocalSource as FolderSource
 
 LOCAL_REVISION = "0" * 40

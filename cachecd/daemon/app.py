@@ -33,7 +33,7 @@ from cachecd.report.coverage import HitHistory
 from cachecd.store.store import Store
 
 if TYPE_CHECKING:
-    from cachecd.manifest.manifest import ExpertEntry
+    from cachecd.manifest.entries import ExpertEntry
     from cachecd.store.index import Entry
     from cachecd.upstream.hub import Upstream
 

@@ -34,7 +34,7 @@ from cachecd.store.store import Store
 
 if TYPE_CHECKING:
     from cachecd.daemon.registry import RegisteredModel
-    from cachecd.manifest.manifest import ExpertEntry
+    from cachecd.manifest.entries import ExpertEntry
     from cachecd.store.budget import Reservation
     from cachecd.upstream.hub import Upstream
 

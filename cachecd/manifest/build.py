@@ -22,14 +22,8 @@ import xxhash
 from tqdm import tqdm
 
 from cachecd import constants, errors
-from cachecd.manifest.manifest import (
-    ByteRange,
-    ExpertEntry,
-    FileInfo,
-    Manifest,
-    TensorInfo,
-    parse_expert_name,
-)
+from cachecd.manifest.entries import ByteRange, ExpertEntry, FileInfo, TensorInfo
+from cachecd.manifest.manifest import Manifest, parse_expert_name
 from cachecd.manifest.safetensors_header import HeaderTensor, header_length, parse_header
 
 log = logging.getLogger(__name__)

@@ -14,14 +14,8 @@ from typing import Any
 import numpy as np
 
 from cachecd import constants, errors
-from cachecd.manifest.manifest import (
-    EXPERT_PATTERN,
-    EXPERT_RE,
-    FORMAT_NAME,
-    ExpertEntry,
-    FileInfo,
-    TensorInfo,
-)
+from cachecd.manifest.entries import ExpertEntry, FileInfo, TensorInfo
+from cachecd.manifest.meta import EXPERT_PATTERN, EXPERT_RE, FORMAT_NAME
 
 
 def build_meta(

@@ -25,7 +25,6 @@ import os
 import re
 import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,8 @@ from typing import Any
 import numpy as np
 
 from cachecd import errors
+from cachecd.manifest.encode import build_meta, encode_experts
+from cachecd.manifest.entries import ByteRange, ExpertEntry, FileInfo, TensorInfo
 from cachecd.manifest.meta import EXPERT_PATTERN, EXPERT_RE, FORMAT_NAME
 from cachecd.manifest.validate import Checked, check_archive
 
@@ -44,51 +45,6 @@ __all__ = [
 
 MANIFEST_SUFFIX = ".manifest"
 ENTRY_CACHE_SIZE = 8192  # ~2 layers of K3; an entry is a few KB
-
-
-@dataclass(frozen=True)
-class FileInfo:
-    name: str
-    size: int
-    sha256: str
-    header_len: int  # safetensors JSON header length (data starts at 8 + header_len); 0 otherwise
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: str
-    offset: int  # absolute offset of the tensor's data in `file`
-    nbytes: int
-    xxh3: bytes  # 16-byte xxh3-128 digest of the tensor's bytes
-
-
-@dataclass(frozen=True)
-class ByteRange:
-    file: str
-    start: int  # absolute, inclusive
-    end: int  # absolute, exclusive
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class ExpertEntry:
-    layer: int
-    expert: int
-    nbytes: int
-    xxh3: bytes
-    ranges: tuple[ByteRange, ...]
-    tensors: tuple[TensorInfo, ...]  # in the order their bytes appear in the expert's bytes
-    blob_offsets: tuple[int, ...]  # offset of each tensor inside the expert's bytes
-
-    @property
-    def digest_hex(self) -> str:
-        return self.xxh3.hex()
 
 
 def parse_expert_name(name: str) -> tuple[int, int] | None:
@@ -282,8 +238,6 @@ class Manifest:
         experts_per_layer: int | None = None,
     ) -> Manifest:
         """A validated manifest from objects (the builder, tests and benches use this)."""
-        from cachecd.manifest.encode import build_meta, encode_experts
-
         experts = list(experts)
         if experts_per_layer is None:
             per_layer: dict[int, int] = {}

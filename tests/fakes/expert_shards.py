@@ -50,7 +50,7 @@ def write_expert_shards(
     """
     import numpy as np
 
-    from cachecd.manifest.manifest import ByteRange, ExpertEntry, FileInfo
+    from cachecd.manifest.entries import ByteRange, ExpertEntry, FileInfo
     from cachecd.upstream.verify import digest
 
     rng = np.random.default_rng(seed)

@@ -25,7 +25,8 @@ from typing import Any
 import xxhash
 
 from cachecd.errors import ERRORS_BY_CODE, CachecdError
-from cachecd.manifest.manifest import ExpertEntry, Manifest
+from cachecd.manifest.entries import ExpertEntry
+from cachecd.manifest.manifest import Manifest
 from tests.faults.figures import FIGURES
 from tests.harness import DaemonProcess, short_tmp
 

@@ -19,13 +19,8 @@ from safetensors.numpy import save_file
 from cachecd import constants, errors
 from cachecd.manifest.build import SourceFile, build_manifest
 from cachecd.manifest.encode import name_template
-from cachecd.manifest.manifest import (
-    ExpertEntry,
-    Manifest,
-    parse_expert_name,
-    read_archive,
-    shipped_manifest,
-)
+from cachecd.manifest.entries import ExpertEntry
+from cachecd.manifest.manifest import Manifest, parse_expert_name, read_archive, shipped_manifest
 from cachecd.manifest.safetensors_header import parse_header
 from cachecd.manifest.source import LocalSource
 
