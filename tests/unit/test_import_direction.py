@@ -249,6 +249,16 @@ def test_the_top_stays_small_and_every_subpackage_is_installed() -> None:
     assert subpackages <= set(pyproject["tool"]["setuptools"]["packages"])
 
 
+def test_every_command_module_the_cli_names_exists() -> None:
+    """The cli loads its commands by name and skips a name that is not there (the engine is
+    optional), so a stale name would drop a command without a word."""
+    from cachecd.cli import _COMMAND_MODULES
+
+    known = set(modules_under(ROOT, SOURCES))
+    assert len(_COMMAND_MODULES) >= 10
+    assert [m for m in _COMMAND_MODULES if m not in known] == []
+
+
 def test_the_lower_layers_load_without_the_daemon() -> None:
     """What the client and the engine import of cachecd pulls in no upper layer when it runs."""
     code = ("import sys, cachecd_client, cachecd.manifest.manifest, cachecd.manifest.build, "
