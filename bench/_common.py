@@ -34,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from cachecd.manifest import Manifest  # noqa: E402
+from cachecd.manifest.manifest import Manifest  # noqa: E402
 from tests.harness import DaemonProcess, HubProcess, run_cli, short_tmp  # noqa: E402
 
 GIB = float(1 << 30)
@@ -144,7 +144,7 @@ class Served:
 @contextlib.contextmanager
 def served_checkpoint(base: str, repo: str, **tiny_opts: Any) -> Iterator[Served]:
     """Write a tiny-model checkpoint, serve it, build its manifest; clean everything at the end."""
-    from cachecd.tiny_model import write_tiny_model
+    from cachecd.testbed.tiny_model import write_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="cd-bench-", dir=base))
     hub: HubProcess | None = None

@@ -45,7 +45,7 @@ from _common import (
 from curl_ranges import resolve_locations
 
 from cachecd import constants
-from cachecd.blobs import fsync_dir
+from cachecd.store.blobs import fsync_dir
 
 REPO = "bench/k3-shaped"
 

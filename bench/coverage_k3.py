@@ -34,16 +34,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from manifest_load import synthetic_k3
 
-from cachecd.blobs import validate_digest
-from cachecd.coverage import (
+from cachecd.manifest.manifest import Manifest
+from cachecd.report.coverage import (
     access_array,
     cached_mask,
     coverage_report,
     pack_detail,
     unpack_detail,
 )
-from cachecd.coverage_render import Grid, render_html, render_json, render_png, render_table
-from cachecd.manifest import Manifest
+from cachecd.report.coverage_render import Grid, render_html, render_json, render_png, render_table
+from cachecd.store.blobs import validate_digest
 
 
 def workload(
@@ -75,7 +75,7 @@ def median_time(fn: Callable[[], Any], runs: int) -> tuple[float, Any]:
 
 
 def lmdb_read_s(m: Manifest, counts: dict[tuple[int, int], tuple[int, float]], runs: int) -> float:
-    from cachecd.index import Index
+    from cachecd.store.index import Index
 
     with tempfile.TemporaryDirectory(prefix="cdbench") as tmp:
         index = Index(Path(tmp) / "index.lmdb", flush_every=1 << 30, flush_interval=3600)

@@ -83,7 +83,7 @@ def curl_ranges(jobs: Sequence[tuple[str, int, int]], parallel: int = 8) -> Curl
 
 
 def main() -> int:
-    from cachecd.manifest import Manifest
+    from cachecd.manifest.manifest import Manifest
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("endpoint")

@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from cachecd import constants
-from cachecd.manifest import FileInfo, Manifest, TensorInfo
-from cachecd.manifest_encode import build_meta
+from cachecd.manifest.encode import build_meta
+from cachecd.manifest.entries import FileInfo, TensorInfo
+from cachecd.manifest.manifest import Manifest
 
 # (suffix, rows, cols) of one K3 expert's tensors, in on-disk (name) order.
 K3_TENSORS = (

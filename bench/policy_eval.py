@@ -84,7 +84,7 @@ from traces import (  # noqa: E402
     synthetic,
 )
 
-from cachecd.policies import LRU, EvictionPolicy, make_policy  # noqa: E402
+from cachecd.store.policies import LRU, EvictionPolicy, make_policy  # noqa: E402
 
 BUDGETS = (10, 25, 50)
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {

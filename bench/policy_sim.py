@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cachecd.policies import LFUDA, EvictionPolicy
+from cachecd.store.policies import LFUDA, EvictionPolicy
 
 NO_PINS: frozenset[int] = frozenset()
 

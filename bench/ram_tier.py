@@ -88,7 +88,7 @@ from traces import (  # noqa: E402
     synthetic,
 )
 
-from cachecd.policies import EvictionPolicy, make_policy  # noqa: E402
+from cachecd.store.policies import EvictionPolicy, make_policy  # noqa: E402
 
 K3_EXPERT_BYTES = 17_547_264
 K3_TOKEN = 92 * 16  # experts one decoded K3 token routes to

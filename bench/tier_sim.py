@@ -34,7 +34,7 @@ import numpy as np
 from policy_sim import Score, next_use
 from traces import KEY_STRIDE, Stream
 
-from cachecd.policies import EvictionPolicy
+from cachecd.store.policies import EvictionPolicy
 
 
 def engine_view(stream: Stream, group: int | None = None) -> Stream:

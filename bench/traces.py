@@ -241,7 +241,7 @@ def record_engine(spec: EngineSpec, work: Path, train: list[str], test: list[str
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # as the cachecd CLI does
     from mlx_lm import stream_generate
 
-    from cachecd.tiny_model import write_tiny_model
+    from cachecd.testbed.tiny_model import write_tiny_model
     from cachecd_engine.loader import load
     from cachecd_engine.local_source import LocalSource, manifest_from_dir
     from cachecd_engine.trace import TraceRecorder

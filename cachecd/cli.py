@@ -18,18 +18,18 @@ from cachecd.errors import CachecdError
 
 # Modules that own commands, in the order `--help` lists them.
 _COMMAND_MODULES: tuple[str, ...] = (
-    "cachecd.tiny_model",
-    "cachecd.hub_server",
-    "cachecd.manifest_cli",
-    "cachecd.setup_stream",
-    "cachecd.serve",
-    "cachecd.ctl",
-    "cachecd.service",
+    "cachecd.testbed.tiny_model",
+    "cachecd.testbed.hub_server",
+    "cachecd.manifest.cli",
+    "cachecd.setup.stream",
+    "cachecd.daemon.serve",
+    "cachecd.ctl.cache",
+    "cachecd.service.cli",
     "cachecd_engine.run",
     "cachecd_engine.openai_cli",
-    "cachecd.demo",
-    "cachecd.warm",
-    "cachecd.coverage_cli",
+    "cachecd.testbed.demo",
+    "cachecd.ctl.warm",
+    "cachecd.ctl.coverage",
 )
 
 

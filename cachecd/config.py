@@ -16,7 +16,7 @@ from typing import Any
 
 from cachecd import constants
 from cachecd.errors import ConfigInvalid
-from cachecd.policies import POLICIES
+from cachecd.store.policies import POLICIES
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}

@@ -74,7 +74,7 @@ SHUTDOWN_TIMEOUT_S = 10.0
 CLIENT_MAX_SIZE = 16 * 1024 * 1024
 MAX_BATCH_EXPERTS = 4096
 MAX_CONNECTIONS = 256  # data socket
-MAX_CONTROL_CONNECTIONS = 128  # control socket (cachecd.control_door)
+MAX_CONTROL_CONNECTIONS = 128  # control socket (cachecd.daemon.control_door)
 # Open blob fds the daemon keeps for hits (a hit then costs an fstat and a dup, not an open).
 # Unused ones are closed after BLOB_FDS_IDLE_S, stale ones (evicted, quarantined) sooner.
 BLOB_FDS = 256
@@ -97,11 +97,11 @@ HF_HOME: str = hf_constants.HF_HOME
 # Engine: record the routing trace to this file (``cachecd_engine.trace``); `run --trace` wins.
 TRACE_PATH: str | None = os.environ.get("CACHECD_TRACE") or None
 
-# Managed service (service*.py): where unit files go and what of the installing shell the service
+# Managed service (service/): where unit files go and what of the installing shell the service
 # sees. HF_TOKEN is deliberately absent: a token never goes into a unit file; the service reads
 # huggingface_hub's token file instead.
 # CACHECD_SERVICE_INSTANCE names a second, separate service (tests use one so that a real install
-# never touches the user's own); service_manager validates it.
+# never touches the user's own); service.manager validates it.
 SERVICE_INSTANCE = os.environ.get("CACHECD_SERVICE_INSTANCE", "")
 SERVICE_LABEL = "io.cachecd.daemon" + (f".{SERVICE_INSTANCE}" if SERVICE_INSTANCE else "")
 SYSTEMD_UNIT = APP + (f"-{SERVICE_INSTANCE}" if SERVICE_INSTANCE else "") + ".service"

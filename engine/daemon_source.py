@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from cachecd.errors import CachecdError, ExpertSizeMismatch, ModelNotFound
-from cachecd.manifest import ExpertEntry, Manifest
+from cachecd.manifest.entries import ExpertEntry
+from cachecd.manifest.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

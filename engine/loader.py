@@ -22,8 +22,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from cachecd import errors
-from cachecd.manifest import EXPERT_RE
-from cachecd.manifest_build import quant_format_of
+from cachecd.manifest.build import quant_format_of
+from cachecd.manifest.manifest import EXPERT_RE
 from cachecd_engine.bank import EngineStats, ExpertBank, ExpertSource
 from cachecd_engine.formats import quant_spec
 from cachecd_engine.memory import default_expert_memory, default_ram_tier

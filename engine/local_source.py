@@ -20,12 +20,10 @@ from typing import Self
 import xxhash
 
 from cachecd import errors
-from cachecd.manifest import (
-    ExpertEntry,
-    Manifest,
-)
-from cachecd.manifest_build import build_manifest
-from cachecd.manifest_source import LocalSource as FolderSource
+from cachecd.manifest.build import build_manifest
+from cachecd.manifest.entries import ExpertEntry
+from cachecd.manifest.manifest import Manifest
+from cachecd.manifest.source import LocalSource as FolderSource
 
 LOCAL_REVISION = "0" * 40
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cachecd.policies import EvictionPolicy, make_policy
+from cachecd.store.policies import EvictionPolicy, make_policy
 
 # Chosen by bench/ram_tier.py: with fewer slots than one token's experts, lru and lfuda keep
 # nothing the next token needs (0 hits on every trace), wlfu keeps 0.40-0.80 of Belady.

@@ -14,7 +14,7 @@ from tests.other_uid import NOBODY, OtherUid, new_root, prepare
 
 @pytest.fixture(scope="session")
 def hub_root() -> Iterator[Path]:
-    from cachecd.tiny_model import write_tiny_model
+    from cachecd.testbed.tiny_model import write_tiny_model
 
     root = short_tmp("cdhub")
     write_tiny_model(root / TINY_REPO)
@@ -51,7 +51,7 @@ def tiny_manifest_path(hub: HubProcess, hub_root: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_manifest(tiny_manifest_path: Path):  # type: ignore[no-untyped-def]
-    from cachecd.manifest import Manifest
+    from cachecd.manifest.manifest import Manifest
 
     return Manifest.load(tiny_manifest_path)
 

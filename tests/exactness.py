@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from cachecd.resident import ResidentWriter
+from cachecd.setup.resident import ResidentWriter
 
 DECODE_STEPS = 20
 

@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import kimi_k3
 
 from cachecd import errors
-from cachecd.manifest import ByteRange, ExpertEntry, TensorInfo
+from cachecd.manifest.entries import ByteRange, ExpertEntry, TensorInfo
 
 
 def tiny_args(experts: int = 32, top_k: int = 4, layers: int = 6) -> kimi_k3.ModelArgs:

@@ -50,8 +50,8 @@ def write_expert_shards(
     """
     import numpy as np
 
-    from cachecd.manifest import ByteRange, ExpertEntry, FileInfo
-    from cachecd.verify import digest
+    from cachecd.manifest.entries import ByteRange, ExpertEntry, FileInfo
+    from cachecd.upstream.verify import digest
 
     rng = np.random.default_rng(seed)
     folder = Path(folder)

@@ -25,7 +25,8 @@ from typing import Any
 import xxhash
 
 from cachecd.errors import ERRORS_BY_CODE, CachecdError
-from cachecd.manifest import ExpertEntry, Manifest
+from cachecd.manifest.entries import ExpertEntry
+from cachecd.manifest.manifest import Manifest
 from tests.faults.figures import FIGURES
 from tests.harness import DaemonProcess, short_tmp
 
@@ -66,9 +67,9 @@ class Model:
 
 
 def build_model(root: Path, repo: str, revision: str = REVISION, **opts: Any) -> Model:
-    from cachecd.manifest_build import build_manifest
-    from cachecd.manifest_source import LocalSource
-    from cachecd.tiny_model import write_tiny_model
+    from cachecd.manifest.build import build_manifest
+    from cachecd.manifest.source import LocalSource
+    from cachecd.testbed.tiny_model import write_tiny_model
 
     folder = root / repo.replace("/", "--")
     write_tiny_model(folder, **opts)

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from cachecd.crash import WRITE_PATH_POINTS
 from cachecd.errors import CachecdError
+from cachecd.store.crash import WRITE_PATH_POINTS
 from tests.faults.figures import FIGURES
 from tests.faults.support import FaultDaemon, Model, fetch_verified, files_under, fsck_exit_code
 

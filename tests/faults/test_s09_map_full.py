@@ -14,7 +14,7 @@ import lmdb
 import pytest
 
 from cachecd.errors import CachecdError
-from cachecd.index import INDEX_DIRNAME
+from cachecd.store.index import INDEX_DIRNAME
 from tests.faults.figures import FIGURES
 from tests.faults.support import FaultDaemon, Model, fetch_verified, fsck_exit_code
 

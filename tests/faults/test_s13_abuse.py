@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from cachecd import constants, control_door, protocol
+from cachecd import constants, protocol
+from cachecd.daemon import control_door
 from tests.faults.figures import FIGURES
 from tests.faults.probe import HealthProbe, record_health
 from tests.faults.support import (

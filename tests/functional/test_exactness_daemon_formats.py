@@ -31,8 +31,8 @@ SORTED_GATHER_ROWS = 64  # mlx-lm's gather_qmm/gather_mm sort the rows from this
 @pytest.fixture(scope="module")
 def formats_hub() -> Iterator[tuple[Path, HubProcess]]:
     """One `cachecd hub serve` over both checkpoints."""
-    from cachecd.tiny_k2 import write_tiny_k2
-    from cachecd.tiny_model import write_tiny_model
+    from cachecd.testbed.tiny_k2 import write_tiny_k2
+    from cachecd.testbed.tiny_model import write_tiny_model
 
     root = short_tmp("cdfh")
     write_tiny_model(root / REPOS["fp32"], seed=0, fmt="fp32")

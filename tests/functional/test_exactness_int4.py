@@ -16,7 +16,13 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_model
 
-from cachecd.tiny_k2 import K2Options, dequantize_int4, k2_tensor_values, tensor_defs, write_tiny_k2
+from cachecd.testbed.tiny_k2 import (
+    K2Options,
+    dequantize_int4,
+    k2_tensor_values,
+    tensor_defs,
+    write_tiny_k2,
+)
 from cachecd_engine.loader import load
 from cachecd_engine.local_source import LocalSource, manifest_from_dir
 from cachecd_engine.streamed_moe import StreamedSwitchGLU

@@ -14,7 +14,7 @@ from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model
 
-from cachecd.tiny_model import write_tiny_model
+from cachecd.testbed.tiny_model import write_tiny_model
 from cachecd_engine.loader import is_expert_weight, load
 from cachecd_engine.local_source import LocalSource, manifest_from_dir
 from cachecd_engine.streamed_moe import StreamedSwitchGLU

@@ -39,8 +39,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from cachecd.hub_server import HashCache, repo_commit, serve_in_thread, spawn_hub
-from cachecd.hub_server_repo import valid_relpath
+from cachecd.testbed.hub_server import HashCache, repo_commit, serve_in_thread, spawn_hub
+from cachecd.testbed.hub_server_repo import valid_relpath
 
 REPO = "acme/tiny"
 TOKEN = "hub-test-token-123"
@@ -188,7 +188,7 @@ def test_in_process_restart_does_not_hash_again(
     for i in range(3):
         (repo / f"f{i}.bin").write_bytes(bytes([i]) * 1000)
     commits = []
-    with caplog.at_level(logging.DEBUG, logger="cachecd.hub_server_repo"):
+    with caplog.at_level(logging.DEBUG, logger="cachecd.testbed.hub_server_repo"):
         for _ in range(2):
             with serve_in_thread(tmp_path) as url:
                 commits.append(HfApi(endpoint=url).model_info("acme/again").sha)
@@ -469,7 +469,7 @@ def test_cli_subprocess_env_endpoint_snapshot(hub: str, root: Path, tmp_path: Pa
 
 
 def test_mlx_lm_loads_a_snapshot_downloaded_through_the_hub(tmp_path: Path) -> None:
-    tiny_model = pytest.importorskip("cachecd.tiny_model")
+    tiny_model = pytest.importorskip("cachecd.testbed.tiny_model")
     mx = pytest.importorskip("mlx.core")
     from mlx_lm.utils import load_model
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_model
 
-from cachecd.tiny_model import write_tiny_model
+from cachecd.testbed.tiny_model import write_tiny_model
 from cachecd_engine.loader import load
 from cachecd_engine.local_source import LocalSource, manifest_from_dir
 from tests.exactness import assert_bitwise

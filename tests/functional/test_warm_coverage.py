@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cachecd.coverage import unpack_detail
+from cachecd.report.coverage import unpack_detail
 from tests.fakes.fake_hub import FakeHubThread
 from tests.harness import CACHECD, TINY_REPO, DaemonProcess, run_cli
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import xxhash
 
 from cachecd import constants
-from cachecd.app import BlobFds
-from cachecd.store import Store
+from cachecd.daemon.app import BlobFds
+from cachecd.store.store import Store
 
 
 def _blob(i: int, size: int = 4096) -> tuple[str, bytes]:

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachecd import errors
-from cachecd.blobs import BlobDirs, CacheDir, DirLock, hash_fd, validate_digest
+from cachecd.store.blobs import BlobDirs, CacheDir, DirLock, hash_fd, validate_digest
 
 
 def test_layout_created_private(tmp_path: Path) -> None:
@@ -115,7 +115,7 @@ def test_lock_in_process_and_names_the_holder(tmp_path: Path) -> None:
 
 def test_lock_held_by_another_process(tmp_path: Path) -> None:
     code = (
-        "import sys, time; from pathlib import Path; from cachecd.blobs import BlobDirs; "
+        "import sys, time; from pathlib import Path; from cachecd.store.blobs import BlobDirs; "
         "b = BlobDirs([Path(sys.argv[1])]); print('locked', flush=True); time.sleep(60)"
     )
     proc = subprocess.Popen(
@@ -157,7 +157,7 @@ def test_new_blobs_spread_over_dirs(tmp_path: Path) -> None:
 def test_hash_fd_spans_chunks(tmp_path: Path) -> None:
     import xxhash
 
-    from cachecd.blobs import HASH_CHUNK
+    from cachecd.store.blobs import HASH_CHUNK
 
     for n in (0, 1, HASH_CHUNK, 3 * HASH_CHUNK + 17):
         data = os.urandom(n)

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachecd import errors
-from cachecd.budget import Budget, Reservation
-from cachecd.policies import LFUDA, LRU, make_policy
+from cachecd.store.budget import Budget, Reservation
+from cachecd.store.policies import LFUDA, LRU, make_policy
 
 
 class Model:

@@ -7,8 +7,8 @@ from collections import Counter
 
 from aiohttp import web
 
-from cachecd import control_door
-from cachecd.control_door import ControlDoor
+from cachecd.daemon import control_door
+from cachecd.daemon.control_door import ControlDoor
 
 
 def _door(limit: int) -> tuple[ControlDoor, Counter[str]]:

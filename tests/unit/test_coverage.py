@@ -9,7 +9,10 @@ import struct
 import numpy as np
 import pytest
 
-from cachecd.coverage import (
+from cachecd.ctl.warm import fit_room, plan_batches, read_prompts
+from cachecd.errors import InvalidRequest
+from cachecd.manifest.manifest import Manifest, shipped_manifest
+from cachecd.report.coverage import (
     HitHistory,
     access_array,
     bytes_to_reach,
@@ -20,10 +23,7 @@ from cachecd.coverage import (
     unpack_detail,
     warm_order,
 )
-from cachecd.coverage_render import Grid, render_html, render_json, render_png, render_table
-from cachecd.errors import InvalidRequest
-from cachecd.manifest import Manifest, shipped_manifest
-from cachecd.warm import fit_room, plan_batches, read_prompts
+from cachecd.report.coverage_render import Grid, render_html, render_json, render_png, render_table
 from cachecd_engine.trace import TraceRecorder, read_trace
 
 

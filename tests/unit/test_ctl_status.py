@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cachecd.ctl import render_status
+from cachecd.ctl.cache import render_status
 
 BASE = {"pid": 1, "uptime_s": 3.0, "version": "x", "socket": "/s", "endpoint": "http://h",
         "cache_dirs": ["/c"], "store": {"bytes": 0, "entries": 0}, "counters": {}}

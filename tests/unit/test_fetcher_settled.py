@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from cachecd.misses import Fetcher
+from cachecd.daemon.misses import Fetcher
 
 
 def test_settled_waits_for_commits_but_not_for_a_stalled_download() -> None:

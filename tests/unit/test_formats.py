@@ -8,7 +8,7 @@ import pytest
 import xxhash
 
 from cachecd import errors
-from cachecd.manifest import ByteRange, ExpertEntry, TensorInfo
+from cachecd.manifest.entries import ByteRange, ExpertEntry, TensorInfo
 from cachecd_engine.formats import Arrays, QuantSpec, quant_spec, stack_from_blobs
 
 PREFIX = "language_model.model.layers.3.block_sparse_moe.experts.7."

@@ -14,8 +14,8 @@ import pytest
 import xxhash
 
 from cachecd import errors
-from cachecd.fsck import EXIT_CORRUPT, EXIT_UNVERIFIABLE, fsck
-from cachecd.store import Store
+from cachecd.store.fsck import EXIT_CORRUPT, EXIT_UNVERIFIABLE, fsck
+from cachecd.store.store import Store
 
 
 def blob(i: int, size: int = 2048) -> tuple[str, bytes]:
@@ -150,7 +150,7 @@ def test_refuses_while_the_daemon_holds_the_lock(tmp_path: Path) -> None:
 _UNPRIVILEGED = """
 import json, sys
 from pathlib import Path
-from cachecd.fsck import fsck
+from cachecd.store.fsck import fsck
 r = fsck([Path(sys.argv[1])])
 print(json.dumps({"exit": r.exit_code, "unverifiable": [i.digest for i in r.unverifiable],
                   "corrupt": [i.digest for i in r.corrupt]}))

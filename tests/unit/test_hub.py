@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from cachecd import errors
-from cachecd.hub import Upstream
+from cachecd.upstream.hub import Upstream
 from tests.fakes.fake_hub import FakeHub, FakeManifest, expert_bytes_of, write_expert_shards
 
 TOKEN = "hf_" + "Zq7" * 12  # shaped like a real token, so a leak matches RELIABILITY #16's grep

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from cachecd import errors
-from cachecd.hub import Upstream
+from cachecd.upstream.hub import Upstream
 from tests.fakes.fake_hub import FakeHub, FakeManifest, Faults, expert_bytes_of, write_expert_shards
 from tests.fakes.fault_proxy import FaultProxy
 from tests.unit.test_hub import Sink, keys, layer, run

@@ -10,8 +10,8 @@ from email.utils import formatdate
 import pytest
 
 from cachecd import errors
-from cachecd import hub_http as hh
-from cachecd.hub_plan import plan_requests
+from cachecd.upstream import hub_http as hh
+from cachecd.upstream.hub_plan import plan_requests
 
 
 def test_content_range_parsing() -> None:

@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 
-from cachecd import blobs, errors
-from cachecd.hub import Upstream
-from cachecd.hub_plan import plan_requests
-from cachecd.misses import Fetcher
-from cachecd.store import Store
+from cachecd import errors
+from cachecd.daemon.misses import Fetcher
+from cachecd.store import blobs
+from cachecd.store.store import Store
+from cachecd.upstream.hub import Upstream
+from cachecd.upstream.hub_plan import plan_requests
 from tests.fakes.fake_hub import FakeHub, FakeManifest, expert_bytes_of, write_expert_shards
 
 

@@ -13,8 +13,8 @@ import lmdb
 import pytest
 
 from cachecd import constants, errors
-from cachecd import index as index_mod
-from cachecd.index import Entry, Index
+from cachecd.store import index as index_mod
+from cachecd.store.index import Entry, Index
 
 
 def digest(i: int) -> str:
@@ -159,7 +159,7 @@ def test_schema_migration_and_newer_schema(tmp_path: Path, monkeypatch: pytest.M
 _GROWER = """
 import sys, time
 from pathlib import Path
-from cachecd.index import Entry, Index
+from cachecd.store.index import Entry, Index
 idx = Index(Path(sys.argv[1]), map_size=64 * 1024)
 i = 0
 while True:

@@ -17,17 +17,12 @@ import xxhash
 from safetensors.numpy import save_file
 
 from cachecd import constants, errors
-from cachecd.manifest import (
-    ExpertEntry,
-    Manifest,
-    parse_expert_name,
-    read_archive,
-    shipped_manifest,
-)
-from cachecd.manifest_build import SourceFile, build_manifest
-from cachecd.manifest_encode import name_template
-from cachecd.manifest_source import LocalSource
-from cachecd.safetensors_header import parse_header
+from cachecd.manifest.build import SourceFile, build_manifest
+from cachecd.manifest.encode import name_template
+from cachecd.manifest.entries import ExpertEntry
+from cachecd.manifest.manifest import Manifest, parse_expert_name, read_archive, shipped_manifest
+from cachecd.manifest.safetensors_header import parse_header
+from cachecd.manifest.source import LocalSource
 
 REV = "0123456789abcdef0123456789abcdef01234567"
 LAYERS = (1, 3)  # checkpoint numbering, with a gap (layer 2 is dense)

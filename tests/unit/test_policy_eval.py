@@ -30,7 +30,7 @@ from traces import (  # noqa: E402
     synthetic,
 )
 
-from cachecd.policies import LRU, WindowLFU, make_policy  # noqa: E402
+from cachecd.store.policies import LRU, WindowLFU, make_policy  # noqa: E402
 from cachecd_engine.trace import TraceRecorder  # noqa: E402
 
 

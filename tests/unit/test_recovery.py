@@ -9,9 +9,9 @@ from pathlib import Path
 
 import xxhash
 
-from cachecd.blobs import BlobDirs
-from cachecd.index import INDEX_DIRNAME, Entry, Index
-from cachecd.recovery import recover
+from cachecd.store.blobs import BlobDirs
+from cachecd.store.index import INDEX_DIRNAME, Entry, Index
+from cachecd.store.recovery import recover
 
 
 def blob(i: int, size: int = 512) -> tuple[str, bytes]:
@@ -117,7 +117,7 @@ _WRITER = """
 import asyncio, random, sys
 from pathlib import Path
 import xxhash
-from cachecd.store import Store
+from cachecd.store.store import Store
 async def main():
     store = await Store.open([Path(sys.argv[1])], budget=32 * 1024)
     print("ready", flush=True)
@@ -138,8 +138,8 @@ def test_random_kills_while_writing_and_evicting(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from cachecd.fsck import fsck
-    from cachecd.store import Store
+    from cachecd.store.fsck import fsck
+    from cachecd.store.store import Store
 
     rng = random.Random(11)
     for round_ in range(5):
@@ -167,7 +167,7 @@ def test_random_kills_while_writing_and_evicting(tmp_path: Path) -> None:
 _ONE_COMMIT = """
 import asyncio, sys
 from pathlib import Path
-from cachecd.store import Store
+from cachecd.store.store import Store
 async def main():
     store = await Store.open([Path(sys.argv[1])])
     data = b"x" * 65536

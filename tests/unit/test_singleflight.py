@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from cachecd import errors
-from cachecd.hub import Upstream
-from cachecd.singleflight import SingleFlight
+from cachecd.upstream.hub import Upstream
+from cachecd.upstream.singleflight import SingleFlight
 from tests.fakes.fake_hub import FakeHub, expert_bytes_of, write_expert_shards
 
 

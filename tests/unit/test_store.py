@@ -14,9 +14,9 @@ import pytest
 import xxhash
 
 from cachecd import errors
-from cachecd.crash import WRITE_PATH_POINTS
-from cachecd.fsck import fsck
-from cachecd.store import Store
+from cachecd.store.crash import WRITE_PATH_POINTS
+from cachecd.store.fsck import fsck
+from cachecd.store.store import Store
 
 
 def blob(i: int, size: int = 1024) -> tuple[str, bytes]:
@@ -311,7 +311,7 @@ def test_concurrent_commits_respect_budget(tmp_path: Path) -> None:
 _CHILD = """
 import asyncio, random, sys
 from pathlib import Path
-from cachecd.store import Store
+from cachecd.store.store import Store
 async def main():
     store = await Store.open([Path(sys.argv[1])])
     data = random.Random(int(sys.argv[3])).randbytes(int(sys.argv[4]))

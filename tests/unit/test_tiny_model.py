@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from cachecd.errors import InvalidRequest
-from cachecd.tiny_model import write_tiny_model
+from cachecd.testbed.tiny_model import write_tiny_model
 
 EXPERT_RE = re.compile(r"\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(\w+)$")
 FP32_NAMES = ("A_log", "dt_bias", "e_score_correction_bias")

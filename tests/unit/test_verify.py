@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import pytest
 import xxhash
 
-from cachecd import errors, verify
+from cachecd import errors
+from cachecd.upstream import verify
 
 
 @dataclass(frozen=True)

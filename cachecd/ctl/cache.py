@@ -1,0 +1,154 @@
+"""Commands that ask a running daemon: ``status``, ``pin``, ``unpin``, ``evict``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from cachecd.config import format_size, load_settings, parse_size
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from cachecd_client import Client
+
+    return Client(args.socket or load_settings().socket)
+
+
+def _experts_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="ORG/NAME")
+    p.add_argument("--layer", type=int, required=True)
+    p.add_argument("--experts", required=True, help="comma-separated expert numbers, e.g. 0,5,17")
+
+
+def _ids(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("status", help="daemon health, models, disk use, hit rate")
+    p.add_argument("--socket")
+    p.add_argument("--json", action="store_true", help="print the raw status JSON")
+    p.set_defaults(func=status)
+    for name, helptext in (("pin", "fetch and pin experts so they are never evicted"),
+                           ("unpin", "let pinned experts be evicted again")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--socket")
+        _experts_args(p)
+        p.set_defaults(func=pin if name == "pin" else unpin)
+    p = sub.add_parser("evict", help="free cache space by policy, or evict given experts")
+    p.add_argument("--socket")
+    p.add_argument("--bytes", default="0", help="how much to free, e.g. 10GB")
+    p.add_argument("--model")
+    p.add_argument("--layer", type=int)
+    p.add_argument("--experts", default="")
+    p.set_defaults(func=evict)
+    p = sub.add_parser("fsck", help="verify every cached blob (daemon stopped); exit 1 corrupt, 4 unverifiable")
+    p.add_argument("--cache-dir", dest="cache_dirs", action="append", metavar="DIR",
+                   help="cache dir (repeat for each); default: the configured ones")
+    p.add_argument("--fast", action="store_true", help="check sizes only")
+    p.add_argument("--repair", action="store_true",
+                   help="quarantine corrupt blobs and drop their rows (refetched on next use)")
+    p.add_argument("--incremental", action="store_true", help="resume the last interrupted pass")
+    p.add_argument("--all", action="store_true", help="a full pass from the start (the default)")
+    p.set_defaults(func=fsck)
+
+
+def status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        info = client.stats()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(render_status(info))
+    return 0
+
+
+def render_status(info: dict[str, Any]) -> str:
+    store = info.get("store", {})
+    counters = info.get("counters", {})
+    requests = counters.get("expert_requests", 0)
+    hits = counters.get("expert_hits", 0)
+    budget = store.get("budget", 0)
+    lines = [
+        f"daemon      pid {info['pid']}, up {info['uptime_s']:.0f}s, version {info['version']}",
+        f"socket      {info['socket']}",
+        f"endpoint    {info['endpoint']}{' (offline)' if info.get('offline') else ''}",
+        f"cache       {', '.join(info['cache_dirs'])}",
+        f"disk use    {format_size(store.get('bytes', 0))} in {store.get('entries', 0)} experts"
+        + (f" of a {format_size(budget)} budget" if budget else " (no budget: free space)"),
+        f"hit rate    {hits / requests:.1%} of {requests} expert requests" if requests
+        else "hit rate    no expert requests yet",
+        f"in flight   {info.get('inflight', 0)} fetches",
+    ]
+    for m in info.get("models", []):
+        lines.append(f"model       {m['repo']}@{m['revision'][:12]} {m['experts_total']} experts, "
+                     f"{format_size(m['expert_bytes_total'])} of experts")
+    for repo, why in info.get("refused_models", {}).items():
+        lines.append(f"refused     {repo}: {why}")
+    lines += _attention(store, counters)
+    return "\n".join(lines)
+
+
+def _attention(store: dict[str, Any], counters: dict[str, Any]) -> list[str]:
+    """Lines for what the user should look into, from the counters since the daemon started."""
+    out = []
+    if rot := store.get("bit_rot_on_open", 0):
+        out.append(f"attention   {rot} cached experts failed their hash when opened (bit rot): "
+                   "quarantined and fetched again; check the disk, then `cachecd fsck`")
+    if refused := counters.get("control_connections_refused", 0):
+        out.append(f"attention   {refused} control connections were refused: the daemon held "
+                   "its limit of connections, each busy or just answered (`ss -xp | grep cachecd`)")
+    return out
+
+
+def pin(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        n = client.pin(args.model, args.layer, _ids(args.experts))
+    print(f"pinned {n} experts of {args.model} layer {args.layer}")
+    return 0
+
+
+def unpin(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        n = client.unpin(args.model, args.layer, _ids(args.experts))
+    print(f"unpinned {n} experts of {args.model} layer {args.layer}")
+    return 0
+
+
+def evict(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        freed = client.evict(parse_size(args.bytes, "--bytes"), args.model, args.layer,
+                             _ids(args.experts))
+    print(f"freed {format_size(freed)}")
+    return 0
+
+
+def fsck(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from cachecd.store.fsck import fsck as run_fsck
+
+    dirs = load_settings({"cache_dirs": args.cache_dirs}).cache_dirs
+    bar = tqdm(unit="blob", desc="fsck", disable=None)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    try:
+        report = run_fsck(dirs, fast=args.fast, repair=args.repair,
+                          incremental=args.incremental and not args.all, progress=progress)
+    except OSError as exc:  # the cache itself cannot be opened: nothing could be verified
+        print(f"cachecd: fsck cannot open the cache ({exc.strerror}: {exc.filename}); "
+              "run it as the user that owns the cache dir", file=sys.stderr)
+        return 4
+    finally:
+        bar.close()
+    for issue in report.corrupt + report.unverifiable:
+        state = " (repaired)" if issue.repaired else ""
+        print(f"{issue.kind:<13} {issue.digest} {issue.detail}{state}")
+    print(report.summary())
+    return report.exit_code

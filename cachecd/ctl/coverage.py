@@ -1,0 +1,119 @@
+"""``cachecd coverage``: what of a model is local, what the workload would hit, what is missing.
+
+The daemon answers with its own report plus the per-expert arrays (cached bits, access counts);
+this command recomputes the report locally from those and the daemon's copy of the manifest, so
+a ``--trace FILE`` workload is weighed with exactly the same code as the daemon's counts. Without
+``--trace`` the numbers are the daemon's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cachecd.config import load_settings
+from cachecd.errors import InvalidRequest
+from cachecd.manifest.manifest import Manifest
+from cachecd.report.coverage import access_array, coverage_report, unpack_detail
+from cachecd.report.coverage_render import (
+    FORMATS,
+    Grid,
+    render_html,
+    render_json,
+    render_png,
+    render_table,
+)
+
+DAEMON_WORKLOAD = "the daemon's recorded accesses"
+
+
+@dataclass
+class Snapshot:
+    """One model's cache state as the daemon sees it now."""
+
+    manifest: Manifest
+    cached: np.ndarray  # bool per manifest row
+    access: np.ndarray  # the daemon's access count per manifest row
+    history: dict[str, Any]
+
+
+def client_for(socket: str | None) -> Any:
+    from cachecd_client import Client
+
+    return Client(socket or load_settings().socket)
+
+
+def snapshot(client: Any, model: str, manifest: Manifest | None = None) -> Snapshot:
+    """The daemon's cached set and access counts; pass ``manifest`` to skip refetching it."""
+    if manifest is None:
+        manifest = Manifest.from_bytes(client.manifest_bytes(model), f"daemon:{model}")
+    report = client.coverage(model, detail=True)
+    cached, access = unpack_detail(report["detail"])
+    if cached.size != manifest.n_experts:
+        raise InvalidRequest(f"the daemon reported {cached.size} experts of {model}, the manifest "
+                             f"has {manifest.n_experts}; was the model re-registered meanwhile?")
+    return Snapshot(manifest, cached, access, report.get("history") or {})
+
+
+def trace_access(manifest: Manifest, path: str | Path) -> np.ndarray:
+    """Per-row routed counts of a recorded trace (``cachecd_engine.trace`` format)."""
+    from cachecd_engine.trace import read_trace
+
+    trace = read_trace(path)
+    if trace.model not in (None, manifest.repo):
+        raise InvalidRequest(f"{path} is a trace of {trace.model}, not {manifest.repo}")
+    return access_array(manifest, trace.counts)
+
+
+def build_report(snap: Snapshot, access: np.ndarray, workload: str, top: int = 20) -> dict[str, Any]:
+    report = coverage_report(snap.manifest, snap.cached, access, top=top)
+    report["workload"] = workload
+    report["history"] = snap.history
+    return report
+
+
+def grid_of(manifest: Manifest, cached: np.ndarray, access: np.ndarray) -> Grid:
+    shape = (len(manifest.moe_layers), manifest.experts_per_layer)
+    return Grid(list(manifest.moe_layers), cached.reshape(shape), access.reshape(shape))
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("coverage", help="per-layer coverage, workload hit rate, heatmap")
+    p.add_argument("--model", required=True, help="ORG/NAME")
+    p.add_argument("--format", choices=FORMATS, default="table")
+    p.add_argument("--output", metavar="FILE", help="write here instead of stdout (png needs it)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="weigh coverage by this routing trace instead of the daemon's counts")
+    p.add_argument("--top", type=int, default=20, help="how many most-wanted missing experts")
+    p.add_argument("--socket")
+    p.set_defaults(func=coverage)
+
+
+def coverage(args: argparse.Namespace) -> int:
+    if args.format == "png" and not args.output:
+        raise InvalidRequest("--format png writes an image: give --output FILE.png")
+    with client_for(args.socket) as client:
+        snap = snapshot(client, args.model)
+    access, workload = snap.access, DAEMON_WORKLOAD
+    if args.trace:
+        access, workload = trace_access(snap.manifest, args.trace), f"trace {args.trace}"
+    report = build_report(snap, access, workload, args.top)
+    data: str | bytes
+    if args.format == "table":
+        data = render_table(report) + "\n"
+    elif args.format == "json":
+        data = render_json(report) + "\n"
+    else:
+        png = render_png(report, grid_of(snap.manifest, snap.cached, access))
+        data = png if args.format == "png" else render_html(report, png)
+    if args.output:
+        Path(args.output).write_bytes(data if isinstance(data, bytes) else data.encode())
+        print(f"wrote {args.output} ({args.format})", file=sys.stderr)
+    else:
+        sys.stdout.write(data if isinstance(data, str) else data.decode())
+    return 0

@@ -1,0 +1,326 @@
+"""``cachecd warm``: fill the cache ahead of a workload, with a progress bar, resumably.
+
+Sources of the workload: ``--prompts FILE`` runs the engine (prefill and a few tokens each), so
+the daemon fetches exactly what routing needs and records it as use; ``--trace FILE`` replays a
+recorded routing trace; ``--top N`` and ``--bytes SIZE`` take the most-used missing experts by
+the daemon's access counts.
+
+Invariants:
+- Resumable: the plan is computed from what the daemon has cached now, so a rerun skips what an
+  earlier (interrupted) run fetched; every batch the daemon finished is committed, and a batch in
+  flight when Ctrl-C arrives still completes in the daemon (its fetch is shielded).
+- Warming is not use: trace, top and bytes go through the daemon's ``warm`` route, which
+  fetches without touching access counts, so warming never inflates the statistics it reads.
+- The budget and pins are the daemon's to enforce; by default the plan stops at the free room
+  under the budget, so warming never evicts what is cached (``--allow-evict`` lifts that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cachecd.config import format_size, parse_size
+from cachecd.ctl.coverage import DAEMON_WORKLOAD, Snapshot, client_for, snapshot, trace_access
+from cachecd.errors import CachecdError, InvalidRequest
+from cachecd.report.coverage import access_array, trace_weighted, warm_order
+
+log = logging.getLogger(__name__)
+
+RETRIES = 3
+
+
+@dataclass
+class Batch:
+    layer: int
+    experts: list[int]
+    nbytes: int
+
+
+@dataclass
+class Outcome:
+    fetched: int = 0
+    fetched_bytes: int = 0
+    done_batches: int = 0
+    error: CachecdError | None = None
+    interrupted: bool = False
+
+
+@dataclass
+class Plan:
+    rows: np.ndarray  # manifest rows to fetch, in priority order
+    workload: np.ndarray  # per-row weights the hit rate is computed with
+    label: str
+    notes: list[str] = field(default_factory=list)
+
+
+def plan_batches(layer_ids: np.ndarray, expert_ids: np.ndarray, sizes: np.ndarray,
+                 rows: np.ndarray, max_experts: int = 16, window: int = 256) -> list[Batch]:
+    """Requests of one layer each, in priority order: rows are taken ``window`` at a time and
+    grouped by layer inside a window, so an interrupted run has fetched the most wanted."""
+    batches: list[Batch] = []
+    for start in range(0, len(rows), window):
+        chunk = rows[start:start + window]
+        by_layer: dict[int, list[int]] = {}
+        for r in chunk.tolist():
+            by_layer.setdefault(int(layer_ids[r]), []).append(r)
+        for layer, members in by_layer.items():
+            for i in range(0, len(members), max_experts):
+                part = members[i:i + max_experts]
+                batches.append(Batch(layer, [int(expert_ids[r]) for r in part],
+                                     int(sizes[part].sum())))
+    return batches
+
+
+def fit_room(sizes_in_order: np.ndarray, room: int) -> int:
+    """How many of the planned experts (in order) fit in ``room`` bytes."""
+    return int(np.searchsorted(np.cumsum(sizes_in_order), room, side="right"))
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("warm", help="warm the cache for a workload (prompts, a trace, the top experts)")
+    p.add_argument("--model", required=True, help="ORG/NAME")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", metavar="FILE", help="one prompt a line (or JSON lines with \"prompt\")")
+    src.add_argument("--trace", metavar="FILE", help="a routing trace (cachecd run --trace)")
+    src.add_argument("--top", type=int, metavar="N", help="the N most-used missing experts")
+    src.add_argument("--bytes", metavar="SIZE", help="the most-used missing experts up to SIZE, e.g. 20GB")
+    p.add_argument("--max-new", type=int, default=4, help="tokens generated per prompt (--prompts)")
+    p.add_argument("--save-trace", metavar="FILE", help="keep the routing of --prompts as a trace")
+    p.add_argument("--parallel", type=int, default=2, help="requests in flight to the daemon")
+    p.add_argument("--batch", type=int, default=16, help="experts per request (one layer each)")
+    p.add_argument("--allow-evict", action="store_true",
+                   help="go past the free room under the budget (the daemon evicts by policy)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    p.add_argument("--socket")
+    p.set_defaults(func=warm)
+
+
+def warm(args: argparse.Namespace) -> int:
+    with client_for(args.socket) as client:
+        before = snapshot(client, args.model)
+        if args.prompts:
+            return _warm_prompts(args, client, before)
+        plan = _plan(args, before)
+        plan = _fit_budget(args, client.stats()["store"], before, plan)
+        return _warm_plan(args, client, before, plan)
+
+
+def _plan(args: argparse.Namespace, snap: Snapshot) -> Plan:
+    m = snap.manifest
+    if args.trace:
+        workload, label = trace_access(m, args.trace), f"trace {args.trace}"
+    else:
+        workload, label = snap.access, DAEMON_WORKLOAD
+    order = warm_order(m.sizes, snap.cached, workload)
+    if args.top is not None:
+        if args.top < 0:
+            raise InvalidRequest("--top must be >= 0")
+        order = order[:args.top]
+    elif args.bytes is not None:
+        order = order[:fit_room(m.sizes[order], parse_size(args.bytes, "--bytes"))]
+    plan = Plan(order, workload, label)
+    if not workload.any():
+        plan.notes.append(f"no recorded workload in {label}: nothing to rank experts by "
+                          "(run the model first, or warm --prompts / --trace)")
+    return plan
+
+
+def _fit_budget(args: argparse.Namespace, store: dict[str, Any], snap: Snapshot, plan: Plan) -> Plan:
+    budget = int(store.get("budget") or 0)
+    if not budget or args.allow_evict:
+        return plan
+    room = max(budget - int(store.get("bytes", 0)) - int(store.get("reserved", 0)), 0)
+    keep = fit_room(snap.manifest.sizes[plan.rows], room)
+    if keep < len(plan.rows):
+        plan.notes.append(
+            f"budget: {format_size(room)} free of {format_size(budget)}; warming {keep} of "
+            f"{len(plan.rows)} experts so nothing cached is evicted (--allow-evict to go on, "
+            f"or raise the budget)")
+        plan.rows = plan.rows[:keep]
+    return plan
+
+
+def _rate_line(label: str, workload: np.ndarray, before: np.ndarray, after: np.ndarray) -> str:
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.1%}"
+
+    return (f"expected hit rate: {pct(trace_weighted(before, workload))} before, "
+            f"{pct(trace_weighted(after, workload))} after "
+            f"(workload: {label}, {int(workload.sum())} accesses)")
+
+
+def _warm_plan(args: argparse.Namespace, client: Any, before: Snapshot, plan: Plan) -> int:
+    m = before.manifest
+    for note in plan.notes:
+        print(note, file=sys.stderr)
+    total = int(m.sizes[plan.rows].sum())
+    print(f"warming {len(plan.rows)} experts ({format_size(total)}) of {args.model}; "
+          f"expected hit rate now {_pct(trace_weighted(before.cached, plan.workload))} "
+          f"(workload: {plan.label})")
+    batches = plan_batches(m.layer_ids, m.expert_ids, m.sizes, plan.rows, max(args.batch, 1))
+    t0 = time.monotonic()
+    outcome = run_batches(lambda: client_for(args.socket), args.model, batches, total,
+                          max(args.parallel, 1))
+    after = snapshot(client, args.model, m)
+    return _finish(args, outcome, time.monotonic() - t0, plan.label, plan.workload, before, after)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def _finish(args: argparse.Namespace, outcome: Outcome, seconds: float, label: str,
+            workload: np.ndarray, before: Snapshot, after: Snapshot) -> int:
+    print(f"fetched {outcome.fetched} experts ({format_size(outcome.fetched_bytes)}) in {seconds:.1f} s")
+    print(_rate_line(label, workload, before.cached, after.cached))
+    code = 0
+    if outcome.interrupted:
+        print("interrupted: everything fetched so far stays cached; run the same command again "
+              "to continue", file=sys.stderr)
+        code = 130
+    elif outcome.error is not None:
+        err = outcome.error
+        print(f"cachecd: warm stopped: {err.code}: {err.message} (what was fetched stays "
+              "cached; run the same command again to continue)", file=sys.stderr)
+        code = 1
+    if args.json:
+        print(json.dumps({
+            "model": args.model, "workload": label, "fetched": outcome.fetched,
+            "fetched_bytes": outcome.fetched_bytes, "seconds": round(seconds, 3),
+            "hit_rate_before": trace_weighted(before.cached, workload),
+            "hit_rate_after": trace_weighted(after.cached, workload),
+            "experts_cached": int(after.cached.sum()), "exit": code,
+        }))
+    return code
+
+
+def run_batches(make_client: Callable[[], Any], model: str, batches: list[Batch], total: int,
+                parallel: int) -> Outcome:
+    """Send the batches to the daemon (``parallel`` in flight), with a bytes progress bar."""
+    from tqdm import tqdm
+
+    outcome = Outcome()
+    local = threading.local()
+    clients: list[Any] = []
+    lock = threading.Lock()
+
+    def send(batch: Batch) -> dict[str, Any]:
+        if not hasattr(local, "client"):
+            local.client = make_client()
+            with lock:
+                clients.append(local.client)
+        return _send_with_retries(local.client, model, batch)
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="warm",
+               disable=None, file=sys.stderr)
+    pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="cachecd-warm")
+    try:
+        pending = {pool.submit(send, b): b for b in batches}
+        _collect(pending, outcome, bar)
+    except KeyboardInterrupt:
+        outcome.interrupted = True
+    finally:
+        pool.shutdown(wait=not outcome.interrupted, cancel_futures=True)
+        bar.close()
+        for c in clients:
+            c.close()
+    return outcome
+
+
+def _collect(pending: dict[Future[dict[str, Any]], Batch], outcome: Outcome, bar: Any) -> None:
+    while pending:
+        # A timeout so Ctrl-C reaches the main thread promptly.
+        done, _ = wait(list(pending), timeout=0.2, return_when=FIRST_COMPLETED)
+        for fut in done:
+            batch = pending.pop(fut)
+            try:
+                answer = fut.result()
+            except CachecdError as exc:
+                outcome.error = exc
+                for other in pending:
+                    other.cancel()
+                return
+            outcome.fetched += int(answer["fetched"])
+            outcome.fetched_bytes += int(answer["fetched_bytes"])
+            outcome.done_batches += 1
+            bar.update(batch.nbytes)
+
+
+def _send_with_retries(client: Any, model: str, batch: Batch) -> dict[str, Any]:
+    for attempt in range(RETRIES + 1):
+        try:
+            return client.warm(model, batch.layer, batch.experts)
+        except CachecdError as exc:
+            if not exc.retryable or attempt == RETRIES:
+                raise
+            log.info("warm batch retry layer=%d code=%s attempt=%d", batch.layer, exc.code, attempt + 1)
+            time.sleep(2 ** attempt)
+    raise AssertionError("unreachable")
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts, one a line; a line that is a JSON object gives its ``prompt`` field."""
+    prompts = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                prompts.append(str(json.loads(line)["prompt"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise InvalidRequest(f"{path}:{number}: a JSON line needs a \"prompt\" field") from None
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise InvalidRequest(f"{path} has no prompts")
+    return prompts
+
+
+def _warm_prompts(args: argparse.Namespace, client: Any, before: Snapshot) -> int:
+    from mlx_lm import stream_generate
+    from tqdm import tqdm
+
+    from cachecd_engine.run import load
+    from cachecd_engine.trace import TraceRecorder
+
+    prompts = read_prompts(args.prompts)
+    model, tokenizer = load(args.model, args.socket)
+    recorder = TraceRecorder(args.save_trace, args.model)
+    model.bank.trace = recorder
+    start_bytes = client.stats()["counters"].get("fetched_bytes", 0)
+    outcome, t0 = Outcome(), time.monotonic()
+    bar = tqdm(total=len(prompts), unit="prompt", desc="warm", disable=None, file=sys.stderr)
+    try:
+        for prompt in prompts:
+            for _ in stream_generate(model, tokenizer, prompt, max_tokens=args.max_new):
+                pass
+            fetched = client.stats()["counters"].get("fetched_bytes", 0) - start_bytes
+            bar.set_postfix_str(f"fetched {format_size(fetched)}")
+            bar.update(1)
+    except KeyboardInterrupt:
+        outcome.interrupted = True
+    except CachecdError as exc:
+        outcome.error = exc
+    finally:
+        bar.close()
+        recorder.close()
+        model.bank.source.close()
+    after = snapshot(client, args.model, before.manifest)
+    outcome.fetched = int((after.cached & ~before.cached).sum())
+    outcome.fetched_bytes = int(before.manifest.sizes[after.cached & ~before.cached].sum())
+    workload = access_array(before.manifest, recorder.trace.counts)
+    return _finish(args, outcome, time.monotonic() - t0, f"prompts {args.prompts}", workload,
+                   before, after)
+

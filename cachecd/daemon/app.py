@@ -1,0 +1,328 @@
+"""The daemon's state and the operations both front doors (HTTP control, fd data path) share.
+
+Invariants:
+- Every expert handed out was verified against its manifest before it entered the store; a hit
+  is served from the store only, and a miss goes through the single-flight fetcher. A blob this
+  daemon did not commit itself is hashed on its first open, and any blob again at an open a day
+  (``constants.REVERIFY_AFTER_S``) after its last hash (``Store.verify_open_blob``).
+- A hit reuses an fd the daemon already holds for that blob (``BlobFds``) only while the store
+  still indexes the very same row and the file is still linked with the row's size; otherwise
+  the blob is opened through ``Store.open_blob``, which drops or quarantines a bad one. An expert
+  verified moments ago whose commit is still under way is served from its temp file (``Fetcher``'s
+  ``fresh``). Every fd
+  handed out is the caller's own (a dup), so an eviction never cuts off a read in progress.
+- Access stats are recorded once per distinct expert per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cachecd import constants
+from cachecd.config import Settings
+from cachecd.daemon.misses import Fetcher
+from cachecd.daemon.registry import RegisteredModel, Registry, check_repo
+from cachecd.errors import ExpertNotFound, InvalidRequest
+from cachecd.report.coverage import HitHistory
+from cachecd.store.store import Store
+
+if TYPE_CHECKING:
+    from cachecd.manifest.entries import ExpertEntry
+    from cachecd.store.index import Entry
+    from cachecd.upstream.hub import Upstream
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OpenedExpert:
+    expert: int
+    fd: int
+    size: int
+    digest: str
+    fetched: bool = False  # this request waited for an upstream fetch of it
+
+
+# What a request used, to record once it is answered: (model key, distinct experts).
+Uses = tuple[str, list["ExpertEntry"]]
+
+
+def parse_repo(repo: str) -> str:
+    org, sep, name = repo.partition("/")
+    if not sep:
+        raise InvalidRequest(f"model {repo!r} must be ORG/NAME")
+    return check_repo(org, name)
+
+
+def _int(value: Any, what: str, limit: int = 1 << 20) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
+        raise InvalidRequest(f"{what} must be a whole number in [0, {limit}), got {value!r}")
+    return value
+
+
+class BlobFds:
+    """An LRU of open blob fds, so a warm hit costs an fstat and a dup instead of an open.
+
+    A cached fd is handed out (as a dup) only while the store's row for the digest is the very
+    row the fd was opened under and the file is still linked with that row's size: an evicted,
+    quarantined, deleted, truncated or replaced blob falls back to ``Store.open_blob``. Stale fds
+    are closed at the next request after an eviction or quarantine and by a sweep every
+    ``BLOB_FDS_SWEEP_S``; all are closed once no hit used the cache for ``BLOB_FDS_IDLE_S``, so an
+    idle daemon holds no blob open and an evicted blob's disk space comes back promptly.
+    Used on the event loop thread only.
+    """
+
+    def __init__(self, store: Store, capacity: int = constants.BLOB_FDS) -> None:
+        self._store = store
+        self._capacity = capacity
+        self._fds: OrderedDict[str, tuple[Entry, int]] = OrderedDict()
+        self._last_use = 0.0
+        self._removals = -1
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._fds
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def take(self, digest: str) -> tuple[int, int] | None:
+        """(fd, size) of a still-valid cached blob, the fd the caller's own; None to open it."""
+        held = self._fds.get(digest)
+        if held is None:
+            return None
+        entry, fd = held
+        try:
+            if self._store.ledger.entries.get(digest) is entry:
+                st = os.fstat(fd)
+                if st.st_nlink and st.st_size == entry.size:
+                    mine = os.dup(fd)
+                    self._fds.move_to_end(digest)
+                    self._last_use = time.monotonic()
+                    return mine, entry.size
+        except OSError:  # EMFILE: our own fds are the ones to give back
+            self.clear()
+            return None
+        self._close(digest)
+        return None
+
+    def keep(self, digest: str, fd: int, size: int) -> None:
+        """Remember a dup of ``fd``, freshly opened by ``Store.open_blob`` for ``digest``."""
+        entry = self._store.ledger.entries.get(digest)
+        if self._capacity <= 0 or entry is None or entry.size != size or digest in self._fds:
+            return
+        try:
+            self._fds[digest] = (entry, os.dup(fd))
+        except OSError:
+            self.clear()
+            return
+        self._last_use = time.monotonic()
+        while len(self._fds) > self._capacity:
+            self._close(next(iter(self._fds)))
+        if self._timer is None:
+            self._arm()
+
+    def check(self) -> None:
+        """Close the fds of blobs evicted or quarantined since the last look (cheap when none)."""
+        counters = self._store.ledger.counters
+        removals = counters.get("evictions", 0) + counters.get("quarantined", 0)
+        if removals != self._removals:
+            self._removals = removals
+            self.sweep()
+
+    def sweep(self) -> None:
+        entries = self._store.ledger.entries
+        for digest in [d for d, (entry, _) in self._fds.items() if entries.get(d) is not entry]:
+            self._close(digest)
+
+    def clear(self) -> None:
+        for digest in list(self._fds):
+            self._close(digest)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _close(self, digest: str) -> None:
+        _, fd = self._fds.pop(digest)
+        os.close(fd)
+
+    def _arm(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(constants.BLOB_FDS_SWEEP_S, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        if time.monotonic() - self._last_use >= constants.BLOB_FDS_IDLE_S:
+            self.clear()
+        else:
+            self.sweep()
+        if self._fds:
+            self._arm()
+
+
+class Daemon:
+    def __init__(self, settings: Settings, store: Store, upstream: Upstream) -> None:
+        self.settings = settings
+        self.store = store
+        self.upstream = upstream
+        self.registry = Registry(store, settings.models_dir)
+        self.fetcher = Fetcher(store, upstream)
+        self.counters: Counter[str] = Counter()
+        self.history = HitHistory()
+        self.started = time.time()
+        self.max_connections = constants.MAX_CONNECTIONS
+        self.blob_fds = BlobFds(store)
+        self.draining = False
+
+    def model(self, repo: str) -> RegisteredModel:
+        return self.registry.get(parse_repo(repo))
+
+    def entries(self, model: RegisteredModel, layer: Any, ids: list[Any]) -> list[ExpertEntry]:
+        layer = _int(layer, "layer")
+        if len(ids) > constants.MAX_BATCH_EXPERTS:
+            raise InvalidRequest(f"at most {constants.MAX_BATCH_EXPERTS} experts per request")
+        return [model.manifest.expert(layer, _int(e, "expert")) for e in ids]
+
+    async def ensure(self, model: RegisteredModel, entries: list[ExpertEntry]) -> set[str]:
+        """Make every entry local; returns the digests that were missing (fetched for this call)."""
+        # One count per distinct expert per request, whatever the caller repeats.
+        distinct = list({(e.layer, e.expert): e for e in entries}.values())
+        need = self.fetcher.missing(distinct)
+        # An expert verified moments ago and still being committed is local: a hit that waits.
+        missing = {e.digest_hex for e in need if not self.fetcher.committing(e.digest_hex)}
+        self.counters["expert_requests"] += len(distinct)
+        self.counters["expert_misses"] += len(missing)
+        self.counters["expert_hits"] += len(distinct) - len(missing)
+        self.history.record(model.manifest.key, len(distinct) - len(missing), len(missing))
+        if need:  # all hits: nothing can have changed since the look-up above (no await)
+            await self.fetcher.ensure(model, entries)
+        return missing
+
+    async def open_experts(self, repo: str, layer: Any, ids: list[Any]) -> list[OpenedExpert]:
+        """One opened blob per id, in order, uses recorded; the caller closes every fd."""
+        opened, uses = await self.open_unrecorded(repo, layer, ids)
+        self.record_uses(uses)
+        return opened
+
+    async def open_unrecorded(self, repo: str, layer: Any,
+                              ids: list[Any]) -> tuple[list[OpenedExpert], Uses]:
+        """``open_experts`` without recording the uses: the caller passes them to
+        ``record_uses`` exactly once, after answering, so that bookkeeping overlaps the client's
+        reads instead of delaying them."""
+        model = self.model(repo)
+        entries = self.entries(model, layer, ids)
+        missing = await self.ensure(model, entries)
+        self.blob_fds.check()
+        opened: list[OpenedExpert] = []
+        try:
+            to_hash = {e.digest_hex: e for e in entries if self._needs_hash(e.digest_hex)}
+            if len(to_hash) > 1:
+                await self._open_to_hash(model, to_hash)  # the hashes run side by side
+            for entry in entries:
+                digest = entry.digest_hex
+                got = (self.blob_fds.take(digest) or self.fetcher.take_fresh(digest)
+                       or await self._open_blob(model, entry, digest))
+                opened.append(OpenedExpert(entry.expert, got[0], got[1], digest, digest in missing))
+        except BaseException:
+            for o in opened:
+                os.close(o.fd)
+            raise
+        # One use per distinct expert per request, whatever the caller repeats.
+        return opened, (model.manifest.key, list({e.expert: e for e in entries}.values()))
+
+    def record_uses(self, uses: Uses) -> None:
+        key, entries = uses
+        for e in entries:
+            # A use of a blob still being committed reaches the policy once the blob is in.
+            later = self.fetcher.touch_after_commit(e.digest_hex)
+            self.store.touch(e.digest_hex, key, e.layer, e.expert, policy=not later)
+
+    def _needs_hash(self, digest: str) -> bool:
+        """Whether serving ``digest`` now would go through ``_open_blob`` and hash it."""
+        # Cheapest first: a warm hit's digest is in blob_fds, and this runs for every request.
+        return (digest not in self.blob_fds and not self.fetcher.committing(digest)
+                and self.store.unverified(digest))
+
+    async def _open_to_hash(self, model: RegisteredModel, todo: dict[str, ExpertEntry]) -> None:
+        """Open (and so hash) these blobs at once, one task each, into ``blob_fds``, where the
+        request's loop then finds them. After a restart every blob is unverified, and hashing
+        them one after another would use one core."""
+        tasks = [asyncio.ensure_future(self._open_blob(model, e, d)) for d, e in todo.items()]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()  # it closes its own fd when the cancel lands
+                    t.add_done_callback(_retrieve)  # a second failure is not an unread error
+                elif not t.cancelled() and t.exception() is None:
+                    os.close(t.result()[0])  # blob_fds kept a dup
+
+    async def _open_blob(self, model: RegisteredModel, entry: ExpertEntry,
+                         digest: str) -> tuple[int, int]:
+        for _ in range(3):  # evicted between ensure and open, or rotten: fetch again
+            try:
+                fd, size = self.store.open_blob(digest)
+            except ExpertNotFound:
+                await self.fetcher.ensure(model, [entry])
+                continue
+            if self.store.unverified(digest):  # from an earlier run: hash it before serving it
+                try:
+                    # The thread hashes its own dup: if this task is cancelled and closes ``fd``,
+                    # the hash still reads the blob, never whatever reuses the fd number.
+                    await asyncio.to_thread(self.store.verify_open_blob, digest, os.dup(fd))
+                except BaseException as exc:
+                    os.close(fd)
+                    if not isinstance(exc, ExpertNotFound):
+                        raise
+                    await self.fetcher.ensure(model, [entry])
+                    continue
+            self.blob_fds.keep(digest, fd, size)
+            return fd, size
+        raise ExpertNotFound(f"layer {entry.layer} expert {entry.expert} vanished from the cache three "
+                             "times while being opened; the budget may be too small for one batch")
+
+    def prefetch(self, repo: str, layer: Any, ids: list[Any]) -> int:
+        model = self.model(repo)
+        return self.fetcher.prefetch(model, self.entries(model, layer, ids))
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "version": constants.VERSION,
+            "uptime_s": round(time.time() - self.started, 3),
+            "socket": str(self.settings.socket),
+            "cache_dirs": [str(d) for d in self.settings.cache_dirs],
+            "endpoint": self.settings.endpoint,
+            "offline": self.settings.offline,
+            "store": self.store.stats(),
+            "inflight": self.fetcher.inflight,
+            "counters": dict(self.counters) | dict(self.fetcher.counters),
+            "upstream": self.upstream.stats(),
+            "models": [m.describe() for m in self.registry.all()],
+            "refused_models": dict(self.registry.refused),
+            "debug": _process_counts(),
+        }
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _process_counts() -> dict[str, int]:
+    """Open fds and live asyncio tasks: the fault suite checks both return to their baseline."""
+    try:
+        fds = len(os.listdir("/proc/self/fd")) - 1  # minus the fd listdir itself holds
+    except OSError:  # no procfs (macOS)
+        fds = -1
+    try:
+        tasks = len(asyncio.all_tasks())
+    except RuntimeError:  # called outside the event loop
+        tasks = -1
+    return {"open_fds": fds, "tasks": tasks}

@@ -1,0 +1,302 @@
+"""Turning misses into verified cache entries: one upstream fetch per expert, however many ask.
+
+Invariants: an expert is fetched by at most one task at a time (callers for the same digest wait
+on the same future and all see the same bytes or the same error); the fetch runs in its own task,
+so a caller that disconnects does not cancel it; bytes reach the store only after the upstream
+verified them against the manifest (bytes written to a temp file while they arrive become a blob
+only through ``Store.commit`` after that check); a digest is forgotten when its fetch ends, so the next
+request after a failure fetches again. Prefetch hints run below demand: at most
+``prefetch_parallel`` hint groups at a time, and hints for experts already in flight are dropped.
+
+A streamed expert is handed to the requests waiting for it as soon as its hash matched, before
+its blob is durable: its temp file is opened read-only (``fresh``) and those waiters are answered
+from that fd while ``Store.commit`` (fsync, rename, fsync the dir, index row) runs; the fd is
+closed when the commit ends. A request arriving meanwhile waits for the commit, as for a fetch in
+flight. So a miss never waits on the disk's flush, and the store's invariant (no row without a
+durable blob) is unchanged: a crash in between loses the blob, never correctness, and a failed
+commit only means the next request fetches the expert again. ``settled()`` waits for the commits
+under way, for callers that report the store's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import Counter
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from cachecd import constants
+from cachecd.errors import CachecdError, Internal
+from cachecd.store.blobs import BlobWriter
+from cachecd.store.store import Store
+
+if TYPE_CHECKING:
+    from cachecd.daemon.registry import RegisteredModel
+    from cachecd.manifest.entries import ExpertEntry
+    from cachecd.store.budget import Reservation
+    from cachecd.upstream.hub import Upstream
+
+log = logging.getLogger(__name__)
+
+
+class _Spool:
+    """The blob writers of one fetch group, by digest: the upstream fills them as bytes arrive,
+    the commit takes them (or writes the verified bytes itself when it finds none)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._writers: dict[str, BlobWriter] = {}
+
+    def begin(self, entry: ExpertEntry) -> BlobWriter:
+        self.discard(entry)
+        writer = self._store.begin_blob(entry.digest_hex, entry.nbytes)
+        self._writers[entry.digest_hex] = writer
+        return writer
+
+    def discard(self, entry: ExpertEntry) -> None:
+        writer = self._writers.pop(entry.digest_hex, None)
+        if writer is not None:
+            writer.abort()
+
+    def take(self, digest: str) -> BlobWriter | None:
+        return self._writers.pop(digest, None)
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.abort()
+        self._writers.clear()
+
+
+def _swallow(fut: asyncio.Future[None]) -> None:
+    # Every waiter may be gone; the outcome must not be reported as "never retrieved".
+    if not fut.cancelled():
+        fut.exception()
+
+
+class Fetcher:
+    def __init__(self, store: Store, upstream: Upstream, *, prefetch_parallel: int = 2) -> None:
+        self._store = store
+        self._upstream = upstream
+        self._inflight: dict[str, asyncio.Future[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._prefetch_slots = asyncio.Semaphore(prefetch_parallel)
+        self._fresh: dict[str, tuple[int, int]] = {}  # digest -> (read-only fd of its temp, size)
+        self._commits: set[asyncio.Task[None]] = set()
+        self._commits_started: set[asyncio.Task[None]] = set()  # past the wait for their download
+        self._uses_after_commit: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    def missing(self, entries: Iterable[ExpertEntry]) -> list[ExpertEntry]:
+        return [e for e in entries if not self._store.has(e.digest_hex)]
+
+    def committing(self, digest: str) -> bool:
+        return digest in self._fresh
+
+    def touch_after_commit(self, digest: str) -> bool:
+        """If ``digest`` is being committed, count a use for the policy once it is in; True then."""
+        if digest not in self._fresh:
+            return False
+        self._uses_after_commit[digest] += 1
+        return True
+
+    def take_fresh(self, digest: str) -> tuple[int, int] | None:
+        """(fd, size) of a verified expert whose commit is under way, the fd the caller's own."""
+        held = self._fresh.get(digest)
+        if held is None:
+            return None
+        return os.dup(held[0]), held[1]
+
+    async def settled(self, download_wait: float = constants.SETTLE_DOWNLOAD_WAIT_S) -> None:
+        """Wait for the commits of experts already handed out (the store then shows them).
+
+        A commit still waiting for the rest of its group's download is waited for at most
+        ``download_wait`` seconds: a stalled upstream must not stall ``cachecd status``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + download_wait
+        while self._commits:
+            queued = [t for t in self._commits if t not in self._commits_started]
+            if queued and loop.time() >= deadline:
+                started = list(self._commits_started)
+                if started:
+                    await asyncio.wait(started)
+                return
+            await asyncio.wait(list(self._commits), return_when=asyncio.FIRST_COMPLETED,
+                               timeout=deadline - loop.time() if queued else None)
+
+    async def ensure(self, model: RegisteredModel, entries: list[ExpertEntry]) -> None:
+        """Return once every entry is in the store; raise the first typed error otherwise."""
+        missing = self.missing(entries)
+        if not missing:
+            return
+        waits = self._claim(model, missing)
+        results = await asyncio.gather(*(asyncio.shield(f) for f in waits), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    def prefetch(self, model: RegisteredModel, entries: list[ExpertEntry]) -> int:
+        """Queue a background fetch of the entries not cached or in flight; returns how many."""
+        wanted = [e for e in self.missing(entries) if e.digest_hex not in self._inflight]
+        if wanted:
+            self._spawn(self._prefetch_group(model, wanted))
+        self.counters["prefetch_hints"] += 1
+        return len(wanted)
+
+    def _claim(self, model: RegisteredModel, missing: list[ExpertEntry]) -> list[asyncio.Future[None]]:
+        loop = asyncio.get_running_loop()
+        waits, new = [], []
+        for entry in missing:
+            fut = self._inflight.get(entry.digest_hex)
+            if fut is None:
+                fut = loop.create_future()
+                fut.add_done_callback(_swallow)
+                self._inflight[entry.digest_hex] = fut
+                new.append(entry)
+            else:
+                self.counters["coalesced_waiters"] += 1
+            waits.append(fut)
+        if new:
+            self._spawn(self._fetch_group(model, new))
+        return waits
+
+    def _spawn(self, coro: asyncio.coroutines.Coroutine[object, object, None]) -> None:  # type: ignore[name-defined]
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _prefetch_group(self, model: RegisteredModel, entries: list[ExpertEntry]) -> None:
+        async with self._prefetch_slots:
+            still = [e for e in self.missing(entries) if e.digest_hex not in self._inflight]
+            if not still:
+                return
+            waits = self._claim(model, still)
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    async def _fetch_group(self, model: RegisteredModel, entries: list[ExpertEntry]) -> None:
+        reservations = {}
+        try:
+            to_fetch = []
+            for entry in entries:
+                try:
+                    reservations[entry.digest_hex] = await self._store.reserve(entry.nbytes)
+                    to_fetch.append(entry)
+                except CachecdError as exc:
+                    self._settle(entry.digest_hex, exc)
+            if to_fetch:
+                await self._fetch_reserved(model, to_fetch, reservations)
+        except CachecdError as exc:
+            for entry in entries:
+                self._settle(entry.digest_hex, exc)
+        except Exception as exc:  # a bug must still release every waiter
+            log.exception("fetch group failed repo=%s", model.repo)
+            for entry in entries:
+                self._settle(entry.digest_hex, Internal(f"fetch failed: {exc!r}"))
+        finally:
+            for reservation in reservations.values():
+                reservation.release()
+            for entry in entries:
+                self._settle(entry.digest_hex, Internal("fetch ended without a result"))
+
+    async def _fetch_reserved(self, model, to_fetch, reservations) -> None:  # type: ignore[no-untyped-def]
+        spool = _Spool(self._store)
+        downloaded = asyncio.Event()
+        commits: list[asyncio.Task[None]] = []
+
+        async def commit(entry: ExpertEntry, data: memoryview | None) -> None:
+            digest = entry.digest_hex
+            writer = spool.take(digest)
+            if data is None and writer is not None and self._hand_over(entry, writer):
+                task = asyncio.get_running_loop().create_task(
+                    self._commit_fresh(digest, reservations[digest], writer, downloaded))
+                commits.append(task)
+                self._commits.add(task)
+                task.add_done_callback(self._commits.discard)
+                task.add_done_callback(self._commits_started.discard)
+                return
+            await self._store.commit(digest, data, reservations[digest], writer)
+            self._served(entry)
+
+        try:
+            errors = await self._upstream.fetch_experts(model.manifest, to_fetch, commit, spool)
+        finally:
+            downloaded.set()
+            spool.close()
+            # The reservations are released when this group ends: not before its commits do.
+            if commits:
+                await asyncio.gather(*commits, return_exceptions=True)
+        for (layer, expert), exc in errors.items():
+            self.counters[f"fetch_error_{exc.code}"] += 1
+            digest = model.manifest.expert(layer, expert).digest_hex
+            self._settle(digest, exc)
+
+    def _hand_over(self, entry: ExpertEntry, writer: BlobWriter) -> bool:
+        """Answer the waiters of a verified, streamed expert from its temp file."""
+        try:
+            fd = writer.open_reader()
+        except OSError as exc:
+            log.warning("event=fresh_open_failed digest=%s err=%s", entry.digest_hex, exc)
+            return False
+        digest = entry.digest_hex
+        self._fresh[digest] = (fd, entry.nbytes)
+        self._served(entry)
+        # Requests from now on wait for the commit (``_commit_fresh`` settles this one).
+        fut = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(_swallow)
+        self._inflight[digest] = fut
+        return True
+
+    async def _commit_fresh(self, digest: str, reservation: Reservation, writer: BlobWriter,
+                            downloaded: asyncio.Event) -> None:
+        started = False
+        try:
+            # fsyncs while the group still downloads slow its page-cache writes down (measured:
+            # bench/README.md), so the group's commits start once its last byte is in.
+            await downloaded.wait()
+            started = True  # from here Store.commit finishes or aborts the writer, even if cancelled
+            task = asyncio.current_task()
+            if task is not None:
+                self._commits_started.add(task)
+            await self._store.commit(digest, None, reservation, writer)
+            for _ in range(self._uses_after_commit.pop(digest, 0)):
+                self._store.ledger.touch(digest)
+        except CachecdError as exc:
+            self.counters["commit_failed"] += 1
+            log.warning("event=commit_failed digest=%s err=%s", digest, exc)
+        except Exception:
+            self.counters["commit_failed"] += 1
+            log.exception("commit failed digest=%s", digest)
+        finally:
+            if not started:
+                writer.abort()  # cancelled before its commit began: no temp outlives the fetch
+            self._uses_after_commit.pop(digest, None)
+            fd, _ = self._fresh.pop(digest)
+            os.close(fd)
+            self._settle(digest, None)  # a failed commit: the waiters' open finds no blob, refetches
+
+    def _served(self, entry: ExpertEntry) -> None:
+        self.counters["fetched_experts"] += 1
+        self.counters["fetched_bytes"] += entry.nbytes
+        self._settle(entry.digest_hex, None)
+
+    def _settle(self, digest: str, exc: CachecdError | None) -> None:
+        fut = self._inflight.pop(digest, None)
+        if fut is None or fut.done():
+            return
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+    async def drain(self, timeout: float) -> None:
+        """Let fetches in flight finish (up to ``timeout``), then cancel what is left."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,116 @@
+"""Registered models: which repos the daemon may fetch for, each pinned by its manifest.
+
+Invariant: the daemon fetches nothing it cannot verify, so a repo without a registered manifest
+is refused (403 ``repo_not_allowed``) before any I/O. A manifest that fails to load refuses that
+model only; the others are still served. The daemon keeps its own copy of each manifest under
+``models_dir/manifests`` so a registration survives the caller's temp files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cachecd.errors import CachecdError, InvalidRequest, RepoNotAllowed
+from cachecd.manifest.manifest import Manifest, write_atomic
+from cachecd.store.store import Store
+
+log = logging.getLogger(__name__)
+
+_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+
+
+def check_repo(org: str, name: str) -> str:
+    """``org/name`` if both parts are plain repo names; InvalidRequest otherwise (before any I/O)."""
+    for part in (org, name):
+        if not _PART.match(part) or ".." in part:
+            raise InvalidRequest(f"{part!r} is not a valid repo name part (letters, digits, . _ -)")
+    return f"{org}/{name}"
+
+
+@dataclass
+class RegisteredModel:
+    manifest: Manifest
+    manifest_path: Path
+    local_dir: Path | None
+
+    @property
+    def repo(self) -> str:
+        return self.manifest.repo
+
+    def describe(self) -> dict[str, Any]:
+        m = self.manifest
+        return {
+            "repo": m.repo,
+            "revision": m.revision,
+            "model_type": m.model_type,
+            "quant_format": m.quant_format,
+            "manifest": str(self.manifest_path),
+            "local_dir": str(self.local_dir) if self.local_dir else None,
+            "experts_total": m.n_experts,
+            "expert_bytes_total": m.expert_bytes_total,
+            "resident_bytes_total": m.resident_bytes_total,
+        }
+
+
+class Registry:
+    def __init__(self, store: Store, models_dir: Path) -> None:
+        self._store = store
+        self._dir = models_dir / "manifests"
+        self._models: dict[str, RegisteredModel] = {}
+        self.refused: dict[str, str] = {}
+
+    async def load_registered(self) -> None:
+        for record in self._store.models():
+            try:
+                await self._activate(record)
+            except CachecdError as exc:
+                self.refused[record.get("repo", "?")] = exc.message
+                log.error("model refused repo=%s reason=%s", record.get("repo"), exc.message)
+
+    async def _activate(self, record: dict[str, Any]) -> RegisteredModel:
+        path = Path(record["manifest"])
+        manifest = await asyncio.to_thread(Manifest.load, path)
+        local = Path(record["local_dir"]) if record.get("local_dir") else None
+        model = RegisteredModel(manifest, path, local)
+        self._models[manifest.repo] = model
+        self.refused.pop(manifest.repo, None)
+        return model
+
+    async def register(self, manifest_bytes: bytes, source: str, local_dir: str | None) -> RegisteredModel:
+        manifest = await asyncio.to_thread(Manifest.from_bytes, manifest_bytes, source)
+        self._dir.mkdir(parents=True, exist_ok=True)
+        name = f"{manifest.repo.replace('/', '--')}--{manifest.revision}.manifest"
+        path = self._dir / name
+        await asyncio.to_thread(write_atomic, path, manifest_bytes)
+        record = {
+            "repo": manifest.repo,
+            "revision": manifest.revision,
+            "manifest": str(path),
+            "local_dir": local_dir,
+        }
+        self._store.put_model(manifest.repo, record)
+        model = RegisteredModel(manifest, path, Path(local_dir) if local_dir else None)
+        self._models[manifest.repo] = model
+        self.refused.pop(manifest.repo, None)
+        log.info("model registered repo=%s revision=%s experts=%d", manifest.repo,
+                 manifest.revision, manifest.n_experts)
+        return model
+
+    def get(self, repo: str) -> RegisteredModel:
+        model = self._models.get(repo)
+        if model is None:
+            why = self.refused.get(repo)
+            hint = f" (its manifest was refused: {why})" if why else ""
+            raise RepoNotAllowed(
+                f"no manifest is registered for {repo}{hint}; run `cachecd setup --stream {repo}`"
+            )
+        return model
+
+    def all(self) -> list[RegisteredModel]:
+        return list(self._models.values())
+

@@ -1,0 +1,278 @@
+"""The HTTP/JSON control API on the Unix socket (usable with ``curl --unix-socket``).
+
+Every error is a response ``{"error": code, "message": ..., "retryable": bool}`` with the error's
+status; nothing answers with a traceback. A peer whose uid is not the daemon's gets 403 before
+any handler runs. Expert bytes over HTTP are for tools and debugging: the engine's client uses
+the fd data path (``datapath``), which copies nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from cachecd.daemon.metrics import render_metrics
+from cachecd.daemon.peer import peer_cred
+from cachecd.errors import CachecdError, Forbidden, Internal, InvalidRequest, NotFound
+from cachecd.report.coverage import access_array, cached_mask, coverage_report, pack_detail
+
+log = logging.getLogger(__name__)
+
+DAEMON: web.AppKey[Any] = web.AppKey("daemon")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(exc: CachecdError) -> web.Response:
+    return web.json_response(exc.to_wire(), status=exc.http_status)
+
+
+@web.middleware
+async def peer_check(request: web.Request, handler: Handler) -> web.StreamResponse:
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is not None and sock.family == socket.AF_UNIX:
+        cred = peer_cred(sock)
+        if cred.uid != os.getuid():
+            log.warning("peer refused uid=%d pid=%d path=%s", cred.uid, cred.pid, request.path)
+            return error_response(Forbidden(f"uid {cred.uid} may not use this daemon"))
+    return await handler(request)
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except CachecdError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        cls = NotFound if exc.status in (404, 405) else InvalidRequest
+        err = cls(f"{request.method} {request.path}: {exc.reason}")
+        return web.json_response(err.to_wire(), status=exc.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as exc:
+        log.exception("handler failed path=%s", request.path)
+        return error_response(Internal(f"{type(exc).__name__}: {exc}"))
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise InvalidRequest("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return body
+
+
+def _repo(request: web.Request) -> str:
+    return f"{request.match_info['org']}/{request.match_info['name']}"
+
+
+def _int_param(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidRequest(f"{what} must be a whole number, got {text!r}") from None
+
+
+def _ids(text: str) -> list[int]:
+    if not text:
+        raise InvalidRequest("ids= is required: a comma-separated list of expert numbers")
+    return [_int_param(t, "expert") for t in text.split(",")]
+
+
+async def healthz(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    return web.json_response({"ok": not d.draining, "pid": os.getpid(), "version": d.status()["version"]})
+
+
+async def status(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    await d.fetcher.settled()  # what was handed out is in the store before it is reported
+    return web.json_response(d.status())
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(text=render_metrics(request.app[DAEMON]), content_type="text/plain")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    return web.json_response({"models": [m.describe() for m in d.registry.all()],
+                              "refused": dict(d.registry.refused)})
+
+
+async def register_model(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    if request.content_type == "application/json":
+        body = await _json_body(request)
+        path = body.get("manifest")
+        if not isinstance(path, str):
+            raise InvalidRequest("POST /v1/models takes {\"manifest\": PATH, \"local_dir\": DIR}")
+        try:
+            data = await asyncio.to_thread(_read_file, path)
+        except OSError as exc:
+            raise InvalidRequest(f"cannot read manifest {path}: {exc.strerror}") from None
+        source, local_dir = path, body.get("local_dir")
+    else:
+        data, source, local_dir = await request.read(), "<upload>", request.query.get("local_dir")
+    model = await d.registry.register(data, source, local_dir)
+    return web.json_response(model.describe(), status=201)
+
+
+def _read_file(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+async def model_info(request: web.Request) -> web.Response:
+    return web.json_response(request.app[DAEMON].model(_repo(request)).describe())
+
+
+async def model_manifest(request: web.Request) -> web.FileResponse:
+    model = request.app[DAEMON].model(_repo(request))
+    return web.FileResponse(model.manifest_path)
+
+
+async def _stream_experts(request: web.Request, layer: int, ids: list[int]) -> web.StreamResponse:
+    d = request.app[DAEMON]
+    opened = await d.open_experts(_repo(request), layer, ids)
+    try:
+        resp = web.StreamResponse(headers={
+            "Content-Type": "application/octet-stream",
+            "Content-Length": str(sum(o.size for o in opened)),
+            "X-Expert-Sizes": ",".join(str(o.size) for o in opened),
+            "X-Expert-Digests": ",".join(o.digest for o in opened),
+        })
+        await resp.prepare(request)
+        for o in opened:
+            offset = 0
+            while offset < o.size:
+                chunk = await asyncio.to_thread(os.pread, o.fd, min(4 << 20, o.size - offset), offset)
+                if not chunk:
+                    raise Internal(f"blob {o.digest} ended early at {offset} of {o.size}")
+                await resp.write(chunk)
+                offset += len(chunk)
+        await resp.write_eof()
+        return resp
+    finally:
+        for o in opened:
+            os.close(o.fd)
+
+
+async def expert_bytes(request: web.Request) -> web.StreamResponse:
+    layer = _int_param(request.match_info["layer"], "layer")
+    return await _stream_experts(request, layer, [_int_param(request.match_info["expert"], "expert")])
+
+
+async def expert_batch(request: web.Request) -> web.StreamResponse:
+    layer = _int_param(request.match_info["layer"], "layer")
+    return await _stream_experts(request, layer, _ids(request.query.get("ids", "")))
+
+
+async def prefetch(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    queued = request.app[DAEMON].prefetch(_repo(request), body.get("layer"), list(body.get("ids") or []))
+    return web.json_response({"queued": queued}, status=202)
+
+
+async def coverage(request: web.Request) -> web.Response:
+    """The coverage report; ``?detail=1`` adds the per-expert arrays (``coverage.pack_detail``)."""
+    d = request.app[DAEMON]
+    model = d.model(_repo(request))
+    m = model.manifest
+    detail = request.query.get("detail") in ("1", "true")
+    await d.fetcher.settled()
+
+    def build() -> dict[str, Any]:
+        cached, access = cached_mask(m, d.store.has), access_array(m, d.store.access_counts(m.key))
+        report = coverage_report(m, cached, access)
+        report["history"] = d.history.snapshot(m.key)
+        if detail:
+            report["detail"] = pack_detail(cached, access)
+        return report
+
+    return web.json_response(await asyncio.to_thread(build))
+
+
+async def warm(request: web.Request) -> web.Response:
+    """Fetch experts into the cache without counting them as used (warming is not workload)."""
+    d = request.app[DAEMON]
+    body = await _json_body(request)
+    model = d.model(_repo(request))
+    entries = d.entries(model, body.get("layer"), list(body.get("ids") or []))
+    missing = d.fetcher.missing(entries)
+    await d.fetcher.ensure(model, missing)
+    await d.fetcher.settled()
+    d.counters["warm_fetched_experts"] += len(missing)
+    return web.json_response({"requested": len(entries), "fetched": len(missing),
+                              "fetched_bytes": sum(e.nbytes for e in missing)})
+
+
+async def pin(request: web.Request) -> web.Response:
+    return await _pin(request, True)
+
+
+async def unpin(request: web.Request) -> web.Response:
+    return await _pin(request, False)
+
+
+async def _pin(request: web.Request, on: bool) -> web.Response:
+    d = request.app[DAEMON]
+    body = await _json_body(request)
+    model = d.model(_repo(request))
+    entries = d.entries(model, body.get("layer"), list(body.get("ids") or []))
+    if on:
+        await d.ensure(model, entries)
+        await d.fetcher.settled()
+    for e in entries:
+        await (d.store.pin(e.digest_hex) if on else d.store.unpin(e.digest_hex))
+    return web.json_response({"pinned" if on else "unpinned": len(entries)})
+
+
+async def evict(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    body = await _json_body(request)
+    digests = None
+    if "model" in body:
+        model = d.model(str(body["model"]))
+        digests = [e.digest_hex for e in d.entries(model, body.get("layer"), list(body.get("ids") or []))]
+    nbytes = body.get("bytes", 0)
+    if not isinstance(nbytes, int) or nbytes < 0:
+        raise InvalidRequest("bytes must be a whole number >= 0")
+    await d.fetcher.settled()
+    freed = await d.store.evict(digests, nbytes)
+    return web.json_response({"freed_bytes": freed})
+
+
+def build_app(daemon: Any, client_max_size: int, door: Any = None) -> web.Application:
+    first = [door.middleware] if door is not None else []  # sees a request before any refusal
+    app = web.Application(middlewares=[*first, errors_as_json, peer_check],
+                          client_max_size=client_max_size)
+    app[DAEMON] = daemon
+    base = "/v1/models/{org}/{name}"
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/models", register_model)
+    app.router.add_get(base, model_info)
+    app.router.add_get(base + "/manifest", model_manifest)
+    app.router.add_get(base + "/experts/{layer}/{expert}", expert_bytes)
+    app.router.add_get(base + "/experts/{layer}", expert_batch)
+    app.router.add_post(base + "/prefetch", prefetch)
+    app.router.add_get(base + "/coverage", coverage)
+    app.router.add_post(base + "/warm", warm)
+    app.router.add_post(base + "/pin", pin)
+    app.router.add_post(base + "/unpin", unpin)
+    app.router.add_post("/v1/evict", evict)
+    return app

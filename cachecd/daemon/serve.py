@@ -1,0 +1,146 @@
+"""``cachecd serve``: the daemon in the foreground (what launchd and systemd run).
+
+Start-up order matters: the cache lock is taken and recovery (temps, bad rows, strays, eviction
+down to the budget) finishes before either socket is bound, so no client ever sees a cache that
+is over budget or half-recovered. SIGTERM/SIGINT drain: stop accepting, let fetches in flight
+finish within ``shutdown_timeout``, close LMDB, remove the sockets, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from cachecd import constants
+from cachecd.config import Settings, load_settings
+
+log = logging.getLogger(__name__)
+
+
+def add_daemon_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", dest="cache_dirs", action="append", metavar="DIR",
+                   help="a cache directory (repeat for one per SSD); default: the user cache dir")
+    p.add_argument("--budget", help="disk budget for experts, e.g. 500GB or 16MiB; 0 = free space")
+    p.add_argument("--socket", help="control socket path (the data socket sits beside it)")
+    p.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or huggingface.co)")
+    p.add_argument("--manifest", dest="manifests", action="append", metavar="FILE",
+                   help="register a model manifest at start (repeatable)")
+    p.add_argument("--models-dir", help="where registered models' resident files and manifests live")
+    p.add_argument("--policy", help="eviction policy: default (wlfu), wlfu, lfuda or lru")
+    p.add_argument("--max-parallel", type=int, help="upstream requests in flight at once")
+    p.add_argument("--offline", action="store_const", const=True, default=None,
+                   help="serve hits only; refuse misses (also HF_HUB_OFFLINE=1)")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    keys = ("cache_dirs", "budget", "socket", "endpoint", "manifests", "models_dir", "policy",
+            "max_parallel", "offline")
+    return load_settings({k: getattr(args, k, None) for k in keys})
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the daemon in the foreground")
+    add_daemon_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    logging.getLogger().setLevel(logging.DEBUG if args.verbose else settings.log_level)
+    logging.getLogger("aiohttp.server").addFilter(_MalformedRequestLine())
+    return asyncio.run(serve(settings))
+
+
+class _MalformedRequestLine(logging.Filter):
+    """aiohttp logs a request it cannot parse at ERROR with a traceback. For the daemon that is
+    a client's mistake, already answered 400: keep one WARNING line, no traceback, no raw bytes
+    beyond a short excerpt (they could hold a header's token)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            first = str(exc.message).strip().splitlines()[0][:120] if exc.message else ""
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = "event=malformed_request status=%d err=%s", (exc.code, first)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+async def _start(settings: Settings) -> tuple[Any, list[Any]]:
+    from aiohttp import web
+    from huggingface_hub import get_token
+
+    from cachecd.daemon.app import Daemon
+    from cachecd.daemon.control_door import ControlDoor, ControlSite
+    from cachecd.daemon.datapath import DataServer
+    from cachecd.daemon.peer import bind_private_socket
+    from cachecd.daemon.routes import build_app
+    from cachecd.store.store import Store
+    from cachecd.upstream.hub import Upstream
+
+    store = await Store.open(settings.cache_dirs, budget=settings.budget, policy=settings.policy,
+                             map_size=settings.map_size)
+    # huggingface_hub may fetch a small registry synchronously the first time it builds headers:
+    # keep that off the event loop.
+    upstream = await asyncio.to_thread(Upstream, settings.endpoint, get_token(),
+                                       offline=settings.offline, max_parallel=settings.max_parallel,
+                                       read_timeout=settings.read_timeout,
+                                       total_timeout=settings.total_timeout)
+    daemon = Daemon(settings, store, upstream)
+    await daemon.registry.load_registered()
+    for path in settings.manifests:
+        await _register_or_refuse(daemon, Path(path))
+    control = bind_private_socket(settings.socket)
+    data = bind_private_socket(settings.data_socket)
+    handler_args: dict[str, Any] = {"access_log": None}
+    door = ControlDoor(constants.MAX_CONTROL_CONNECTIONS, daemon.counters, handler_args)
+    runner = web.AppRunner(build_app(daemon, constants.CLIENT_MAX_SIZE, door), handle_signals=False,
+                           **handler_args)
+    await runner.setup()
+    await ControlSite(runner, control, door).start()
+    data_server = DataServer(daemon, data)
+    data_server.start()
+    return daemon, [runner, data_server]
+
+
+async def _register_or_refuse(daemon: Any, path: Path) -> None:
+    """A bad --manifest refuses that model only; the daemon still serves the others."""
+    from cachecd.errors import CachecdError
+
+    try:
+        await daemon.registry.register(await asyncio.to_thread(path.read_bytes), str(path), None)
+    except (CachecdError, OSError) as exc:
+        reason = exc.message if isinstance(exc, CachecdError) else f"cannot read {path}: {exc}"
+        daemon.registry.refused[str(path)] = reason
+        log.error("model refused manifest=%s reason=%s", path, reason)
+
+
+async def serve(settings: Settings) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    daemon, (runner, data_server) = await _start(settings)
+    log.info("listening socket=%s data=%s cache_dirs=%s budget=%d endpoint=%s", settings.socket,
+             settings.data_socket, ",".join(map(str, settings.cache_dirs)), settings.budget,
+             settings.endpoint)
+    print(f"cachecd: serving on {settings.socket}", file=sys.stderr, flush=True)
+    await stop.wait()
+    log.info("draining inflight=%d timeout=%.1fs", daemon.fetcher.inflight, settings.shutdown_timeout)
+    daemon.draining = True
+    await daemon.fetcher.drain(settings.shutdown_timeout)
+    await runner.cleanup()
+    await data_server.close()
+    await daemon.upstream.close()
+    await daemon.store.close()
+    for path in (settings.socket, settings.data_socket):
+        path.unlink(missing_ok=True)
+    log.info("stopped")
+    return 0

@@ -1,0 +1,142 @@
+"""``cachecd manifest build`` and ``cachecd manifest verify``.
+
+build: resolve REV to a commit, read every shard header, hash every shard once (checked against
+the hub's sha256), write the manifest atomically. verify: load + validate a manifest file and
+print a summary; with --endpoint, compare each file's size and sha256 with the hub's metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from cachecd import errors
+
+log = logging.getLogger(__name__)
+
+SPEC_RE = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w.-]+))?")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("manifest", help="build or verify a model manifest")
+    msub = p.add_subparsers(dest="manifest_command", metavar="SUBCOMMAND", required=True)
+    b = msub.add_parser("build", help="build a manifest from a hub (one full pass over the shards)")
+    b.add_argument("spec", metavar="ORG/NAME[@REV]", help="repo and revision (default: main)")
+    b.add_argument("--endpoint", help="HF-compatible endpoint (default: HF_ENDPOINT)")
+    b.add_argument("--token", help="HF token (default: HF_TOKEN or the stored login)")
+    b.add_argument("--output", "-o", required=True, type=Path, help="manifest file to write")
+    b.add_argument(
+        "--from-dir", type=Path, help="read a local folder instead (REV must be a commit)"
+    )
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.set_defaults(func=_build)
+    v = msub.add_parser("verify", help="validate a manifest and print a summary")
+    v.add_argument("file", type=Path)
+    v.add_argument("--endpoint", help="also check file sizes and sha256 against this endpoint")
+    v.add_argument("--token", help="HF token for --endpoint")
+    v.set_defaults(func=_verify)
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """``org/name[@rev]`` -> (repo, rev); rev defaults to "main"."""
+    m = SPEC_RE.fullmatch(spec)
+    if m is None or ".." in spec:
+        raise errors.InvalidRequest(f"{spec!r} is not ORG/NAME[@REV]")
+    return m.group("repo"), m.group("rev") or "main"
+
+
+def _quiet_http(args: argparse.Namespace) -> None:
+    if not getattr(args, "verbose", False):  # one line per HTTP request drowns the summary
+        for name in ("httpx2", "httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _build(args: argparse.Namespace) -> int:
+    _quiet_http(args)
+    from cachecd.manifest.build import build_manifest
+    from cachecd.manifest.source import HubSource, LocalSource
+
+    repo, rev = parse_spec(args.spec)
+    source: Any
+    if args.from_dir is not None:
+        if not re.fullmatch(r"[0-9a-f]{40}", rev):
+            raise errors.InvalidRequest("--from-dir needs ORG/NAME@COMMIT (40 hex)")
+        source = LocalSource(args.from_dir, repo, rev)
+    else:
+        source = HubSource(repo, rev, endpoint=args.endpoint, token=args.token)
+    progress = not args.no_progress and sys.stderr.isatty()
+    manifest = build_manifest(source, progress=progress)
+    manifest.save(args.output)
+    print(f"wrote {args.output}")
+    _print_summary(manifest)
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from cachecd.manifest.manifest import Manifest
+
+    manifest = Manifest.load(args.file)
+    _print_summary(manifest)
+    if args.endpoint is None:
+        print("ok: manifest valid")
+        return 0
+    _quiet_http(args)
+    problems = _check_against_hub(manifest, args.endpoint, args.token)
+    for p in problems:
+        print(f"MISMATCH {p}")
+    print(
+        "ok: manifest valid and matches the endpoint"
+        if not problems
+        else f"FAILED: {len(problems)} file(s) differ from the endpoint"
+    )
+    return 0 if not problems else 1
+
+
+def _check_against_hub(manifest: Any, endpoint: str, token: str | None) -> list[str]:
+    from cachecd.manifest.build import HEX64
+    from cachecd.manifest.source import HubSource
+
+    source = HubSource(manifest.repo, manifest.revision, endpoint=endpoint, token=token)
+    hub = {f.name: f for f in source.list_files()}
+    problems = []
+    for name, info in manifest.files.items():
+        f = hub.pop(name, None)
+        if f is None:
+            problems.append(f"{name}: not on the endpoint at {manifest.revision}")
+        elif f.size != info.size:
+            problems.append(f"{name}: size {info.size} in the manifest, {f.size} on the endpoint")
+        elif f.sha256 is not None and HEX64.fullmatch(f.sha256) and f.sha256 != info.sha256:
+            problems.append(
+                f"{name}: sha256 {info.sha256} in the manifest, {f.sha256} on the endpoint"
+            )
+    problems += [f"{name}: on the endpoint but not in the manifest" for name in sorted(hub)]
+    return problems
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{n} B"
+        size /= 1024
+    return f"{n} B"
+
+
+def _print_summary(m: Any) -> None:
+    total = sum(f.size for f in m.files.values())
+    layers = m.moe_layers
+    span = f"{layers[0]}..{layers[-1]}" if layers else "-"
+    print(f"repo        {m.repo}")
+    print(f"revision    {m.revision}")
+    print(f"model_type  {m.model_type} ({m.quant_format})")
+    print(f"files       {len(m.files)} ({len(m.shards)} safetensors shards), {_human(total)}")
+    print(
+        f"experts     {m.n_experts} = {len(layers)} MoE layers ({span}) x {m.experts_per_layer}, "
+        f"{_human(m.expert_bytes_total)}"
+    )
+    print(f"split       {m.split_experts} experts span two shards")
+    print(f"resident    {len(m.resident)} tensors, {_human(m.resident_bytes_total)}")

@@ -1,0 +1,215 @@
+"""Where ``build`` reads a repo from: a Hub endpoint (HTTP) or a local folder.
+
+Hub invariants: the revision is resolved ONCE to a 40-hex commit (X-Repo-Commit) and every
+later request names that commit; the token goes only to the endpoint's own origin (a signed
+CDN location gets no Authorization header); a header read insists on 206 with the exact
+Content-Range; each shard is streamed with ONE GET, Accept-Encoding: identity.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from cachecd import constants, errors
+from cachecd.manifest.build import HEX64, SourceFile
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1024 * 1024
+T = TypeVar("T")
+
+
+class LocalSource:
+    """A folder laid out like a repo; the caller names the revision (no sha256 to check)."""
+
+    requires_sha256 = False
+
+    def __init__(self, root: Path, repo: str, revision: str) -> None:
+        self.root, self.repo, self.revision = Path(root), repo, revision
+
+    def list_files(self) -> list[SourceFile]:
+        out = []
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            for name in filenames:
+                if name.startswith("."):
+                    continue
+                path = Path(dirpath, name)
+                out.append(
+                    SourceFile(path.relative_to(self.root).as_posix(), path.stat().st_size, None)
+                )
+        return sorted(out, key=lambda f: f.name)
+
+    def read_head(self, name: str, nbytes: int) -> bytes:
+        with open(self.root / name, "rb") as f:
+            return f.read(nbytes)
+
+    def stream(self, name: str) -> Iterator[bytes]:
+        with open(self.root / name, "rb") as f:
+            while chunk := f.read(CHUNK_BYTES):
+                yield chunk
+
+
+def _same_origin(url: str, base: str) -> bool:
+    a, b = urlsplit(url), urlsplit(base)
+    return (a.scheme, a.netloc) == (b.scheme, b.netloc)
+
+
+def _hub_errors(what: str, fn: Callable[[], T]) -> T:
+    """Run an huggingface_hub call, mapping its errors to cachecd's (no token in messages)."""
+    from huggingface_hub import errors as hf_errors
+
+    try:
+        return fn()
+    except hf_errors.GatedRepoError as exc:
+        raise errors.Gated(f"{what}: gated repo; accept its terms and pass a token") from exc
+    except (
+        hf_errors.RepositoryNotFoundError,
+        hf_errors.RevisionNotFoundError,
+        hf_errors.EntryNotFoundError,
+    ) as exc:
+        raise errors.NotFound(f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+    except hf_errors.HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else None
+        if status == 401:
+            raise errors.Unauthorized(f"{what}: the endpoint refused the token (401)") from exc
+        raise errors.UpstreamError(f"{what}: HTTP {status}: {str(exc).splitlines()[0]}") from exc
+    except OSError as exc:
+        raise errors.UpstreamError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+class HubSource:
+    """A model repo on an HF-compatible endpoint, pinned to the commit ``rev`` resolves to."""
+
+    requires_sha256 = True  # every shard is checked against the hub's X-Linked-Etag
+
+    def __init__(
+        self, repo: str, rev: str = "main", *, endpoint: str | None = None, token: str | None = None
+    ) -> None:
+        from huggingface_hub import HfApi, get_hf_file_metadata, get_session, hf_hub_url
+        from huggingface_hub.utils import build_hf_headers
+
+        self.repo = repo
+        self.endpoint = (endpoint or constants.HF_ENDPOINT).rstrip("/")
+        self._token = token
+        self._headers: dict[str, str] = build_hf_headers(token=token)
+        self._url = lambda name, rev: hf_hub_url(repo, name, revision=rev, endpoint=self.endpoint)
+        self._meta = get_hf_file_metadata
+        self._session: Any = get_session()
+        self._api = HfApi(endpoint=self.endpoint, token=token)
+        head = self._head("config.json", rev)
+        commit = head.commit_hash or ""
+        if len(commit) != 40 or any(c not in "0123456789abcdef" for c in commit):
+            raise errors.UpstreamError(f"{repo}@{rev}: the endpoint gave no commit (X-Repo-Commit)")
+        self.revision = commit
+        self._locations: dict[str, str] = {}
+        self._sizes: dict[str, int] = {}
+
+    def _head(self, name: str, rev: str) -> Any:
+        return _hub_errors(
+            f"{self.repo}@{rev}/{name}",
+            lambda: self._meta(
+                self._url(name, rev),
+                token=self._token,
+                endpoint=self.endpoint,
+                retry_on_errors=True,
+            ),
+        )
+
+    def list_files(self) -> list[SourceFile]:
+        from huggingface_hub.hf_api import RepoFile
+
+        entries = _hub_errors(
+            f"{self.repo}@{self.revision}: list files",
+            lambda: list(
+                self._api.list_repo_tree(self.repo, revision=self.revision, recursive=True)
+            ),
+        )
+        out = []
+        for e in entries:
+            if isinstance(e, RepoFile):
+                out.append(self._file(e.path, int(e.size), e.lfs.sha256 if e.lfs else None))
+        return sorted(out, key=lambda f: f.name)
+
+    def _file(self, name: str, size: int, lfs_sha: str | None) -> SourceFile:
+        """One HEAD per file: its signed location and the hub's sha256 (X-Linked-Etag)."""
+        meta = self._head(name, self.revision)
+        if meta.commit_hash and meta.commit_hash != self.revision:
+            raise errors.UpstreamError(f"{self.repo}/{name}: commit changed under the build")
+        if meta.size is not None and meta.size != size:
+            raise errors.UpstreamError(
+                f"{self.repo}/{name}: tree says {size} bytes, HEAD {meta.size}"
+            )
+        self._locations[name] = meta.location
+        self._sizes[name] = size
+        etag = (meta.etag or "").lower()
+        sha = etag if HEX64.fullmatch(etag) else lfs_sha
+        if lfs_sha and sha != lfs_sha:
+            raise errors.ChecksumMismatch(
+                f"{self.repo}/{name}: X-Linked-Etag {etag} != LFS oid {lfs_sha}"
+            )
+        return SourceFile(name, size, sha)
+
+    def _location(self, name: str) -> str:
+        if name not in self._locations:
+            self._file(name, self._head(name, self.revision).size or 0, None)
+        return self._locations[name]
+
+    def _request_headers(self, url: str, extra: dict[str, str]) -> dict[str, str]:
+        headers = {"Accept-Encoding": "identity", **extra}
+        if _same_origin(url, self.endpoint):
+            headers.update(self._headers)
+        else:  # never hand the token to a CDN host
+            headers.update({k: v for k, v in self._headers.items() if k.lower() != "authorization"})
+        return headers
+
+    def read_head(self, name: str, nbytes: int) -> bytes:
+        url = self._location(name)
+        rng = f"bytes=0-{nbytes - 1}"
+        try:
+            resp = self._session.get(
+                url,
+                headers=self._request_headers(url, {"Range": rng}),
+                follow_redirects=False,
+                timeout=constants.READ_TIMEOUT_S,
+            )
+        except Exception as exc:  # httpx transport errors
+            raise errors.UpstreamError(f"{self.repo}/{name}: {type(exc).__name__}: {exc}") from exc
+        got = resp.headers.get("Content-Range", "")
+        want = f"bytes 0-{nbytes - 1}/{self._sizes.get(name, '')}"
+        if resp.status_code != 206 or not got.startswith(want):
+            raise errors.BadUpstreamRange(
+                f"{self.repo}/{name}: asked {rng}, got HTTP {resp.status_code} Content-Range {got!r}"
+            )
+        if len(resp.content) != nbytes:
+            raise errors.BadUpstreamRange(
+                f"{self.repo}/{name}: {len(resp.content)} bytes for {rng}"
+            )
+        return bytes(resp.content)
+
+    def stream(self, name: str) -> Iterator[bytes]:
+        url = self._location(name)
+        try:
+            with self._session.stream(
+                "GET",
+                url,
+                headers=self._request_headers(url, {}),
+                follow_redirects=False,
+                timeout=constants.READ_TIMEOUT_S,
+            ) as resp:
+                if resp.status_code != 200:
+                    raise errors.UpstreamError(
+                        f"{self.repo}/{name}: GET answered HTTP {resp.status_code}"
+                    )
+                yield from resp.iter_bytes(CHUNK_BYTES)
+        except errors.CachecdError:
+            self._locations.pop(name, None)  # a retry re-resolves (the signature may have expired)
+            raise
+        except Exception as exc:  # httpx transport and protocol errors
+            self._locations.pop(name, None)
+            raise errors.UpstreamError(f"{self.repo}/{name}: {type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,140 @@
+"""The resident model on disk: every non-expert tensor, fetched by exact ranges, in one file.
+
+Most shards of a streamed model also hold experts, so whole shards are never downloaded: each
+resident tensor's bytes are fetched by range, verified against the manifest's xxh3-128, and
+written at their place in ``model-resident.safetensors`` (mlx-lm's loader globs
+``model*.safetensors``). Invariants: the final file appears (atomic rename) only when every
+tensor in it verified; an interrupted run leaves ``.partial`` plus a progress file listing the
+tensors already written and verified, so the next run resumes instead of starting over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cachecd.errors import ChecksumMismatch
+from cachecd.upstream.verify import digest
+
+RESIDENT_FILE = "model-resident.safetensors"
+_GROUP_BYTES = 64 << 20
+
+
+def safetensors_header(tensors: list[Any], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
+    """The header block (length prefix + JSON padded to 8 bytes) and each tensor's file offset."""
+    entries: dict[str, Any] = {"__metadata__": metadata}
+    offsets, pos = [], 0
+    for t in tensors:
+        entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        offsets.append(pos)
+        pos += t.nbytes
+    body = json.dumps(entries, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    head = struct.pack("<Q", len(body)) + body
+    return head, [len(head) + o for o in offsets]
+
+
+def plan_groups(tensors: list[Any]) -> list[list[int]]:
+    """Indices of tensors grouped into one Range request each: same file, back to back, bounded."""
+    order = sorted(range(len(tensors)), key=lambda i: (tensors[i].file, tensors[i].offset))
+    groups: list[list[int]] = []
+    for i in order:
+        t = tensors[i]
+        if groups:
+            last = tensors[groups[-1][-1]]
+            size = last.offset + last.nbytes - tensors[groups[-1][0]].offset
+            if last.file == t.file and last.offset + last.nbytes == t.offset and size < _GROUP_BYTES:
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+class ResidentWriter:
+    def __init__(self, manifest: Any, out_dir: Path) -> None:
+        self.manifest = manifest
+        self.final = out_dir / RESIDENT_FILE
+        self.partial = out_dir / (RESIDENT_FILE + ".partial")
+        self.progress = out_dir / (RESIDENT_FILE + ".progress")
+        self.tensors = list(manifest.resident)
+        meta = {"format": "mlx", "cachecd_repo": manifest.repo, "cachecd_revision": manifest.revision}
+        self.header, self.offsets = safetensors_header(self.tensors, meta)
+
+    def done(self) -> bool:
+        return self.final.exists() and self.final.stat().st_size == self._size()
+
+    def _size(self) -> int:
+        return len(self.header) + sum(t.nbytes for t in self.tensors)
+
+    def _load_progress(self) -> set[str]:
+        try:
+            state = json.loads(self.progress.read_text())
+        except (OSError, json.JSONDecodeError):
+            return set()
+        if state.get("revision") != self.manifest.revision or not self.partial.exists():
+            return set()
+        return set(state.get("done", []))
+
+    def _save_progress(self, done: set[str]) -> None:
+        tmp = self.progress.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"revision": self.manifest.revision, "done": sorted(done)}))
+        os.replace(tmp, self.progress)
+
+    async def run(self, fetch: Callable[[str, int, int], Any], progress: Callable[[int], None],
+                  parallel: int = 4) -> int:
+        """Fetch what is missing; returns bytes fetched. ``fetch(file, start, end)`` -> bytes."""
+        if self.done():
+            return 0
+        done = self._load_progress()
+        fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.ftruncate(fd, self._size())
+            os.pwrite(fd, self.header, 0)
+            fetched = await self._fetch_all(fd, done, fetch, progress, parallel)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(self.partial, self.final)
+        self.progress.unlink(missing_ok=True)
+        return fetched
+
+    async def _fetch_all(self, fd: int, done: set[str], fetch: Callable[[str, int, int], Any],
+                         progress: Callable[[int], None], parallel: int) -> int:
+        slots = asyncio.Semaphore(parallel)
+        fetched = 0
+
+        async def one(group: list[int]) -> None:
+            nonlocal fetched
+            todo = [i for i in group if self.tensors[i].name not in done]
+            progress(sum(self.tensors[i].nbytes for i in group if i not in todo))
+            if not todo:
+                return
+            # The group is back to back, so the span from the first to the last undone tensor is
+            # one range; tensors inside it that were already written are simply written again.
+            todo = group[group.index(todo[0]):group.index(todo[-1]) + 1]
+            first, last = self.tensors[todo[0]], self.tensors[todo[-1]]
+            async with slots:
+                data = await fetch(first.file, first.offset, last.offset + last.nbytes)
+            await asyncio.to_thread(self._write_verified, fd, todo, memoryview(data), first.offset)
+            progress(sum(self.tensors[i].nbytes for i in todo if self.tensors[i].name not in done))
+            done.update(self.tensors[i].name for i in todo)
+            fetched += len(data)
+            self._save_progress(done)
+
+        await asyncio.gather(*(one(g) for g in plan_groups(self.tensors)))
+        return fetched
+
+    def _write_verified(self, fd: int, todo: list[int], data: memoryview, base: int) -> None:
+        for i in todo:
+            t = self.tensors[i]
+            piece = data[t.offset - base:t.offset - base + t.nbytes]
+            if digest(piece) != t.xxh3:
+                raise ChecksumMismatch(f"resident tensor {t.name} from {t.file} does not match the manifest")
+            os.pwrite(fd, piece, self.offsets[i])
+        os.fsync(fd)
+

@@ -1,0 +1,221 @@
+"""``cachecd setup --stream ORG/NAME[@REV]``: install the resident model, register it, start a daemon.
+
+Re-running is idempotent and resumes: files already present and verified are skipped, and the
+resident file resumes from its progress record. Nothing of a routed expert is downloaded here:
+the daemon fetches experts when routing first needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import logging
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cachecd.config import Settings, format_size, load_settings
+from cachecd.errors import DaemonUnavailable, InvalidRequest, ManifestInvalid
+
+log = logging.getLogger(__name__)
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("setup", help="install a model's resident weights and stream its experts")
+    p.add_argument("--stream", required=True, metavar="ORG/NAME[@REV]", help="the model to stream")
+    p.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or huggingface.co)")
+    p.add_argument("--socket", help="the daemon's control socket")
+    p.add_argument("--manifest", help="use this manifest instead of the shipped one")
+    p.add_argument("--build-manifest", action="store_true",
+                   help="build the manifest from the Hub (reads the whole revision once)")
+    p.add_argument("--cache-dir", dest="cache_dirs", action="append", metavar="DIR",
+                   help="cache dir for a daemon this command starts (repeatable)")
+    p.add_argument("--budget", help="disk budget for a daemon this command starts")
+    p.add_argument("--models-dir", help="where resident files are installed")
+    p.add_argument("--no-start", action="store_true", help="do not start a daemon when none runs")
+    p.set_defaults(func=run)
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    repo, _, rev = spec.partition("@")
+    if repo.count("/") != 1 or not all(repo.split("/")):
+        raise InvalidRequest(f"{spec!r}: expected ORG/NAME or ORG/NAME@REVISION")
+    return repo, rev or "main"
+
+
+def resolve_commit(repo: str, rev: str, endpoint: str, offline: bool) -> str:
+    if _COMMIT.match(rev):
+        return rev
+    if offline:
+        raise InvalidRequest(f"offline: {repo}@{rev} is not a commit; pass @<40-hex commit>")
+    from huggingface_hub import HfApi
+
+    return str(HfApi(endpoint=endpoint).model_info(repo, revision=rev).sha)
+
+
+def choose_manifest(args: argparse.Namespace, repo: str, commit: str, settings: Settings) -> Path:
+    from cachecd.manifest.manifest import Manifest, shipped_manifest
+
+    path: Path | None
+    if args.manifest:
+        path = Path(args.manifest)
+    else:
+        path = shipped_manifest(repo)
+        if path is not None and Manifest.load(path).revision != commit:
+            path = None if args.build_manifest else _stale(repo, commit, path)
+    if path is None:
+        if not args.build_manifest:
+            raise ManifestInvalid(f"no manifest ships for {repo}; pass --manifest FILE or "
+                                  "--build-manifest (reads the whole revision once)")
+        path = settings.models_dir / "manifests" / f"{repo.replace('/', '--')}--{commit}.manifest"
+        _build_manifest(repo, commit, settings.endpoint, path)
+    manifest = Manifest.load(path)
+    if manifest.repo != repo or manifest.revision != commit:
+        raise ManifestInvalid(f"{path}: pins {manifest.repo}@{manifest.revision}, not {repo}@{commit}")
+    return path
+
+
+def _stale(repo: str, commit: str, path: Path) -> Path:
+    raise ManifestInvalid(f"the shipped manifest {path.name} pins another revision of {repo} than "
+                          f"{commit}; pass --manifest FILE, @<its commit>, or --build-manifest")
+
+
+def _build_manifest(repo: str, commit: str, endpoint: str, out: Path) -> None:
+    from huggingface_hub import get_token
+
+    from cachecd.manifest.build import build_manifest
+    from cachecd.manifest.source import HubSource
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    build_manifest(HubSource(repo, commit, endpoint=endpoint, token=get_token())).save(out)
+
+
+def fetch_small_files(manifest: Any, local: Path, endpoint: str) -> int:
+    """Config, tokenizer and other non-weight files, each checked against the manifest's sha256."""
+    from huggingface_hub import hf_hub_download
+
+    fetched = 0
+    for info in manifest.files.values():
+        if info.name.endswith(".safetensors"):
+            continue
+        target = local / info.name
+        if target.exists() and _sha256(target) == info.sha256:
+            continue
+        path = Path(hf_hub_download(manifest.repo, info.name, revision=manifest.revision,
+                                    endpoint=endpoint, local_dir=local))
+        if _sha256(path) != info.sha256:
+            path.unlink(missing_ok=True)
+            raise ManifestInvalid(f"{info.name} from {endpoint} does not match the manifest's sha256")
+        fetched += info.size
+    return fetched
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+async def fetch_resident(manifest: Any, local: Path, settings: Settings) -> int:
+    from huggingface_hub import get_token
+    from tqdm import tqdm
+
+    from cachecd.setup.resident import ResidentWriter
+    from cachecd.upstream.hub import Upstream
+
+    writer = ResidentWriter(manifest, local)
+    if writer.done():
+        return 0
+    upstream = await asyncio.to_thread(Upstream, settings.endpoint, get_token(), offline=settings.offline)
+    total = manifest.resident_bytes_total
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="resident weights", disable=None)
+    try:
+        return await writer.run(lambda f, s, e: upstream.fetch_range(manifest, f, s, e), bar.update)
+    finally:
+        bar.close()
+        await upstream.close()
+
+
+def ensure_daemon(settings: Settings, args: argparse.Namespace) -> Any:
+    from cachecd_client import Client
+
+    client = Client(settings.socket)
+    try:
+        client.health()
+        return client
+    except DaemonUnavailable:
+        if args.no_start:
+            raise
+    log_path = settings.models_dir / "daemon.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "cachecd.cli", "serve", "--socket", str(settings.socket),
+           "--endpoint", settings.endpoint, "--models-dir", str(settings.models_dir)]
+    for d in settings.cache_dirs:
+        cmd += ["--cache-dir", str(d)]
+    if settings.budget:
+        cmd += ["--budget", str(settings.budget)]
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                start_new_session=True)
+    print(f"started a daemon (pid {proc.pid}, log {log_path})")
+    print(service_hint(cmd[cmd.index("serve") + 1:]))
+    return wait_healthy(client, proc, log_path)
+
+
+def service_hint(serve_args: list[str]) -> str:
+    """How to keep a daemon running across logins and reboots, or why this machine cannot."""
+    import shlex
+
+    from cachecd.service.manager import manager_for
+
+    reason = manager_for(None).unavailable()
+    if reason:
+        return f"no service manager here ({reason}); keep `cachecd serve` running under your own supervisor"
+    return f"to keep it running across reboots: cachecd service install {shlex.join(serve_args)}"
+
+
+def wait_healthy(client: Any, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 30) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-2000:]
+            raise DaemonUnavailable(f"the daemon exited with {proc.returncode}:\n{tail}")
+        try:
+            client.health()
+            return client
+        except DaemonUnavailable:
+            time.sleep(0.05)
+    raise DaemonUnavailable(f"the daemon did not answer within {timeout:.0f}s; see {log_path}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from cachecd.manifest.manifest import Manifest
+
+    settings = load_settings({k: getattr(args, k, None) for k in
+                              ("endpoint", "socket", "cache_dirs", "budget", "models_dir")})
+    repo, rev = parse_spec(args.stream)
+    commit = resolve_commit(repo, rev, settings.endpoint, settings.offline)
+    manifest_path = choose_manifest(args, repo, commit, settings)
+    manifest = Manifest.load(manifest_path)
+    local = settings.models_dir / repo / commit
+    local.mkdir(parents=True, exist_ok=True)
+    print(f"{repo}@{commit}: {manifest.n_experts} experts "
+          f"({format_size(manifest.expert_bytes_total)}) streamed on demand")
+    small = fetch_small_files(manifest, local, settings.endpoint)
+    resident = asyncio.run(fetch_resident(manifest, local, settings))
+    client = ensure_daemon(settings, args)
+    with client:
+        client.register(manifest_path, local)
+    used = sum(f.stat().st_size for f in local.rglob("*") if f.is_file())
+    full = sum(f.size for f in manifest.files.values())
+    print(f"installed {local} ({format_size(used)} on disk, fetched {format_size(small + resident)} "
+          f"now) of a {format_size(full)} model: {used / full:.1%}")
+    print(f"run it: cachecd run --model {repo} --prompt 'Hello' --max-new 32")
+    return 0

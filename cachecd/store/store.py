@@ -1,0 +1,451 @@
+"""The store: the one object the daemon uses for cached expert bytes.
+
+It ties together the blob files (blobs.py), the LMDB index (index.py), the byte budget
+(budget.py) and an eviction policy (policies.py), and runs recovery (recovery.py) at open.
+
+Invariants:
+- No index row without a complete, fsynced, renamed blob: a commit writes the blob, fsyncs it,
+  renames it, fsyncs the dir, and only then commits the row.
+- A blob on disk without a row is a stray: recovery adopts it (hash == name) or quarantines it
+  at the next open. Eviction deletes the row first, then the file, so a crash between the two
+  leaves a stray, never a dangling row.
+- Usage <= budget + reservations, and usage + reservations <= budget once ``reserve`` returns:
+  the bytes a reservation needs are evicted (unlinked) before ``reserve`` returns.
+- A blob is hashed against its name before this process first serves it, unless this process
+  committed it (its bytes were verified on the way in): rot that happened while no daemon ran
+  is caught on first open (quarantine, row dropped, refetch). A blob is hashed again when it
+  is opened ``constants.REVERIFY_AFTER_S`` (a day) after its last hash. Hits through an fd the
+  daemon already holds are zero-copy and not re-hashed: rot under a blob in constant use is
+  left to the next open after it idles, or to ``cachecd fsck``.
+- An eviction never cuts off a read in progress: a reader holds an fd from ``open_blob`` and the
+  kernel keeps an unlinked file's bytes until the last fd closes. No reader refcount is needed.
+- In-memory state (entries, policy, budget, pins) lives in the ``Ledger`` (budget.py) under one
+  lock; ``has`` and ``size_of`` read its dict without it (atomic in CPython). Blocking work
+  (file I/O, fsync, hashing, LMDB commits) runs in threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from cachecd import constants, errors
+from cachecd.store.blobs import BlobDirs, BlobWriter, hash_fd, validate_digest
+from cachecd.store.budget import Budget, Ledger, Reservation, Victims
+from cachecd.store.crash import crash_point
+from cachecd.store.index import INDEX_DIRNAME, Entry, Index
+from cachecd.store.policies import make_policy
+from cachecd.store.recovery import RecoveryReport, mark_clean, recover
+
+log = logging.getLogger(__name__)
+
+
+class Store:
+    def __init__(
+        self, blobs: BlobDirs, index: Index, ledger: Ledger, report: RecoveryReport
+    ) -> None:
+        self.blobs = blobs
+        self.index = index
+        self.ledger = ledger
+        self.recovery = report
+        self._models = index.load_models()
+        self._models_mu = threading.Lock()
+        self._closed = False
+        self._verified: dict[str, float] = {}  # blob -> when this process last hashed it
+
+    @property
+    def budget(self) -> Budget:
+        return self.ledger.budget
+
+    # ---- open / close ------------------------------------------------------------------
+
+    @classmethod
+    async def open(
+        cls, dirs: list[Path], *, budget: int = 0, policy: str = "default",
+        map_size: int | None = None, map_ceiling: int | None = None,
+        full_recovery: bool | None = None,
+    ) -> Store:
+        """Lock the dirs, open the index, recover, evict down to the budget.
+
+        ``full_recovery`` None: scan every blob file only after an unclean shutdown.
+        """
+        return await asyncio.to_thread(
+            cls.open_sync, dirs, budget=budget, policy=policy, map_size=map_size,
+            map_ceiling=map_ceiling, full_recovery=full_recovery,
+        )
+
+    @classmethod
+    def open_sync(
+        cls, dirs: list[Path], *, budget: int = 0, policy: str = "default",
+        map_size: int | None = None, map_ceiling: int | None = None,
+        full_recovery: bool | None = None,
+    ) -> Store:
+        the_budget, the_policy = Budget(budget), make_policy(policy)
+        blobs = BlobDirs([Path(d) for d in dirs])
+        index: Index | None = None
+        try:
+            index = Index(
+                Path(dirs[0]) / INDEX_DIRNAME, map_size=map_size, map_ceiling=map_ceiling
+            )
+            report, entries = recover(blobs, index, full=full_recovery)
+            ledger = Ledger(
+                the_budget, the_policy, entries, index.load_pins(), index.load_digest_access()
+            )
+            store = cls(blobs, index, ledger, report)
+            report.bytes_evicted = store.evict_sync()
+            report.evicted = ledger.counters["evictions"]
+        except BaseException:
+            if index is not None:
+                index.close()
+            blobs.release()
+            raise
+        log.info(report.log_line())
+        return store
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.close_sync)
+
+    def close_sync(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.index.flush_access()
+            mark_clean(self.index)
+        except errors.CachecdError as exc:
+            # A full disk loses the last access stats and forces a full scan at the next
+            # open; neither loses an entry, so close still succeeds.
+            log.warning("event=close_flush_failed err=%s", exc)
+        finally:
+            self.index.close()
+            self.blobs.release()
+
+    # ---- lookups (in memory) -----------------------------------------------------------
+
+    def has(self, digest_hex: str) -> bool:
+        return validate_digest(digest_hex) in self.ledger.entries
+
+    def size_of(self, digest_hex: str) -> int | None:
+        entry = self.ledger.entries.get(validate_digest(digest_hex))
+        return entry.size if entry else None
+
+    def digests(self) -> list[str]:
+        with self.ledger.mu:
+            return list(self.ledger.entries)
+
+    def open_blob(self, digest_hex: str) -> tuple[int, int]:
+        """(fd, size) of a committed blob; the caller closes the fd.
+
+        A blob whose file is gone or has the wrong size loses its row (a wrong one goes to
+        quarantine/) and ``ExpertNotFound`` is raised, so the caller refetches.
+        """
+        digest = validate_digest(digest_hex)
+        entry = self.ledger.entries.get(digest)
+        if entry is None:
+            raise errors.ExpertNotFound(f"blob {digest} is not in the cache")
+        try:
+            fd, size = self.blobs.open_read(entry.dir_index, digest)
+        except (FileNotFoundError, IsADirectoryError) as exc:
+            self._drop(digest, entry, quarantine=False)
+            raise errors.ExpertNotFound(f"blob {digest} vanished from the cache ({exc})") from exc
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:  # EMFILE, EIO...: not the blob's fault, keep it
+                raise errors.Internal(f"cannot open blob {digest}: {exc}") from exc
+            self._drop(digest, entry, quarantine=True)  # a symlink planted at a blob path
+            raise errors.ExpertNotFound(f"blob {digest} was not a regular file") from exc
+        if size != entry.size:
+            os.close(fd)
+            self._drop(digest, entry, quarantine=True)
+            raise errors.ExpertNotFound(
+                f"blob {digest} has {size} bytes on disk, expected {entry.size}; refetch it"
+            )
+        return fd, size
+
+    def unverified(self, digest: str) -> bool:
+        """True until this process hashed the blob's bytes (its commit or an open did), and
+        again once that hash is older than ``constants.REVERIFY_AFTER_S``."""
+        when = self._verified.get(digest)
+        return when is None or time.monotonic() - when > constants.REVERIFY_AFTER_S
+
+    def verify_open_blob(self, digest: str, fd: int) -> None:
+        """Hash an opened blob against its name, its xxh3-128, and close ``fd``. Rot goes to
+        quarantine/ and raises ``ExpertNotFound`` so the caller refetches. Blocking (reads the
+        whole blob): a thread's work."""
+        try:
+            got, _ = hash_fd(fd)
+        finally:
+            os.close(fd)
+        with self.ledger.mu:
+            self.ledger.counters["verified_on_open" if got == digest else "bit_rot_on_open"] += 1
+        if got == digest:
+            self._verified[digest] = time.monotonic()
+            return
+        log.error("event=bit_rot_on_open digest=%s got=%s", digest, got)
+        self.quarantine_sync(digest)
+        raise errors.ExpertNotFound(
+            f"blob {digest} failed its hash when opened (bit rot); quarantined, fetch it again"
+        )
+
+    def _drop(
+        self, digest: str, entry: Entry, *, quarantine: bool, why: str = "bad_on_open"
+    ) -> None:
+        # Under the ledger lock so the row delete is queued before any later re-commit's put.
+        with self.ledger.mu:
+            if self.ledger.forget(digest, entry) is None:
+                return  # someone else already dropped or replaced it
+            if quarantine:
+                self.blobs.quarantine(entry.dir_index, digest, why)
+                self.ledger.counters["quarantined"] += 1
+            fut = self.index.delete_entries([digest])
+        _log_failure(fut, "drop_row")
+        log.warning("event=blob_dropped digest=%s quarantined=%s", digest, quarantine)
+
+    # ---- writing -----------------------------------------------------------------------
+
+    async def reserve(self, nbytes: int) -> Reservation:
+        """Room for ``nbytes``; evicts (unlinks) victims before returning.
+
+        Raises ``TooLarge`` (never fits) or ``ReservationsFull`` (retry later).
+        """
+        return await asyncio.to_thread(self.reserve_sync, nbytes)
+
+    def reserve_sync(self, nbytes: int) -> Reservation:
+        res, victims = self.ledger.reserve(nbytes)
+        self._remove(victims)
+        return res
+
+    def begin_blob(self, digest_hex: str, nbytes: int) -> BlobWriter:
+        """A temp file to fill with the blob's bytes while they arrive; hand it to ``commit``
+        once they are all written and verified (or ``abort`` it)."""
+        return self.blobs.begin(validate_digest(digest_hex), nbytes)
+
+    async def commit(
+        self,
+        digest_hex: str,
+        data: bytes | memoryview | None,
+        reservation: Reservation,
+        writer: BlobWriter | None = None,
+    ) -> None:
+        """Write, fsync, rename, index. The reservation ends here (used or released).
+
+        ``writer`` (from ``begin_blob``) already holds exactly the verified bytes (``data``, or
+        None when they were streamed and never held in memory): it is fsynced and renamed
+        instead of writing them again; it is finished or aborted here either way.
+        Runs to completion in a thread even if the awaiting task is cancelled, so the blob, its
+        row and the budget always agree.
+        """
+        try:
+            digest = validate_digest(digest_hex)
+        except errors.InvalidRequest:
+            reservation.release()
+            if writer is not None:
+                writer.abort()
+            raise
+        await asyncio.shield(
+            asyncio.to_thread(self.commit_sync, digest, data, reservation, writer)
+        )
+
+    def commit_sync(
+        self,
+        digest_hex: str,
+        data: bytes | memoryview | None,
+        res: Reservation,
+        writer: BlobWriter | None = None,
+    ) -> None:
+        try:
+            digest = validate_digest(digest_hex)
+            if data is None and writer is None:
+                raise errors.Internal(f"commit of {digest} with neither bytes nor a writer")
+            nbytes = writer.nbytes if data is None else memoryview(data).nbytes  # type: ignore[union-attr]
+            if res.done:
+                raise errors.Internal("commit with a reservation that already ended")
+            if nbytes > res.nbytes:
+                raise errors.InvalidRequest(
+                    f"blob of {nbytes} bytes exceeds its reservation of {res.nbytes}"
+                )
+            with self.ledger.mu:
+                present = digest in self.ledger.entries
+                unlinking = self.ledger.unlinking.get(digest)
+            if present:
+                res.release()
+                return
+            if unlinking is not None:
+                unlinking.wait()  # an eviction of these same bytes must not unlink our file
+            entry = self._write_and_index(digest, data, nbytes, writer)
+            crash_point("after_index_commit")
+            self.ledger.insert(digest, entry, res)
+            self._verified[digest] = time.monotonic()
+        except BaseException:
+            res.release()
+            raise
+        finally:
+            if writer is not None:
+                writer.abort()  # a no-op once it was finished
+
+    def _write_and_index(
+        self, digest: str, data: bytes | memoryview | None, nbytes: int, writer: BlobWriter | None
+    ) -> Entry:
+        if writer is not None and (writer.digest != digest or writer.nbytes != nbytes):
+            raise errors.Internal(f"blob writer for {writer.digest} used to commit {digest}")
+        try:
+            return self._write_once(digest, data, nbytes, writer)
+        except errors.DiskFull:
+            # With no byte budget the free space is the budget: make room by policy and try
+            # once more. With a budget the operator sized the cache; a full disk is theirs.
+            if data is None or self.budget.limit or not self.evict_sync(nbytes=2 * nbytes + 1):
+                raise
+            log.warning("event=disk_full_evicted digest=%s", digest)
+            return self._write_once(digest, data, nbytes)
+
+    def _write_once(
+        self,
+        digest: str,
+        data: bytes | memoryview | None,
+        nbytes: int,
+        writer: BlobWriter | None = None,
+    ) -> Entry:
+        if writer is not None:
+            dir_index = writer.finish()
+        else:
+            dir_index = self.blobs.write_blob(digest, data)  # type: ignore[arg-type]
+        crash_point("before_index_commit")
+        entry = Entry(dir_index, nbytes, time.time())
+        try:
+            self._put_row(digest, entry)
+        except BaseException:
+            # The row did not commit: take the file back so it neither counts as a stray nor
+            # eats disk outside the budget.
+            self.blobs.unlink(dir_index, digest)
+            raise
+        return entry
+
+    def _put_row(self, digest: str, entry: Entry) -> None:
+        try:
+            self.index.put_entry(digest, entry).result()
+        except errors.IndexFull:
+            # The map is at its ceiling: evict a slice of the cache (deletes may use the map's
+            # slack), then try once more; if that is not enough the caller gets a 507.
+            if not self.evict_sync(nbytes=max(self.budget.used // 64, 1)):
+                raise
+            log.warning("event=index_full_evicted digest=%s", digest)
+            self.index.put_entry(digest, entry).result()
+
+    # ---- access, pins, eviction --------------------------------------------------------
+
+    def touch(
+        self, digest_hex: str, model_key: str | None = None, layer: int = -1, expert: int = -1,
+        *, policy: bool = True,
+    ) -> None:
+        """Record one access (a hit if present, else a miss); stats are batched to the index.
+        ``policy=False`` records the statistics only: the caller tells the policy later."""
+        digest = validate_digest(digest_hex)
+        if policy:
+            self.ledger.touch(digest)
+        self.index.record_access(digest, model_key, layer, expert, time.time())
+
+    async def pin(self, digest_hex: str) -> None:
+        """Never evict this digest (it may be pinned before it is fetched)."""
+        digest = validate_digest(digest_hex)
+        with self.ledger.mu:
+            self.ledger.pins.add(digest)
+        await asyncio.wrap_future(self.index.set_pin(digest, True))
+
+    async def unpin(self, digest_hex: str) -> None:
+        digest = validate_digest(digest_hex)
+        with self.ledger.mu:
+            self.ledger.pins.discard(digest)
+        await asyncio.wrap_future(self.index.set_pin(digest, False))
+
+    def pins(self) -> set[str]:
+        with self.ledger.mu:
+            return set(self.ledger.pins)
+
+    async def evict(self, digests: list[str] | None = None, nbytes: int = 0) -> int:
+        """Evict the given digests (pinned ones are skipped), or ``nbytes`` by policy, or
+        (neither given) down to the budget. Returns the bytes freed."""
+        wanted = [validate_digest(d) for d in digests] if digests is not None else None
+        return await asyncio.to_thread(self.evict_sync, wanted, nbytes)
+
+    def evict_sync(self, digests: list[str] | None = None, nbytes: int = 0) -> int:
+        return self._remove(self.ledger.take(digests, nbytes))
+
+    def _remove(self, victims: Victims) -> int:
+        """Rows first, then files: a crash in between leaves strays, never dangling rows."""
+        if not victims.where:
+            return 0
+        try:
+            self.index.delete_entries(list(victims.where)).result()
+        except errors.CachecdError as exc:
+            # Unlink anyway: disk space is what the budget protects. A row left behind is
+            # dropped by open_blob or by recovery at the next open.
+            log.error("event=evict_row_delete_failed n=%d err=%s", len(victims.where), exc)
+        try:
+            for d, entry in victims.where.items():
+                self.blobs.unlink(entry.dir_index, d)
+        finally:
+            freed = self.ledger.settle(victims)
+        log.debug("event=evicted n=%d bytes=%d", len(victims.where), freed)
+        return freed
+
+    async def quarantine(self, digest_hex: str) -> None:
+        """A verified read found bit rot: move the file aside and drop the row."""
+        digest = validate_digest(digest_hex)
+        await asyncio.to_thread(self.quarantine_sync, digest)
+
+    def quarantine_sync(self, digest: str) -> None:
+        entry = self.ledger.entries.get(digest)
+        if entry is not None:
+            self._drop(digest, entry, quarantine=True, why="bit_rot")
+
+    # ---- reports and models ------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        out = self.ledger.snapshot()
+        out["dirs"] = [
+            {"path": str(d.root), "free_bytes": d.free_bytes()} for d in self.blobs.dirs
+        ]
+        out["index_map_size"] = self.index.env.info()["map_size"]
+        return out
+
+    def access_counts(self, model_key: str) -> dict[tuple[int, int], tuple[int, float]]:
+        """(layer, expert) -> (count, last use) for one model, including unflushed accesses."""
+        return self.index.access_counts(model_key)
+
+    def put_model(self, key: str, record: dict[str, Any]) -> Future[None]:
+        """Visible to ``get_model`` at once; durable when the returned Future completes
+        (``await asyncio.wrap_future(...)`` from async code)."""
+        with self._models_mu:
+            self._models[key] = dict(record)
+        fut = self.index.put_model(key, record)
+        _log_failure(fut, "put_model")
+        return fut
+
+    def delete_model(self, key: str) -> Future[None]:
+        with self._models_mu:
+            self._models.pop(key, None)
+        return self.index.delete_model(key)
+
+    def get_model(self, key: str) -> dict[str, Any] | None:
+        with self._models_mu:
+            rec = self._models.get(key)
+            return dict(rec) if rec is not None else None
+
+    def models(self) -> list[dict[str, Any]]:
+        """Every registered model record, each with its ``key`` added."""
+        with self._models_mu:
+            return [{**rec, "key": key} for key, rec in sorted(self._models.items())]
+
+
+def _log_failure(fut: Future[None], what: str) -> None:
+    def done(f: Future[None]) -> None:
+        if f.exception() is not None:
+            log.error("event=index_write_failed what=%s err=%s", what, f.exception())
+
+    fut.add_done_callback(done)

@@ -1,0 +1,125 @@
+"""``cachecd demo``: the whole product end to end on an embedded tiny K3, offline.
+
+It generates the tiny checkpoint, serves it with ``cachecd hub serve``, runs ``cachecd setup
+--stream`` (which starts a daemon), generates through the daemon with ``cachecd run``, prints
+what was fetched and the coverage, and cleans everything up, even on failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from cachecd.config import format_size
+
+REPO = "cachecd/tiny-k3"
+DEFAULT_PROMPT = "The cache warms to the workload because"
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("demo", help="stream a tiny K3 through a local hub and a daemon, end to end")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--max-new", type=int, default=32)
+    p.add_argument("--keep", action="store_true", help="keep the temp dir (hub, cache, logs)")
+    p.set_defaults(func=run)
+
+
+def _cli(*args: str, capture: bool = False) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "cachecd.cli", *args]
+    proc = subprocess.run(cmd, text=True, capture_output=capture)
+    if proc.returncode != 0:
+        detail = (proc.stderr or "")[-2000:] if capture else ""
+        raise SystemExit(f"demo: `cachecd {' '.join(args)}` failed ({proc.returncode}) {detail}")
+    return proc
+
+
+def _step(text: str) -> None:
+    print(f"\n== {text}", flush=True)
+
+
+class _Hub:
+    def __init__(self, root: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "cachecd.cli", "hub", "serve", str(root),
+                                      "--port", "0"], stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if "http://" not in line:
+            self.stop()
+            raise SystemExit(f"demo: the local hub did not start: {line!r}")
+        self.url = line[line.index("http://"):].split()[0]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def _stop_daemon(socket: Path) -> None:
+    from cachecd.errors import DaemonUnavailable
+    from cachecd_client import Client
+
+    try:
+        with Client(socket, timeout=5) as c:
+            pid = int(c.health()["pid"])
+    except DaemonUnavailable:
+        return
+    os.kill(pid, signal.SIGTERM)
+    for _ in range(200):
+        if not socket.exists():
+            return
+        time.sleep(0.05)
+
+
+def run(args: argparse.Namespace) -> int:
+    from cachecd.testbed.tiny_model import write_tiny_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="cachecd-demo-", dir="/tmp"))
+    socket, hub = tmp / "run" / "cachecd.sock", None
+    try:
+        _step("generating a tiny Kimi-K3 checkpoint (the embedded default model)")
+        write_tiny_model(tmp / "hub" / REPO)
+        hub = _Hub(tmp / "hub")
+        print(f"serving it as an HF-compatible hub at {hub.url}")
+        _step(f"cachecd setup --stream {REPO}")
+        common = ["--socket", str(socket)]
+        _cli("setup", "--stream", REPO, "--endpoint", hub.url, *common, "--cache-dir",
+             str(tmp / "cache"), "--models-dir", str(tmp / "models"))
+        _step(f"cachecd run --prompt {args.prompt!r} --max-new {args.max_new}")
+        _cli("run", "--model", REPO, "--prompt", args.prompt, "--max-new", str(args.max_new), *common)
+        _step("what the daemon fetched")
+        _summary(socket)
+    finally:
+        _stop_daemon(socket)
+        if hub is not None:
+            hub.stop()
+        if args.keep:
+            print(f"\nkept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def _summary(socket: Path) -> None:
+    from cachecd_client import Client
+
+    with Client(socket) as c:
+        status, cov = c.stats(), c.coverage(REPO)
+    counters = status["counters"]
+    print(f"expert requests {counters.get('expert_requests', 0)}: hits {counters.get('expert_hits', 0)}, "
+          f"misses {counters.get('expert_misses', 0)}; fetched {counters.get('fetched_experts', 0)} experts "
+          f"({format_size(counters.get('fetched_bytes', 0))}) with "
+          f"{status['upstream'].get('requests_range', 0)} range requests")
+    print(f"coverage: {cov['experts_cached']}/{cov['experts_total']} experts, "
+          f"{format_size(cov['bytes_cached'])} of {format_size(cov['bytes_total'])}")
+    for layer in cov["layers"]:
+        bar = "#" * round(20 * layer["experts_cached"] / max(1, layer["experts_total"]))
+        print(f"  layer {layer['layer']:>3} {layer['experts_cached']:>4}/{layer['experts_total']:<4} {bar}")
+    print(json.dumps({"experts_cached": cov["experts_cached"], "experts_total": cov["experts_total"]}))

@@ -1,0 +1,201 @@
+"""``cachecd hub serve DIR``: a Hugging Face Hub compatible endpoint over a folder of repos.
+
+DIR/{org}/{name}/... is the model repo ``org/name``; unmodified ``huggingface_hub`` with
+``HF_ENDPOINT`` pointing here can list, resolve and download (``hub_server_app`` has the HTTP
+side and its invariants, ``hub_server_repo`` which files count and how the commit is made).
+
+Ways to run it: the CLI (prints ``serving DIR at http://HOST:PORT`` once listening, stops
+cleanly on SIGTERM/SIGINT), :class:`HubServer` / :func:`start_hub` inside a running event
+loop, :func:`serve_in_thread` for synchronous code, :func:`spawn_hub` as a child process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Self
+
+from aiohttp import web
+
+from cachecd import constants
+from cachecd.errors import InvalidRequest
+from cachecd.testbed.hub_server_app import DEFAULT_URL_TTL_S, HUB_KEY, AccessLog, build_app
+from cachecd.testbed.hub_server_repo import HashCache, repo_commit, snapshot
+
+__all__ = ["HashCache", "HubServer", "repo_commit", "serve_in_thread", "spawn_hub", "start_hub"]
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------- running it
+
+
+class HubServer:
+    """The hub on a TCP port inside the running event loop. ``await start()`` gives the base URL."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        url_ttl_s: float = DEFAULT_URL_TTL_S,
+        hashes: HashCache | None = None,
+    ) -> None:
+        self.root, self.host, self.port = Path(root), host, port
+        self.app = build_app(self.root, token=token, url_ttl_s=url_ttl_s, hashes=hashes)
+        self.runner = web.AppRunner(
+            self.app,
+            access_log_class=AccessLog,
+            access_log=log,
+            shutdown_timeout=constants.SHUTDOWN_TIMEOUT_S,
+        )
+        self.base_url = ""
+
+    async def start(self) -> str:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.port)
+        await site.start()
+        port = self.runner.addresses[0][1]
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.base_url = f"http://{host}:{port}"
+        log.info("hub listening root=%s url=%s", self.root, self.base_url)
+        return self.base_url
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def start_hub(
+    root: Path, host: str = "127.0.0.1", port: int = 0, token: str | None = None
+) -> tuple[web.AppRunner, str]:
+    """Start the hub in the running loop; stop it with ``await runner.cleanup()``."""
+    server = HubServer(root, host=host, port=port, token=token)
+    return server.runner, await server.start()
+
+
+@contextmanager
+def serve_in_thread(
+    root: Path,
+    *,
+    token: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    hashes: HashCache | None = None,
+) -> Iterator[str]:
+    """The hub on its own event loop thread, for synchronous callers; yields the base URL."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="hub-server", daemon=True)
+    thread.start()
+    server = HubServer(root, host=host, port=port, token=token, hashes=hashes)
+    try:
+        yield asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
+def spawn_hub(
+    root: Path,
+    *,
+    token: str | None = None,
+    verbose: bool = False,
+    extra_args: Sequence[str] = (),
+    timeout_s: float = 30.0,
+) -> tuple[subprocess.Popen[str], str]:
+    """``cachecd hub serve ROOT`` as a child process; returns it and its base URL once listening.
+
+    The caller owns the process: ``proc.terminate(); proc.wait()`` (it exits 0 on SIGTERM).
+    """
+    argv = [
+        sys.executable,
+        "-m",
+        "cachecd.cli",
+        *(["-v"] if verbose else []),
+        "hub",
+        "serve",
+        str(root),
+        *(["--token", token] if token else []),
+        *extra_args,
+    ]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline() if ready else ""
+    match = re.search(r" at (http://\S+)$", line.strip())
+    if match is None:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"hub server did not start: {line!r}")
+    return proc, match.group(1)
+
+
+def _prehash(root: Path, hashes: HashCache) -> None:
+    for repo_dir in sorted(p for p in root.glob("*/*") if p.is_dir()):
+        snap = snapshot(repo_dir, f"{repo_dir.parent.name}/{repo_dir.name}", hashes)
+        log.info("prehashed repo=%s commit=%s files=%d", snap.repo_id, snap.commit, len(snap.files))
+
+
+async def _serve_until_signal(args: argparse.Namespace) -> int:
+    server = HubServer(
+        args.dir, host=args.host, port=args.port, token=args.token, url_ttl_s=args.url_ttl
+    )
+    base_url = await server.start()
+    if args.prehash:
+        hashes = server.app[HUB_KEY].hashes
+        threading.Thread(target=_prehash, args=(server.root, hashes), daemon=True).start()
+    print(f"serving {args.dir} at {base_url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("hub stopping")
+    await server.close()
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    if not args.dir.is_dir():
+        raise InvalidRequest(f"{args.dir} is not a directory: give the folder that holds org/name/")
+    return asyncio.run(_serve_until_signal(args))
+
+
+def register(sub: Any) -> None:
+    hub = sub.add_parser("hub", help="a Hugging Face Hub compatible endpoint over a folder")
+    hub.set_defaults(func=lambda _args: (hub.print_help(), 2)[1])
+    hub_sub = hub.add_subparsers(dest="hub_command", metavar="SUBCOMMAND")
+    serve = hub_sub.add_parser("serve", help="serve DIR/{org}/{name}/... as model repos")
+    serve.add_argument("dir", type=Path, metavar="DIR")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=0, help="0 picks a free port (printed)")
+    serve.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN'")
+    serve.add_argument(
+        "--url-ttl",
+        type=float,
+        default=DEFAULT_URL_TTL_S,
+        help="seconds a signed download URL stays valid",
+    )
+    serve.add_argument(
+        "--prehash", action="store_true", help="hash every repo in the background at start"
+    )
+    serve.set_defaults(func=_cmd_serve)

@@ -1,0 +1,341 @@
+"""The HTTP side of the hub server: routes, auth, Hub-style errors, signed CDN URLs, ranges.
+
+Invariants:
+- No request path reaches the filesystem before it is validated: org and name match a strict
+  pattern, file paths are relative with no ``..``/empty part/backslash/NUL, and a file is only
+  ever served from the repo's own listing (so symlinks leaving the repo are never followed).
+- ``/resolve`` answers a 302 with an absolute, HMAC-signed ``/_cdn`` URL on this server, and the
+  Hub's metadata headers (X-Repo-Commit, X-Linked-Etag = quoted sha256, X-Linked-Size). The
+  signed URL needs no token and expires; it serves only the bytes it was signed for: once its
+  file changes (size or mtime) it answers 404 RevisionNotFound.
+- ``/_cdn`` honours one byte range exactly (206 + Content-Range, 416 past the end) and streams
+  with sendfile; it never substitutes a pre-compressed sibling file. Its responses carry the
+  same metadata headers, since huggingface_hub follows a same-origin redirect on HEAD.
+- With a token configured, every request outside ``/_cdn`` needs ``Authorization: Bearer T``.
+- Blocking work (walking, stat, hashing) runs in threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_response import StreamResponse
+
+from cachecd.testbed.hub_server_repo import (
+    SHARED_HASHES,
+    HashCache,
+    RepoFile,
+    RepoSnapshot,
+    model_info_json,
+    snapshot,
+    tree_json,
+    valid_relpath,
+    valid_repo_part,
+)
+
+log = logging.getLogger("cachecd.testbed.hub_server")
+
+DEFAULT_URL_TTL_S = 3600.0
+_RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$", re.IGNORECASE | re.ASCII)
+_SIGNED_SNAPSHOTS = 64
+_Handler = Callable[[web.Request], Awaitable[StreamResponse]]
+
+
+# ---------------------------------------------------------------- errors as responses
+
+
+def _hf_error(
+    cls: type[web.HTTPException],
+    code: str | None,
+    message: str,
+    extra: dict[str, str] | None = None,
+) -> web.HTTPException:
+    """An error the way the Hub sends it: huggingface_hub maps X-Error-Code to its error types."""
+    headers = {"X-Error-Message": message.encode("ascii", "backslashreplace").decode()}
+    if code:
+        headers["X-Error-Code"] = code
+    headers.update(extra or {})
+    body = json.dumps({"error": message})
+    return cls(headers=headers, text=body, content_type="application/json")
+
+
+def _bad_request(message: str) -> web.HTTPException:
+    return _hf_error(web.HTTPBadRequest, None, message)
+
+
+# ---------------------------------------------------------------- signed CDN urls
+
+
+class UrlSigner:
+    """HMAC-SHA256 over (resource, expiry) with a secret that lives as long as the process."""
+
+    def __init__(self, ttl_s: float = DEFAULT_URL_TTL_S, secret: bytes | None = None) -> None:
+        self.ttl_s = ttl_s
+        self._secret = secret or secrets.token_bytes(32)
+
+    def _mac(self, resource: str, expires: str) -> str:
+        msg = f"{resource}\n{expires}".encode()
+        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()
+
+    def query(self, resource: str) -> str:
+        expires = str(int(time.time() + self.ttl_s))
+        return f"expires={expires}&sig={self._mac(resource, expires)}"
+
+    def valid(self, resource: str, expires: str, sig: str) -> bool:
+        if not expires.isdigit() or int(expires) < time.time():
+            return False
+        return hmac.compare_digest(self._mac(resource, expires), sig)
+
+
+# ---------------------------------------------------------------- the file response
+
+
+class _ExactFileResponse(web.FileResponse):
+    """aiohttp's FileResponse (Range, sendfile) minus its swap to a ``.gz``/``.br`` sibling:
+    a repo may hold ``x`` and ``x.gz`` as two different files."""
+
+    def _get_file_path_stat_encoding(self, accept_encoding: str) -> Any:
+        return super()._get_file_path_stat_encoding("")
+
+
+def _unsatisfiable(range_header: str | None, size: int) -> bool:
+    """Ranges aiohttp would serve but RFC 9110 calls unsatisfiable (``bytes=-0``, empty file)."""
+    if range_header is None:
+        return False
+    m = _RANGE_RE.match(range_header.strip())
+    if m is None:
+        return True
+    start, end = m.groups()
+    if not start:
+        return not end or int(end) == 0 or size == 0
+    return int(start) >= size or (end != "" and int(end) < int(start))
+
+
+def _unchanged(f: RepoFile) -> bool:
+    try:
+        st = f.real.stat()
+    except OSError:
+        return False
+    return (st.st_size, st.st_mtime_ns) == (f.size, f.mtime_ns)
+
+
+# ---------------------------------------------------------------- the app
+
+
+class _Hub:
+    """Request handlers over one root folder."""
+
+    def __init__(self, root: Path, token: str | None, signer: UrlSigner, hashes: HashCache) -> None:
+        self.root = root.resolve()
+        self.token = token
+        self.signer = signer
+        self.hashes = hashes
+        # Snapshots this server signed URLs from, newest last: the CDN's fast path.
+        self.signed: OrderedDict[tuple[str, str], RepoSnapshot] = OrderedDict()
+
+    async def snapshot(self, request: web.Request) -> RepoSnapshot:
+        org, name = request.match_info["org"], request.match_info["name"]
+        repo_id = f"{org}/{name}"
+        if not (valid_repo_part(org) and valid_repo_part(name)):
+            raise _hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
+        repo_dir = self.root / org / name
+        snap = await asyncio.to_thread(self._snapshot_if_repo, repo_dir, repo_id)
+        if snap is None:
+            raise _hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
+        return snap
+
+    def _snapshot_if_repo(self, repo_dir: Path, repo_id: str) -> RepoSnapshot | None:
+        real = repo_dir.resolve()
+        if not real.is_relative_to(self.root) or not real.is_dir():
+            return None
+        return snapshot(real, repo_id, self.hashes)
+
+    @staticmethod
+    def check_rev(rev: str, snap: RepoSnapshot) -> None:
+        if rev != "main" and rev != snap.commit:
+            raise _hf_error(
+                web.HTTPNotFound,
+                "RevisionNotFound",
+                f"Revision {rev[:64]!r} not found in {snap.repo_id}: use 'main' or {snap.commit}",
+            )
+
+    @staticmethod
+    def entry(snap: RepoSnapshot, path: str) -> RepoFile:
+        if not valid_relpath(path):
+            raise _bad_request(f"Invalid file path {path[:200]!r}")
+        found = snap.files.get(path)
+        if found is None:
+            raise _hf_error(
+                web.HTTPNotFound,
+                "EntryNotFound",
+                f"{path[:200]!r} not found in {snap.repo_id}",
+                {"X-Repo-Commit": snap.commit},
+            )
+        return found
+
+    @staticmethod
+    def file_headers(snap: RepoSnapshot, f: RepoFile) -> dict[str, str]:
+        return {
+            "X-Repo-Commit": snap.commit,
+            "X-Linked-Etag": f'"{f.sha256}"',
+            "X-Linked-Size": str(f.size),
+            "Accept-Ranges": "bytes",
+        }
+
+    async def resolve(self, request: web.Request) -> StreamResponse:
+        snap = await self.snapshot(request)
+        self.check_rev(request.match_info["rev"], snap)
+        f = self.entry(snap, request.match_info["path"])
+        self.remember(snap)
+        resource = f"{snap.repo_id}/{snap.commit}/{f.relpath}"
+        origin = str(request.url.origin())
+        location = f"{origin}/_cdn/{snap.repo_id}/{snap.commit}/{quote(f.relpath)}"
+        headers = {**self.file_headers(snap, f), "ETag": f'"{f.sha256}"'}
+        raise web.HTTPFound(f"{location}?{self.signer.query(resource)}", headers=headers)
+
+    async def cdn(self, request: web.Request) -> StreamResponse:
+        info = request.match_info
+        resource = f"{info['org']}/{info['name']}/{info['commit']}/{info['path']}"
+        query = request.rel_url.query
+        if not self.signer.valid(resource, query.get("expires", ""), query.get("sig", "")):
+            raise _hf_error(
+                web.HTTPForbidden, None, "Signed URL is invalid or expired: resolve again"
+            )
+        snap, f = await self.signed_file(request, info["commit"], info["path"])
+        if "If-Range" not in request.headers and _unsatisfiable(
+            request.headers.get("Range"), f.size
+        ):
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{f.size}"})
+        response = _ExactFileResponse(f.real)
+        response.content_type = "application/octet-stream"
+        response.headers.update(self.file_headers(snap, f))
+        return response
+
+    async def signed_file(
+        self, request: web.Request, commit: str, path: str
+    ) -> tuple[RepoSnapshot, RepoFile]:
+        """The file a signed URL names, as long as its bytes are the ones that were signed.
+
+        Fast path: the snapshot this server signed from, and one stat showing the file untouched
+        (a CDN URL names content, so other files changing does not matter). Otherwise the repo is
+        walked again and must still be at ``commit``.
+        """
+        repo_id = f"{request.match_info['org']}/{request.match_info['name']}"
+        snap = self.signed.get((repo_id, commit))
+        f = snap.files.get(path) if snap is not None else None
+        if snap is not None and f is not None and await asyncio.to_thread(_unchanged, f):
+            return snap, f
+        snap = await self.snapshot(request)
+        if snap.commit != commit:
+            raise _hf_error(
+                web.HTTPNotFound,
+                "RevisionNotFound",
+                f"{snap.repo_id} changed since this URL was signed: resolve again",
+            )
+        self.remember(snap)
+        return snap, self.entry(snap, path)
+
+    def remember(self, snap: RepoSnapshot) -> None:
+        self.signed[(snap.repo_id, snap.commit)] = snap
+        self.signed.move_to_end((snap.repo_id, snap.commit))
+        while len(self.signed) > _SIGNED_SNAPSHOTS:
+            self.signed.popitem(last=False)
+
+    async def model_info(self, request: web.Request) -> StreamResponse:
+        snap = await self.snapshot(request)
+        self.check_rev(request.match_info.get("rev", "main"), snap)
+        return web.json_response(model_info_json(snap))
+
+    async def tree(self, request: web.Request) -> StreamResponse:
+        snap = await self.snapshot(request)
+        self.check_rev(request.match_info["rev"], snap)
+        prefix = request.match_info["tail"].strip("/")
+        if prefix and not valid_relpath(prefix):
+            raise _bad_request(f"Invalid path {prefix[:200]!r}")
+        recursive = request.rel_url.query.get("recursive", "false").lower() in ("1", "true")
+        entries = tree_json(snap, prefix, recursive)
+        if entries is None:
+            raise _hf_error(
+                web.HTTPNotFound,
+                "EntryNotFound",
+                f"{prefix[:200]!r} is not a folder of {snap.repo_id}",
+                {"X-Repo-Commit": snap.commit},
+            )
+        return web.json_response(entries)
+
+    @web.middleware
+    async def auth(self, request: web.Request, handler: _Handler) -> StreamResponse:
+        if self.token is None or request.path.startswith("/_cdn/"):
+            return await handler(request)
+        given = request.headers.get("Authorization", "")
+        if not given:
+            raise _hf_error(
+                web.HTTPUnauthorized,
+                "GatedRepo",
+                "Access to this server is restricted: pass its token as HF_TOKEN",
+            )
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            # The Hub's own wording: huggingface_hub keys its "invalid token" message on it.
+            raise _hf_error(
+                web.HTTPUnauthorized, None, "Invalid credentials in Authorization header"
+            )
+        return await handler(request)
+
+
+HUB_KEY: web.AppKey[_Hub] = web.AppKey("hub", _Hub)
+
+
+def build_app(
+    root: Path,
+    *,
+    token: str | None = None,
+    url_ttl_s: float = DEFAULT_URL_TTL_S,
+    hashes: HashCache | None = None,
+) -> web.Application:
+    """The hub over ``root``. Servers share the process-wide sha256 cache unless given their own,
+    so a server restarted in the same process does not hash again."""
+    hub = _Hub(root, token, UrlSigner(url_ttl_s), hashes or SHARED_HASHES)
+    app = web.Application(middlewares=[hub.auth])
+    app[HUB_KEY] = hub
+    repo = "/{org}/{name}"
+    api = "/api/models" + repo
+    for method in ("GET", "HEAD"):
+        app.router.add_route(method, "/_cdn" + repo + "/{commit}/{path:.+}", hub.cdn)
+        app.router.add_route(method, repo + "/resolve/{rev}/{path:.+}", hub.resolve)
+    app.router.add_get(api + "{slash:/?}", hub.model_info)
+    app.router.add_get(api + "/revision/{rev}{slash:/?}", hub.model_info)
+    app.router.add_get(api + "/tree/{rev}{tail:(/.*)?}", hub.tree)
+    return app
+
+
+class AccessLog(AbstractAccessLogger):
+    """One DEBUG line per request; the query (with its signature) stays out of the log."""
+
+    def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
+        self.logger.debug(
+            "request method=%s path=%s status=%d bytes=%d ms=%.1f",
+            request.method,
+            request.rel_url.raw_path,
+            response.status,
+            response.body_length,
+            time * 1000,
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.logger.isEnabledFor(logging.DEBUG)

@@ -1,0 +1,298 @@
+"""The upstream: exact, verified byte ranges of a pinned revision from a Hub endpoint.
+
+Invariants:
+- ``on_verified`` is called only with bytes whose xxh3-128 equals the manifest's; bad bytes are
+  dropped, refetched at most ``checksum_refetches`` times, then reported as ChecksumMismatch.
+- A byte range is accepted only from a 206 whose Content-Range is exactly what was asked (and the
+  manifest's file size) and whose body has exactly the asked length.
+- ``/resolve`` is asked once per (repo, revision, file); its signed Location is reused until it
+  expires or the CDN answers 403 (then resolved again, once).
+- The token goes only to the endpoint's ``/resolve``, never to the Location, and never into a
+  log line or error message.
+- No request to a host before the time that host last asked us to wait (Retry-After, RateLimit).
+- At most ``max_parallel`` range requests are open at once.
+- With a ``Spool``, an expert that is one range of its request is streamed into its blob writer
+  as it arrives (hub_stream.py), never held whole in memory. ``on_verified(entry, None)`` then
+  means "the spool's writer holds exactly the verified bytes": every write succeeded and the
+  hash of the written bytes matched. Otherwise the writer is discarded (after its writes ended)
+  and the expert is fetched again into memory, verified, and handed over as bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+from cachecd import constants, errors
+from cachecd.upstream.hub_client import HubClient
+from cachecd.upstream.hub_plan import DEFAULT_MAX_GAP, EntryLike, RangeRequest, plan_requests
+from cachecd.upstream.hub_stream import Stream, VectorWriter
+from cachecd.upstream.verify import verify_async, verify_digest
+
+log = logging.getLogger(__name__)
+
+OnVerified = Callable[[Any, memoryview | None], Awaitable[None]]
+ExpertKey = tuple[int, int]
+SPILL_THREADS = 4
+
+
+class Spool(Protocol):
+    """Where experts' bytes go while they arrive (the store's blob writers)."""
+
+    def begin(self, entry: Any) -> VectorWriter: ...
+
+    def discard(self, entry: Any) -> None: ...
+
+
+class _Assembly:
+    """The pieces of one expert as they arrive from (possibly) several requests."""
+
+    __slots__ = ("entry", "error", "error_first", "parts", "pending", "streamed")
+
+    def __init__(self, entry: EntryLike) -> None:
+        self.entry = entry
+        self.parts: list[memoryview | None] = [None] * len(entry.ranges)
+        self.pending = len(entry.ranges)
+        self.error: errors.CachecdError | None = None
+        # Streamed into a writer: None (not streamed), "ok" (verified: the spool keeps the
+        # writer), "bad" (hash differs: error_first), "failed" (a write failed).
+        self.streamed: str | None = None
+        self.error_first: errors.ChecksumMismatch | None = None
+
+    def joined(self) -> memoryview:
+        parts = [p for p in self.parts if p is not None]
+        if len(parts) == 1:
+            return parts[0]
+        out = bytearray(self.entry.nbytes)
+        pos = 0
+        for part in parts:
+            out[pos : pos + len(part)] = part
+            pos += len(part)
+        return memoryview(out)
+
+
+class Upstream(HubClient):
+    """Fetches experts' bytes from ``endpoint`` (huggingface.co, a mirror, ``cachecd hub serve``).
+
+    ``token`` is sent as-is (resolve it with ``huggingface_hub.get_token()``); None sends none.
+    Create and close it inside the daemon's event loop.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        token: str | None,
+        *,
+        offline: bool = False,
+        max_parallel: int = constants.MAX_PARALLEL_FETCHES,
+        connect_timeout: float = constants.CONNECT_TIMEOUT_S,
+        read_timeout: float = constants.READ_TIMEOUT_S,
+        total_timeout: float = constants.TOTAL_TIMEOUT_S,
+        max_retries: int = constants.MAX_RETRIES,
+        backoff_base: float = constants.BACKOFF_BASE_S,
+        backoff_cap: float = constants.BACKOFF_CAP_S,
+        coalesce_max_bytes: int = constants.COALESCE_MAX_BYTES,
+        coalesce_max_experts: int = constants.COALESCE_MAX_EXPERTS,
+        coalesce_max_gap: int = DEFAULT_MAX_GAP,
+        coalesce_target_bytes: int = constants.COALESCE_TARGET_BYTES,
+        checksum_refetches: int = constants.CHECKSUM_REFETCHES,
+        signed_url_ttl: float = constants.SIGNED_URL_TTL_S,
+    ) -> None:
+        super().__init__(
+            endpoint,
+            token,
+            offline=offline,
+            max_parallel=max_parallel,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            total_timeout=total_timeout,
+            max_retries=max_retries,
+            backoff_base=backoff_base,
+            backoff_cap=backoff_cap,
+            signed_url_ttl=signed_url_ttl,
+        )
+        self.coalesce_max_bytes = coalesce_max_bytes
+        self.coalesce_max_experts = coalesce_max_experts
+        self.coalesce_max_gap = coalesce_max_gap
+        self.coalesce_target_bytes = coalesce_target_bytes
+        self.checksum_refetches = checksum_refetches
+        self._spill_pool: ThreadPoolExecutor | None = None
+
+    async def close(self) -> None:
+        await super().close()
+        if self._spill_pool is not None:
+            self._spill_pool.shutdown(wait=False)
+            self._spill_pool = None
+
+    async def fetch_experts(
+        self,
+        manifest: Any,
+        entries: Sequence[EntryLike],
+        on_verified: OnVerified,
+        spool: Spool | None = None,
+    ) -> dict[ExpertKey, errors.CachecdError]:
+        """Fetch, verify and hand over every entry; return the errors of those that failed.
+
+        ``on_verified(entry, view)`` runs once per verified expert; ``view`` may point into a
+        larger download buffer, so copy or write it before returning rather than keeping it.
+        An error raised by ``on_verified`` becomes that expert's error. With ``spool``, bytes
+        are written to ``spool.begin(entry)`` as they arrive; see the module invariants.
+        """
+        if self.offline:
+            raise self.offline_error(f"{len(entries)} expert(s) of {manifest.key}")
+        unique = list({(e.layer, e.expert): e for e in entries}.values())
+        states = [_Assembly(e) for e in unique]
+        requests = plan_requests(
+            unique,
+            max_bytes=self.coalesce_max_bytes,
+            max_experts=self.coalesce_max_experts,
+            max_gap=self.coalesce_max_gap,
+            parallel=self.max_parallel,
+            target_bytes=self.coalesce_target_bytes,
+        )
+        failures: dict[ExpertKey, errors.CachecdError] = {}
+
+        streams: list[Stream] = []
+
+        async def run(req: RangeRequest) -> None:
+            stream = self._stream_for(req, states, spool)
+            if stream is not None:
+                streams.append(stream)
+            try:
+                buf: memoryview | None = memoryview(
+                    await self.get_range(manifest, req.file, req.start, req.end, stream)
+                )
+            except errors.CachecdError as exc:
+                buf, err = None, exc
+            except Exception as exc:  # a bug must fail these experts, not the whole batch
+                log.exception("upstream request failed file=%s", req.file)
+                buf, err = None, errors.Internal(f"upstream fetch failed: {exc!r}")
+            if stream is not None:
+                await self._streamed(stream, states, buf is not None)
+            done: list[_Assembly] = []
+            for piece in req.pieces:
+                st = states[piece.entry]
+                if buf is None:
+                    st.error = st.error or err
+                elif stream is None:
+                    st.parts[piece.part] = buf[piece.start - req.start : piece.end - req.start]
+                st.pending -= 1
+                if st.pending == 0:
+                    done.append(st)
+            del buf
+            for st in done:
+                await self._finish(manifest, st, on_verified, failures, spool)
+
+        try:
+            await asyncio.gather(*(run(r) for r in requests))
+        finally:
+            # Writers not taken by a commit (failed, cancelled) go: no temp outlives the fetch.
+            for stream in streams:
+                await stream.settle()
+                for part in stream.parts:
+                    spool.discard(part.entry)  # type: ignore[union-attr]
+        return failures
+
+    def _stream_for(
+        self, req: RangeRequest, states: list[_Assembly], spool: Spool | None
+    ) -> Stream | None:
+        """A Stream for ``req`` when each of its experts is one whole range of it."""
+        if spool is None or len({p.entry for p in req.pieces}) != len(req.pieces):
+            return None
+        if any(len(states[p.entry].entry.ranges) != 1 for p in req.pieces):
+            return None
+        pieces = [(p.entry, states[p.entry].entry, p.start, p.end) for p in req.pieces]
+        return Stream(req.start, pieces, spool, self._pool())
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._spill_pool is None:
+            self._spill_pool = ThreadPoolExecutor(SPILL_THREADS, thread_name_prefix="cachecd-spill")
+        return self._spill_pool
+
+    async def _streamed(self, stream: Stream, states: list[_Assembly], got: bool) -> None:
+        """After a streamed request: mark each expert ok (its writer stays in the spool), bad
+        (the hash differs) or failed (a write failed: fetch it again the buffered way)."""
+        wrote = await stream.settle()
+        for part in stream.parts:
+            st = states[part.index]
+            if not got:
+                continue  # st.error is set; the writer is discarded at the end of the batch
+            if not wrote or part.failed or part.writer is None:
+                st.streamed = "failed"
+                continue
+            try:
+                verify_digest(st.entry, st.entry.nbytes, stream.digest(part))
+                st.streamed = "ok"
+            except errors.ChecksumMismatch as exc:
+                st.streamed, st.error_first = "bad", exc
+
+    async def fetch_range(self, manifest: Any, file: str, start: int, end: int) -> bytearray:
+        """Exactly bytes [start, end) of ``file`` at the manifest's revision; the caller verifies."""
+        if self.offline:
+            raise self.offline_error(f"{file} of {manifest.key}")
+        return await self.get_range(manifest, file, start, end)
+
+    async def _finish(
+        self,
+        manifest: Any,
+        st: _Assembly,
+        on_verified: OnVerified,
+        failures: dict[ExpertKey, errors.CachecdError],
+        spool: Spool | None,
+    ) -> None:
+        key = (st.entry.layer, st.entry.expert)
+        try:
+            if st.error is not None:
+                raise st.error
+            data: memoryview | None = None
+            if st.streamed != "ok":
+                if st.streamed is not None and spool is not None:
+                    spool.discard(st.entry)
+                data = await self._verified(manifest, st)
+            await on_verified(st.entry, data)
+        except errors.CachecdError as exc:
+            failures[key] = exc
+        except Exception as exc:  # on_verified is someone else's code: contain its bugs
+            log.exception("on_verified failed layer=%d expert=%d", *key)
+            failures[key] = errors.Internal(f"storing expert {key} failed: {exc!r}")
+        finally:
+            st.parts = []
+
+    async def _verified(self, manifest: Any, st: _Assembly) -> memoryview:
+        entry = st.entry
+        data = st.joined() if st.streamed is None else None
+        for attempt in range(self.checksum_refetches + 1):
+            if attempt:
+                self.count("checksum_refetches")
+            try:
+                if st.streamed == "bad" and attempt == 0:
+                    raise st.error_first  # type: ignore[misc]
+                if attempt or data is None:
+                    data = await self._fetch_alone(manifest, entry)
+                await verify_async(entry, data)
+                return data
+            except errors.ChecksumMismatch as exc:
+                self.count("faults_checksum")
+                log.warning(
+                    "checksum mismatch repo=%s layer=%d expert=%d attempt=%d",
+                    manifest.repo,
+                    entry.layer,
+                    entry.expert,
+                    attempt,
+                )
+                last = exc
+        raise errors.ChecksumMismatch(
+            f"{last.message} ({self.checksum_refetches + 1} downloads, all wrong); "
+            "the upstream or something between it and us is corrupting data"
+        )
+
+    async def _fetch_alone(self, manifest: Any, entry: EntryLike) -> memoryview:
+        parts = await asyncio.gather(
+            *(self.get_range(manifest, r.file, r.start, r.end) for r in entry.ranges)
+        )
+        if len(parts) == 1:
+            return memoryview(parts[0])
+        return memoryview(bytearray().join(parts))

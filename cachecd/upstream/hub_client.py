@@ -1,0 +1,394 @@
+"""One exact Range GET against a Hub, with resolve caching, retries, waits and timeouts.
+
+Invariants (``hub.Upstream`` builds on them):
+- ``get_range`` returns exactly ``end - start`` bytes taken from a 206 whose Content-Range is
+  exactly ``bytes start-(end-1)/size``; anything else is a fault, retried, then an error.
+- One ``/resolve`` per (repo, revision, file) until the signed Location expires or the CDN answers
+  403; concurrent resolves of one file share one request.
+- The Authorization header is built for the endpoint's ``/resolve`` only.
+- ``_not_before[host]`` is honoured before every request to that host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urljoin, urlsplit
+
+import aiohttp
+from huggingface_hub import hf_hub_url
+from huggingface_hub.utils import build_hf_headers
+
+from cachecd import constants, errors
+from cachecd.upstream import hub_http as hh
+from cachecd.upstream.singleflight import SingleFlight
+
+log = logging.getLogger(__name__)
+
+_REDIRECTS = (301, 302, 303, 307, 308)
+_EXPIRY_MARGIN_S = 60.0
+# aiohttp pauses the socket when its buffer passes 2x this; 64 KiB (the default) stalls fast streams.
+READ_BUFSIZE = 1 << 20
+
+
+class Consumer(Protocol):
+    """Takes a body as it arrives instead of a buffer: ``restart`` before every attempt (a
+    retry starts over at offset 0), then ``feed`` with each chunk in order and its offset."""
+
+    async def restart(self) -> None: ...
+
+    def feed(self, chunk: bytes, pos: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class Location:
+    url: str
+    redirected: bool  # True: a CDN URL (no token); False: the resolve URL itself (token)
+    expires_at: float  # time.monotonic()
+
+
+class Transient(Exception):
+    """A failure worth retrying; ``error`` is what the caller sees if retries run out."""
+
+    def __init__(self, error: errors.CachecdError, fault: str, wait: float | None = None) -> None:
+        super().__init__(error.message)
+        self.error, self.fault, self.wait = error, fault, wait
+
+
+class _CdnForbidden(Exception):
+    pass
+
+
+class HubClient:
+    def __init__(
+        self,
+        endpoint: str,
+        token: str | None,
+        *,
+        offline: bool,
+        max_parallel: int,
+        connect_timeout: float,
+        read_timeout: float,
+        total_timeout: float,
+        max_retries: int,
+        backoff_base: float,
+        backoff_cap: float,
+        signed_url_ttl: float,
+    ) -> None:
+        self.endpoint = endpoint.rstrip("/")
+        self.offline = offline
+        self.max_parallel = max_parallel
+        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
+        self.total_timeout, self.max_retries = total_timeout, max_retries
+        self.backoff_base, self.backoff_cap = backoff_base, backoff_cap
+        self.signed_url_ttl = signed_url_ttl
+        self._auth_headers = build_hf_headers(
+            token=token or False, library_name=constants.APP, library_version=constants.VERSION
+        )
+        self._plain_headers = {"user-agent": self._auth_headers["user-agent"]}
+        self._session: aiohttp.ClientSession | None = None
+        self._sem = asyncio.Semaphore(max_parallel)
+        self._locations: dict[tuple[str, str, str], Location] = {}
+        self._resolving: SingleFlight[tuple[str, str, str, str], Location] = SingleFlight()
+        self._not_before: dict[str, float] = {}
+        self._in_flight = 0
+        self._counters: Counter[str] = Counter()
+        self._rng = random.Random()
+
+    # -- lifecycle and bookkeeping -----------------------------------------------------------
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def stats(self) -> dict[str, int]:
+        """Counters for /metrics: requests, resolves, bytes, retries, faults_<kind>, in flight."""
+        out = dict(self._counters)
+        out["in_flight"] = self._in_flight
+        return out
+
+    def count(self, name: str, n: int = 1) -> None:
+        self._counters[name] += n
+
+    def offline_error(self, what: str) -> errors.Offline:
+        return errors.Offline(
+            f"offline mode (HF_HUB_OFFLINE) is on and {what} is not cached; unset HF_HUB_OFFLINE "
+            "to fetch it, or warm the cache while online (`cachecd warm`)"
+        )
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self.max_parallel + 4, ttl_dns_cache=300)
+            # auto_decompress off: the bytes we hash are the bytes on the wire.
+            self._session = aiohttp.ClientSession(
+                connector=connector, auto_decompress=False, read_bufsize=READ_BUFSIZE
+            )
+        return self._session
+
+    # -- resolve -----------------------------------------------------------------------------
+    async def location(self, manifest: Any, file: str, failed: str | None = None) -> Location:
+        """The cached Location of ``file``, resolving it when absent, expired or just refused."""
+        key = (manifest.repo, manifest.revision, file)
+        loc = self._locations.get(key)
+        if loc is not None and loc.expires_at > time.monotonic() and loc.url != failed:
+            return loc
+        loc = await self._resolving.do((*key, failed or ""), lambda: self._resolve(manifest, file))
+        self._locations[key] = loc
+        return loc
+
+    async def _resolve(self, manifest: Any, file: str) -> Location:
+        url = hf_hub_url(manifest.repo, file, revision=manifest.revision, endpoint=self.endpoint)
+        return await self._with_retries(url, lambda: self._head(url, manifest, file))
+
+    async def _head(self, url: str, manifest: Any, file: str) -> Location:
+        self.count("requests_resolve")
+        self.count("resolves")
+        timeout = aiohttp.ClientTimeout(
+            total=self.read_timeout + self.connect_timeout,
+            sock_connect=self.connect_timeout,
+            sock_read=self.read_timeout,
+        )
+        headers = {**self._auth_headers, "Accept-Encoding": "identity"}
+        async with self._get_session().head(
+            url, headers=headers, allow_redirects=False, timeout=timeout
+        ) as resp:
+            rid = resp.headers.get("X-Request-Id")
+            what = f"resolve {manifest.repo}@{manifest.revision[:12]} {file}"
+            if resp.status not in _REDIRECTS and resp.status != 200:
+                raise self._status_failure(resp, b"", rid, what, on_resolve=True)
+            _check_identity(resp.headers, manifest, file, rid)
+            target = resp.headers.get("Location") if resp.status in _REDIRECTS else None
+        log.info("resolved repo=%s file=%s redirected=%s", manifest.repo, file, target is not None)
+        if target is None:
+            return Location(url, False, time.monotonic() + self.signed_url_ttl)
+        target = urljoin(url, target)
+        wall_expiry = hh.signed_url_expiry(target)
+        ttl = self.signed_url_ttl if wall_expiry is None else wall_expiry - time.time()
+        return Location(target, True, time.monotonic() + max(0.0, ttl - _EXPIRY_MARGIN_S))
+
+    # -- range GET ---------------------------------------------------------------------------
+    async def get_range(
+        self, manifest: Any, file: str, start: int, end: int, consumer: Consumer | None = None
+    ) -> bytearray:
+        """The bytes; with ``consumer`` they go to it instead and an empty buffer is returned."""
+        if not 0 <= start < end:
+            raise errors.InvalidRequest(f"empty or negative range {start}-{end} of {file}")
+        info = manifest.files.get(file)
+        size = info.size if info is not None else None
+        if size is not None and end > size:
+            raise errors.InvalidRequest(f"range {start}-{end} runs past {file} ({size} bytes)")
+        deadline = time.monotonic() + self.total_timeout
+        failed: str | None = None
+        for _ in range(2):  # a second pass only after the CDN refused a (stale) signed URL
+            loc = await self.location(manifest, file, failed)
+
+            def once(loc: Location = loc) -> Any:
+                return self._get_once(loc, file, start, end, size, deadline, consumer)
+
+            try:
+                return await self._with_retries(loc.url, once, deadline)
+            except _CdnForbidden:
+                self.count("faults_cdn_403")
+                failed = loc.url
+        raise errors.UpstreamError(
+            f"the CDN refused {file} twice (HTTP 403), even with a freshly resolved location; "
+            "check the token's access to this repo"
+        )
+
+    async def _get_once(
+        self,
+        loc: Location,
+        file: str,
+        start: int,
+        end: int,
+        size: int | None,
+        deadline: float,
+        consumer: Consumer | None,
+    ) -> bytearray:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise errors.UpstreamTimeout(
+                f"total deadline of {self.total_timeout}s passed for {file}"
+            )
+        timeout = aiohttp.ClientTimeout(
+            total=remaining, sock_connect=self.connect_timeout, sock_read=self.read_timeout
+        )
+        if consumer is not None:
+            await consumer.restart()
+        base = self._plain_headers if loc.redirected else self._auth_headers
+        headers = {**base, "Accept-Encoding": "identity", "Range": f"bytes={start}-{end - 1}"}
+        self.count("requests_range")
+        async with self._get_session().get(
+            loc.url, headers=headers, allow_redirects=False, timeout=timeout
+        ) as resp:
+            rid = resp.headers.get("X-Request-Id")
+            what = f"GET {file} bytes {start}-{end - 1}"
+            if resp.status == 403 and loc.redirected:
+                raise _CdnForbidden()
+            if resp.status != 206:
+                if resp.status == 200:
+                    resp.close()  # never read a whole shard we did not ask for
+                    raise _bad_range(
+                        f"{what}: answered 200 (whole file) instead of 206", "ignored_range", rid
+                    )
+                body = await resp.content.read(hh.MAX_BODY_SNIPPET)
+                raise self._status_failure(resp, body, rid, what, on_resolve=False)
+            _check_content_range(resp, start, end, size, what, rid)
+            return await self._read_exact(resp, end - start, what, rid, consumer)
+
+    async def _read_exact(
+        self,
+        resp: aiohttp.ClientResponse,
+        length: int,
+        what: str,
+        rid: str | None,
+        consumer: Consumer | None = None,
+    ) -> bytearray:
+        # A consumer gets aiohttp's own chunks: no zero-filled buffer, no copy into it.
+        buf = bytearray(length if consumer is None else 0)
+        pos = 0
+        async for chunk in resp.content.iter_any():
+            n = len(chunk)
+            if pos + n > length:
+                resp.close()
+                raise _bad_range(
+                    f"{what}: body longer than the {length} bytes asked", "long_body", rid
+                )
+            if consumer is None:
+                buf[pos : pos + n] = chunk
+            else:
+                consumer.feed(chunk, pos)
+            pos += n
+        if pos != length:
+            raise _bad_range(f"{what}: body ended after {pos} of {length} bytes", "truncated", rid)
+        self.count("bytes", length)
+        return buf
+
+    def _status_failure(
+        self,
+        resp: aiohttp.ClientResponse,
+        body: bytes,
+        rid: str | None,
+        what: str,
+        *,
+        on_resolve: bool,
+    ) -> Exception:
+        # A HEAD has no body: the Hub puts its message in X-Error-Message.
+        message = resp.headers.get("X-Error-Message", "").encode() or body
+        err = hh.error_for_status(resp.status, message, rid, what, on_resolve=on_resolve)
+        if hh.is_retryable_status(resp.status):
+            return Transient(err, f"status_{resp.status}", hh.server_wait(resp.headers))
+        return err
+
+    # -- retries -----------------------------------------------------------------------------
+    async def _with_retries(self, url: str, once: Any, deadline: float | None = None) -> Any:
+        """Run ``once()`` under the semaphore and the host's wait, retrying transient faults."""
+        host = urlsplit(url).netloc
+        deadline = deadline or time.monotonic() + self.total_timeout
+        for attempt in range(self.max_retries + 1):
+            try:
+                return await self._attempt(host, once)
+            except Transient as exc:
+                failure = exc
+            self.count(f"faults_{failure.fault}")
+            if failure.wait is not None:
+                self._not_before[host] = max(
+                    self._not_before.get(host, 0.0), time.monotonic() + failure.wait
+                )
+            delay = max(
+                hh.backoff_delay(attempt, self.backoff_base, self.backoff_cap, self._rng),
+                failure.wait or 0.0,
+            )
+            if attempt == self.max_retries or time.monotonic() + delay > deadline:
+                break
+            self.count("retries")
+            log.warning(
+                "upstream retry host=%s attempt=%d fault=%s delay_s=%.2f error=%s",
+                host,
+                attempt + 1,
+                failure.fault,
+                delay,
+                failure.error.message,
+            )
+            await asyncio.sleep(delay)
+        raise failure.error
+
+    async def _attempt(self, host: str, once: Any) -> Any:
+        async with self._sem:
+            wait = self._not_before.get(host, 0.0) - time.monotonic()
+            while wait > 0:
+                await asyncio.sleep(wait)
+                wait = self._not_before.get(host, 0.0) - time.monotonic()
+            self._in_flight += 1
+            self._counters["peak_in_flight"] = max(
+                self._counters["peak_in_flight"], self._in_flight
+            )
+            try:
+                return await once()
+            except TimeoutError as exc:
+                raise Transient(
+                    errors.UpstreamTimeout(
+                        f"no data from {host} within the timeout (read {self.read_timeout}s, "
+                        f"total {self.total_timeout}s); the upstream stalled"
+                    ),
+                    "timeout",
+                ) from exc
+            except aiohttp.ClientPayloadError as exc:
+                raise Transient(
+                    errors.UpstreamError(f"{host} cut the body short: {exc}"), "truncated"
+                ) from exc
+            except (aiohttp.ClientConnectionError, ConnectionError) as exc:
+                raise Transient(
+                    errors.UpstreamError(
+                        f"connection to {host} failed: {exc.__class__.__name__}: {exc}"
+                    ),
+                    "connection",
+                ) from exc
+            finally:
+                self._in_flight -= 1
+
+
+def _bad_range(message: str, fault: str, rid: str | None) -> Transient:
+    return Transient(errors.BadUpstreamRange(message, request_id=rid), fault)
+
+
+def _check_content_range(
+    resp: aiohttp.ClientResponse, start: int, end: int, size: int | None, what: str, rid: str | None
+) -> None:
+    got = hh.parse_content_range(resp.headers.get("Content-Range"))
+    if got is None or got[:2] != (start, end) or (size is not None and got[2] != size):
+        resp.close()
+        raise _bad_range(
+            f"{what}: Content-Range {resp.headers.get('Content-Range')!r} is not what was asked "
+            f"(bytes {start}-{end - 1}/{size if size is not None else '*'})",
+            "content_range",
+            rid,
+        )
+    if resp.content_length is not None and resp.content_length != end - start:
+        resp.close()
+        raise _bad_range(
+            f"{what}: Content-Length {resp.content_length} != {end - start}", "content_length", rid
+        )
+
+
+def _check_identity(headers: Any, manifest: Any, file: str, rid: str | None) -> None:
+    commit = headers.get("X-Repo-Commit")
+    if commit and commit != manifest.revision:
+        raise errors.UpstreamError(
+            f"resolve {file}: the Hub answered for commit {commit}, "
+            f"not the pinned {manifest.revision}",
+            request_id=rid,
+        )
+    info = manifest.files.get(file)
+    linked = headers.get("X-Linked-Size")
+    if info is not None and linked and linked.isdigit() and int(linked) != info.size:
+        raise errors.BadUpstreamRange(
+            f"resolve {file}: the Hub says {linked} bytes, the manifest {info.size}; "
+            "this is not the pinned file",
+            request_id=rid,
+        )
