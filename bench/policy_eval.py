@@ -17,7 +17,7 @@ routed expert), in the engine's order. ``call`` (what the daemon sees): the engi
 layer call's distinct experts together, so an expert is one request per layer call; decoding
 is the same in both views, a prefill call differs.
 
-Policies are the real classes: LRU and the default from cachecd.policies, LFU (LFU-DA with
+Policies are the real classes: LRU and the default from cachecd.store.policies, LFU (LFU-DA with
 aging held at 0), replayed as the store drives them (bench/policy_sim.py); Belady is MIN on the
 scored requests from the best possible starting content, an upper bound for every policy. The
 cache holds 10%, 25% and 50% of the expert set. ``fixed*`` is the best FIXED set of that size
@@ -181,7 +181,7 @@ def fixed_best(test: np.ndarray, capacity: int) -> float:
 def evaluate(
     splits: list[Split], jobs: int, also: tuple[str, ...] = (), daemon_touch: bool = True
 ) -> list[Row]:
-    """Every policy (and ``also``: more names from cachecd.policies) on every split and budget."""
+    """Every policy (and ``also``: more names from cachecd.store.policies) on every split and budget."""
     _SPLITS.clear()
     _SPLITS.update({s.name: s for s in splits})
     _SHUFFLED.clear()

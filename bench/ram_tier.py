@@ -1,7 +1,7 @@
 """RAM-tier replacement policies against Belady's optimum, in the engine's view of routing traces.
 
 The engine's RAM tier (``cachecd_engine.ram_tier.RamTier``) sits in front of the daemon and is
-driven by one of the daemon's policies (``cachecd.policies``). This bench replays routing traces
+driven by one of the daemon's policies (``cachecd.store.policies``). This bench replays routing traces
 through each policy exactly as the engine drives its tier, and prints hit rates beside Belady's
 optimum for the same requests, so that the tier's default policy is chosen by measurement.
 
@@ -37,7 +37,7 @@ Traces, each warmed on one part and scored on another (held-out):
 ``reuse`` in the trace lines is ``decode_reuse``: the share of a decode call's experts that the
 same layer's previous token routed to as well.
 
-Policies: ``lru``, ``lfuda``, ``wlfu`` from cachecd.policies; ``lru/layer``, a prototype that
+Policies: ``lru``, ``lfuda``, ``wlfu`` from cachecd.store.policies; ``lru/layer``, a prototype that
 lives only here (LRU with per-layer quotas, ``LayerQuotaLRU``). ``fixed*`` is the best fixed set
 of that many experts in hindsight (the most asked-for of the scored part): what static pins
 could do at best. The recommended default is the cachecd policy with the highest worst-row
@@ -95,7 +95,7 @@ K3_TOKEN = 92 * 16  # experts one decoded K3 token routes to
 K3_GROUP = (4 << 30) // 2 // K3_EXPERT_BYTES  # experts a stack buffer holds (engine/memory.py)
 TOKENS_WORTH = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
 FRACTIONS = (0.10, 0.25)  # of all experts
-CANDIDATES = ("lru", "lfuda", "wlfu")  # cachecd.policies names: what DEFAULT_POLICY can be
+CANDIDATES = ("lru", "lfuda", "wlfu")  # cachecd.store.policies names: what DEFAULT_POLICY can be
 K3_SPEC = SynthSpec(name="k3", experts=896, top_k=16, zipf=(0.9, 1.3), burst_experts=84)
 SYNTH: tuple[tuple[SynthSpec, float], ...] = (  # (spec, token-to-token reuse)
     (K3_SPEC, 0.0),

@@ -82,7 +82,7 @@ class Client:
     def coverage(self, model: str, detail: bool = False) -> dict[str, Any]:
         """Per-layer coverage: experts and bytes cached against the total, workload coverage,
         hit/miss history; with ``detail`` also the per-expert cached bits and access counts
-        (decode with ``cachecd.coverage.unpack_detail``)."""
+        (decode with ``cachecd.report.coverage.unpack_detail``)."""
         query = "?detail=1" if detail else ""
         return self._control.request("GET", f"/v1/models/{model}/coverage{query}")
 

@@ -51,7 +51,7 @@ class ExpertSource(Protocol):
         ...
 
     def entry(self, layer: int, expert: int) -> ExpertLayout:
-        """The expert's manifest entry (``cachecd.manifest.ExpertEntry``): its layout."""
+        """The expert's manifest entry (``cachecd.manifest.entries.ExpertEntry``): its layout."""
         ...
 
     def prefetch(self, layer: int, ids: list[int]) -> None:

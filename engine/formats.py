@@ -51,7 +51,7 @@ class TensorLayout(Protocol):
 
 
 class ExpertLayout(Protocol):
-    """The part of ``cachecd.manifest.ExpertEntry`` the engine reads."""
+    """The part of ``cachecd.manifest.entries.ExpertEntry`` the engine reads."""
 
     @property
     def nbytes(self) -> int: ...

@@ -6,7 +6,7 @@ a demand read is copied back in after the kernel has its stack, if the policy ad
 Invariants:
 - ``bytes_used`` is the sum of the sizes of the experts held and never exceeds ``budget`` once a
   call returns. An expert bigger than the whole budget is not kept (a budget of 0 keeps nothing).
-- Which expert leaves is the policy's: the daemon's own eviction policies (``cachecd.policies``),
+- Which expert leaves is the policy's: the daemon's own eviction policies (``cachecd.store.policies``),
   driven as the daemon's store drives them, so ``bench/ram_tier.py`` can rank them on routing
   traces with the same replay. Buffers of evicted experts are reused for the next admission of
   the same size, so a warm tier does not fault in new pages.

@@ -73,7 +73,7 @@ NOTES: dict[str, str] = {
         "the one kept alive idle longest if that is 1 s or more (IDLE_CLOSE_AFTER_S; "
         "s13.idle_connections_closed_for_newcomers). When every one has a request under way "
         "or was answered within that second, the newcomer gets a typed 503 too_many_connections "
-        "(cachecd.control_door). A client that leaves mid-request is a debug line, not a "
+        "(cachecd.daemon.control_door). A client that leaves mid-request is a debug line, not a "
         "traceback. A half-sent request that is not pushed out is closed by "
         "aiohttp's keep-alive timer after 75 s. The data socket admits at most MAX_CONNECTIONS "
         "(256). Both sockets are 0600, same-uid only."),

@@ -1,6 +1,6 @@
 """Streamed vs resident on a tiny K2-Thinking-style checkpoint (int4 pack-quantized experts).
 
-The checkpoint comes from ``cachecd.tiny_k2``: DeepSeek-V3 layout, model_type kimi_k2, experts as
+The checkpoint comes from ``cachecd.testbed.tiny_k2``: DeepSeek-V3 layout, model_type kimi_k2, experts as
 compressed-tensors int4 (I32 packed codes, BF16 group scales, I32 shapes), small shards so some
 experts straddle two files. The reference is unmodified ``mlx_lm.utils.load_model`` on the full
 checkpoint; the streamed model loads a resident-only directory and reads experts through the

@@ -1,6 +1,6 @@
 """Streamed vs resident on the real tiny K3 checkpoint: every logit bitwise equal.
 
-The checkpoint comes from ``cachecd.tiny_model`` (mxfp4 experts with bf16 activations, and fp32)
+The checkpoint comes from ``cachecd.testbed.tiny_model`` (mxfp4 experts with bf16 activations, and fp32)
 with small shards so some experts are split across two files. The reference is
 ``mlx_lm.utils.load_model`` on the full checkpoint; the streamed model loads a directory with the
 resident weights only and reads experts from the checkpoint through its manifest's ranges.
