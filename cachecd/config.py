@@ -38,6 +38,13 @@ def parse_size(text: str | int, key: str = "size") -> int:
     return value
 
 
+def parse_rate(text: str | int, key: str = "rate") -> int:
+    """Bytes a second from '4MiB', '4MiB/s' or a plain integer; 0 is allowed (off)."""
+    if isinstance(text, str) and text.strip().lower().endswith("/s"):
+        text = text.strip()[:-2]
+    return parse_size(text, key)
+
+
 def format_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -62,6 +69,7 @@ class Settings:
     shutdown_timeout: float = constants.SHUTDOWN_TIMEOUT_S
     read_timeout: float = constants.READ_TIMEOUT_S
     total_timeout: float = constants.TOTAL_TIMEOUT_S
+    scrub_rate: int = constants.DEFAULT_SCRUB_RATE  # bytes a second; 0: no background scrub
 
     @property
     def data_socket(self) -> Path:
@@ -148,6 +156,7 @@ _FIELDS = {
     "shutdown_timeout": lambda v, k: float(v),
     "read_timeout": _seconds,
     "total_timeout": _seconds,
+    "scrub_rate": lambda v, k: parse_rate(v, k),
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 from cachecd.config import format_size, load_settings, parse_size
@@ -82,18 +83,53 @@ def render_status(info: dict[str, Any]) -> str:
         else "hit rate    no expert requests yet",
         f"in flight   {info.get('inflight', 0)} fetches",
     ]
+    if "scrub" in info:
+        lines += _scrub_lines(info["scrub"])
     for m in info.get("models", []):
         lines.append(f"model       {m['repo']}@{m['revision'][:12]} {m['experts_total']} experts, "
                      f"{format_size(m['expert_bytes_total'])} of experts")
     for repo, why in info.get("refused_models", {}).items():
         lines.append(f"refused     {repo}: {why}")
-    lines += _attention(store, counters)
+    lines += _attention(store, counters, info.get("scrub"))
     return "\n".join(lines)
 
 
-def _attention(store: dict[str, Any], counters: dict[str, Any]) -> list[str]:
+def _ago(when: float) -> str:
+    seconds = max(0.0, time.time() - when)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit} ago"
+    return f"{seconds:.0f} s ago"
+
+
+def _scrub_lines(scrub: dict[str, Any]) -> list[str]:
+    """The background scrub: this pass's progress, the last full pass, what it found."""
+    if not scrub.get("rate"):
+        return ["scrub       off (--scrub-rate 0): rot under a running daemon waits for "
+                "`cachecd fsck`"]
+    now = scrub.get("pass") or {}
+    lines = [f"scrub       pass {scrub.get('passes', 0) + 1}: {now.get('blobs_done', 0)}/"
+             f"{now.get('blobs_total', 0)} blobs, {format_size(now.get('bytes_done', 0))} of "
+             f"{format_size(now.get('bytes_total', 0))}, at {format_size(scrub['rate'])}/s"]
+    last = scrub.get("last_pass")
+    lines.append(f"last scrub  full pass {_ago(last['finished'])} ({last['blobs']} blobs in "
+                 f"{last['seconds']:.0f} s), {last['failures']} failed their hash" if last
+                 else "last scrub  no full pass yet")
+    lines.append(f"scrubbed    {scrub.get('blobs', 0)} blobs, "
+                 f"{format_size(scrub.get('bytes', 0))} since start; "
+                 f"{scrub.get('failures', 0)} failed their hash, {scrub.get('missing', 0)} "
+                 "missing or short")
+    return lines
+
+
+def _attention(store: dict[str, Any], counters: dict[str, Any],
+               scrub: dict[str, Any] | None = None) -> list[str]:
     """Lines for what the user should look into, from the counters since the daemon started."""
     out = []
+    if rot := (scrub or {}).get("failures", 0):
+        out.append(f"attention   {rot} cached experts failed their hash in the background scrub "
+                   "(bit rot): quarantined, fetched again on next use; check the disk, then "
+                   "`cachecd fsck`")
     if rot := store.get("bit_rot_on_open", 0):
         out.append(f"attention   {rot} cached experts failed their hash when opened (bit rot): "
                    "quarantined and fetched again; check the disk, then `cachecd fsck`")

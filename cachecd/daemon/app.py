@@ -11,6 +11,9 @@ Invariants:
   verified moments ago whose commit is still under way is served from its temp file (``Fetcher``'s
   ``fresh``). Every fd
   handed out is the caller's own (a dup), so an eviction never cuts off a read in progress.
+- A blob the background scrub (``store.scrub``) or an open quarantined is never handed out
+  afterwards: the fd cache checks the row on every hit, and a request that opened a blob before
+  its quarantine landed opens its experts again before it answers.
 - Access stats are recorded once per distinct expert per request.
 """
 
@@ -30,6 +33,7 @@ from cachecd.daemon.misses import Fetcher
 from cachecd.daemon.registry import RegisteredModel, Registry, check_repo
 from cachecd.errors import ExpertNotFound, InvalidRequest
 from cachecd.report.coverage import HitHistory
+from cachecd.store.scrub import Scrubber
 from cachecd.store.store import Store
 
 if TYPE_CHECKING:
@@ -178,6 +182,8 @@ class Daemon:
         self.max_connections = constants.MAX_CONNECTIONS
         self.blob_fds = BlobFds(store)
         self.draining = False
+        # Demand fetches first: the scrub waits while any is in flight (read from its thread).
+        self.scrub = Scrubber(store, settings.scrub_rate, busy=lambda: self.fetcher.inflight > 0)
 
     def model(self, repo: str) -> RegisteredModel:
         return self.registry.get(parse_repo(repo))
@@ -217,6 +223,22 @@ class Daemon:
         model = self.model(repo)
         entries = self.entries(model, layer, ids)
         missing = await self.ensure(model, entries)
+        digests = [e.digest_hex for e in entries]
+        for _ in range(3):
+            seq = self.store.quarantine_seq
+            opened = await self._open_all(model, entries, missing)
+            # A blob quarantined while this request held its fd (the scrub runs on its own
+            # thread): open again, so nothing is answered from it after the verdict.
+            if seq == self.store.quarantine_seq or not self.store.quarantined_since(seq, digests):
+                # One use per distinct expert per request, whatever the caller repeats.
+                return opened, (model.manifest.key, list({e.expert: e for e in entries}.values()))
+            for o in opened:
+                os.close(o.fd)
+        raise ExpertNotFound(f"layer {entries[0].layer}: experts were quarantined three times while "
+                             "being opened; check the disk (`cachecd status`)")
+
+    async def _open_all(self, model: RegisteredModel, entries: list[ExpertEntry],
+                        missing: set[str]) -> list[OpenedExpert]:
         self.blob_fds.check()
         opened: list[OpenedExpert] = []
         try:
@@ -232,8 +254,7 @@ class Daemon:
             for o in opened:
                 os.close(o.fd)
             raise
-        # One use per distinct expert per request, whatever the caller repeats.
-        return opened, (model.manifest.key, list({e.expert: e for e in entries}.values()))
+        return opened
 
     def record_uses(self, uses: Uses) -> None:
         key, entries = uses
@@ -306,6 +327,7 @@ class Daemon:
             "upstream": self.upstream.stats(),
             "models": [m.describe() for m in self.registry.all()],
             "refused_models": dict(self.registry.refused),
+            "scrub": self.scrub.status(),
             "debug": _process_counts(),
         }
 

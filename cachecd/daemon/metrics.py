@@ -21,7 +21,7 @@ def _flatten(prefix: str, value: Any, out: list[tuple[str, float]]) -> None:
 def render_metrics(daemon: Any) -> str:
     status = daemon.status()
     samples: list[tuple[str, float]] = []
-    for section in ("store", "counters", "upstream"):
+    for section in ("store", "counters", "upstream", "scrub"):
         _flatten(f"cachecd_{section}", status.get(section, {}), samples)
     samples.append(("cachecd_inflight_fetches", float(status["inflight"])))
     samples.append(("cachecd_uptime_seconds", float(status["uptime_s"])))

@@ -35,11 +35,14 @@ def add_daemon_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-parallel", type=int, help="upstream requests in flight at once")
     p.add_argument("--offline", action="store_const", const=True, default=None,
                    help="serve hits only; refuse misses (also HF_HUB_OFFLINE=1)")
+    p.add_argument("--scrub-rate", metavar="RATE",
+                   help="background scrub: re-hash every cached blob in turn at RATE bytes a "
+                        "second, e.g. 4MiB (the default); 0 turns it off")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     keys = ("cache_dirs", "budget", "socket", "endpoint", "manifests", "models_dir", "policy",
-            "max_parallel", "offline")
+            "max_parallel", "offline", "scrub_rate")
     return load_settings({k: getattr(args, k, None) for k in keys})
 
 
@@ -107,6 +110,7 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     await ControlSite(runner, control, door).start()
     data_server = DataServer(daemon, data)
     data_server.start()
+    daemon.scrub.start()
     return daemon, [runner, data_server]
 
 
@@ -128,9 +132,9 @@ async def serve(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     daemon, (runner, data_server) = await _start(settings)
-    log.info("listening socket=%s data=%s cache_dirs=%s budget=%d endpoint=%s", settings.socket,
-             settings.data_socket, ",".join(map(str, settings.cache_dirs)), settings.budget,
-             settings.endpoint)
+    log.info("listening socket=%s data=%s cache_dirs=%s budget=%d endpoint=%s scrub_rate=%d",
+             settings.socket, settings.data_socket, ",".join(map(str, settings.cache_dirs)),
+             settings.budget, settings.endpoint, settings.scrub_rate)
     print(f"cachecd: serving on {settings.socket}", file=sys.stderr, flush=True)
     await stop.wait()
     log.info("draining inflight=%d timeout=%.1fs", daemon.fetcher.inflight, settings.shutdown_timeout)
@@ -139,6 +143,7 @@ async def serve(settings: Settings) -> int:
     await runner.cleanup()
     await data_server.close()
     await daemon.upstream.close()
+    await asyncio.to_thread(daemon.scrub.stop)
     await daemon.store.close()
     for path in (settings.socket, settings.data_socket):
         path.unlink(missing_ok=True)

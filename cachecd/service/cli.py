@@ -30,7 +30,7 @@ from cachecd.errors import (
 from cachecd.service.manager import Command, Launchd, Manager, manager_for
 from cachecd.service.render import ServiceSpec, build_spec
 
-_EXPLICIT_KEYS = ("budget", "policy", "max_parallel", "offline", "manifests")
+_EXPLICIT_KEYS = ("budget", "policy", "max_parallel", "offline", "manifests", "scrub_rate")
 _INSTEAD = ("run `cachecd serve` in the foreground under your own supervisor (a container's "
             "entrypoint, supervisord, tmux), or write the file with `cachecd service render "
             "--platform {name} --output DIR` and load it yourself")

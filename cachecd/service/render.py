@@ -86,6 +86,8 @@ def serve_arguments(settings: Settings, explicit: dict[str, object]) -> list[str
         argv += ["--max-parallel", str(settings.max_parallel)]
     if explicit.get("offline"):
         argv.append("--offline")
+    if explicit.get("scrub_rate") is not None:
+        argv += ["--scrub-rate", str(settings.scrub_rate)]
     for m in settings.manifests if explicit.get("manifests") else []:
         argv += ["--manifest", str(Path(m).absolute())]
     return argv

@@ -16,7 +16,9 @@ Invariants:
   is caught on first open (quarantine, row dropped, refetch). A blob is hashed again when it
   is opened ``constants.REVERIFY_AFTER_S`` (a day) after its last hash. Hits through an fd the
   daemon already holds are zero-copy and not re-hashed: rot under a blob in constant use is
-  left to the next open after it idles, or to ``cachecd fsck``.
+  caught by the background scrub (scrub.py), which hashes every blob in turn, or by
+  ``cachecd fsck``. A quarantine takes the blob out of the ledger before anything else, and
+  bumps ``quarantine_seq``, so a request that opened the blob earlier can tell and open again.
 - An eviction never cuts off a read in progress: a reader holds an fd from ``open_blob`` and the
   kernel keeps an unlinked file's bytes until the last fd closes. No reader refcount is needed.
 - In-memory state (entries, policy, budget, pins) lives in the ``Ledger`` (budget.py) under one
@@ -59,6 +61,8 @@ class Store:
         self._models_mu = threading.Lock()
         self._closed = False
         self._verified: dict[str, float] = {}  # blob -> when this process last hashed it
+        self.quarantine_seq = 0  # bumped by every quarantine
+        self._quarantined: dict[str, int] = {}  # blob -> quarantine_seq of its last quarantine
 
     @property
     def budget(self) -> Budget:
@@ -136,6 +140,14 @@ class Store:
         entry = self.ledger.entries.get(validate_digest(digest_hex))
         return entry.size if entry else None
 
+    def entry(self, digest: str) -> Entry | None:
+        return self.ledger.entries.get(digest)
+
+    def quarantined_since(self, seq: int, digests: list[str]) -> bool:
+        """Whether any of ``digests`` was quarantined after ``quarantine_seq`` was ``seq``."""
+        with self.ledger.mu:
+            return any(self._quarantined.get(d, 0) > seq for d in digests)
+
     def digests(self) -> list[str]:
         with self.ledger.mu:
             return list(self.ledger.entries)
@@ -193,6 +205,16 @@ class Store:
             f"blob {digest} failed its hash when opened (bit rot); quarantined, fetch it again"
         )
 
+    def scrub_verdict(self, digest: str, entry: Entry, got: str) -> bool:
+        """The scrub hashed ``entry``'s blob to ``got``: True if that is its name. Otherwise the
+        blob goes to quarantine/ and loses its row, unless the row is no longer ``entry``."""
+        if got == digest:
+            self._verified[digest] = time.monotonic()
+            return True
+        log.error("event=scrub_bit_rot digest=%s got=%s", digest, got)
+        self._drop(digest, entry, quarantine=True, why="scrub")
+        return False
+
     def _drop(
         self, digest: str, entry: Entry, *, quarantine: bool, why: str = "bad_on_open"
     ) -> None:
@@ -201,6 +223,8 @@ class Store:
             if self.ledger.forget(digest, entry) is None:
                 return  # someone else already dropped or replaced it
             if quarantine:
+                self.quarantine_seq += 1
+                self._quarantined[digest] = self.quarantine_seq
                 self.blobs.quarantine(entry.dir_index, digest, why)
                 self.ledger.counters["quarantined"] += 1
             fut = self.index.delete_entries([digest])

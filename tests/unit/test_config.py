@@ -55,3 +55,18 @@ def test_bad_values_name_the_key_and_origin(tmp_path: Path) -> None:
 def test_format_size() -> None:
     assert format_size(512) == "512 B"
     assert format_size(17_547_264) == "16.7 MiB"
+
+
+def test_scrub_rate_from_each_layer_and_off(tmp_path: Path) -> None:
+    toml = tmp_path / "c.toml"
+    toml.write_text('scrub_rate = "1MiB"\n')
+    none = tmp_path / "none"
+    assert load_settings({}, environ={}, config_file=none).scrub_rate == constants.DEFAULT_SCRUB_RATE
+    assert load_settings({}, environ={}, config_file=toml).scrub_rate == 1 << 20
+    env = {"CACHECD_SCRUB_RATE": "8MiB/s"}
+    assert load_settings({}, environ=env, config_file=toml).scrub_rate == 8 << 20
+    assert load_settings({"scrub_rate": "0"}, environ=env, config_file=toml).scrub_rate == 0
+    with pytest.raises(ConfigInvalid, match=r"--scrub-rate: cannot read 'fast'"):
+        load_settings({"scrub_rate": "fast"}, environ={}, config_file=none)
+    with pytest.raises(ConfigInvalid, match=r"CACHECD_SCRUB_RATE: cannot read .-1."):
+        load_settings({}, environ={"CACHECD_SCRUB_RATE": "-1"}, config_file=none)

@@ -19,3 +19,21 @@ def test_rot_and_refused_connections_are_called_out() -> None:
     assert len(lines) == 2
     assert "2 cached experts failed their hash" in lines[0] and "cachecd fsck" in lines[0]
     assert "5 control connections were refused" in lines[1]
+
+
+def test_the_scrub_shows_its_pass_its_last_full_pass_and_what_it_found() -> None:
+    import time
+
+    scrub = {"rate": 4 << 20, "running": True, "blobs": 900, "bytes": 9 << 30, "failures": 1,
+             "missing": 0, "passes": 2, "yields": 3,
+             "pass": {"blobs_done": 10, "blobs_total": 400, "bytes_done": 1 << 30,
+                      "bytes_total": 4 << 30, "started": time.time() - 60, "failures": 0},
+             "last_pass": {"finished": time.time() - 7200, "seconds": 1000.0, "blobs": 400,
+                           "bytes": 4 << 30, "failures": 1}}
+    text = render_status({**BASE, "scrub": scrub})
+    assert "scrub       pass 3: 10/400 blobs, 1.0 GiB of 4.0 GiB, at 4.0 MiB/s" in text
+    assert "last scrub  full pass 2.0 h ago (400 blobs in 1000 s), 1 failed their hash" in text
+    attention = [line for line in text.splitlines() if line.startswith("attention")]
+    assert len(attention) == 1 and "background scrub" in attention[0]
+    off = render_status({**BASE, "scrub": {"rate": 0}})
+    assert "scrub       off (--scrub-rate 0)" in off and "attention" not in off

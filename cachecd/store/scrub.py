@@ -1,0 +1,211 @@
+"""The background scrub: every cached blob hashed against its name, in turn, continuously.
+
+ZFS and Ceph scrub their data in the background; so does the daemon. A hit is served from the
+blob without re-hashing it (the zero-copy path), so a blob that rots in place (same length) while
+the daemon runs is served until something hashes it again: the scrub does, pass after pass. A
+blob that fails goes to quarantine/ and loses its row, so it is fetched again on next use.
+
+Invariants:
+- Rate: reads are paid for from a token bucket filled at ``rate`` bytes a second, a blob at least
+  ``constants.SCRUB_MIN_BLOB_COST``. A blob is paid for before it is opened, so the scrub holds
+  a blob's fd only while it reads it (at disk speed) or yields to demand.
+- Below demand: before a blob and between its chunks the scrub waits while ``busy()`` says demand
+  fetches are in flight, at most ``constants.SCRUB_YIELD_MAX_S`` a step, so a daemon that is never
+  idle is still scrubbed.
+- A verdict applies to the row the scrub read (``Store.scrub_verdict``): a blob evicted or
+  replaced meanwhile is left alone. A bad blob leaves the ledger first, under its lock, so from
+  that moment no hit is served from it (the daemon's fd cache checks the row on every hit); its
+  row is deleted by the index's writer thread, the only LMDB writer.
+- Opens, reads and hashing run on the scrub's own thread, never on the event loop. The bytes
+  hashed are the ones a hit serves: both go through the page cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cachecd import constants, errors
+from cachecd.store.blobs import HASH_CHUNK
+from cachecd.store.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class TokenBucket:
+    """``rate`` tokens a second, at most ``burst`` saved up. ``take`` may go into debt: it
+    returns how long to wait before using what it took."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if rate <= 0:
+            raise errors.InvalidRequest(f"a token bucket needs a rate above 0, got {rate}")
+        self.rate, self.burst, self._clock = rate, burst, clock
+        self._tokens = 0.0
+        self._t = clock()
+
+    def take(self, n: float) -> float:
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate) - n
+        self._t = now
+        return max(0.0, -self._tokens / self.rate)
+
+
+class Scrubber:
+    """Runs passes over the store on its own thread until ``stop``; ``status`` from any thread."""
+
+    def __init__(self, store: Store, rate: int, busy: Callable[[], bool] = lambda: False,
+                 *, chunk: int = HASH_CHUNK) -> None:
+        self.store, self.rate, self._busy, self._chunk = store, rate, busy, chunk
+        self._bucket = TokenBucket(rate, chunk) if rate > 0 else None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._mu = threading.Lock()
+        self.counters = dict.fromkeys(("blobs", "bytes", "failures", "missing", "passes",
+                                       "yields"), 0)
+        self._pass: dict[str, Any] = {}
+        self._last: dict[str, Any] = {}
+        self._last_failure: dict[str, Any] = {}
+
+    # ---- the thread --------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._bucket is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="cachecd-scrub", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                scrubbed = self.run_pass()
+            except Exception:  # a bug must not end the scrub for the daemon's lifetime
+                log.exception("scrub pass failed")
+                scrubbed = 0
+            if not scrubbed:
+                self._stop.wait(1.0)  # an empty cache: look again in a second
+
+    # ---- a pass ------------------------------------------------------------------------
+
+    def run_pass(self) -> int:
+        """Hash every blob the store indexes now, once; returns how many were looked at."""
+        digests = self.store.digests()
+        sizes = [e.size for d in digests if (e := self.store.entry(d)) is not None]
+        started = time.time()
+        with self._mu:
+            self._pass = {"started": started, "blobs_total": len(digests),
+                          "bytes_total": sum(sizes), "blobs_done": 0, "bytes_done": 0,
+                          "failures": 0}
+        for digest in digests:
+            if self._stop.is_set():
+                return 0  # an unfinished pass is not a pass
+            nbytes = self.scrub_one(digest)
+            with self._mu:
+                self._pass["blobs_done"] += 1
+                self._pass["bytes_done"] += nbytes
+        if not digests:
+            return 0
+        took = time.time() - started
+        with self._mu:
+            self.counters["passes"] += 1
+            self._last = {"finished": time.time(), "seconds": round(took, 3),
+                          "blobs": len(digests), "bytes": self._pass["bytes_done"],
+                          "failures": self._pass["failures"]}
+        log.info("event=scrub_pass_done blobs=%d bytes=%d seconds=%.1f failures=%d",
+                 len(digests), self._last["bytes"], took, self._last["failures"])
+        return len(digests)
+
+    def scrub_one(self, digest: str) -> int:
+        """Hash one blob (paced, below demand) and apply the verdict; returns bytes hashed."""
+        entry = self.store.entry(digest)
+        if entry is None:
+            return 0  # evicted since the pass began
+        self._yield_to_demand()
+        self._wait(self._bucket_take(max(entry.size, constants.SCRUB_MIN_BLOB_COST)))
+        if self._stop.is_set():
+            return 0
+        try:
+            fd, size = self.store.open_blob(digest)
+        except errors.ExpertNotFound:  # missing or short: open_blob dropped its row
+            self._count(missing=1)
+            return 0
+        except errors.CachecdError as exc:  # EMFILE and the like: not the blob's fault
+            log.warning("event=scrub_open_failed digest=%s err=%s", digest, exc)
+            return 0
+        try:
+            got = self._hash(fd, size)
+        finally:
+            os.close(fd)
+        if got is None:
+            return 0
+        if self.store.scrub_verdict(digest, entry, got):
+            self._count(blobs=1, bytes=size)
+        else:
+            self._count(blobs=1, bytes=size, failures=1)
+            with self._mu:
+                self._pass["failures"] = self._pass.get("failures", 0) + 1
+                self._last_failure = {"digest": digest, "at": time.time()}
+        return size
+
+    def _hash(self, fd: int, size: int) -> str | None:
+        """xxh3-128 of the blob's ``size`` bytes (a short read hashes short: a mismatch)."""
+        import xxhash
+
+        h = xxhash.xxh3_128()
+        offset = 0
+        while offset < size:
+            if offset:
+                self._yield_to_demand()
+                if self._stop.is_set():
+                    return None
+            chunk = os.pread(fd, min(self._chunk, size - offset), offset)
+            if not chunk:
+                break
+            h.update(chunk)
+            offset += len(chunk)
+        return h.hexdigest()
+
+    # ---- pacing ------------------------------------------------------------------------
+
+    def _bucket_take(self, n: int) -> float:
+        return self._bucket.take(n) if self._bucket is not None else 0.0
+
+    def _wait(self, seconds: float) -> None:
+        if seconds > 0:
+            self._stop.wait(seconds)
+
+    def _yield_to_demand(self) -> None:
+        if not self._busy():
+            return
+        self._count(yields=1)
+        deadline = time.monotonic() + constants.SCRUB_YIELD_MAX_S
+        while self._busy() and not self._stop.is_set() and time.monotonic() < deadline:
+            self._stop.wait(0.02)
+
+    def _count(self, **by: int) -> None:
+        with self._mu:
+            for key, n in by.items():
+                self.counters[key] += n
+
+    # ---- reports -----------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """Progress of the pass under way, the last full pass, what the scrub found."""
+        with self._mu:
+            out: dict[str, Any] = {"rate": self.rate, "running": self._thread is not None
+                                   and self._thread.is_alive(), **self.counters}
+            if self._pass:
+                out["pass"] = dict(self._pass)
+            if self._last:
+                out["last_pass"] = dict(self._last)
+            if self._last_failure:
+                out["last_failure"] = dict(self._last_failure)
+        return out

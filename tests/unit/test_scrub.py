@@ -1,0 +1,169 @@
+"""The background scrub over a real store: real temp dirs, real LMDB, real files."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from cachecd import constants
+from cachecd.store.fsck import fsck
+from cachecd.store.scrub import Scrubber, TokenBucket
+from cachecd.store.store import Store
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _blob(i: int, size: int) -> tuple[str, bytes]:
+    data = random.Random(i).randbytes(size)
+    return xxhash.xxh3_128(data).hexdigest(), data
+
+
+def _store_with(tmp_path: Path, sizes: list[int]) -> tuple[Store, list[str]]:
+    store = Store.open_sync([tmp_path])
+    digests = []
+    for i, size in enumerate(sizes):
+        digest, data = _blob(i, size)
+        store.commit_sync(digest, data, store.reserve_sync(size))
+        digests.append(digest)
+    return store, digests
+
+
+def _path(tmp_path: Path, digest: str) -> Path:
+    return tmp_path / "blobs" / digest[:2] / digest
+
+
+def _flip(path: Path, offset: int) -> None:
+    """In place, same length, same inode: what rot under a running daemon looks like."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, offset)[0] ^ 0xFF]), offset)
+    finally:
+        os.close(fd)
+
+
+def test_token_bucket_pays_back_its_debt_at_the_rate() -> None:
+    clock = Clock()
+    bucket = TokenBucket(rate=1000, burst=100, clock=clock)
+    assert bucket.take(500) == pytest.approx(0.5)  # starts empty: 500 tokens are 0.5 s away
+    clock.now += 0.5
+    assert bucket.take(100) == pytest.approx(0.1)  # the debt was paid by the wait, no more
+    clock.now += 10  # idle: saves up to the burst only
+    assert bucket.take(100) == 0.0
+    assert bucket.take(1000) == pytest.approx(1.0)
+
+
+def test_a_pass_hashes_every_blob_and_quarantines_the_rotten_one(tmp_path: Path) -> None:
+    store, digests = _store_with(tmp_path, [5000, 300_000, 70_000])
+    open_fd = os.open(_path(tmp_path, digests[1]), os.O_RDONLY)  # a reader holds it meanwhile
+    try:
+        _flip(_path(tmp_path, digests[1]), 123_456)
+        scrub = Scrubber(store, rate=1 << 40)
+        assert scrub.run_pass() == 3
+        status = scrub.status()
+        assert (status["blobs"], status["failures"], status["passes"]) == (3, 1, 1)
+        assert status["bytes"] == 375_000
+        assert status["last_pass"]["failures"] == 1
+        assert status["last_failure"]["digest"] == digests[1]
+        assert status["pass"]["blobs_done"] == status["pass"]["blobs_total"] == 3
+        assert not store.has(digests[1]) and store.has(digests[0]) and store.has(digests[2])
+        assert store.stats()["quarantined"] == 1
+        assert store.quarantined_since(0, [digests[1]])
+        assert not store.quarantined_since(0, [digests[0], digests[2]])
+        quarantined = list((tmp_path / "quarantine").iterdir())
+        assert [p.name.split(".")[0] for p in quarantined] == [digests[1]]
+        assert not store.unverified(digests[0])  # a good hash counts as a verification
+    finally:
+        os.close(open_fd)
+        store.close_sync()
+    again = Store.open_sync([tmp_path])  # the row delete went through the writer thread
+    try:
+        assert sorted(again.digests()) == sorted([digests[0], digests[2]])
+    finally:
+        again.close_sync()
+    assert fsck([tmp_path]).exit_code == 0
+
+
+def test_a_missing_or_short_blob_loses_its_row(tmp_path: Path) -> None:
+    store, digests = _store_with(tmp_path, [4000, 4000, 4000])
+    try:
+        _path(tmp_path, digests[0]).unlink()
+        os.truncate(_path(tmp_path, digests[1]), 100)
+        scrub = Scrubber(store, rate=1 << 40)
+        scrub.run_pass()
+        assert (scrub.counters["missing"], scrub.counters["blobs"]) == (2, 1)
+        assert store.digests() == [digests[2]]
+    finally:
+        store.close_sync()
+
+
+def test_the_rate_paces_the_pass(tmp_path: Path) -> None:
+    """Waits add up to the bytes (or each blob's minimum cost) over the rate."""
+    sizes = [1000, 200_000, 300_000]
+    store, _ = _store_with(tmp_path, sizes)
+    try:
+        scrub = Scrubber(store, rate=1 << 20)
+        scrub._bucket = TokenBucket(1 << 20, 0, clock=Clock())  # time stands still: all debt
+        waits: list[float] = []
+        scrub._wait = waits.append  # type: ignore[method-assign]
+        scrub.run_pass()
+        cost = sum(max(s, constants.SCRUB_MIN_BLOB_COST) for s in sizes)
+        assert waits[-1] == pytest.approx(cost / (1 << 20))  # the debt when the last blob began
+        assert len(waits) == 3  # paid per blob, before it is opened
+    finally:
+        store.close_sync()
+
+
+def test_demand_comes_first_but_cannot_starve_the_scrub(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(constants, "SCRUB_YIELD_MAX_S", 0.01)
+    store, _ = _store_with(tmp_path, [600_000, 1000])
+    try:
+        asked = []
+
+        def busy() -> bool:
+            asked.append(1)
+            return True  # demand fetches never stop
+
+        scrub = Scrubber(store, rate=1 << 40, busy=busy)
+        assert scrub.run_pass() == 2
+        # Before each blob and between the big one's chunks (256 KiB): 2 + 2.
+        assert scrub.counters["yields"] == 4 and scrub.counters["blobs"] == 2
+        assert len(asked) > 4
+    finally:
+        store.close_sync()
+
+
+def test_the_thread_runs_passes_until_stopped(tmp_path: Path) -> None:
+    store, _ = _store_with(tmp_path, [2000, 2000])
+    scrub = Scrubber(store, rate=64 << 20)
+    try:
+        scrub.start()
+        for _ in range(500):
+            if scrub.status()["passes"] >= 2:
+                break
+            scrub._stop.wait(0.01)
+        assert scrub.status()["passes"] >= 2 and scrub.status()["running"]
+    finally:
+        scrub.stop()
+        store.close_sync()
+    assert not scrub.status()["running"]
+
+
+def test_off_means_no_thread(tmp_path: Path) -> None:
+    store, _ = _store_with(tmp_path, [2000])
+    scrub = Scrubber(store, rate=0)
+    try:
+        scrub.start()
+        assert not scrub.status()["running"] and scrub.status()["rate"] == 0
+    finally:
+        scrub.stop()
+        store.close_sync()
