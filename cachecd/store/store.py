@@ -211,8 +211,8 @@ class Store:
         if got == digest:
             self._verified[digest] = time.monotonic()
             return True
-        log.error("event=scrub_bit_rot digest=%s got=%s", digest, got)
         self._drop(digest, entry, quarantine=True, why="scrub")
+        log.error("event=scrub_bit_rot digest=%s got=%s", digest, got)
         return False
 
     def _drop(

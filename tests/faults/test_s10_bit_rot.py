@@ -6,23 +6,27 @@ restarted daemon refetches good bytes. Without fsck, a running daemon's open dro
 short blob and refetches it, and a blob the daemon did not commit itself is hashed on its first
 open, so rot at rest (a flipped byte, same length) is quarantined and refetched; so is rot
 that sets in while the daemon runs, at the blob's first open once its last hash is older than
-REVERIFY_AFTER_S (shortened here). A byte flipped while the daemon already holds the blob is
-NOT caught on the hit path (served without re-hashing, by design of the zero-copy path) until
-then, a restart or fsck: the figure says so.
+REVERIFY_AFTER_S (shortened here). Those tests turn the background scrub off, so that what they
+measure is the open path. A byte flipped while the daemon holds the blob open and serves it
+without re-hashing (the zero-copy hit path) is caught by the background scrub: from its verdict
+on, no request gets the rotten blob; before it, hits serve it, and the figures say how many.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import xxhash
 
 from tests.faults.figures import FIGURES
-from tests.faults.support import FaultDaemon, Model, fetch_verified, fsck_cli
+from tests.faults.support import FaultDaemon, Model, check_bytes, fetch_verified, fsck_cli
 from tests.harness import run_cli
+
+NO_SCRUB = ["--scrub-rate", "0"]  # for the tests of what the open path catches
 
 
 def _blob(d: FaultDaemon, model: Model, layer: int, expert: int) -> Path:
@@ -119,7 +123,7 @@ def test_fsck_as_another_uid_unreadable_blob_is_unverifiable(small: Model, pool,
 
 def test_open_drops_missing_and_short_blobs_and_refetches(small: Model, pool) -> None:  # type: ignore[no-untyped-def]
     hub = pool.hub(small)
-    d = pool.daemon(hub, [small])
+    d = pool.daemon(hub, [small], args=NO_SCRUB)
     layer = small.layers[1]
     with d.client() as c:
         fetch_verified(c, small, layer, [0, 1, 2])
@@ -129,22 +133,96 @@ def test_open_drops_missing_and_short_blobs_and_refetches(small: Model, pool) ->
         os.truncate(short, 100)
         hub.clear_records()
         fetch_verified(c, small, layer, [0, 1, 2])
-        assert hub.count("cdn_get") == 2
-        # A flipped byte of the right size: served as it is on disk (the hit path does not
-        # re-hash); only fsck finds it. Recorded, not counted as a served byte of this suite.
-        rotten = _blob(d, small, layer, 2)
-        _flip(rotten, 10)
-        got = c.experts(small.repo, layer, [2])[0].tobytes()
-        served_rot = xxhash.xxh3_128(got).digest() != small.entry(layer, 2).xxh3
-    FIGURES.set("s10.open_refetched_missing_or_short", 2)
-    FIGURES.set("s10.rotted_blob_served_on_hit_without_fsck", served_rot)
-    assert d.stop() == 0
-    assert fsck_cli(d.cache_dir, "--repair").returncode == 1  # fsck is what catches it
+        store = c.stats()["store"]
+    assert hub.count("cdn_get") == 2
+    assert store["quarantined"] == 1  # the short one; the missing one had nothing to keep
+    FIGURES.set("s10.open_refetched_missing_or_short", hub.count("cdn_get"))
+
+
+def _in_place(path: Path, offset: int) -> None:
+    """Flip a byte with pwrite: same inode, same length, through the page cache that the
+    daemon's open fds read."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, offset)[0] ^ 0xFF]), offset)
+    finally:
+        os.close(fd)
+
+
+def _holds(d: FaultDaemon, path: Path) -> bool:
+    """Whether the daemon has ``path`` open (its fd cache keeps the fds of blobs in use)."""
+    for fd in os.listdir(f"/proc/{d.pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{d.pid}/fd/{fd}") == str(path):
+                return True
+        except FileNotFoundError:
+            continue
+    return False
+
+
+def test_rot_under_a_running_daemon_is_never_served_after_the_scrub_passes_it(small: Model, pool) -> None:  # type: ignore[no-untyped-def]
+    hub = pool.hub(small)
+    # A fast scrub. The reader below never pauses (an engine decoding), so the daemon keeps the
+    # blob's fd (closed after BLOB_FDS_IDLE_S without a hit, here 2 s, after the test).
+    d = pool.daemon(hub, [small], args=["--scrub-rate", "1MiB"],
+                    env={"CACHECD_BLOB_FDS_IDLE_S": "2"})
+    layer, ids, target = small.layers[3], list(range(8)), 5
+    entry = small.entry(layer, target)
+    with d.client() as c:
+        fetch_verified(c, small, layer, ids)
+        c.stats()  # answers once the commits are done: the blobs are in place
+    rotten = _blob(d, small, layer, target)
+    answers: list[tuple[float, bool]] = []  # (wall time the request left, bytes were good)
+    stop = threading.Event()
+
+    def hits() -> None:
+        with d.client() as c:
+            while not stop.is_set():
+                sent = time.time()
+                got = c.experts(small.repo, layer, [target])[0]
+                good = xxhash.xxh3_128(got).digest() == entry.xxh3
+                if good:
+                    check_bytes(small, entry, got)
+                answers.append((sent, good))
+
+    reader = threading.Thread(target=hits)
+    reader.start()
+    try:
+        while not answers:
+            time.sleep(0.01)
+        held = _holds(d, rotten)
+        hub.clear_records()
+        flipped = time.time()
+        _in_place(rotten, 1234)
+        deadline = time.monotonic() + 60
+        while d.status()["scrub"]["failures"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        scrub = d.status()["scrub"]
+        assert scrub["failures"] >= 1, f"the scrub never failed the rotten blob: {scrub}"
+        verdict = scrub["last_failure"]["at"]  # taken once the blob left the index
+        time.sleep(0.5)  # hits go on after the verdict
+    finally:
+        stop.set()
+        reader.join(30)
+    assert held, "the daemon did not hold the blob open: the scenario is not the one meant"
+    assert scrub["failures"] == 1 and scrub["last_failure"]["digest"] == entry.digest_hex
+    after = [good for sent, good in answers if sent > verdict]
+    rotten_before = sum(1 for sent, good in answers if flipped < sent <= verdict and not good)
+    assert after and all(after), f"{after.count(False)} of {len(after)} hits after the verdict were rotten"
+    assert hub.count("cdn_get") == 1  # fetched again once, then hits again
+    assert any(p.name.startswith(rotten.name) for p in (d.cache_dir / "quarantine").iterdir())
+    store = d.status()["store"]
+    assert store["bit_rot_on_open"] == 0  # the scrub caught it, not an open
+    FIGURES.set("s10.rot_held_open_caught_by_scrub", scrub["failures"])
+    FIGURES.set("s10.scrub_verdict_after_flip_s", round(verdict - flipped, 3))
+    FIGURES.set("s10.rotted_hits_served_before_scrub_verdict", rotten_before)
+    FIGURES.set("s10.rotted_hits_served_after_scrub_verdict", after.count(False))
+    FIGURES.set("s10.hits_checked_after_scrub_verdict", len(after))
 
 
 def test_rot_at_rest_is_caught_on_the_first_open_after_a_restart(small: Model, pool) -> None:  # type: ignore[no-untyped-def]
     hub = pool.hub(small)
-    d = pool.daemon(hub, [small])
+    d = pool.daemon(hub, [small], args=NO_SCRUB)
     layer = small.layers[2]
     with d.client() as c:
         fetch_verified(c, small, layer, [3, 4])
@@ -166,8 +244,8 @@ def test_rot_at_rest_is_caught_on_the_first_open_after_a_restart(small: Model, p
 
 def test_rot_while_running_is_caught_once_the_last_hash_is_old(small: Model, pool) -> None:  # type: ignore[no-untyped-def]
     hub = pool.hub(small)
-    d = pool.daemon(hub, [small], env={"CACHECD_REVERIFY_AFTER_S": "0.5",
-                                       "CACHECD_BLOB_FDS_IDLE_S": "0.2"})
+    d = pool.daemon(hub, [small], args=NO_SCRUB, env={"CACHECD_REVERIFY_AFTER_S": "0.5",
+                                                      "CACHECD_BLOB_FDS_IDLE_S": "0.2"})
     layer = small.layers[-1]
     with d.client() as c:
         fetch_verified(c, small, layer, [5, 6])

@@ -59,14 +59,18 @@ NOTES: dict[str, str] = {
         "crash point on the write path the client may already hold its (verified) bytes when "
         "the daemon dies; the restart removes the temp or adopts the stray, and fetches again "
         "where needed."),
-    "s10.rotted_blob_served_on_hit_without_fsck": (
-        "A blob whose bytes rot on disk but keep their length while the daemon already holds "
-        "it is served on a hit as it is: the zero-copy hit path does not re-hash. Rot at rest "
-        "is caught: a blob the daemon did not commit itself is hashed on its first open, and "
-        "any blob again at its first open a day (REVERIFY_AFTER_S) after its last hash "
-        "(s10.rot_caught_on_reverify, with the day shortened). "
-        "`cachecd fsck` finds either (exit 1) and `--repair` quarantines it; missing and short "
-        "blobs are caught on open and refetched."),
+    "s10.rotted_hits_served_before_scrub_verdict": (
+        "A blob whose bytes rot in place (same length) while the daemon holds it open is served "
+        "on hits as it is until the background scrub reaches it: the zero-copy hit path does "
+        "not re-hash. The scrub hashes every blob in turn at --scrub-rate (default 4 MiB/s), so "
+        "the window is at most one pass (cache bytes / rate; 4 days for a full K3 cache at the "
+        "default); from the scrub's verdict on the blob is never handed out "
+        "(s10.rotted_hits_served_after_scrub_verdict), and it is fetched again on next use. "
+        "Rot at rest is caught sooner: a blob the daemon did not commit itself is hashed on its "
+        "first open, and any blob again at its first open a day (REVERIFY_AFTER_S) after its "
+        "last hash (s10.rot_caught_on_reverify, with the day shortened). `cachecd fsck` finds "
+        "either (exit 1) and `--repair` quarantines it; missing and short blobs are caught on "
+        "open and refetched."),
     "s13.slowloris_connections": (
         "The control socket holds at most MAX_CONTROL_CONNECTIONS (128): a connection that "
         "arrives at the limit pushes out the oldest one that never started a request, or else "
