@@ -9,7 +9,8 @@ process (the kernel still has the page cache, so this is not a power-loss test).
 there to observe what happens meanwhile (an answer before the blob is durable, say).
 
 Points on the blob write path, in order: after_tmp_write, after_fsync, after_rename,
-before_index_commit, after_index_commit.
+before_index_commit, after_index_commit. In the index: during_map_growth (the LMDB map was just
+grown, the write txn that ran out of room not yet retried).
 """
 
 from __future__ import annotations

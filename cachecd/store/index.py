@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import lmdb
 
 from cachecd import constants, errors
+from cachecd.store.crash import crash_point
 
 log = logging.getLogger(__name__)
 
@@ -262,8 +263,10 @@ class Index:
                 f"index map is at its ceiling ({self.map_ceiling} bytes); evict entries"
             )
         new = min(current * 2, limit)
+        log.info("event=index_map_growing old=%d new=%d", current, new)
         with self._rw.exclusive():
             self.env.set_mapsize(new)
+        crash_point("during_map_growth")  # grown, and the txn that needed it not retried yet
         log.info("event=index_map_grown old=%d new=%d", current, new)
 
     def close(self) -> None:

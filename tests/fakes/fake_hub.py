@@ -18,6 +18,7 @@ import hmac
 import secrets
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -84,6 +85,7 @@ class FakeHub:
         self.records: list[Record] = []
         self.in_flight = 0
         self.peak_in_flight = 0
+        self.cuts: Counter[str] = Counter()  # bodies cut short: truncate, reset, stall
         self.url = ""
         self.public_url = ""  # what Locations point at when set (a FaultProxy in front of us)
         self._secret = secrets.token_bytes(16)
@@ -127,6 +129,7 @@ class FakeHub:
     def clear_records(self) -> None:
         self.records.clear()
         self.peak_in_flight = 0
+        self.cuts.clear()
 
     def invalidate_urls(self) -> None:
         """Every signed URL handed out so far now answers 403 (a rotated CDN key)."""
@@ -263,6 +266,7 @@ class FakeHub:
         cut = _cut(f) if faulty else None
         await self._write(request, resp, memoryview(body)[: cut[1]] if cut else memoryview(body))
         if cut is not None:
+            self.cuts[cut[0]] += 1
             await self._fault(request, cut[0])
             return resp
         await resp.write_eof()

@@ -30,7 +30,7 @@ def test_mid_body_stall_times_out_and_the_retry_serves_good_bytes(small: Model, 
         health = probe.stop()
     windows = _stall_windows(hub)
     assert len(windows) == 1
-    FIGURES.set("s04.read_timeout_setting_s", READ_S)
+    FIGURES.setting("s04.read_timeout_setting_s", READ_S)
     FIGURES.peak("s04.read_timeout_fired_after_s_max", max(windows))
     assert READ_S - 0.1 <= windows[0] <= READ_S + 1.0, windows
     assert record_health("s04", health) < 100, health
@@ -49,7 +49,7 @@ def test_persistent_stall_gives_504_within_the_total_deadline(small: Model, pool
         health = probe.stop()
     assert info.value.retryable and info.value.http_status == 504
     windows = _stall_windows(hub)
-    FIGURES.set("s04.total_deadline_setting_s", TOTAL_S)
+    FIGURES.setting("s04.total_deadline_setting_s", TOTAL_S)
     FIGURES.peak("s04.error_after_s", round(took, 3))
     FIGURES.peak("s04.read_timeout_fired_after_s_max", max(windows))
     FIGURES.set("s04.attempts_before_504", len(windows))

@@ -88,7 +88,7 @@ def test_budget_under_zipf_load_pins_and_eviction_of_open_blobs(big: Model, pool
     finally:
         sampler.stop()
     hot = big.entry(*max(set(picks), key=picks.count))
-    FIGURES.set("s07.budget_bytes", BUDGET)
+    FIGURES.setting("s07.budget_bytes", BUDGET)
     FIGURES.peak("s07.peak_blobs_bytes", sampler.peak_blobs)
     FIGURES.peak("s07.peak_blobs_plus_tmp_bytes", sampler.peak_total)
     FIGURES.add("s07.disk_samples", sampler.samples)
@@ -111,7 +111,7 @@ def test_budget_under_zipf_load_pins_and_eviction_of_open_blobs(big: Model, pool
             for fd in fds:
                 os.close(fd)
         assert len(data) == hot.nbytes and xxhash.xxh3_128(data).digest() == hot.xxh3
-        FIGURES.set("s07.evicted_while_held_read_whole", 1)
+        FIGURES.set("s07.evicted_while_held_bytes_read", len(data))
         # Pins fill the budget: the next miss cannot be made room for (retryable 507).
         layer = big.layers[2]
         c.evict(1 << 40)
@@ -122,7 +122,7 @@ def test_budget_under_zipf_load_pins_and_eviction_of_open_blobs(big: Model, pool
         assert info.value.retryable and info.value.http_status == 507
         c.unpin(big.repo, layer, pinned)
         fetch_verified(c, big, big.layers[1], [15])  # unpinned: room is made again
-    FIGURES.set("s07.reservations_full_status", 507)
+    FIGURES.set("s07.reservations_full", f"{info.value.http_status} {info.value.code}")
 
 
 def test_restart_with_smaller_budget_evicts_before_accepting(big: Model, pool) -> None:  # type: ignore[no-untyped-def]

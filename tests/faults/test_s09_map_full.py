@@ -1,8 +1,10 @@
 """Scenario 9: the LMDB map starts at 64 KiB (CACHECD_MAP_SIZE) and fills under thousands of rows.
-The writer grows it (x2) and retries; a kill -9 the moment the first growth is logged leaves an
-index that reopens cleanly (fsck exit 0), and the restarted daemon grows it again to hold every
-row. Each expert read through the data path adds access rows, so the index holds ~3 rows per
-expert."""
+The writer grows it (x2) and retries. The first growth is held at the named crash point
+``during_map_growth`` (the map grown, the txn that needed it not retried yet: CACHECD_PAUSE_AT)
+and the daemon is killed there, so the kill lands during the growth every run (the log shows
+the growth begun and not finished); the index reopens cleanly (fsck exit 0), and the restarted
+daemon grows it again to hold every row. Each expert read through the data path adds access
+rows, so the index holds ~3 rows per expert."""
 
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ def _read_all(d: FaultDaemon, model: Model) -> None:
             fetch_verified(c, model, layer, list(range(model.manifest.experts_per_layer)))
 
 
-def _growths(d: FaultDaemon) -> list[int]:
-    return [int(n) for n in re.findall(r"event=index_map_grown old=\d+ new=(\d+)", d.log())]
+def _growths(d: FaultDaemon, done: str = "grown") -> list[int]:
+    return [int(n) for n in re.findall(rf"event=index_map_{done} old=\d+ new=(\d+)", d.log())]
 
 
 def _rows(cache_dir) -> int:  # type: ignore[no-untyped-def]
@@ -52,8 +54,9 @@ def _rows(cache_dir) -> int:  # type: ignore[no-untyped-def]
 
 def test_map_grows_and_a_kill_during_growth_reopens_cleanly(many: Model, pool) -> None:  # type: ignore[no-untyped-def]
     hub = pool.hub(many)
-    d = pool.daemon(hub, [many], env=ENV)
-    assert d.status()["store"]["index_map_size"] == 64 * 1024
+    d = pool.daemon(hub, [many], env={**ENV, "CACHECD_PAUSE_AT": "during_map_growth:120"})
+    initial = d.status()["store"]["index_map_size"]
+    assert initial == 64 * 1024
 
     def load() -> None:
         try:
@@ -64,15 +67,18 @@ def test_map_grows_and_a_kill_during_growth_reopens_cleanly(many: Model, pool) -
     loader = threading.Thread(target=load)
     loader.start()
     deadline = time.monotonic() + 120
-    while not _growths(d) and time.monotonic() < deadline and d.running():
+    while not _growths(d, "growing") and time.monotonic() < deadline and d.running():
         time.sleep(0.002)
-    assert _growths(d), "the 64 KiB map never filled"
-    d.kill9()  # right after the first growth was logged: its txn is being retried
+    assert _growths(d, "growing"), "the 64 KiB map never filled"
+    d.kill9()  # the growth is held at its crash point for 120 s: the kill lands inside it
     loader.join(120)
-    FIGURES.set("s09.initial_map_bytes", 64 * 1024)
-    FIGURES.set("s09.kills_during_growth", 1)
+    begun, finished = _growths(d, "growing"), _growths(d, "grown")
+    assert len(begun) == 1 and not finished, (begun, finished)
+    FIGURES.set("s09.initial_map_bytes", initial)
+    FIGURES.add("s09.kills_during_growth", len(begun) - len(finished))
     assert fsck_exit_code(d.cache_dir) == 0
-    d.start()  # reopens with the same 64 KiB setting; LMDB keeps the grown size
+    d.set_env(ENV)
+    d.start()  # reopens with the same 64 KiB setting, no pause; LMDB keeps the grown size
     _read_all(d, many)
     status = d.status()["store"]
     assert status["entries"] == many.manifest.n_experts

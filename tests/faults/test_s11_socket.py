@@ -10,8 +10,10 @@ exits non-zero.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -96,7 +98,8 @@ def test_modes_from_bind_nobody_refused_then_forbidden(small: Model, pool, as_no
     assert first[0] == (0o700, 0o600, 0o600), first
     refused = _as_nobody(d, nobody)
     assert refused["control"] == {"connect_errno": 13} and refused["data"] == {"connect_errno": 13}
-    FIGURES.set("s11.nobody_with_normal_modes", "EACCES on both sockets")
+    FIGURES.set("s11.nobody_with_normal_modes", ", ".join(
+        f"{name} {errno.errorcode[got['connect_errno']]}" for name, got in sorted(refused.items())))
     d.base.chmod(0o711)  # the test's own temp dir, above the socket dir
     d.socket.parent.chmod(0o755)
     d.socket.chmod(0o666)
@@ -110,11 +113,17 @@ def test_modes_from_bind_nobody_refused_then_forbidden(small: Model, pool, as_no
         os.chmod(str(d.socket) + ".data", 0o600)
     head, _, body = let_in["control"]["answer"].partition("\r\n\r\n")
     assert head.startswith("HTTP/1.1 403"), head
-    assert json.loads(body)["error"] == "forbidden"
+    control_error = json.loads(body)["error"]
+    assert control_error == "forbidden"
     assert '"error":"forbidden"' in let_in["data"]["answer"]
+    data_answer = let_in["data"]["answer"]
+    data_error = json.loads(data_answer[data_answer.index("{"):])["error"]  # past the length
     log = d.log()
     assert f"peer refused uid={NOBODY} pid=" in log and f"data peer refused uid={NOBODY}" in log
-    FIGURES.set("s11.nobody_with_widened_modes", "403 forbidden + log line with uid and pid")
+    lines = len(re.findall(rf"peer refused uid={NOBODY} pid=\d+", log))
+    FIGURES.set("s11.nobody_with_widened_modes",
+                f"control {head.split()[1]} {control_error}, data {data_error}, "
+                f"{lines} log lines with uid and pid")
     with d.client() as c:  # the owner is still served
         fetch_verified(c, small, small.layers[0], [0])
 

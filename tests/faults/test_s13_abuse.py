@@ -63,7 +63,7 @@ def setup(small: Model, module_pool):  # type: ignore[no-untyped-def]
     yield d
     worst = record_health("s13", probe.stop())
     FIGURES.peak("s13.rss_peak_bytes", rss.stop())
-    FIGURES.set("s13.rss_cap_bytes", RSS_CAP)
+    FIGURES.setting("s13.rss_cap_bytes", RSS_CAP)
     assert worst < 100, worst
     assert FIGURES.get("s13.rss_peak_bytes") < RSS_CAP
 
@@ -133,7 +133,7 @@ def test_body_past_client_max_size_is_413(setup: FaultDaemon) -> None:
     assert _status(answer) == 413, answer[:300]
     payload = json.loads(answer.partition(b"\r\n\r\n")[2])
     assert payload["error"] == "invalid_request"
-    FIGURES.set("s13.body_past_client_max_size", "413 invalid_request")
+    FIGURES.set("s13.body_past_client_max_size", f"{_status(answer)} {payload['error']}")
 
 
 @pytest.mark.parametrize(("path", "body"), [
@@ -157,13 +157,23 @@ def test_bad_json_and_bad_values_are_typed_400(setup: FaultDaemon, path: str, bo
 def test_ten_thousand_expert_batch_and_range_headers(setup: FaultDaemon, small: Model) -> None:
     layer = small.layers[0]
     ids = ",".join(str(i % 32) for i in range(10_000))
-    # 25 KB of request line: aiohttp's parser refuses it before any handler (still typed: the
-    # door's handler answers in JSON). The refusal of 10k experts by count is checked on POST
-    # .../warm and on the data path.
+    # 25 KB of request line: aiohttp's parser refuses it (past 8190 bytes) before any handler
+    # (still typed: the door's handler answers in JSON). The refusal of 10k experts by count is
+    # checked on POST .../warm (MAX_BATCH_EXPERTS) and here on the data path.
     answer = _raw(str(setup.socket), f"GET /v1/models/faults/small/experts/{layer}?ids={ids} "
                   "HTTP/1.1\r\nHost: d\r\n\r\n".encode())
     assert _status(answer) == 400
-    assert check_wire_error(400, answer.partition(b"\r\n\r\n")[2])["error"] == "invalid_request"
+    error = check_wire_error(400, answer.partition(b"\r\n\r\n")[2])["error"]
+    assert error == "invalid_request"
+    # The data path's cap (protocol.MAX_FDS_PER_FRAME): a frame asking for 10,000 experts.
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(str(setup.socket) + ".data")
+        s.sendall(protocol.encode({"op": "experts", "model": "faults/small", "layer": layer,
+                                   "ids": list(range(10_000))}))
+        head = s.recv(protocol.HEADER.size, socket.MSG_WAITALL)
+        frame = protocol.decode(s.recv(protocol.frame_length(head), socket.MSG_WAITALL))
+    assert frame["ok"] is False and frame["error"] == "invalid_request", frame
     for rng in ("bytes=-5", "bytes=10-5", "bytes=999999999-", f"bytes=0-{2**64}", "junk"):
         status, headers, data = http_request(setup.socket, "GET",
                                              f"/v1/models/faults/small/experts/{layer}/3",
@@ -172,7 +182,7 @@ def test_ten_thousand_expert_batch_and_range_headers(setup: FaultDaemon, small: 
         if status == 200:  # the expert endpoint ignores Range: the whole expert, verified
             check_bytes(small, small.entry(layer, 3), data)
     FIGURES.set("s13.ten_thousand_expert_batch",
-                "400 invalid_request (GET: aiohttp's 8190-byte line limit; POST warm and data path: the 4096-expert cap)")
+                f"GET {_status(answer)} {error}, data path {frame['error']}")
 
 
 def test_bad_frames_on_the_data_path(setup: FaultDaemon) -> None:

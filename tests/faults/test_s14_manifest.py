@@ -82,7 +82,7 @@ def test_bad_manifest_at_start_refuses_that_model_only(small: Model, big: Model,
         c.register(big.manifest_path)  # a good big, stored by the daemon
         assert big.repo in {m["repo"] for m in c.models()}
     assert any(str(bad) in why for why in refused.values()), refused
-    FIGURES.set("s14.bad_manifest_at_start", "daemon started; that manifest refused")
+    FIGURES.set("s14.manifests_refused_at_start_daemon_serving", len(refused))
     # The stored copy of big rots between runs: big is refused at start, small still served.
     assert d.stop() == 0
     stored = next((d.base / "models" / "manifests").glob("faults--big--*.manifest"))
@@ -93,5 +93,7 @@ def test_bad_manifest_at_start_refuses_that_model_only(small: Model, big: Model,
         with pytest.raises(RepoNotAllowed) as info:
             c.experts(big.repo, big.layers[0], [0])
         assert "refused" in info.value.message and str(stored) in info.value.message
-    FIGURES.set("s14.rotted_stored_manifest", "refused at start (403 repo_not_allowed), others served")
+    FIGURES.set("s14.rotted_stored_manifest",
+                f"{info.value.http_status} {info.value.code} after a restart; "
+                f"{small.repo} served")
 

@@ -41,15 +41,16 @@ def test_sigterm_drains_ten_fetches_in_flight(small: Model, pool) -> None:  # ty
         deadline = time.monotonic() + 20
         while hub.in_flight < 10 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert hub.in_flight == 10
+        in_flight = hub.in_flight
+        assert in_flight == 10
         t0 = time.monotonic()
         assert d.proc is not None
         d.proc.send_signal(signal.SIGTERM)
         code = d.proc.wait(SHUTDOWN_S + 10)
         took = time.monotonic() - t0
         outcomes = [f.result() for f in futures]
-    FIGURES.set("s15.fetches_in_flight_at_sigterm", 10)
-    FIGURES.set("s15.shutdown_timeout_s", SHUTDOWN_S)
+    FIGURES.set("s15.fetches_in_flight_at_sigterm", in_flight)
+    FIGURES.setting("s15.shutdown_timeout_s", SHUTDOWN_S)
     FIGURES.set("s15.drain_and_exit_s", round(took, 3))
     FIGURES.set("s15.client_outcomes", ", ".join(f"{o} x{outcomes.count(o)}" for o in sorted(set(outcomes))))
     assert code == 0 and took <= SHUTDOWN_S + 1.0, (code, took)
@@ -102,9 +103,12 @@ def test_connected_client_retries_after_a_restart(small: Model, pool) -> None:  
             c.health()
         FIGURES.peak("s15.daemon_unavailable_ms_max", round(1000 * (time.perf_counter() - t0), 2))
         d.start()
+        retried = 0
         assert c.health()["ok"]  # same client object: reconnects on its own
+        retried += 1
         fetch_verified(c, small, layer, [0, 1])
-    FIGURES.set("s15.client_across_restart", "health and experts retried on a new connection")
+        retried += 1
+    FIGURES.set("s15.calls_of_one_client_answered_across_a_restart", retried)
 
 
 def test_sigterm_cancels_fetches_that_outlast_shutdown_timeout(small: Model, pool) -> None:  # type: ignore[no-untyped-def]

@@ -34,4 +34,5 @@ def test_token_only_to_resolve_and_never_echoed(small: Model, pool) -> None:  # 
         found = SECRET_RE.findall(body.decode("utf-8", "replace"))
         FIGURES.add("all.secrets_found", len(found))
         assert not found, path
-    FIGURES.set("s16.token_in_env", "hf_ + 34 chars, DEBUG logs, every daemon of the suite")
+    FIGURES.setting("s16.token_in_env",
+                    f"hf_ + {len(FAKE_TOKEN) - 3} chars, DEBUG logs, every daemon of the suite")
