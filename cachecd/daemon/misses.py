@@ -150,19 +150,20 @@ class Fetcher:
 
     def _claim(self, model: RegisteredModel, missing: list[ExpertEntry]) -> list[asyncio.Future[None]]:
         loop = asyncio.get_running_loop()
-        waits, new = [], []
+        waits, new = [], {}
         for entry in missing:
             fut = self._inflight.get(entry.digest_hex)
             if fut is None:
                 fut = loop.create_future()
                 fut.add_done_callback(_swallow)
                 self._inflight[entry.digest_hex] = fut
-                new.append(entry)
+                new[entry.digest_hex] = (entry, fut)
             else:
                 self.counters["coalesced_waiters"] += 1
             waits.append(fut)
         if new:
-            self._spawn(self._fetch_group(model, new))
+            self._spawn(self._fetch_group(model, [e for e, _ in new.values()],
+                                          {d: f for d, (_, f) in new.items()}))
         return waits
 
     def _spawn(self, coro: asyncio.coroutines.Coroutine[object, object, None]) -> None:  # type: ignore[name-defined]
@@ -178,7 +179,10 @@ class Fetcher:
             waits = self._claim(model, still)
             await asyncio.gather(*waits, return_exceptions=True)
 
-    async def _fetch_group(self, model: RegisteredModel, entries: list[ExpertEntry]) -> None:
+    async def _fetch_group(self, model: RegisteredModel, entries: list[ExpertEntry],
+                           own: dict[str, asyncio.Future[None]]) -> None:
+        """Fetch ``entries``; ``own`` holds the futures this group settles. An expert served,
+        evicted and claimed again by a newer group meanwhile has a newer future: not ours."""
         reservations = {}
         try:
             to_fetch = []
@@ -187,23 +191,23 @@ class Fetcher:
                     reservations[entry.digest_hex] = await self._store.reserve(entry.nbytes)
                     to_fetch.append(entry)
                 except CachecdError as exc:
-                    self._settle(entry.digest_hex, exc)
+                    self._settle(entry.digest_hex, exc, own)
             if to_fetch:
-                await self._fetch_reserved(model, to_fetch, reservations)
+                await self._fetch_reserved(model, to_fetch, reservations, own)
         except CachecdError as exc:
             for entry in entries:
-                self._settle(entry.digest_hex, exc)
+                self._settle(entry.digest_hex, exc, own)
         except Exception as exc:  # a bug must still release every waiter
             log.exception("fetch group failed repo=%s", model.repo)
             for entry in entries:
-                self._settle(entry.digest_hex, Internal(f"fetch failed: {exc!r}"))
+                self._settle(entry.digest_hex, Internal(f"fetch failed: {exc!r}"), own)
         finally:
             for reservation in reservations.values():
                 reservation.release()
             for entry in entries:
-                self._settle(entry.digest_hex, Internal("fetch ended without a result"))
+                self._settle(entry.digest_hex, Internal("fetch ended without a result"), own)
 
-    async def _fetch_reserved(self, model, to_fetch, reservations) -> None:  # type: ignore[no-untyped-def]
+    async def _fetch_reserved(self, model, to_fetch, reservations, own) -> None:  # type: ignore[no-untyped-def]
         spool = _Spool(self._store)
         downloaded = asyncio.Event()
         commits: list[asyncio.Task[None]] = []
@@ -233,7 +237,7 @@ class Fetcher:
         for (layer, expert), exc in errors.items():
             self.counters[f"fetch_error_{exc.code}"] += 1
             digest = model.manifest.expert(layer, expert).digest_hex
-            self._settle(digest, exc)
+            self._settle(digest, exc, own)
 
     def _hand_over(self, entry: ExpertEntry, writer: BlobWriter) -> bool:
         """Answer the waiters of a verified, streamed expert from its temp file."""
@@ -284,9 +288,14 @@ class Fetcher:
         self.counters["fetched_bytes"] += entry.nbytes
         self._settle(entry.digest_hex, None)
 
-    def _settle(self, digest: str, exc: CachecdError | None) -> None:
-        fut = self._inflight.pop(digest, None)
-        if fut is None or fut.done():
+    def _settle(self, digest: str, exc: CachecdError | None,
+                own: dict[str, asyncio.Future[None]] | None = None) -> None:
+        """Settle the future in flight for ``digest`` (with ``own``: only if it is the one there)."""
+        fut = self._inflight.get(digest)
+        if fut is None or (own is not None and own.get(digest) is not fut):
+            return
+        del self._inflight[digest]
+        if fut.done():
             return
         if exc is None:
             fut.set_result(None)
