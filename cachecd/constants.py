@@ -91,9 +91,9 @@ DEFAULT_SCRUB_RATE = 4 * 1024 * 1024
 # A blob costs the scrub at least this many bytes of its rate (open, fstat, close and a seek for
 # a tiny blob are not free), so a small cache is not reopened hundreds of times a second.
 SCRUB_MIN_BLOB_COST = 64 * 1024
-# The scrub waits while demand fetches are in flight, but no longer than this per step, so a
-# daemon that is never idle is still scrubbed (at worst a blob or a chunk per step).
-SCRUB_YIELD_MAX_S = 1.0
+# While demand fetches are in flight the scrub reads at 1/this of its rate: demand comes
+# first, and a daemon that is never idle is still scrubbed.
+SCRUB_BUSY_SLOWDOWN = 4
 # Reports (status, coverage, ...) wait for the commits of experts already answered; one whose
 # fetch group is still downloading is waited for this long at most.
 SETTLE_DOWNLOAD_WAIT_S = 2.0

@@ -98,3 +98,10 @@ def as_nobody() -> Iterator[Callable[..., OtherUid]]:
     yield get
     for root, _ in made.values():
         shutil.rmtree(root, ignore_errors=True)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--soak-seconds", type=float, default=None,
+        help="how long the fault suite's soak (tests/faults/test_s17_soak.py) keeps the daemon "
+             "under load; default $CACHECD_SOAK_SECONDS, else 60")

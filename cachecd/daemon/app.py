@@ -222,18 +222,24 @@ class Daemon:
         reads instead of delaying them."""
         model = self.model(repo)
         entries = self.entries(model, layer, ids)
-        missing = await self.ensure(model, entries)
         digests = [e.digest_hex for e in entries]
-        for _ in range(3):
-            seq = self.store.quarantine_seq
-            opened = await self._open_all(model, entries, missing)
-            # A blob quarantined while this request held its fd (the scrub runs on its own
-            # thread): open again, so nothing is answered from it after the verdict.
-            if seq == self.store.quarantine_seq or not self.store.quarantined_since(seq, digests):
-                # One use per distinct expert per request, whatever the caller repeats.
-                return opened, (model.manifest.key, list({e.expert: e for e in entries}.values()))
-            for o in opened:
-                os.close(o.fd)
+        # Spared from eviction until opened: under a tight budget the other requests' fetches
+        # would otherwise evict what this one fetched, or found, before it opens them.
+        self.store.ledger.hold(digests)
+        try:
+            missing = await self.ensure(model, entries)
+            for _ in range(3):
+                seq = self.store.quarantine_seq
+                opened = await self._open_all(model, entries, missing)
+                # A blob quarantined while this request held its fd (the scrub runs on its own
+                # thread): open again, so nothing is answered from it after the verdict.
+                if seq == self.store.quarantine_seq or not self.store.quarantined_since(seq, digests):
+                    # One use per distinct expert per request, whatever the caller repeats.
+                    return opened, (model.manifest.key, list({e.expert: e for e in entries}.values()))
+                for o in opened:
+                    os.close(o.fd)
+        finally:
+            self.store.ledger.release_hold(digests)
         raise ExpertNotFound(f"layer {entries[0].layer}: experts were quarantined three times while "
                              "being opened; check the disk (`cachecd status`)")
 
@@ -328,7 +334,7 @@ class Daemon:
             "models": [m.describe() for m in self.registry.all()],
             "refused_models": dict(self.registry.refused),
             "scrub": self.scrub.status(),
-            "debug": _process_counts(),
+            "debug": {**_process_counts(), "blob_fds": len(self.blob_fds)},
         }
 
 

@@ -14,14 +14,18 @@ Invariants (``Budget``'s caller serializes every call; ``Ledger`` holds its lock
 - Bytes chosen for eviction leave ``used`` in the same call that grants the reservation they make
   room for, so two reservations can never count the same freed bytes. On disk they are freed by
   the caller (unlink) before it starts writing, so disk usage stays within the budget.
-- Pinned entries are never victims. A digest being evicted is registered in ``unlinking`` until
-  its file is gone, so a new commit of the same bytes waits instead of losing its file.
+- Pinned entries are never victims, nor are held ones (``hold``: the experts of a request under
+  way, from its look-up until its fds are open, so that a fetch made for a request is not
+  evicted by the others' before it is opened). A digest being evicted is registered in
+  ``unlinking`` until its file is gone, so a new commit of the same bytes waits instead of
+  losing its file.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, Self
@@ -114,7 +118,7 @@ class Budget:
                 raise errors.ReservationsFull(
                     f"cannot make room for {nbytes} bytes: budget {self.limit}, used "
                     f"{self.used}, reserved {self.reserved}, evictable {freed}; the rest is "
-                    "pinned or being written. Retry shortly"
+                    "pinned, being written or in use by requests. Retry shortly"
                 )
             self.used -= freed
         self.reserved += nbytes
@@ -159,6 +163,16 @@ class Victims:
         return sum(e.size for e in self.where.values())
 
 
+class _Either:
+    """``d in pins or d in held`` without building their union for every pick."""
+
+    def __init__(self, a: set[str], b: Counter[str]) -> None:
+        self.a, self.b = a, b
+
+    def __contains__(self, digest: object) -> bool:
+        return digest in self.a or digest in self.b
+
+
 class Ledger:
     def __init__(
         self, budget: Budget, policy: EvictionPolicy, entries: dict[str, Entry],
@@ -169,6 +183,7 @@ class Ledger:
         self.policy = policy
         self.entries = entries
         self.pins = pins
+        self.held: Counter[str] = Counter()  # digest -> requests under way that need it
         self.unlinking: dict[str, threading.Event] = {}
         self.counters = dict.fromkeys(
             ("hits", "misses", "inserts", "evictions", "bytes_evicted", "quarantined",
@@ -193,7 +208,7 @@ class Ledger:
             if digests is not None:
                 picked = [
                     (d, self.entries[d].size) for d in dict.fromkeys(digests)
-                    if d in self.entries and d not in self.pins
+                    if d in self.entries and d not in self.pins and d not in self.held
                 ]
             else:
                 picked = self._pick(nbytes if nbytes > 0 else max(self.budget.overflow(), 0))
@@ -214,7 +229,19 @@ class Ledger:
     def _pick(self, need: int) -> list[tuple[str, int]]:
         if need <= 0:
             return []
-        return [(d, self.entries[d].size) for d in self.policy.victims(need, self.pins)]
+        spared = _Either(self.pins, self.held) if self.held else self.pins
+        return [(d, self.entries[d].size) for d in self.policy.victims(need, spared)]
+
+    def hold(self, digests: Iterable[str]) -> None:
+        """Spare these from eviction until ``release_hold`` (counted: holds nest)."""
+        with self.mu:
+            self.held.update(digests)
+
+    def release_hold(self, digests: Iterable[str]) -> None:
+        with self.mu:
+            self.held.subtract(digests)
+            for d in [d for d, n in self.held.items() if n <= 0]:
+                del self.held[d]
 
     def _detach(self, picked: list[tuple[str, int]]) -> Victims:
         victims = Victims({d: self.entries.pop(d) for d, _ in picked})

@@ -9,9 +9,9 @@ Invariants:
 - Rate: reads are paid for from a token bucket filled at ``rate`` bytes a second, a blob at least
   ``constants.SCRUB_MIN_BLOB_COST``. A blob is paid for before it is opened, so the scrub holds
   a blob's fd only while it reads it (at disk speed) or yields to demand.
-- Below demand: before a blob and between its chunks the scrub waits while ``busy()`` says demand
-  fetches are in flight, at most ``constants.SCRUB_YIELD_MAX_S`` a step, so a daemon that is never
-  idle is still scrubbed.
+- Below demand: a blob paid for while ``busy()`` says demand fetches are in flight costs
+  ``constants.SCRUB_BUSY_SLOWDOWN`` times as much, so the scrub gives way to them, and a daemon
+  that is never idle is still scrubbed (at that fraction of the rate).
 - A verdict applies to the row the scrub read (``Store.scrub_verdict``): a blob evicted or
   replaced meanwhile is left alone. A bad blob leaves the ledger first, under its lock, so from
   that moment no hit is served from it (the daemon's fd cache checks the row on every hit); its
@@ -65,7 +65,7 @@ class Scrubber:
         self._thread: threading.Thread | None = None
         self._mu = threading.Lock()
         self.counters = dict.fromkeys(("blobs", "bytes", "failures", "missing", "passes",
-                                       "yields"), 0)
+                                       "yields"), 0)  # yields: blobs paid for at the busy price
         self._pass: dict[str, Any] = {}
         self._last: dict[str, Any] = {}
         self._last_failure: dict[str, Any] = {}
@@ -128,8 +128,11 @@ class Scrubber:
         entry = self.store.entry(digest)
         if entry is None:
             return 0  # evicted since the pass began
-        self._yield_to_demand()
-        self._wait(self._bucket_take(max(entry.size, constants.SCRUB_MIN_BLOB_COST)))
+        cost = max(entry.size, constants.SCRUB_MIN_BLOB_COST)
+        if self._busy():
+            self._count(yields=1)
+            cost *= constants.SCRUB_BUSY_SLOWDOWN
+        self._wait(self._bucket_take(cost))
         if self._stop.is_set():
             return 0
         try:
@@ -162,10 +165,8 @@ class Scrubber:
         h = xxhash.xxh3_128()
         offset = 0
         while offset < size:
-            if offset:
-                self._yield_to_demand()
-                if self._stop.is_set():
-                    return None
+            if self._stop.is_set():
+                return None
             chunk = os.pread(fd, min(self._chunk, size - offset), offset)
             if not chunk:
                 break
@@ -181,14 +182,6 @@ class Scrubber:
     def _wait(self, seconds: float) -> None:
         if seconds > 0:
             self._stop.wait(seconds)
-
-    def _yield_to_demand(self) -> None:
-        if not self._busy():
-            return
-        self._count(yields=1)
-        deadline = time.monotonic() + constants.SCRUB_YIELD_MAX_S
-        while self._busy() and not self._stop.is_set() and time.monotonic() < deadline:
-            self._stop.wait(0.02)
 
     def _count(self, **by: int) -> None:
         with self._mu:

@@ -7,6 +7,7 @@ and nothing was deselected, so a partial run never overwrites the record of a fu
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -118,8 +119,17 @@ def _is_fault_item(nodeid: str) -> bool:
     return nodeid.replace("\\", "/").startswith("tests/faults/")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def soak_seconds(config: pytest.Config) -> float:
+    """--soak-seconds, else $CACHECD_SOAK_SECONDS, else 60: a minute keeps the suite short."""
+    given = config.getoption("--soak-seconds", None)
+    return float(given if given is not None else os.environ.get("CACHECD_SOAK_SECONDS", "60"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _state["collected"] = {i.nodeid for i in items if _is_fault_item(i.nodeid)}
+    for item in items:  # a longer soak gets a longer timeout than the suite's 300 s
+        if "test_s17_soak" in item.nodeid:
+            item.add_marker(pytest.mark.timeout(soak_seconds(config) + 240))
 
 
 def pytest_deselected(items: list[pytest.Item]) -> None:

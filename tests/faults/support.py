@@ -17,6 +17,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,6 +210,29 @@ def bytes_under(root: Path) -> int:
         except FileNotFoundError:
             pass
     return total
+
+
+class DiskSampler:
+    """Bytes under a cache dir's blobs/ and tmp/ every 50 ms, in a thread."""
+
+    def __init__(self, d: DaemonProcess, interval: float = 0.05) -> None:
+        self.d, self.interval, self.peak_blobs, self.peak_total, self.samples = d, interval, 0, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            blobs = bytes_under(self.d.cache_dir / "blobs")
+            tmp = bytes_under(self.d.cache_dir / "tmp")
+            self.peak_blobs = max(self.peak_blobs, blobs)
+            self.peak_total = max(self.peak_total, blobs + tmp)
+            self.samples += 1
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
 
 
 # -- the daemon ---------------------------------------------------------------------------------

@@ -18,33 +18,10 @@ import xxhash
 from cachecd import protocol
 from cachecd.errors import ReservationsFull, TooLarge
 from tests.faults.figures import FIGURES
-from tests.faults.support import FaultDaemon, Model, bytes_under, fetch_verified
+from tests.faults.support import DiskSampler, FaultDaemon, Model, bytes_under, fetch_verified
 
 MIB = 1 << 20
 BUDGET = 16 * MIB
-
-
-class DiskSampler:
-    """Bytes under blobs/ and tmp/ every 50 ms, in a thread."""
-
-    def __init__(self, d: FaultDaemon) -> None:
-        self.d, self.peak_blobs, self.peak_total, self.samples = d, 0, 0, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            blobs = bytes_under(self.d.cache_dir / "blobs")
-            tmp = bytes_under(self.d.cache_dir / "tmp")
-            self.peak_blobs = max(self.peak_blobs, blobs)
-            self.peak_total = max(self.peak_total, blobs + tmp)
-            self.samples += 1
-            self._stop.wait(0.05)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
 
 
 def _zipf_picks(model: Model, n: int, seed: int) -> list[tuple[int, int]]:

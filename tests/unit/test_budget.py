@@ -200,3 +200,24 @@ def test_default_beats_lru_on_skewed_routing() -> None:
 def test_unknown_policy() -> None:
     with pytest.raises(errors.InvalidRequest, match="lru"):
         make_policy("fifo")
+
+
+def test_held_entries_are_spared_until_released() -> None:
+    from cachecd.store.budget import Ledger
+    from cachecd.store.index import Entry
+
+    entries = {d: Entry(0, 100, 0.0) for d in ("a", "b", "c")}
+    ledger = Ledger(Budget(300), make_policy("lru"), dict(entries), set(), {})
+    ledger.hold(["a", "b"])
+    ledger.hold(["a"])  # holds nest: two requests need a
+    res, victims = ledger.reserve(100)
+    assert list(victims.where) == ["c"]
+    ledger.settle(victims)
+    res.release()
+    assert list(ledger.take(["a", "b"]).where) == []  # explicit eviction spares them too
+    with pytest.raises(errors.ReservationsFull):
+        ledger.reserve(200)  # a and b are all there is, and both are held
+    ledger.release_hold(["a", "b"])
+    assert list(ledger.take(None, 100).where) == ["b"]  # a is still held once
+    ledger.release_hold(["a"])
+    assert list(ledger.take(None, 100).where) == ["a"] and not ledger.held

@@ -123,21 +123,22 @@ def test_the_rate_paces_the_pass(tmp_path: Path) -> None:
         store.close_sync()
 
 
-def test_demand_comes_first_but_cannot_starve_the_scrub(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(constants, "SCRUB_YIELD_MAX_S", 0.01)
-    store, _ = _store_with(tmp_path, [600_000, 1000])
+def test_demand_comes_first_but_cannot_starve_the_scrub(tmp_path: Path) -> None:
+    """A blob paid for while demand fetches are in flight costs SCRUB_BUSY_SLOWDOWN times more:
+    the scrub slows down for demand, and still finishes its pass."""
+    sizes = [600_000, 1000, 200_000]
+    store, _ = _store_with(tmp_path, sizes)
     try:
-        asked = []
-
-        def busy() -> bool:
-            asked.append(1)
-            return True  # demand fetches never stop
-
-        scrub = Scrubber(store, rate=1 << 40, busy=busy)
-        assert scrub.run_pass() == 2
-        # Before each blob and between the big one's chunks (256 KiB): 2 + 2.
-        assert scrub.counters["yields"] == 4 and scrub.counters["blobs"] == 2
-        assert len(asked) > 4
+        busy_now = iter([True, False, True])
+        scrub = Scrubber(store, rate=1 << 20, busy=lambda: next(busy_now))
+        scrub._bucket = TokenBucket(1 << 20, 0, clock=Clock())
+        waits: list[float] = []
+        scrub._wait = waits.append  # type: ignore[method-assign]
+        assert scrub.run_pass() == 3
+        slow = constants.SCRUB_BUSY_SLOWDOWN
+        cost = slow * 600_000 + constants.SCRUB_MIN_BLOB_COST + slow * 200_000
+        assert waits[-1] == pytest.approx(cost / (1 << 20))
+        assert scrub.counters["yields"] == 2 and scrub.counters["blobs"] == 3
     finally:
         store.close_sync()
 
