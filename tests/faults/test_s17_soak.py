@@ -242,6 +242,8 @@ def test_soak_decode_load_with_faults_scrub_and_a_tight_budget(soak_model: Model
     FIGURES.setting("s17.budget_bytes", BUDGET)
     FIGURES.setting("s17.scrub_rate_bytes_per_s", SCRUB_RATE)
     FIGURES.setting("s17.upstream_fault_rates", ", ".join(f"{k} {v:.0%}" for k, v in RATES.items()))
+    FIGURES.setting("s17.growth_tolerance", f"RSS {RSS_SLACK >> 20} MiB + 5%, fds {COUNT_SLACK}, "
+                    f"tasks {COUNT_SLACK}")
     FIGURES.set("s17.decode_calls_served", calls)
     FIGURES.set("s17.experts_served", run.experts)
     FIGURES.set("s17.hit_calls", len(run.hit_ms))

@@ -49,6 +49,9 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "s15": ("shutdown, restart, client", "SIGTERM drains in-flight fetches within "
             "shutdown_timeout, exit 0; DaemonUnavailable < 100 ms; retries after restart"),
     "s16": ("secret hygiene", "no hf_ token in any log or error body"),
+    "s17": ("soak", "decode-shaped clients, warm/status/coverage/evict, a tight budget, the "
+            "scrub and a faulty upstream for the soak's length: no wrong byte served, budget "
+            "held, the scrub finds nothing, RSS/fds/tasks do not grow after warm-up"),
 }
 
 
@@ -81,6 +84,11 @@ NOTES: dict[str, str] = {
         "traceback. A half-sent request that is not pushed out is closed by "
         "aiohttp's keep-alive timer after 75 s. The data socket admits at most MAX_CONNECTIONS "
         "(256). Both sockets are 0600, same-uid only."),
+    "s17.hit_latency_p99_ms": (
+        "The soak's latencies are measured on this 2-core machine shared with the test process, "
+        "which checks every byte it is served (xxh3) and runs the fake hub: they describe this "
+        "run under load, not the daemon alone (bench/hits.py and bench/overhead.py measure "
+        "that)."),
 }
 
 
