@@ -23,7 +23,14 @@ from pathlib import Path
 import xxhash
 
 from tests.faults.figures import FIGURES
-from tests.faults.support import FaultDaemon, Model, check_bytes, fetch_verified, fsck_cli
+from tests.faults.support import (
+    FaultDaemon,
+    Model,
+    check_bytes,
+    fetch_verified,
+    fsck_cli,
+    http_request,
+)
 from tests.harness import run_cli
 
 NO_SCRUB = ["--scrub-rate", "0"]  # for the tests of what the open path catches
@@ -213,6 +220,11 @@ def test_rot_under_a_running_daemon_is_never_served_after_the_scrub_passes_it(sm
     assert any(p.name.startswith(rotten.name) for p in (d.cache_dir / "quarantine").iterdir())
     store = d.status()["store"]
     assert store["bit_rot_on_open"] == 0  # the scrub caught it, not an open
+    _, _, metrics = http_request(d.socket, "GET", "/metrics")
+    counted = dict(line.split() for line in metrics.decode().splitlines() if line[:1] != "#")
+    assert float(counted["cachecd_scrub_failures"]) == 1 and float(counted["cachecd_scrub_passes"]) >= 1
+    out = run_cli("status", "--socket", str(d.socket)).stdout  # what the user sees
+    assert "failed their hash in the background scrub" in out and "last scrub  full pass" in out, out
     FIGURES.set("s10.rot_held_open_caught_by_scrub", scrub["failures"])
     FIGURES.set("s10.scrub_verdict_after_flip_s", round(verdict - flipped, 3))
     FIGURES.set("s10.rotted_hits_served_before_scrub_verdict", rotten_before)

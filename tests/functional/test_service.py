@@ -77,7 +77,7 @@ def test_rendered_plist_parses_and_has_what_launchd_needs(home: Path) -> None:
     out, cache = home / "out", home / ODD_NAME / "experts"
     env = clean_env(home, HF_ENDPOINT="http://127.0.0.1:9/hub", HF_TOKEN=FAKE_TOKEN)
     proc = cli("service", "render", "--platform", "launchd", "--output", str(out),
-               "--cache-dir", str(cache), "--budget", "2GiB", env=env)
+               "--cache-dir", str(cache), "--budget", "2GiB", "--scrub-rate", "1MiB", env=env)
     assert proc.returncode == 0, proc.stderr
     path = out / "io.cachecd.daemon.plist"
     assert proc.stdout.strip() == str(path)
@@ -92,6 +92,7 @@ def test_rendered_plist_parses_and_has_what_launchd_needs(home: Path) -> None:
     assert version.stdout.startswith("cachecd "), version
     assert program[program.index("--cache-dir") + 1] == str(cache)
     assert program[program.index("--budget") + 1] == str(2 << 30)
+    assert program[program.index("--scrub-rate") + 1] == str(1 << 20)
     assert program[program.index("--endpoint") + 1] == "http://127.0.0.1:9/hub"
     assert Path(program[program.index("--socket") + 1]).is_absolute()
     assert plist["RunAtLoad"] is True
