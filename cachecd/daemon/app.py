@@ -182,7 +182,7 @@ class Daemon:
         self.max_connections = constants.MAX_CONNECTIONS
         self.blob_fds = BlobFds(store)
         self.draining = False
-        # Demand fetches first: the scrub waits while any is in flight (read from its thread).
+        # Demand fetches first: the scrub slows down while any is in flight (read from its thread).
         self.scrub = Scrubber(store, settings.scrub_rate, busy=lambda: self.fetcher.inflight > 0)
 
     def model(self, repo: str) -> RegisteredModel:
