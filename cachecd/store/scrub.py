@@ -145,6 +145,9 @@ class Scrubber:
             return 0
         try:
             got = self._hash(fd, size)
+        except OSError as exc:  # EIO from a failing disk: a hit could not read it either
+            log.error("event=scrub_read_failed digest=%s err=%s", digest, exc)
+            got = f"unreadable ({exc.strerror})"
         finally:
             os.close(fd)
         if got is None:

@@ -168,3 +168,18 @@ def test_off_means_no_thread(tmp_path: Path) -> None:
     finally:
         scrub.stop()
         store.close_sync()
+
+
+def test_a_blob_that_cannot_be_read_counts_as_bad(tmp_path: Path) -> None:
+    store, digests = _store_with(tmp_path, [3000, 3000])
+    try:
+        scrub = Scrubber(store, rate=1 << 40)
+
+        def eio(fd: int, size: int) -> str:
+            raise OSError(5, "Input/output error")
+
+        scrub._hash = eio  # type: ignore[method-assign]
+        assert scrub.run_pass() == 2
+        assert scrub.counters["failures"] == 2 and store.digests() == []
+    finally:
+        store.close_sync()
