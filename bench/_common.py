@@ -101,10 +101,10 @@ class Served:
     def repo_dir(self) -> Path:
         return self.work / "hub" / self.repo
 
-    def daemon(self, cache_dir: Path | None = None) -> DaemonProcess:
+    def daemon(self, cache_dir: Path | None = None, args: tuple[str, ...] = ()) -> DaemonProcess:
         """A started daemon; ``cache_dir`` defaults to a fresh one under the work dir."""
         cache = cache_dir or Path(tempfile.mkdtemp(prefix="cache-", dir=self.work))
-        d = DaemonProcess(self.hub.url, [self.manifest_path], cache_dir=cache)
+        d = DaemonProcess(self.hub.url, [self.manifest_path], cache_dir=cache, args=list(args))
         try:
             d.start()
         except BaseException:
