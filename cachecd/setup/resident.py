@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cachecd.durable import full_fsync
 from cachecd.errors import ChecksumMismatch
 from cachecd.upstream.verify import digest
 
@@ -96,7 +97,7 @@ class ResidentWriter:
             os.ftruncate(fd, self._size())
             os.pwrite(fd, self.header, 0)
             fetched = await self._fetch_all(fd, done, fetch, progress, parallel)
-            os.fsync(fd)
+            await asyncio.to_thread(full_fsync, fd)
         finally:
             os.close(fd)
         os.replace(self.partial, self.final)
@@ -136,5 +137,5 @@ class ResidentWriter:
             if digest(piece) != t.xxh3:
                 raise ChecksumMismatch(f"resident tensor {t.name} from {t.file} does not match the manifest")
             os.pwrite(fd, piece, self.offsets[i])
-        os.fsync(fd)
+        full_fsync(fd)  # before the progress record names these tensors done
 

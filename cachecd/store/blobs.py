@@ -11,7 +11,8 @@ Invariants:
 - A path is only ever built from a validated digest (exactly 32 lowercase hex chars); anything
   else raises ``InvalidRequest`` before any I/O.
 - A file appears under blobs/ only by rename from tmp/ after all its bytes were written and
-  fsynced; the directory is fsynced after the rename. The caller commits the index row after
+  made durable (``cachecd.durable.full_fsync``: F_FULLFSYNC on macOS, fsync elsewhere); the
+  directory is synced the same way after the rename. The caller commits the index row after
   ``write_blob`` returns, so there is never a row without a complete, durable blob.
 - Every open uses O_NOFOLLOW (a planted symlink is refused) and O_CLOEXEC; temp files are created
   with O_EXCL, mode 0600.
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachecd import errors
+from cachecd.durable import full_fsync, sync_dir
 from cachecd.store.crash import crash_point
 
 log = logging.getLogger(__name__)
@@ -64,14 +66,6 @@ def validate_digest(digest_hex: object) -> str:
 
 def is_space_error(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in _SPACE_ERRNOS
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def hash_fd(fd: int) -> tuple[str, int]:
@@ -339,7 +333,7 @@ class BlobWriter:
         try:
             try:
                 crash_point("after_tmp_write")
-                os.fsync(fd)
+                full_fsync(fd)
                 crash_point("after_fsync")
             finally:
                 os.close(fd)
@@ -347,7 +341,7 @@ class BlobWriter:
             final.parent.mkdir(mode=0o700, exist_ok=True)
             os.rename(self.tmp, final)
             crash_point("after_rename")
-            fsync_dir(final.parent)
+            sync_dir(final.parent)
         except OSError as exc:
             _unlink_quiet(self.tmp)
             self._raise_space_error(exc)
