@@ -118,8 +118,9 @@ def test_the_rendered_agent_passes_plutil(home: Path) -> None:
     assert lint.returncode == 0 and lint.stdout.strip().endswith("OK"), lint.stdout + lint.stderr
 
 
-@pytest.mark.macos("a real launchd agent: install, `launchctl print` names the daemon's pid, "
-                   "launchd restarts it after kill -9, uninstall boots it out")
+@pytest.mark.macos("a real launchd agent: install, a second install finds the daemon's pid in "
+                   "`launchctl print` and leaves it alone, launchd restarts it after kill -9, "
+                   "uninstall boots it out")
 def test_round_trip_under_launchd() -> None:
     from cachecd.service.manager import Launchd
 
@@ -138,6 +139,11 @@ def test_round_trip_under_launchd() -> None:
         first = cli("service", "install", *flags, env=env)
         assert first.returncode == 0, first.stdout + first.stderr
         pid = _wait_pid(sock, None)
+        # Install reads the managed pid from `launchctl print`; read wrongly, the daemon would
+        # look unmanaged and be stopped.
+        again = cli("service", "install", *flags, env=env)
+        assert again.returncode == 0 and "unchanged" in again.stdout, again.stdout + again.stderr
+        assert "stopping the daemon" not in again.stdout and _health_pid(sock) == pid
         printed = subprocess.run(["launchctl", "print", target], capture_output=True, text=True,
                                  timeout=30)
         assert printed.returncode == 0 and re.search(rf"^\s*pid = {pid}$", printed.stdout, re.M)

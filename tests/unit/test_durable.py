@@ -242,3 +242,31 @@ def test_f_fullfsync_really_runs_on_this_mac(tmp_path: Path, fsyncs: list,
         os.close(fd)
     assert durable.sync_dir(tmp_path) == "F_FULLFSYNC"
     assert fsyncs == [] and "full_fsync_refused" not in caplog.text
+
+
+# the index: LMDB syncs its own file ----------------------------------------------------------
+
+
+def lmdb_allowed(platform: str, version: str) -> bool:
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    reqs = [r for r in map(Requirement, deps) if r.name == "lmdb"
+            and (r.marker is None or r.marker.evaluate({"sys_platform": platform}))]
+    return bool(reqs) and all(r.specifier.contains(version) for r in reqs)
+
+
+def test_on_macos_the_index_needs_the_py_lmdb_whose_commit_full_fsyncs_the_meta_page() -> None:
+    # py-lmdb 3.0 bundles LMDB 0.9.36 (ITS#10454); 1.8-2.x bundle 0.9.35, 1.4-1.7 0.9.29-0.9.33.
+    assert lmdb_allowed("darwin", "3.0.0") and not lmdb_allowed("darwin", "2.3.0")
+    assert lmdb_allowed("linux", "1.4.0") and lmdb_allowed("linux", "3.0.0")
+
+
+@pytest.mark.macos("the installed py-lmdb's LMDB is 0.9.36 or newer, whose commit F_FULLFSYNCs "
+                   "the meta page (a py-lmdb built against an older system LMDB is not)")
+def test_this_macs_lmdb_full_fsyncs_its_meta_page() -> None:
+    import lmdb
+
+    assert lmdb.version() >= (0, 9, 36), lmdb.version()
