@@ -280,3 +280,27 @@ def test_cli_writes_and_reports(tmp_path: Path) -> None:
     assert file_bytes(out) == file_bytes(
         write_tiny_model(tmp_path / "api", seed=3, top_k=2, shard_bytes=12000, **SMALL)
     )
+
+
+def test_cli_writes_a_k2_in_fp8(tmp_path: Path) -> None:
+    """--format fp8: K2-Instruct's layout (DeepSeek-V3 names, F8_E4M3 weights, block scales)."""
+    from cachecd.testbed.tiny_k2 import K2Options, write_tiny_k2
+
+    out = tmp_path / "cli"
+    proc = subprocess.run(
+        [sys.executable, "-m", "cachecd.cli", "tiny-model", str(out), "--format", "fp8",
+         "--experts", "8", "--layers", "3", "--moe-intermediate", "192"],
+        check=False, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "experts 16" in proc.stdout and "format fp8" in proc.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "kimi_k2"
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    opts = K2Options(experts=8, layers=3, moe_intermediate=192, fmt="fp8")
+    assert file_bytes(out) == file_bytes(write_tiny_k2(tmp_path / "api", opts).out)
+    dtypes = {name: entry["dtype"] for name, (_, entry) in all_tensors(out).items()}
+    expert = "model.layers.1.mlp.experts.3.up_proj"
+    assert dtypes[f"{expert}.weight"] == "F8_E4M3" and dtypes[f"{expert}.weight_scale_inv"] == "F32"
+    assert dtypes["model.layers.0.mlp.down_proj.weight"] == "F8_E4M3"
+    assert dtypes["model.layers.1.mlp.gate.weight"] == "BF16"  # the router stays unquantized
