@@ -123,18 +123,37 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-async def fetch_resident(manifest: Any, local: Path, settings: Settings) -> int:
+def text_model_tensors(manifest: Any, local: Path) -> set[str]:
+    """The resident tensors mlx-lm's model keeps after its sanitize (names, shapes and dtypes
+    only, asked of mlx-lm itself); says what is not installed."""
+    import json
+
+    from cachecd.setup.resident import skipped_summary
+    from cachecd_engine.sanitize_keep import kept_names
+
+    config = json.loads((local / "config.json").read_text())
+    keep = kept_names(config, manifest.resident)
+    skipped = [t for t in manifest.resident if t.name not in keep]
+    if skipped:
+        print(f"not installing {len(skipped)} tensors ({format_size(sum(t.nbytes for t in skipped))})"
+              f" that mlx-lm's {manifest.model_type} model drops in its sanitize: "
+              f"{skipped_summary([t.name for t in skipped], keep)}")
+    return keep
+
+
+async def fetch_resident(manifest: Any, local: Path, settings: Settings,
+                         keep: set[str] | None = None) -> int:
     from huggingface_hub import get_token
     from tqdm import tqdm
 
     from cachecd.setup.resident import ResidentWriter
     from cachecd.upstream.hub import Upstream
 
-    writer = ResidentWriter(manifest, local)
+    writer = ResidentWriter(manifest, local, keep)
     if writer.done():
         return 0
     upstream = await asyncio.to_thread(Upstream, settings.endpoint, get_token(), offline=settings.offline)
-    total = manifest.resident_bytes_total
+    total = writer.nbytes
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="resident weights", disable=None)
     try:
         return await writer.run(lambda f, s, e: upstream.fetch_range(manifest, f, s, e), bar.update)
@@ -209,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{repo}@{commit}: {manifest.n_experts} experts "
           f"({format_size(manifest.expert_bytes_total)}) streamed on demand")
     small = fetch_small_files(manifest, local, settings.endpoint)
-    resident = asyncio.run(fetch_resident(manifest, local, settings))
+    keep = text_model_tensors(manifest, local)
+    resident = asyncio.run(fetch_resident(manifest, local, settings, keep))
     client = ensure_daemon(settings, args)
     with client:
         client.register(manifest_path, local)

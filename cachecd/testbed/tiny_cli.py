@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from cachecd.errors import InvalidRequest
 from cachecd.testbed import tiny_k2
 from cachecd.testbed.tiny_config import TinyOptions
 from cachecd.testbed.tiny_model import DEFAULT_SHARD_BYTES, write_with_info
@@ -30,6 +31,9 @@ def register(sub: Any) -> None:
                    default="mxfp4", help="mxfp4, fp32: K3; int4, fp8: K2 (DeepSeek-V3 layout)")
     p.add_argument("--expert-hidden", type=int, default=64, help="K3's expert latent width")
     p.add_argument("--moe-intermediate", type=int, default=64)
+    p.add_argument("--multimodal", action="store_true",
+                   help="K3: also a vision tower, a projector and an MTP layer, as K3's repo has "
+                        "(mlx-lm's text model drops them)")
     p.set_defaults(func=_cli)
 
 
@@ -44,6 +48,7 @@ def _cli(args: argparse.Namespace) -> int:
         fmt=args.fmt,
         expert_hidden=args.expert_hidden,
         moe_intermediate=args.moe_intermediate,
+        multimodal=args.multimodal,
     )
     info = write_with_info(args.out, opts, seed=args.seed, shard_bytes=args.shard_bytes)
     for f in info.files:
@@ -58,6 +63,8 @@ def _cli(args: argparse.Namespace) -> int:
 
 
 def _cli_k2(args: argparse.Namespace) -> int:
+    if args.multimodal:
+        raise InvalidRequest("--multimodal adds K3's vision weights: use it with --format mxfp4/fp32")
     opts = tiny_k2.K2Options(experts=args.experts, top_k=args.top_k, layers=args.layers,
                              moe_intermediate=args.moe_intermediate, fmt=args.fmt)
     info = tiny_k2.write_tiny_k2(args.out, opts, seed=args.seed,

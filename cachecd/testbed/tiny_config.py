@@ -7,6 +7,9 @@ Invariants:
 - Non-expert weights are bf16, except A_log, dt_bias and e_score_correction_bias, which K3
   keeps in fp32 (mlx-lm's ``cast_predicate`` leaves exactly those alone). In fp32 format
   every tensor is fp32.
+- With ``multimodal`` the repository also holds what K3's does beside its text model and mlx-lm
+  drops in ``sanitize``: a small vision tower and projector, and a next-token-prediction layer
+  (one past ``num_hidden_layers``).
 - Nothing here depends on the seed: the same options give the same config and tensor list.
 """
 
@@ -36,6 +39,7 @@ class TinyOptions:
     vocab_size: int = 384
     shared_experts: int = 2
     dense_intermediate: int = 256
+    multimodal: bool = False
 
     def validate(self) -> None:
         if self.fmt not in FORMATS:
@@ -199,7 +203,32 @@ def tensor_defs(opts: TinyOptions) -> list[TensorDef]:
             defs += _mlp_defs(f"{prefix}.mlp", opts.hidden, opts.dense_intermediate, act)
         else:
             defs += _moe_defs(f"{prefix}.block_sparse_moe", opts, act)
+    if opts.multimodal:
+        defs += _unused_defs(opts, act)
     return sorted(defs, key=lambda t: t.name)
+
+
+def _unused_defs(opts: TinyOptions, act: str) -> list[TensorDef]:
+    """What a multimodal repo holds that the text model does not load."""
+    vision, patch = 64, 3 * 4 * 4
+    defs = [TensorDef("vision_tower.patch_embed.proj.weight", act, (vision, patch), "linear")]
+    for block in range(2):
+        p = f"vision_tower.encoder.blocks.{block}"
+        defs += [
+            TensorDef(f"{p}.attn.qkv.weight", act, (3 * vision, vision), "linear"),
+            TensorDef(f"{p}.mlp.fc1.weight", act, (2 * vision, vision), "linear"),
+            TensorDef(f"{p}.norm1.weight", act, (vision,), "norm"),
+        ]
+    defs += [
+        TensorDef("mm_projector.proj.0.weight", act, (opts.hidden, vision), "linear"),
+        TensorDef("mm_projector.proj.0.bias", "F32", (opts.hidden,), "bias"),
+    ]
+    mtp = f"{LANG}.model.layers.{opts.layers}"  # a layer past the model's: next-token prediction
+    defs += [
+        _lin(f"{mtp}.eh_proj", opts.hidden, 2 * opts.hidden, act),
+        TensorDef(f"{mtp}.enorm.weight", act, (opts.hidden,), "norm"),
+    ]
+    return defs
 
 
 def _res_defs(prefix: str, hidden: int, act: str) -> list[TensorDef]:

@@ -45,7 +45,7 @@ LAYERS: dict[str, set[str]] = {
     "cachecd.service": _BASE | {"cachecd.config", "cachecd.daemon", "cachecd.ctl",
                                 "cachecd_client"},
     "cachecd.setup": _BASE | {"cachecd.config", "cachecd.manifest", "cachecd.upstream",
-                              "cachecd.service", "cachecd_client"},
+                              "cachecd.service", "cachecd_client", "cachecd_engine"},
     "cachecd.testbed": _BASE | {"cachecd.config", "cachecd.manifest", "cachecd_client"},
     "cachecd.cli": _BASE | {"cachecd"},  # names its command modules as strings (importlib)
 }
