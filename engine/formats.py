@@ -210,7 +210,7 @@ def dequantize_fp8(weight: mx.array, scale_inv: mx.array) -> mx.array:
     bs = FP8_BLOCK
     n, m, k = weight.shape
     pad_bottom, pad_side = (-m) % bs, (-k) % bs
-    weight = mx.pad(weight, ((0, 0), (0, pad_bottom), (0, pad_side)))
+    weight = mx.pad(weight, [(0, 0), (0, pad_bottom), (0, pad_side)])
     weight = weight.reshape((n, (m + pad_bottom) // bs, bs, (k + pad_side) // bs, bs))
     weight = (weight * scale_inv[:, :, None, :, None]).reshape(n, m + pad_bottom, k + pad_side)
     return weight[:, :m, :k].astype(mx.bfloat16)

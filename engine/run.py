@@ -25,7 +25,7 @@ TEMP, TOP_P, TOP_K, MIN_P, PREFILL_STEP = 0.0, 1.0, 0, 0.0, 2048
 
 def load(repo: str, socket: str | Path | None = None, **engine: Any) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of a registered model (``cachecd_engine.load`` with the engine's
-    keywords: ram_bytes, expert_memory, stats, trace, prefetch)."""
+    keywords: ram_bytes, expert_memory, stats, trace, prefetch, and trust_remote_code)."""
     from cachecd_engine.registered import load as load_registered
 
     return load_registered(repo, socket=socket, **engine)
@@ -43,6 +43,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="read the next layer's likely experts ahead while a layer computes "
                         "(default: on where the model computes on a GPU, off on the CPU)")
+
+
+def add_trust_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let the tokenizer run the code its repo ships (Kimi's "
+                        "tokenization_kimi.py), as pinned by sha256 in the manifest")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -66,6 +72,7 @@ def register(sub: Any) -> None:
     p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
                    help="prompt tokens per prefill step (progress is printed after each)")
     add_engine_flags(p)
+    add_trust_flag(p)
     add_chat_flag(p)
     p.add_argument("--stats", action="store_true", help="per-token stats on stderr")
     p.add_argument("--json", action="store_true", help="print token ids and per-token stats as JSON")
@@ -129,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
     from cachecd_engine.bank import EngineStats
 
     stats = EngineStats()
-    model, tokenizer = load(args.model, stats=stats, trace=args.trace, **engine_options(args))
+    model, tokenizer = load(args.model, stats=stats, trace=args.trace,
+                            trust_remote_code=args.trust_remote_code, **engine_options(args))
     bank_source = model.bank.source
     try:
         print(cold_cost_notice(bank_source.client, args.model), file=sys.stderr)

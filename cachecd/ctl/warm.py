@@ -36,7 +36,7 @@ from cachecd.config import format_size, parse_size
 from cachecd.ctl.coverage import DAEMON_WORKLOAD, Snapshot, client_for, snapshot, trace_access
 from cachecd.errors import CachecdError, InvalidRequest
 from cachecd.report.coverage import access_array, trace_weighted, warm_order
-from cachecd_engine.run import add_chat_flag
+from cachecd_engine.run import add_chat_flag, add_trust_flag
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ def register(sub: Any) -> None:
     p.add_argument("--max-new", type=int, default=4, help="tokens generated per prompt (--prompts)")
     p.add_argument("--save-trace", metavar="FILE", help="keep the routing of --prompts as a trace")
     add_chat_flag(p)
+    add_trust_flag(p)
     p.add_argument("--parallel", type=int, default=2, help="requests in flight to the daemon")
     p.add_argument("--batch", type=int, default=16, help="experts per request (one layer each)")
     p.add_argument("--allow-evict", action="store_true",
@@ -299,7 +300,7 @@ def _warm_prompts(args: argparse.Namespace, client: Any, before: Snapshot) -> in
     from cachecd_engine.trace import TraceRecorder
 
     prompts = read_prompts(args.prompts)
-    model, tokenizer = load(args.model, args.socket)
+    model, tokenizer = load(args.model, args.socket, trust_remote_code=args.trust_remote_code)
     recorder = TraceRecorder(args.save_trace, args.model)
     model.bank.trace = recorder
     start_bytes = client.stats()["counters"].get("fetched_bytes", 0)

@@ -38,6 +38,9 @@ def register(sub: Any) -> None:
     p.add_argument("--budget", help="disk budget for a daemon this command starts")
     p.add_argument("--models-dir", help="where resident files are installed")
     p.add_argument("--no-start", action="store_true", help="do not start a daemon when none runs")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="the tokenizer runs code its repo ships (Kimi's tokenization_kimi.py): "
+                        "load it once now, as pinned by sha256 in the manifest")
     p.set_defaults(func=run)
 
 
@@ -121,6 +124,28 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def check_tokenizer(manifest: Any, local: Path, trust: bool) -> bool:
+    """Say which code the tokenizer would run, with the sha256 the manifest pins; with trust, run
+    it once now (under the installed transformers), before the resident weights come. True if
+    the tokenizer has remote code."""
+    from cachecd_engine.tokenizer import describe, load_tokenizer, remote_code_files
+
+    files = remote_code_files(local)
+    if not files:
+        return False
+    pins = {f.name: f.sha256 for f in manifest.files.values()}
+    if not trust:
+        print(f"the tokenizer runs code from the repo: {describe(files, pins)}, pinned by the "
+              f"manifest; if you trust it, pass --trust-remote-code to cachecd run, warm and "
+              f"openai (trust_remote_code=True to cachecd_engine.load)")
+        return True
+    tokenizer = load_tokenizer(local, None, trust_remote_code=True, pins=pins, repo=manifest.repo)
+    print(f"tokenizer: ran {describe(files, pins)}: {tokenizer.vocab_size} ids, chat template "
+          f"{'yes' if tokenizer.has_chat_template else 'no'}; cachecd run, warm and openai need "
+          f"--trust-remote-code too")
+    return True
 
 
 def text_model_tensors(manifest: Any, local: Path) -> set[str]:
@@ -228,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{repo}@{commit}: {manifest.n_experts} experts "
           f"({format_size(manifest.expert_bytes_total)}) streamed on demand")
     small = fetch_small_files(manifest, local, settings.endpoint)
+    remote_code = check_tokenizer(manifest, local, args.trust_remote_code)
     keep = text_model_tensors(manifest, local)
     resident = asyncio.run(fetch_resident(manifest, local, settings, keep))
     client = ensure_daemon(settings, args)
@@ -237,5 +263,6 @@ def run(args: argparse.Namespace) -> int:
     full = sum(f.size for f in manifest.files.values())
     print(f"installed {local} ({format_size(used)} on disk, fetched {format_size(small + resident)} "
           f"now) of a {format_size(full)} model: {used / full:.1%}")
-    print(f"run it: cachecd run --model {repo} --prompt 'Hello' --max-new 32")
+    trust = " --trust-remote-code" if remote_code else ""
+    print(f"run it: cachecd run --model {repo}{trust} --prompt 'Hello' --max-new 32")
     return 0

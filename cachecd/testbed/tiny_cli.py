@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecd.errors import InvalidRequest
-from cachecd.testbed import tiny_k2
+from cachecd.testbed import kimi_tokenizer, tiny_k2
 from cachecd.testbed.tiny_config import TinyOptions
 from cachecd.testbed.tiny_model import DEFAULT_SHARD_BYTES, write_with_info
 
@@ -31,6 +31,9 @@ def register(sub: Any) -> None:
                    default="mxfp4", help="mxfp4, fp32: K3; int4, fp8: K2 (DeepSeek-V3 layout)")
     p.add_argument("--expert-hidden", type=int, default=64, help="K3's expert latent width")
     p.add_argument("--moe-intermediate", type=int, default=64)
+    p.add_argument("--kimi-tokenizer", action="store_true",
+                   help="Kimi's tokenizer form: tiktoken.model, remote code (tokenization_kimi.py, "
+                        "needs --trust-remote-code to run), tokenizer_config.json with auto_map")
     p.add_argument("--multimodal", action="store_true",
                    help="K3: also a vision tower, a projector and an MTP layer, as K3's repo has "
                         "(mlx-lm's text model drops them)")
@@ -49,6 +52,8 @@ def _cli(args: argparse.Namespace) -> int:
         expert_hidden=args.expert_hidden,
         moe_intermediate=args.moe_intermediate,
         multimodal=args.multimodal,
+        kimi_tokenizer=args.kimi_tokenizer,
+        **_vocab(args),
     )
     info = write_with_info(args.out, opts, seed=args.seed, shard_bytes=args.shard_bytes)
     for f in info.files:
@@ -66,7 +71,8 @@ def _cli_k2(args: argparse.Namespace) -> int:
     if args.multimodal:
         raise InvalidRequest("--multimodal adds K3's vision weights: use it with --format mxfp4/fp32")
     opts = tiny_k2.K2Options(experts=args.experts, top_k=args.top_k, layers=args.layers,
-                             moe_intermediate=args.moe_intermediate, fmt=args.fmt)
+                             moe_intermediate=args.moe_intermediate, fmt=args.fmt,
+                             kimi_tokenizer=args.kimi_tokenizer, **_vocab(args))
     info = tiny_k2.write_tiny_k2(args.out, opts, seed=args.seed,
                                  shard_bytes=args.shard_bytes or tiny_k2.DEFAULT_SHARD_BYTES)
     for f in info.files:
@@ -76,6 +82,10 @@ def _cli_k2(args: argparse.Namespace) -> int:
           f"{opts.experts}), format {opts.fmt} (kimi_k2), top-{opts.top_k}")
     _print_split(info.split_experts)
     return 0
+
+
+def _vocab(args: argparse.Namespace) -> dict[str, int]:
+    return {"vocab_size": kimi_tokenizer.VOCAB_SIZE} if args.kimi_tokenizer else {}
 
 
 def _print_split(split: list[tuple[int, int]]) -> None:

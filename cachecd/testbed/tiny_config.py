@@ -16,9 +16,11 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from cachecd.errors import InvalidRequest
+from cachecd.testbed import kimi_tokenizer, tiny_tokenizer
 
 FORMATS = ("mxfp4", "fp32")
 LANG = "language_model"
@@ -40,6 +42,7 @@ class TinyOptions:
     shared_experts: int = 2
     dense_intermediate: int = 256
     multimodal: bool = False
+    kimi_tokenizer: bool = False
 
     def validate(self) -> None:
         if self.fmt not in FORMATS:
@@ -52,8 +55,22 @@ class TinyOptions:
             value = getattr(self, name)
             if value <= 0 or value % MXFP4_GROUP:
                 raise InvalidRequest(f"{name}={value} must be a positive multiple of 32")
-        if self.vocab_size < 300:
-            raise InvalidRequest("vocab_size must be >= 300 (256 bytes plus special tokens)")
+        check_vocab(self.vocab_size, self.kimi_tokenizer)
+
+
+def check_vocab(vocab_size: int, kimi: bool) -> None:
+    if kimi and vocab_size != kimi_tokenizer.VOCAB_SIZE:
+        raise InvalidRequest(f"a Kimi-style tokenizer has {kimi_tokenizer.VOCAB_SIZE} ids: "
+                             f"vocab_size must be {kimi_tokenizer.VOCAB_SIZE}")
+    if vocab_size < 300:
+        raise InvalidRequest("vocab_size must be >= 300 (256 bytes plus special tokens)")
+
+
+def tokenizer_of(kimi: bool) -> ModuleType:
+    """The tokenizer writer: Kimi-style (tiktoken + remote code) or byte-level (tokenizer.json);
+    both have ``write_tokenizer(out, vocab_size)``, ``token_id(name)``, ``BOS``, ``EOS``,
+    ``EOS_CHAT``."""
+    return kimi_tokenizer if kimi else tiny_tokenizer
 
 
 @dataclass(frozen=True)

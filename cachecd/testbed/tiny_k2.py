@@ -30,8 +30,7 @@ import numpy as np
 
 from cachecd.errors import InvalidRequest
 from cachecd.manifest.manifest import EXPERT_RE
-from cachecd.testbed import tiny_tokenizer
-from cachecd.testbed.tiny_config import TensorDef, TinyOptions
+from cachecd.testbed.tiny_config import TensorDef, TinyOptions, check_vocab, tokenizer_of
 from cachecd.testbed.tiny_model import _rng, _write_index, tensor_values, write_shard
 from cachecd.testbed.tiny_shards import ShardPlan, plan_shards
 
@@ -65,6 +64,7 @@ class K2Options:
     shared_experts: int = 1
     vocab_size: int = 384
     fmt: str = "int4"
+    kimi_tokenizer: bool = False
 
     def validate(self) -> None:
         if self.fmt not in FORMATS:
@@ -77,8 +77,7 @@ class K2Options:
             value = getattr(self, name)
             if value <= 0 or value % GROUP:
                 raise InvalidRequest(f"{name}={value} must be a positive multiple of {GROUP}")
-        if self.vocab_size < 300:
-            raise InvalidRequest("vocab_size must be >= 300 (256 bytes plus special tokens)")
+        check_vocab(self.vocab_size, self.kimi_tokenizer)
 
 
 @dataclass(frozen=True)
@@ -109,7 +108,7 @@ def write_tiny_k2(
     ]
     files.append(_write_index(out, plan))
     files += _write_configs(out, opts)
-    files += tiny_tokenizer.write_tokenizer(out, opts.vocab_size)
+    files += tokenizer_of(opts.kimi_tokenizer).write_tokenizer(out, opts.vocab_size)
     info = K2ModelInfo(out, files, sum(f.stat().st_size for f in files), split_experts(plan))
     log.info(
         "tiny_k2_written out=%s shards=%d bytes=%d split_experts=%d",
@@ -307,11 +306,12 @@ def quantization_config() -> dict[str, Any]:
 
 
 def _write_configs(out: Path, opts: K2Options) -> list[Path]:
-    eos = tiny_tokenizer.token_id(tiny_tokenizer.EOS_CHAT)
-    bos = tiny_tokenizer.token_id(tiny_tokenizer.BOS)
+    tok = tokenizer_of(opts.kimi_tokenizer)
+    eos = tok.token_id(tok.EOS_CHAT)
+    bos = tok.token_id(tok.BOS)
     generation = {
         "bos_token_id": bos,
-        "eos_token_id": [eos, tiny_tokenizer.token_id(tiny_tokenizer.EOS)],
+        "eos_token_id": [eos, tok.token_id(tok.EOS)],
         "do_sample": False,
     }
     paths = [out / "config.json", out / "generation_config.json"]

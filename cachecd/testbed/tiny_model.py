@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 from safetensors import TensorSpec, serialize_file
 
-from cachecd.testbed import tiny_tokenizer
 from cachecd.testbed.tiny_config import (
     TensorDef,
     TinyOptions,
     expert_defs,
     model_config,
     tensor_defs,
+    tokenizer_of,
 )
 from cachecd.testbed.tiny_shards import ShardPlan, plan_shards, split_experts
 
@@ -102,7 +102,7 @@ def write_with_info(out: Path, opts: TinyOptions, *, seed: int, shard_bytes: int
     files = _write_shards(out, plan, opts, seed)
     files.append(_write_index(out, plan))
     files += _write_configs(out, opts)
-    files += tiny_tokenizer.write_tokenizer(out, opts.vocab_size)
+    files += tokenizer_of(opts.kimi_tokenizer).write_tokenizer(out, opts.vocab_size)
     split = split_experts(plan)
     info = TinyModelInfo(
         out=out,
@@ -157,9 +157,10 @@ def _write_index(out: Path, plan: ShardPlan) -> Path:
 
 
 def _write_configs(out: Path, opts: TinyOptions) -> list[Path]:
-    eos = tiny_tokenizer.token_id(tiny_tokenizer.EOS_CHAT)
-    bos = tiny_tokenizer.token_id(tiny_tokenizer.BOS)
-    eos_ids = [eos, tiny_tokenizer.token_id(tiny_tokenizer.EOS)]
+    tok = tokenizer_of(opts.kimi_tokenizer)
+    eos = tok.token_id(tok.EOS_CHAT)
+    bos = tok.token_id(tok.BOS)
+    eos_ids = [eos, tok.token_id(tok.EOS)]
     generation = {"bos_token_id": bos, "eos_token_id": eos_ids, "do_sample": False}
     paths = [out / "config.json", out / "generation_config.json"]
     paths[0].write_text(_dumps(model_config(opts, eos_id=eos, bos_id=bos)), encoding="utf-8")
