@@ -47,10 +47,11 @@ def load(
 
     ``path_or_hf_repo`` is an ORG/NAME installed with ``cachecd setup --stream``; ``revision``, if
     given, must be the commit setup pinned. ``trust_remote_code=True`` lets the tokenizer run the
-    code its repo ships (Kimi's ``tokenization_kimi.py``), as ``tokenizer_config={"trust_remote_code":
-    True}`` does in mlx-lm, once each code file has the sha256 the manifest pins; a config's custom
-    ``model_file`` is refused whatever it says (its classes cannot be streamed). An adapter may
-    change resident weights only (``mlx_lm.tuner``'s ``load_adapters``).
+    code its repo ships (Kimi's ``tokenization_kimi.py``), as
+    ``tokenizer_config={"trust_remote_code": True}`` does in mlx-lm, once each code file has the
+    sha256 the manifest pins; a config's custom ``model_file`` is refused whatever it says (its
+    classes cannot be streamed). An adapter may change resident weights only (``mlx_lm.tuner``'s
+    ``load_adapters``).
 
     Keyword-only, the engine's own: ``socket`` (the daemon's), ``ram_bytes`` (RAM tier of hot
     experts), ``expert_memory`` (bound on a layer's expert buffers), ``stats`` (an

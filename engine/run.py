@@ -2,9 +2,10 @@
 
 Greedy unless asked to sample (``--temp``, ``--top-p``, ``--top-k``, ``--min-p``, ``--seed``: the
 defaults are mlx_lm.generate's). The prompt goes in the model's chat template when the tokenizer
-has one, as mlx_lm.generate does (``--no-chat`` sends it as it is). Before a prefill the user is told what a cold cache costs: a
-long prompt can route to nearly every expert of every layer, and each missing one is fetched from
-the Hub first; a prefill longer than one step prints its progress (tokens, experts read, fetched).
+has one, as mlx_lm.generate does (``--no-chat`` sends it as it is). Before a prefill the user is
+told what a cold cache costs: a long prompt can route to nearly every expert of every layer, and
+each missing one is fetched from the Hub first; a prefill longer than one step prints its
+progress (tokens, experts read, fetched).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def provide_transformers4_names() -> None:
     if not hasattr(gpt2, "bytes_to_unicode"):
         from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-        setattr(gpt2, "bytes_to_unicode", bytes_to_unicode)  # noqa: B010 - a module typed without it
+        setattr(gpt2, "bytes_to_unicode", bytes_to_unicode)  # noqa: B010 - typed without it
 
 
 def tokenizer_options(model_dir: Path, tokenizer_config: dict[str, Any] | None, *,

@@ -2,9 +2,9 @@
 
 Sources of the workload: ``--prompts FILE`` runs the engine (prefill and a few tokens each, each
 prompt in the model's chat template as ``cachecd run`` sends it, so warming routes as chatting
-will), so the daemon fetches exactly what routing needs and records it as use; ``--trace FILE`` replays a
-recorded routing trace; ``--top N`` and ``--bytes SIZE`` take the most-used missing experts by
-the daemon's access counts.
+will), so the daemon fetches exactly what routing needs and records it as use; ``--trace FILE``
+replays a recorded routing trace; ``--top N`` and ``--bytes SIZE`` take the most-used missing
+experts by the daemon's access counts.
 
 Invariants:
 - Resumable: the plan is computed from what the daemon has cached now, so a rerun skips what an

@@ -121,7 +121,8 @@ def _parse_config(data: bytes, repo: str) -> dict[str, Any]:
 
 
 def quant_format_of(config: dict[str, Any]) -> str:
-    """ "mxfp4-pack-quantized", "pack-quantized", "fp8", ... from the quantization_config; "none"."""
+    """ "mxfp4-pack-quantized", "pack-quantized", "fp8", ... from the quantization_config;
+    "none" without one."""
     text = config.get("text_config")
     qc = config.get("quantization_config") or (
         text.get("quantization_config") if isinstance(text, dict) else None

@@ -160,8 +160,9 @@ def text_model_tensors(manifest: Any, local: Path) -> set[str]:
     keep = kept_names(config, manifest.resident)
     skipped = [t for t in manifest.resident if t.name not in keep]
     if skipped:
-        print(f"not installing {len(skipped)} tensors ({format_size(sum(t.nbytes for t in skipped))})"
-              f" that mlx-lm's {manifest.model_type} model drops in its sanitize: "
+        size = format_size(sum(t.nbytes for t in skipped))
+        print(f"not installing {len(skipped)} tensors ({size}) that mlx-lm's "
+              f"{manifest.model_type} model drops in its sanitize: "
               f"{skipped_summary([t.name for t in skipped], keep)}")
     return keep
 

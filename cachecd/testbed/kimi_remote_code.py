@@ -9,7 +9,7 @@ through transformers' own ``encode`` (which splits at added tokens and tokenizes
 for transformers 4: it imports ``bytes_to_unicode`` from the gpt2 tokenizer module.
 """
 
-SOURCE = '''"""Tokenizer of a tiny Kimi-style test model (written by `cachecd tiny-model --kimi-tokenizer`)."""
+SOURCE = '''"""A tiny Kimi-style test model's tokenizer (`cachecd tiny-model --kimi-tokenizer`)."""
 
 from pathlib import Path
 from shutil import copyfile

@@ -69,7 +69,8 @@ def _cli(args: argparse.Namespace) -> int:
 
 def _cli_k2(args: argparse.Namespace) -> int:
     if args.multimodal:
-        raise InvalidRequest("--multimodal adds K3's vision weights: use it with --format mxfp4/fp32")
+        raise InvalidRequest("--multimodal adds K3's vision weights: use it with --format "
+                             "mxfp4 or fp32")
     opts = tiny_k2.K2Options(experts=args.experts, top_k=args.top_k, layers=args.layers,
                              moe_intermediate=args.moe_intermediate, fmt=args.fmt,
                              kimi_tokenizer=args.kimi_tokenizer, **_vocab(args))

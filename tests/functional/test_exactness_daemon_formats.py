@@ -1,4 +1,4 @@
-"""fp32 (tiny K3), int4 and fp8 (tiny K2) through a real daemon: every logit bitwise equal to mlx-lm.
+"""fp32 (tiny K3), int4 and fp8 (tiny K2) through a real daemon: every logit bitwise mlx-lm's.
 
 Each checkpoint is served by `cachecd hub serve`, its manifest built by `cachecd manifest build`,
 and installed by `cachecd setup --stream` into a daemon on a Unix socket under a short /tmp dir.

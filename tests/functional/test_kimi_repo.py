@@ -51,7 +51,8 @@ def kimi() -> Iterator[Setup]:
     inst = Installed(short_tmp("cdki"))
     try:
         manifest = inst.base / "kimi.manifest"
-        run_cli("manifest", "build", f"{REPO}@main", "--endpoint", hub.url, "--output", str(manifest))
+        run_cli("manifest", "build", f"{REPO}@main", "--endpoint", hub.url, "--output",
+                str(manifest))
         common = ["--stream", REPO, "--endpoint", hub.url, "--socket", str(inst.socket),
                   "--cache-dir", str(inst.base / "cache"), "--models-dir",
                   str(inst.base / "models"), "--manifest", str(manifest)]

@@ -13,6 +13,7 @@ slower in bf16); the experts stay mxfp4 bytes.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -85,7 +86,7 @@ def k2_fp8_layer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object
     return full, manifest_from_dir(full, repo="cachecd/fp8-layer")
 
 
-def test_fp8_prefill_counts_the_bf16_stack_in_the_bound(k2_fp8_layer) -> None:  # type: ignore[no-untyped-def]
+def test_fp8_prefill_counts_the_bf16_stack_in_the_bound(k2_fp8_layer: Any) -> None:
     """fp8 stacks are dequantized to bf16 for the kernel (as mlx-lm keeps them): what that
     computes counts in the bound, so the peak stays within it, and the logits are mlx-lm's."""
     from cachecd_engine.dispatch import current_backend

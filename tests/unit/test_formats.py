@@ -180,7 +180,8 @@ def fp8_reference(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     exponent 1) times their 128x128 block's scale in fp32, rounded to bf16 (ties to even)."""
     sign = np.where(codes >> 7, -1.0, 1.0)
     exp, man = (codes >> 3) & 0xF, codes & 0x7
-    value = sign * np.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * 2.0 ** (exp.astype(int) - 7))
+    normal = (1 + man / 8) * 2.0 ** (exp.astype(int) - 7)
+    value = sign * np.where(exp == 0, man / 8 * 2.0**-6, normal)
     block = np.repeat(np.repeat(scales.astype(np.float32), 128, 0), 128, 1)
     prod = value.astype(np.float32) * block[: codes.shape[0], : codes.shape[1]]
     bits = prod.view(np.uint32)

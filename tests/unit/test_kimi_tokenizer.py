@@ -8,6 +8,7 @@ import hashlib
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tiktoken
@@ -65,7 +66,7 @@ def reference(d: Path) -> tiktoken.Encoding:
 
 
 @pytest.fixture(scope="module")
-def loaded(kimi_dir: Path):  # type: ignore[no-untyped-def]
+def loaded(kimi_dir: Path) -> Any:
     return load_tokenizer(kimi_dir, None, trust_remote_code=True, pins=pins(kimi_dir))
 
 
@@ -73,13 +74,14 @@ def test_files_are_kimis_form(kimi_dir: Path) -> None:
     assert kimi_tokenizer.PATTERN == KIMI_PATTERN
     assert not (kimi_dir / "tokenizer.json").exists()
     lines = (kimi_dir / "tiktoken.model").read_text().splitlines()
-    assert len(lines) == kimi_tokenizer.BASE and lines[65] == f"{base64.b64encode(b'A').decode()} 65"
+    assert len(lines) == kimi_tokenizer.BASE
+    assert lines[65] == f"{base64.b64encode(b'A').decode()} 65"  # the bytes first, rank = value
     code = (kimi_dir / "tokenization_kimi.py").read_text()
     assert "from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode" in code
     assert "class TikTokenTokenizer(PreTrainedTokenizer)" in code
 
 
-def test_ids_are_tiktokens_with_kimis_pattern(kimi_dir: Path, loaded) -> None:  # type: ignore[no-untyped-def]
+def test_ids_are_tiktokens_with_kimis_pattern(kimi_dir: Path, loaded: Any) -> None:
     """Every path mlx-lm encodes by: encode(text), with and without special tokens added."""
     ref = reference(kimi_dir)
     assert type(loaded._tokenizer).__name__ == "TikTokenTokenizer"
@@ -94,11 +96,12 @@ def test_ids_are_tiktokens_with_kimis_pattern(kimi_dir: Path, loaded) -> None:  
     assert loaded.encode("<|reserved_token_500|>") == [500]
 
 
-def test_chat_template_and_streaming_detokenizer(kimi_dir: Path, loaded) -> None:  # type: ignore[no-untyped-def]
+def test_chat_template_and_streaming_detokenizer(kimi_dir: Path, loaded: Any) -> None:
     assert loaded.has_chat_template
     messages = [{"role": "user", "content": "It's 你好 time"}]
     text = loaded.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == "<|im_user|>user<|im_middle|>It's 你好 time<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    assert text == ("<|im_user|>user<|im_middle|>It's 你好 time<|im_end|>"
+                    "<|im_assistant|>assistant<|im_middle|>")
     ids = loaded.encode(text, add_special_tokens=False)
     assert ids == reference(kimi_dir).encode(text, allowed_special="all")
     assert loaded.apply_chat_template(messages, add_generation_prompt=True) == ids
@@ -141,7 +144,7 @@ def test_the_remote_code_fails_on_transformers_5_without_the_shim(kimi_dir: Path
 
 def test_the_shim_is_gpt2s_byte_table() -> None:
     provide_transformers4_names()
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode  # type: ignore[attr-defined]
+    from transformers.models.gpt2 import tokenization_gpt2
 
-    table = bytes_to_unicode()
+    table = tokenization_gpt2.bytes_to_unicode()  # type: ignore[attr-defined]
     assert [table[b] for b in range(256)] == tiny_tokenizer._byte_alphabet()

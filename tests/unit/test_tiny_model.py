@@ -327,4 +327,5 @@ def test_kimi_tokenizer_replaces_the_byte_tokenizer(tmp_path: Path) -> None:
     write_tiny_model(out, **SMALL)
     assert not (out / "tiktoken.model").exists() and (out / "tokenizer.json").exists()
     with pytest.raises(InvalidRequest, match="vocab_size must be 640"):
-        write_with_info(tmp_path / "x", TinyOptions(kimi_tokenizer=True), seed=0, shard_bytes=1 << 20)
+        write_with_info(tmp_path / "x", TinyOptions(kimi_tokenizer=True), seed=0,
+                        shard_bytes=1 << 20)
