@@ -8,9 +8,9 @@ Invariants:
 - Remote code runs only with trust: ``trust_remote_code=True`` (``--trust-remote-code``), or
   ``tokenizer_config={"trust_remote_code": True}`` as mlx-lm takes it. Without it the load stops
   with a one-line error naming every code file and the sha256 the manifest pins for it.
-- What runs is what the manifest pins: every ``*.py`` of the model dir (the file ``auto_map``
-  names and whatever it may import beside it) must have the manifest's sha256, checked before
-  transformers imports anything.
+- What runs is what the manifest pins: the module ``auto_map`` names and the files it imports
+  relatively must have the manifest's sha256, checked before transformers imports anything;
+  code named in another repo (``org/name--module.Class``) is refused.
 - Code written for transformers 4 that imports ``bytes_to_unicode`` from transformers' gpt2
   tokenizer module (Kimi's does) finds it there again: transformers 5 moved the function to
   ``convert_slow_tokenizer``, and the same function is put back where the code looks. Nothing
@@ -25,22 +25,37 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cachecd.errors import ManifestInvalid, RemoteCodeNotTrusted
+from cachecd.errors import ManifestInvalid, NotStreamable, RemoteCodeNotTrusted
 
 TRUST_HINT = ("pass --trust-remote-code (cachecd run, warm, openai, setup --stream) or "
               "trust_remote_code=True (cachecd_engine.load)")
 
 
 def remote_code_files(model_dir: Path) -> list[str]:
-    """The code files transformers may run to build the tokenizer: every ``*.py`` beside a
-    ``tokenizer_config.json`` that names remote code in ``auto_map`` (none otherwise)."""
+    """The code files transformers would run to build the tokenizer: the module
+    ``tokenizer_config.json``'s ``auto_map`` names for ``AutoTokenizer`` and the files it imports
+    relatively (transformers' own rule); none without such an entry."""
     try:
         config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return []
-    if not isinstance(config, dict) or not config.get("auto_map"):
-        return []
-    return sorted(p.name for p in model_dir.glob("*.py"))
+    auto = config.get("auto_map") if isinstance(config, dict) else None
+    entry = auto.get("AutoTokenizer") if isinstance(auto, dict) else auto
+    refs = [r for r in (entry if isinstance(entry, list | tuple) else [entry]) if r]
+    files: set[str] = set()
+    for ref in refs:
+        if not isinstance(ref, str) or "--" in ref:
+            raise NotStreamable(
+                f"{model_dir}'s tokenizer names code in another repo ({ref!r}); cachecd runs only "
+                f"code its manifest pins")
+        module = ref.rsplit(".", 1)[0].replace(".", "/") + ".py"
+        files.add(module)
+        if (model_dir / module).is_file():
+            from transformers.dynamic_module_utils import get_relative_import_files
+
+            files.update(str(Path(f).relative_to(model_dir))
+                         for f in get_relative_import_files(str(model_dir / module)))
+    return sorted(files)
 
 
 def describe(files: list[str], pins: Mapping[str, str]) -> str:
@@ -50,6 +65,9 @@ def describe(files: list[str], pins: Mapping[str, str]) -> str:
 
 def check_pinned(model_dir: Path, files: list[str], pins: Mapping[str, str]) -> None:
     for name in files:
+        if not (model_dir / name).is_file():
+            raise ManifestInvalid(f"{model_dir} has no {name}, which its tokenizer names; run "
+                                  f"`cachecd setup --stream` again")
         digest = hashlib.sha256((model_dir / name).read_bytes()).hexdigest()
         if pins.get(name) != digest:
             raise ManifestInvalid(

@@ -15,7 +15,11 @@ import tiktoken
 
 from cachecd import errors
 from cachecd.testbed import kimi_tokenizer, tiny_tokenizer
-from cachecd_engine.tokenizer import load_tokenizer, provide_transformers4_names
+from cachecd_engine.tokenizer import (
+    load_tokenizer,
+    provide_transformers4_names,
+    remote_code_files,
+)
 
 # Kimi's pre-tokenizer pattern, as tokenization_kimi.py in moonshotai's Kimi repos spells it.
 KIMI_PATTERN = "|".join([
@@ -148,3 +152,30 @@ def test_the_shim_is_gpt2s_byte_table() -> None:
 
     table = tokenization_gpt2.bytes_to_unicode()  # type: ignore[attr-defined]
     assert [table[b] for b in range(256)] == tiny_tokenizer._byte_alphabet()
+
+
+def test_the_code_that_runs_is_the_named_module_and_its_relative_imports(
+        kimi_dir: Path, tmp_path: Path) -> None:
+    """K3's tokenization_kimi.py imports encoding_k3.py beside it: both are pinned. A modeling
+    file the tokenizer does not import is not named; code in another repo is refused."""
+    import json
+    import shutil
+
+    d = tmp_path / "k3ish"
+    shutil.copytree(kimi_dir, d)
+    code = (d / "tokenization_kimi.py").read_text()
+    (d / "tokenization_kimi.py").write_text("from .encoding_k3 import SEGMENTS\n" + code)
+    (d / "encoding_k3.py").write_text("SEGMENTS = ()\n")
+    (d / "modeling_kimi.py").write_text("raise RuntimeError('never imported')\n")
+    assert remote_code_files(d) == ["encoding_k3.py", "tokenization_kimi.py"]
+    good = pins(d)
+    with pytest.raises(errors.RemoteCodeNotTrusted, match="encoding_k3.py"):
+        load_tokenizer(d, None, pins=good)
+    with pytest.raises(errors.ManifestInvalid, match="encoding_k3.py"):
+        load_tokenizer(d, None, trust_remote_code=True, pins=dict(good, **{"encoding_k3.py": "0"}))
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    config["auto_map"]["AutoTokenizer"] = ["other/repo--tokenization_kimi.TikTokenTokenizer", None]
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(errors.NotStreamable, match="another repo"):
+        load_tokenizer(d, None, trust_remote_code=True, pins=good)
+    assert remote_code_files(tmp_path) == []  # no tokenizer_config.json: nothing to run
