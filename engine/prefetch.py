@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 
 def read_ahead_by_default() -> bool:
     """Read ahead where the model computes on a GPU. On the CPU the read-ahead's copies take
-    the cores the compute needs: bench/k3_decode.py measured 0.73-0.77x of the resident model's
-    tokens/s with it against 0.79-0.98x without, though it cut the exposed wait by half."""
+    the cores the compute needs: bench/k3_decode.py measured 0.73-0.78x of the resident model's
+    tokens/s with it and 0.73-0.98x without (0.731 against 0.975 with every expert in RAM),
+    though it cut the exposed wait for experts by about half."""
     return current_backend() != "cpu"
 
 
