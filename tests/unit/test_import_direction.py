@@ -46,7 +46,8 @@ LAYERS: dict[str, set[str]] = {
     "cachecd.service": _BASE | {"cachecd.config", "cachecd.daemon", "cachecd.ctl",
                                 "cachecd_client"},
     "cachecd.setup": _BASE | {"cachecd.durable", "cachecd.config", "cachecd.manifest",
-                              "cachecd.upstream", "cachecd.service", "cachecd_client"},
+                              "cachecd.upstream", "cachecd.service", "cachecd_client",
+                              "cachecd_engine"},
     "cachecd.testbed": _BASE | {"cachecd.config", "cachecd.manifest", "cachecd_client"},
     "cachecd.cli": _BASE | {"cachecd"},  # names its command modules as strings (importlib)
 }
