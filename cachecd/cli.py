@@ -18,7 +18,7 @@ from cachecd.errors import CachecdError
 
 # Modules that own commands, in the order `--help` lists them.
 _COMMAND_MODULES: tuple[str, ...] = (
-    "cachecd.testbed.tiny_model",
+    "cachecd.testbed.tiny_cli",
     "cachecd.testbed.hub_server",
     "cachecd.manifest.cli",
     "cachecd.setup.stream",

@@ -150,6 +150,13 @@ class NotStreamable(CachecdError):
     code, http_status = "not_streamable", 422
 
 
+class RemoteCodeNotTrusted(CachecdError):
+    """A model's tokenizer runs code from its repo and the user has not said to trust it: the
+    message names each file and the sha256 the manifest pins, and the flag that trusts it."""
+
+    code, http_status = "remote_code_not_trusted", 403
+
+
 class ExpertSizeMismatch(CachecdError):
     """An expert buffer's length differs from its manifest entry: the bytes are not used."""
 

@@ -9,7 +9,9 @@ Modules (imported on demand; importing this package does not import mlx):
 stack buffers experts are read into), ``dispatch`` (the kernel each call reaches), ``formats``
 (expert bytes -> the kernel's arrays), ``ram_tier`` (hot experts in memory), ``memory`` (default
 sizes), ``prefetch`` (next-layer read-ahead), ``local_source`` (experts read from a local
-checkpoint), ``daemon_source`` (experts through the daemon), ``run`` (``cachecd run``),
+checkpoint), ``daemon_source`` (experts through the daemon), ``tokenizer`` (the tokenizer, a
+repo's remote code only trusted and pinned), ``sanitize_keep`` (the resident tensors mlx-lm's
+model keeps), ``run`` (``cachecd run``),
 ``openai_server`` (``cachecd openai``), ``request_view`` (the cache's view of one request).
 See docs/architecture.md.
 """

@@ -10,7 +10,8 @@ Invariants:
 - Two buffers alternate. A buffer is refilled only after ``settle``: every background read into
   it has finished and every output computed from it has been evaluated. So bytes the kernel is
   still reading are never overwritten (MLX evaluates lazily; the guard makes it explicit).
-- Both buffers together stay within ``limit`` bytes of expert memory (``capacity`` experts each).
+- Both buffers together stay within ``limit`` bytes of expert memory (``capacity`` experts each,
+  each expert counted with what is computed from its bytes during a call).
 - Nothing here decides which expert goes where; slots are the caller's.
 """
 
@@ -153,14 +154,17 @@ class StackBuffer:
 
 
 class StackArena:
-    """Two alternating ``StackBuffer``s within ``limit`` bytes of expert memory."""
+    """Two alternating ``StackBuffer``s within ``limit`` bytes of expert memory, an expert
+    counting ``per_expert`` bytes (default: its bytes; more where the kernel's arrays are computed
+    from the buffer rather than views of it: ``formats.expert_memory_nbytes``)."""
 
-    def __init__(self, layout: StackLayout, limit: int) -> None:
-        per = limit // 2 // layout.expert_nbytes
+    def __init__(self, layout: StackLayout, limit: int, per_expert: int | None = None) -> None:
+        cost = per_expert or layout.expert_nbytes
+        per = limit // 2 // cost
         if per < 1:
             raise errors.InvalidRequest(
                 f"expert memory of {limit} bytes cannot hold two experts of "
-                f"{layout.expert_nbytes} bytes; raise it (cachecd run --expert-memory)"
+                f"{cost} bytes; raise it (cachecd run --expert-memory)"
             )
         self.layout = layout
         self.limit = limit

@@ -35,6 +35,7 @@ from cachecd_engine.formats import (
     Piece,
     QuantSpec,
     StackLayout,
+    expert_memory_nbytes,
     finish,
     pieces,
 )
@@ -131,7 +132,9 @@ class ExpertBank:
         if got is None:
             entry = self.source.entry(layer, expert)
             if self.arena is None:
-                self.arena = StackArena(StackLayout.of(entry), self.expert_memory)
+                layout = StackLayout.of(entry)
+                cost = expert_memory_nbytes(self.spec, layout, self.backend)
+                self.arena = StackArena(layout, self.expert_memory, cost)
             got = self._pieces[key] = pieces(entry, self.arena.layout)
         return got
 

@@ -8,12 +8,15 @@ Invariants:
   differs. A stack of ``n`` experts holds, per tensor, an array ``[n, *shape]`` of its raw storage
   dtype, so expert bytes can be read straight into the stack.
 - ``finish`` turns raw stacks into exactly the arrays mlx-lm's ``sanitize`` puts in the resident
-  stack (same dtype, same shape, same bytes, row for row): reinterpreting views, and for int4
-  the biases mlx derives from the scales, computed the same way over the same values.
+  stack (same dtype, same shape, same bytes, row for row): reinterpreting views, for int4 the
+  biases mlx derives from the scales, and for fp8 the bf16 weights mlx-lm dequantizes to, each
+  computed with sanitize's own ops over the same values (elementwise, so a stack's rows are the
+  experts' own results).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,9 +31,11 @@ from cachecd import errors
 PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _SUFFIX_RE = re.compile(r"\.experts\.\d+\.(w[123]|gate_proj|up_proj|down_proj)\.(\w+)$")
 
-# Storage dtypes numpy can hold; bfloat16 is kept as its uint16 bits and reinterpreted in mx.
+# Storage dtypes numpy can hold; bfloat16 is kept as its uint16 bits and fp8 as its bytes, each
+# reinterpreted in mx (mx.load reads F8_E4M3 as uint8 too).
 _NP_DTYPES: dict[str, type[np.generic]] = {
     "U8": np.uint8,
+    "F8_E4M3": np.uint8,
     "I8": np.int8,
     "I32": np.int32,
     "U32": np.uint32,
@@ -71,12 +76,20 @@ class QuantSpec:
     bits: int = 0
 
 
-# The mapping mlx-lm applies to compressed-tensors configs; "none" is a plain float stack.
+# The mapping mlx-lm applies to compressed-tensors configs; "none" is a plain float stack, and
+# "fp8" (128x128 block scales) one too: mlx-lm's sanitize dequantizes it to bf16 and keeps it so.
 QUANT_SPECS = {
     "mxfp4-pack-quantized": QuantSpec("mxfp4-pack-quantized", "mxfp4", 32, 4),
     "pack-quantized": QuantSpec("pack-quantized", "affine", 32, 4),
+    "fp8": QuantSpec("fp8"),
     "none": QuantSpec("none"),
 }
+# mlx-lm's deepseek_v3 sanitize dequantizes fp8 in 128x128 blocks whatever weight_block_size says.
+FP8_BLOCK = 128
+# Bytes per weight element of an fp8 stack, besides its own byte, while a call computes from it:
+# finish's bf16 decode, its padded copy, the fp32 product and the bf16 result (measured: all alive
+# until the result is done, 10 bytes), and on the CPU gather_mm's fp32 copy of the weights.
+_FP8_WORK = {"cpu": 14, "gpu": 10}
 
 
 def quant_spec(fmt: str) -> QuantSpec:
@@ -185,6 +198,29 @@ def _int4_symmetric(raw: Raw, dtypes: Mapping[Key, str]) -> Arrays:
     return out
 
 
+def _fp8_block(raw: Raw, dtypes: Mapping[Key, str]) -> Arrays:
+    out: Arrays = {}
+    for p in PROJECTIONS.values():
+        w = _need(raw, p, "weight", dtypes.get((p, "weight"), "F8_E4M3"))
+        s = _need(raw, p, "weight_scale_inv", dtypes.get((p, "weight_scale_inv"), "F32"))
+        out[p] = {"weight": dequantize_fp8(w, s)}
+    return out
+
+
+def dequantize_fp8(weight: mx.array, scale_inv: mx.array) -> mx.array:
+    """mlx-lm's sanitize ``dequant``, op for op, over a stack ``[n, m, k]`` of fp8 bytes and its
+    block scales ``[n, ceil(m/128), ceil(k/128)]``: every op is elementwise or a reshape, so row
+    ``e`` is bitwise what sanitize computes for expert ``e`` alone."""
+    weight = mx.from_fp8(weight, dtype=mx.bfloat16)
+    bs = FP8_BLOCK
+    n, m, k = weight.shape
+    pad_bottom, pad_side = (-m) % bs, (-k) % bs
+    weight = mx.pad(weight, [(0, 0), (0, pad_bottom), (0, pad_side)])
+    weight = weight.reshape((n, (m + pad_bottom) // bs, bs, (k + pad_side) // bs, bs))
+    weight = (weight * scale_inv[:, :, None, :, None]).reshape(n, m + pad_bottom, k + pad_side)
+    return weight[:, :m, :k].astype(mx.bfloat16)
+
+
 def _plain(raw: Raw, dtypes: Mapping[Key, str]) -> Arrays:
     return {
         p: {"weight": _need(raw, p, "weight", dtypes.get((p, "weight"), "F32"))}
@@ -195,12 +231,24 @@ def _plain(raw: Raw, dtypes: Mapping[Key, str]) -> Arrays:
 _FINISH: dict[str, Callable[[Raw, Mapping[Key, str]], Arrays]] = {
     "mxfp4-pack-quantized": _mxfp4,
     "pack-quantized": _int4_symmetric,
+    "fp8": _fp8_block,
     "none": _plain,
 }
 
 
+def expert_memory_nbytes(spec: QuantSpec, layout: StackLayout, backend: str) -> int:
+    """Memory one expert of a stack takes while a layer call computes from it: its bytes in the
+    stack buffer, and for fp8 the arrays ``finish`` computes from them (the other formats' arrays
+    are views of the buffer)."""
+    if spec.fmt != "fp8":
+        return layout.expert_nbytes
+    weights = sum(math.prod(s.shape) for s in layout.slots if s.key[1] == "weight")
+    return layout.expert_nbytes + weights * _FP8_WORK["cpu" if backend == "cpu" else "gpu"]
+
+
 def finish(spec: QuantSpec, layout: StackLayout, raw: Raw) -> Arrays:
-    """The projection arrays of a stack, from its raw tensor stacks (lazy views, no copy)."""
+    """The projection arrays of a stack, from its raw tensor stacks (lazy: views, no copy, except
+    fp8, whose bf16 weights are computed from the raw stack when the kernel runs)."""
     return _FINISH[spec.fmt](raw, {s.key: s.dtype for s in layout.slots})
 
 

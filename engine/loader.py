@@ -30,6 +30,7 @@ from cachecd_engine.memory import default_expert_memory, default_ram_tier
 from cachecd_engine.prefetch import install_prefetch, read_ahead_by_default
 from cachecd_engine.ram_tier import DEFAULT_POLICY, RamTier
 from cachecd_engine.streamed_moe import StreamedSwitchGLU, install_streamed_banks
+from cachecd_engine.tokenizer import tokenizer_options
 
 # Model types whose MoE layers expose ``mlp.switch_mlp`` as a SwitchGLU (the hook point).
 # kimi_k2 (K2-Thinking's config) is mlx-lm's deepseek_v3 through its model-type remapping.
@@ -90,6 +91,7 @@ def load(
     model_config: dict[str, Any] | None = None,
     tokenizer_config: dict[str, Any] | None = None,
     return_config: bool = False,
+    trust_remote_code: bool = False,
 ) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict[str, Any]]:
     """(model, tokenizer) for ``mlx_lm.generate``/``stream_generate``; the bank is ``model.bank``.
 
@@ -100,6 +102,9 @@ def load(
     hints) the next layer's likely experts (``model.prefetcher``); by default only where the model
     computes on a GPU (``read_ahead_by_default``). ``model_config``, ``tokenizer_config`` and
     ``return_config`` are ``mlx_lm.load``'s (the config is the one ``load_model`` returns).
+    A tokenizer with remote code loads only with ``trust_remote_code`` (or ``tokenizer_config``'s
+    ``trust_remote_code``), and only if its code files have the sha256 the source's manifest
+    pins (``cachecd_engine.tokenizer``); that is checked before the model is loaded.
     """
     model_dir = Path(model_dir)
     config = {**json.loads((model_dir / "config.json").read_text()), **(model_config or {})}
@@ -108,6 +113,11 @@ def load(
             f"{model_dir}'s config names a custom model_file ({config['model_file']}); only "
             f"mlx-lm's own model classes can stream their experts")
     spec = quant_spec(quant_format_of(config))
+    manifest = getattr(source, "manifest", None)
+    pins = {f.name: f.sha256 for f in manifest.files.values()} if manifest is not None else None
+    tokenizer_config = tokenizer_options(
+        model_dir, tokenizer_config, trust_remote_code=trust_remote_code, pins=pins,
+        repo=manifest.repo if manifest is not None else None)
     bound = default_expert_memory() if expert_memory is None else expert_memory
     tier = RamTier(ram_bytes or 0, ram_policy)
     bank = ExpertBank(source, spec, tier, stats or EngineStats(), expert_memory=bound)

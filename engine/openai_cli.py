@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from cachecd_engine.run import add_engine_flags, engine_options
+from cachecd_engine.run import add_engine_flags, add_trust_flag, engine_options
 
 
 def register(sub: Any) -> None:
@@ -32,8 +32,7 @@ def register(sub: Any) -> None:
     p.add_argument("--chat-template", default="", help="a chat template to use instead of the model's")
     p.add_argument("--chat-template-args", type=json.loads, default={},
                    help="JSON arguments for apply_chat_template, e.g. '{\"thinking\": false}'")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let the tokenizer run its repo's code (Kimi's tiktoken tokenizers need it)")
+    add_trust_flag(p)
     p.add_argument("--allowed-origins", type=lambda s: s.split(","), default=[],
                    help="browser origins allowed to use the server, comma-separated ('*': any); "
                         "default none")

@@ -46,10 +46,12 @@ def load(
     and ``mlx_lm.server`` work unchanged on the result.
 
     ``path_or_hf_repo`` is an ORG/NAME installed with ``cachecd setup --stream``; ``revision``, if
-    given, must be the commit setup pinned. ``trust_remote_code`` is accepted for the signature: it
-    only lets mlx-lm run a config's custom ``model_file``, which cannot be streamed (pass
-    ``tokenizer_config={"trust_remote_code": True}`` for a tokenizer's remote code, as with
-    mlx-lm). An adapter may change resident weights only (``mlx_lm.tuner``'s ``load_adapters``).
+    given, must be the commit setup pinned. ``trust_remote_code=True`` lets the tokenizer run the
+    code its repo ships (Kimi's ``tokenization_kimi.py``), as
+    ``tokenizer_config={"trust_remote_code": True}`` does in mlx-lm, once each code file has the
+    sha256 the manifest pins; a config's custom ``model_file`` is refused whatever it says (its
+    classes cannot be streamed). An adapter may change resident weights only (``mlx_lm.tuner``'s
+    ``load_adapters``).
 
     Keyword-only, the engine's own: ``socket`` (the daemon's), ``ram_bytes`` (RAM tier of hot
     experts), ``expert_memory`` (bound on a layer's expert buffers), ``stats`` (an
@@ -59,7 +61,6 @@ def load(
     from cachecd_engine.daemon_source import DaemonSource
     from cachecd_engine.loader import load as load_dir
 
-    del trust_remote_code  # see the docstring: nothing else it could allow here
     repo = check_name(path_or_hf_repo)
     source, local_dir = DaemonSource.connect(repo, socket)
     try:
@@ -69,7 +70,8 @@ def load(
         model, tokenizer, config = load_dir(
             local_dir, source, ram_bytes=ram_bytes, expert_memory=expert_memory, stats=stats,
             lazy=lazy, prefetch=prefetch, model_config=model_config,
-            tokenizer_config=tokenizer_config, return_config=True)
+            tokenizer_config=tokenizer_config, return_config=True,
+            trust_remote_code=trust_remote_code)
         if adapter_path is not None:
             from mlx_lm.utils import load_adapters
 

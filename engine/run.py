@@ -1,9 +1,11 @@
 """``cachecd run``: generation through the daemon as ``mlx_lm.generate`` does it, with per-token stats.
 
 Greedy unless asked to sample (``--temp``, ``--top-p``, ``--top-k``, ``--min-p``, ``--seed``: the
-defaults are mlx_lm.generate's). Before a prefill the user is told what a cold cache costs: a
-long prompt can route to nearly every expert of every layer, and each missing one is fetched from
-the Hub first; a prefill longer than one step prints its progress (tokens, experts read, fetched).
+defaults are mlx_lm.generate's). The prompt goes in the model's chat template when the tokenizer
+has one, as mlx_lm.generate does (``--no-chat`` sends it as it is). Before a prefill the user is
+told what a cold cache costs: a long prompt can route to nearly every expert of every layer, and
+each missing one is fetched from the Hub first; a prefill longer than one step prints its
+progress (tokens, experts read, fetched).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ TEMP, TOP_P, TOP_K, MIN_P, PREFILL_STEP = 0.0, 1.0, 0, 0.0, 2048
 
 def load(repo: str, socket: str | Path | None = None, **engine: Any) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of a registered model (``cachecd_engine.load`` with the engine's
-    keywords: ram_bytes, expert_memory, stats, trace, prefetch)."""
+    keywords: ram_bytes, expert_memory, stats, trace, prefetch, and trust_remote_code)."""
     from cachecd_engine.registered import load as load_registered
 
     return load_registered(repo, socket=socket, **engine)
@@ -42,6 +44,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="read the next layer's likely experts ahead while a layer computes "
                         "(default: on where the model computes on a GPU, off on the CPU)")
+
+
+def add_trust_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let the tokenizer run the code its repo ships (Kimi's "
+                        "tokenization_kimi.py), as pinned by sha256 in the manifest")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -65,12 +73,33 @@ def register(sub: Any) -> None:
     p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
                    help="prompt tokens per prefill step (progress is printed after each)")
     add_engine_flags(p)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    add_trust_flag(p)
+    add_chat_flag(p)
     p.add_argument("--stats", action="store_true", help="per-token stats on stderr")
     p.add_argument("--json", action="store_true", help="print token ids and per-token stats as JSON")
     p.add_argument("--trace", metavar="FILE",
                    help="record the routing (JSON lines; replay with cachecd warm --trace)")
     p.set_defaults(func=run)
+
+
+def add_chat_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the model's chat template (default: when the "
+                        "tokenizer has one, as mlx_lm.generate does)")
+
+
+def prompt_input(tokenizer: Any, text: str, chat: bool | None) -> str | list[int]:
+    """What to hand ``stream_generate`` for ``text``: with the chat template (``chat`` None: when
+    the tokenizer has one), the ids mlx_lm.generate makes (the template rendered, then encoded
+    without adding special tokens); else the text, which stream_generate encodes as it does."""
+    has_template = bool(getattr(tokenizer, "has_chat_template", False))
+    if chat and not has_template:
+        print("the tokenizer has no chat template: the prompt goes in as it is", file=sys.stderr)
+    if not (has_template if chat is None else chat and has_template):
+        return text
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
 def cold_cost_notice(client: Any, repo: str) -> str:
@@ -108,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
     from cachecd_engine.bank import EngineStats
 
     stats = EngineStats()
-    model, tokenizer = load(args.model, stats=stats, trace=args.trace, **engine_options(args))
+    model, tokenizer = load(args.model, stats=stats, trace=args.trace,
+                            trust_remote_code=args.trust_remote_code, **engine_options(args))
     bank_source = model.bank.source
     try:
         print(cold_cost_notice(bank_source.client, args.model), file=sys.stderr)
@@ -125,12 +155,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prompt(args: argparse.Namespace, tokenizer: Any) -> Any:
-    prompt: Any = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if args.chat and getattr(tokenizer, "chat_template", None):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                               add_generation_prompt=True)
-    return prompt
+def _prompt(args: argparse.Namespace, tokenizer: Any) -> str | list[int]:
+    return prompt_input(tokenizer, sys.stdin.read() if args.prompt == "-" else args.prompt,
+                        args.chat)
 
 
 def _generate(args: argparse.Namespace, model: Any, tokenizer: Any,

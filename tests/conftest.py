@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -10,6 +11,18 @@ import pytest
 
 from tests.harness import TINY_REPO, DaemonProcess, HubProcess, Installed, run_cli, short_tmp
 from tests.other_uid import NOBODY, OtherUid, new_root, prepare
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``@pytest.mark.macos("what it checks")``: run on macOS, skipped elsewhere with the reason
+    "needs macOS: what it checks", so a Linux run lists what only a Mac run checks."""
+    if sys.platform == "darwin":
+        return
+    for item in items:
+        mark = item.get_closest_marker("macos")
+        if mark is not None:
+            what = mark.args[0] if mark.args else item.name
+            item.add_marker(pytest.mark.skip(reason=f"needs macOS: {what}"))
 
 
 @pytest.fixture(scope="session")

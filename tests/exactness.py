@@ -37,9 +37,9 @@ def assert_bitwise(ref: list[np.ndarray], got: list[np.ndarray]) -> None:
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"step {step}: max |diff| = {diff}"
 
 
-def make_resident_dir(full: Path, manifest: Any, out: Path) -> Path:
+def make_resident_dir(full: Path, manifest: Any, out: Path, keep: Any = None) -> Path:
     """What setup installs, from a local checkpoint: configs, tokenizer and the resident file
-    written by the same verified writer ``setup --stream`` uses."""
+    written by the same verified writer ``setup --stream`` uses (of the tensors in ``keep``)."""
     out.mkdir()
     for f in full.iterdir():
         if not f.name.startswith("model") or not f.name.endswith((".safetensors", ".json")):
@@ -50,5 +50,5 @@ def make_resident_dir(full: Path, manifest: Any, out: Path) -> Path:
             fh.seek(start)
             return fh.read(end - start)
 
-    asyncio.run(ResidentWriter(manifest, out).run(fetch, lambda n: None))
+    asyncio.run(ResidentWriter(manifest, out, keep).run(fetch, lambda n: None))
     return out

@@ -1,9 +1,10 @@
 """``cachecd warm``: fill the cache ahead of a workload, with a progress bar, resumably.
 
-Sources of the workload: ``--prompts FILE`` runs the engine (prefill and a few tokens each), so
-the daemon fetches exactly what routing needs and records it as use; ``--trace FILE`` replays a
-recorded routing trace; ``--top N`` and ``--bytes SIZE`` take the most-used missing experts by
-the daemon's access counts.
+Sources of the workload: ``--prompts FILE`` runs the engine (prefill and a few tokens each, each
+prompt in the model's chat template as ``cachecd run`` sends it, so warming routes as chatting
+will), so the daemon fetches exactly what routing needs and records it as use; ``--trace FILE``
+replays a recorded routing trace; ``--top N`` and ``--bytes SIZE`` take the most-used missing
+experts by the daemon's access counts.
 
 Invariants:
 - Resumable: the plan is computed from what the daemon has cached now, so a rerun skips what an
@@ -35,6 +36,7 @@ from cachecd.config import format_size, parse_size
 from cachecd.ctl.coverage import DAEMON_WORKLOAD, Snapshot, client_for, snapshot, trace_access
 from cachecd.errors import CachecdError, InvalidRequest
 from cachecd.report.coverage import access_array, trace_weighted, warm_order
+from cachecd_engine.run import add_chat_flag, add_trust_flag
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,8 @@ def register(sub: Any) -> None:
     src.add_argument("--bytes", metavar="SIZE", help="the most-used missing experts up to SIZE, e.g. 20GB")
     p.add_argument("--max-new", type=int, default=4, help="tokens generated per prompt (--prompts)")
     p.add_argument("--save-trace", metavar="FILE", help="keep the routing of --prompts as a trace")
+    add_chat_flag(p)
+    add_trust_flag(p)
     p.add_argument("--parallel", type=int, default=2, help="requests in flight to the daemon")
     p.add_argument("--batch", type=int, default=16, help="experts per request (one layer each)")
     p.add_argument("--allow-evict", action="store_true",
@@ -292,11 +296,11 @@ def _warm_prompts(args: argparse.Namespace, client: Any, before: Snapshot) -> in
     from mlx_lm import stream_generate
     from tqdm import tqdm
 
-    from cachecd_engine.run import load
+    from cachecd_engine.run import load, prompt_input
     from cachecd_engine.trace import TraceRecorder
 
     prompts = read_prompts(args.prompts)
-    model, tokenizer = load(args.model, args.socket)
+    model, tokenizer = load(args.model, args.socket, trust_remote_code=args.trust_remote_code)
     recorder = TraceRecorder(args.save_trace, args.model)
     model.bank.trace = recorder
     start_bytes = client.stats()["counters"].get("fetched_bytes", 0)
@@ -304,7 +308,8 @@ def _warm_prompts(args: argparse.Namespace, client: Any, before: Snapshot) -> in
     bar = tqdm(total=len(prompts), unit="prompt", desc="warm", disable=None, file=sys.stderr)
     try:
         for prompt in prompts:
-            for _ in stream_generate(model, tokenizer, prompt, max_tokens=args.max_new):
+            text = prompt_input(tokenizer, prompt, args.chat)
+            for _ in stream_generate(model, tokenizer, text, max_tokens=args.max_new):
                 pass
             fetched = client.stats()["counters"].get("fetched_bytes", 0) - start_bytes
             bar.set_postfix_str(f"fetched {format_size(fetched)}")

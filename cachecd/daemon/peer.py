@@ -18,11 +18,19 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cachecd.errors import CacheLocked, ConfigInvalid
+from cachecd.errors import CacheLocked, ConfigInvalid, Forbidden
 
 log = logging.getLogger(__name__)
 
-_MAX_UNIX_PATH = 104 if sys.platform == "darwin" else 108
+# macOS, <sys/un.h>: the getsockopt level and options of a Unix socket's peer.
+SOL_LOCAL, LOCAL_PEERCRED, LOCAL_PEERPID = 0, 0x001, 0x002
+# macOS, <sys/ucred.h>: struct xucred { u_int cr_version; uid_t cr_uid; short cr_ngroups;
+# gid_t cr_groups[NGROUPS]; } with NGROUPS 16: 76 bytes, 2 of them padding before cr_groups;
+# cr_gid is cr_groups[0]. uid_t and gid_t are unsigned: nobody, -2 in the user database, is
+# 4294967294, as os.getuid() gives it.
+XUCRED = struct.Struct("=IIh2x16I")
+XUCRED_VERSION = 0
+_PID = struct.Struct("=i")
 
 
 @dataclass(frozen=True)
@@ -38,13 +46,38 @@ def peer_cred(sock: socket.socket) -> PeerCred:
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid, uid, gid = struct.unpack("3i", raw)
         return PeerCred(pid, uid, gid)
-    # macOS: struct xucred { u_int cr_version; uid_t cr_uid; short cr_ngroups; gid_t cr_groups[16]; }
-    local_peercred, sol_local, local_peerpid = 0x001, 0, 0x002
-    raw = sock.getsockopt(sol_local, local_peercred, 4 + 4 + 2 + 2 + 16 * 4)
-    _, uid = struct.unpack_from("Ii", raw)
-    (gid,) = struct.unpack_from("i", raw, 12)
-    pid = struct.unpack("i", sock.getsockopt(sol_local, local_peerpid, 4))[0]
-    return PeerCred(pid, uid, gid)
+    return darwin_peer_cred(sock)
+
+
+def darwin_peer_cred(sock: socket.socket) -> PeerCred:
+    """LOCAL_PEERCRED (uid, gid) and LOCAL_PEERPID (pid) of a connected macOS Unix socket."""
+    uid, gid = parse_xucred(sock.getsockopt(SOL_LOCAL, LOCAL_PEERCRED, XUCRED.size))
+    return PeerCred(parse_peer_pid(sock.getsockopt(SOL_LOCAL, LOCAL_PEERPID, _PID.size)), uid, gid)
+
+
+def parse_xucred(raw: bytes) -> tuple[int, int]:
+    """(uid, gid) of a struct xucred; ``Forbidden`` for anything else (the peer stays unknown)."""
+    if len(raw) != XUCRED.size:
+        raise Forbidden(f"LOCAL_PEERCRED gave {len(raw)} bytes, not a {XUCRED.size}-byte "
+                        "struct xucred: cannot tell who the peer is")
+    version, uid, _ngroups, *groups = XUCRED.unpack(raw)
+    if version != XUCRED_VERSION:
+        raise Forbidden(f"struct xucred version {version}, not {XUCRED_VERSION}: cannot tell "
+                        "who the peer is")
+    return uid, groups[0]
+
+
+def parse_peer_pid(raw: bytes) -> int:
+    """The pid_t LOCAL_PEERPID gives."""
+    if len(raw) != _PID.size:
+        raise Forbidden(f"LOCAL_PEERPID gave {len(raw)} bytes, not a pid_t")
+    return int(_PID.unpack(raw)[0])
+
+
+def unix_path_limit(platform: str | None = None) -> int:
+    """sockaddr_un's sun_path size: 104 bytes on macOS (<sys/un.h>), 108 on Linux. A path must
+    be shorter (it ends in a NUL). ``platform`` is ``sys.platform`` unless given."""
+    return 104 if (platform or sys.platform) == "darwin" else 108
 
 
 def ensure_private_dir(path: Path) -> None:
@@ -86,7 +119,7 @@ def _clear_stale(path: Path) -> None:
 
 def bind_private_socket(path: Path, backlog: int = 128) -> socket.socket:
     """A listening, non-blocking Unix socket at ``path`` with mode 0600 from bind onward."""
-    if len(os.fsencode(path)) >= _MAX_UNIX_PATH:
+    if len(os.fsencode(path)) >= unix_path_limit():
         raise ConfigInvalid(f"socket path {path} is too long for a Unix socket; choose a shorter --socket")
     ensure_private_dir(path.parent)
     if path.exists() or path.is_symlink():

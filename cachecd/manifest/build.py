@@ -121,13 +121,18 @@ def _parse_config(data: bytes, repo: str) -> dict[str, Any]:
 
 
 def quant_format_of(config: dict[str, Any]) -> str:
-    """ "mxfp4-pack-quantized", "pack-quantized", ... from the quantization_config; "none"."""
+    """ "mxfp4-pack-quantized", "pack-quantized", "fp8", ... from the quantization_config;
+    "none" without one."""
     text = config.get("text_config")
     qc = config.get("quantization_config") or (
         text.get("quantization_config") if isinstance(text, dict) else None
     )
     if not isinstance(qc, dict):
         return "none"
+    if qc.get("quant_method") == "fp8" and qc.get("scale_fmt") == "ue8m0" and list(
+        qc.get("weight_block_size") or ()
+    ) == [32, 32]:
+        return "mxfp8"  # mlx-lm keeps these packed (mxfp8), unlike fp8 it dequantizes to bf16
     fmt = qc.get("format")
     if not fmt and isinstance(qc.get("config_groups"), dict):
         formats = {g.get("format") for g in qc["config_groups"].values() if isinstance(g, dict)}

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from cachecd import errors
+from cachecd.durable import full_fsync, sync_dir
 from cachecd.manifest.encode import build_meta, encode_experts
 from cachecd.manifest.entries import ByteRange, ExpertEntry, FileInfo, TensorInfo
 from cachecd.manifest.meta import EXPERT_PATTERN, EXPERT_RE, FORMAT_NAME
@@ -199,7 +200,8 @@ class Manifest:
         return buf.getvalue()
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write atomically: a temp file in the same directory, fsync, then rename."""
+        """Write atomically and durably: a temp file in the same directory, synced, renamed, and
+        the directory synced (``cachecd.durable``: F_FULLFSYNC on macOS, fsync elsewhere)."""
         write_atomic(Path(path), self.to_bytes())
 
     @classmethod
@@ -286,16 +288,12 @@ def write_atomic(path: Path, data: bytes) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            full_fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    sync_dir(path.parent)
 
 
 def manifest_filename(repo: str) -> str:

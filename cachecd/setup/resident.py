@@ -1,11 +1,13 @@
-"""The resident model on disk: every non-expert tensor, fetched by exact ranges, in one file.
+"""The resident model on disk: the non-expert tensors the model loads, by exact ranges, in one file.
 
 Most shards of a streamed model also hold experts, so whole shards are never downloaded: each
 resident tensor's bytes are fetched by range, verified against the manifest's xxh3-128, and
 written at their place in ``model-resident.safetensors`` (mlx-lm's loader globs
-``model*.safetensors``). Invariants: the final file appears (atomic rename) only when every
-tensor in it verified; an interrupted run leaves ``.partial`` plus a progress file listing the
-tensors already written and verified, so the next run resumes instead of starting over.
+``model*.safetensors``). Only the tensors named in ``keep`` are installed (``setup --stream``
+passes what mlx-lm's model keeps after its sanitize: a multimodal repo's vision weights are not).
+Invariants: the final file appears (atomic rename) only when every tensor in it verified; an
+interrupted run leaves ``.partial`` plus a progress file listing the tensors already written and
+verified, so the next run resumes instead of starting over.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import asyncio
 import json
 import os
 import struct
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
+from cachecd.durable import full_fsync
 from cachecd.errors import ChecksumMismatch
 from cachecd.upstream.verify import digest
 
@@ -55,13 +59,28 @@ def plan_groups(tensors: list[Any]) -> list[list[int]]:
     return groups
 
 
+def skipped_summary(skipped: Iterable[str], kept: Iterable[str], most: int = 4) -> str:
+    """The skipped tensors as the subtrees they fill, with counts: ``vision_tower (412), ...``
+    (each name's shortest dotted prefix under which nothing is kept)."""
+    taken = {".".join(parts[:i]) for parts in (k.split(".") for k in kept)
+             for i in range(1, len(parts) + 1)}
+    groups: Counter[str] = Counter()
+    for name in skipped:
+        parts = name.split(".")
+        groups[next((".".join(parts[:i]) for i in range(1, len(parts) + 1)
+                     if ".".join(parts[:i]) not in taken), name)] += 1
+    shown = [f"{g} ({n})" for g, n in groups.most_common(most)]
+    more = len(groups) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
+
+
 class ResidentWriter:
-    def __init__(self, manifest: Any, out_dir: Path) -> None:
+    def __init__(self, manifest: Any, out_dir: Path, keep: Collection[str] | None = None) -> None:
         self.manifest = manifest
         self.final = out_dir / RESIDENT_FILE
         self.partial = out_dir / (RESIDENT_FILE + ".partial")
         self.progress = out_dir / (RESIDENT_FILE + ".progress")
-        self.tensors = list(manifest.resident)
+        self.tensors = [t for t in manifest.resident if keep is None or t.name in keep]
         meta = {"format": "mlx", "cachecd_repo": manifest.repo, "cachecd_revision": manifest.revision}
         self.header, self.offsets = safetensors_header(self.tensors, meta)
 
@@ -69,7 +88,12 @@ class ResidentWriter:
         return self.final.exists() and self.final.stat().st_size == self._size()
 
     def _size(self) -> int:
-        return len(self.header) + sum(t.nbytes for t in self.tensors)
+        return len(self.header) + self.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """The tensors' bytes: what a run fetches when nothing is installed yet."""
+        return sum(t.nbytes for t in self.tensors)
 
     def _load_progress(self) -> set[str]:
         try:
@@ -96,7 +120,7 @@ class ResidentWriter:
             os.ftruncate(fd, self._size())
             os.pwrite(fd, self.header, 0)
             fetched = await self._fetch_all(fd, done, fetch, progress, parallel)
-            os.fsync(fd)
+            await asyncio.to_thread(full_fsync, fd)
         finally:
             os.close(fd)
         os.replace(self.partial, self.final)
@@ -136,5 +160,5 @@ class ResidentWriter:
             if digest(piece) != t.xxh3:
                 raise ChecksumMismatch(f"resident tensor {t.name} from {t.file} does not match the manifest")
             os.pwrite(fd, piece, self.offsets[i])
-        os.fsync(fd)
+        full_fsync(fd)  # before the progress record names these tensors done
 

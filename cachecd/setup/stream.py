@@ -38,6 +38,9 @@ def register(sub: Any) -> None:
     p.add_argument("--budget", help="disk budget for a daemon this command starts")
     p.add_argument("--models-dir", help="where resident files are installed")
     p.add_argument("--no-start", action="store_true", help="do not start a daemon when none runs")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="the tokenizer runs code its repo ships (Kimi's tokenization_kimi.py): "
+                        "load it once now, as pinned by sha256 in the manifest")
     p.set_defaults(func=run)
 
 
@@ -123,18 +126,60 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-async def fetch_resident(manifest: Any, local: Path, settings: Settings) -> int:
+def check_tokenizer(manifest: Any, local: Path, trust: bool) -> bool:
+    """Say which code the tokenizer would run, with the sha256 the manifest pins; with trust, run
+    it once now (under the installed transformers), before the resident weights come. True if
+    the tokenizer has remote code."""
+    from cachecd_engine.tokenizer import describe, load_tokenizer, remote_code_files
+
+    files = remote_code_files(local)
+    if not files:
+        return False
+    pins = {f.name: f.sha256 for f in manifest.files.values()}
+    if not trust:
+        print(f"the tokenizer runs code from the repo: {describe(files, pins)}, pinned by the "
+              f"manifest; if you trust it, pass --trust-remote-code to cachecd run, warm and "
+              f"openai (trust_remote_code=True to cachecd_engine.load)")
+        return True
+    tokenizer = load_tokenizer(local, None, trust_remote_code=True, pins=pins, repo=manifest.repo)
+    print(f"tokenizer: ran {describe(files, pins)}: {tokenizer.vocab_size} ids, chat template "
+          f"{'yes' if tokenizer.has_chat_template else 'no'}; cachecd run, warm and openai need "
+          f"--trust-remote-code too")
+    return True
+
+
+def text_model_tensors(manifest: Any, local: Path) -> set[str]:
+    """The resident tensors mlx-lm's model keeps after its sanitize (names, shapes and dtypes
+    only, asked of mlx-lm itself); says what is not installed."""
+    import json
+
+    from cachecd.setup.resident import skipped_summary
+    from cachecd_engine.sanitize_keep import kept_names
+
+    config = json.loads((local / "config.json").read_text())
+    keep = kept_names(config, manifest.resident)
+    skipped = [t for t in manifest.resident if t.name not in keep]
+    if skipped:
+        size = format_size(sum(t.nbytes for t in skipped))
+        print(f"not installing {len(skipped)} tensors ({size}) that mlx-lm's "
+              f"{manifest.model_type} model drops in its sanitize: "
+              f"{skipped_summary([t.name for t in skipped], keep)}")
+    return keep
+
+
+async def fetch_resident(manifest: Any, local: Path, settings: Settings,
+                         keep: set[str] | None = None) -> int:
     from huggingface_hub import get_token
     from tqdm import tqdm
 
     from cachecd.setup.resident import ResidentWriter
     from cachecd.upstream.hub import Upstream
 
-    writer = ResidentWriter(manifest, local)
+    writer = ResidentWriter(manifest, local, keep)
     if writer.done():
         return 0
     upstream = await asyncio.to_thread(Upstream, settings.endpoint, get_token(), offline=settings.offline)
-    total = manifest.resident_bytes_total
+    total = writer.nbytes
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="resident weights", disable=None)
     try:
         return await writer.run(lambda f, s, e: upstream.fetch_range(manifest, f, s, e), bar.update)
@@ -209,7 +254,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{repo}@{commit}: {manifest.n_experts} experts "
           f"({format_size(manifest.expert_bytes_total)}) streamed on demand")
     small = fetch_small_files(manifest, local, settings.endpoint)
-    resident = asyncio.run(fetch_resident(manifest, local, settings))
+    remote_code = check_tokenizer(manifest, local, args.trust_remote_code)
+    keep = text_model_tensors(manifest, local)
+    resident = asyncio.run(fetch_resident(manifest, local, settings, keep))
     client = ensure_daemon(settings, args)
     with client:
         client.register(manifest_path, local)
@@ -217,5 +264,6 @@ def run(args: argparse.Namespace) -> int:
     full = sum(f.size for f in manifest.files.values())
     print(f"installed {local} ({format_size(used)} on disk, fetched {format_size(small + resident)} "
           f"now) of a {format_size(full)} model: {used / full:.1%}")
-    print(f"run it: cachecd run --model {repo} --prompt 'Hello' --max-new 32")
+    trust = " --trust-remote-code" if remote_code else ""
+    print(f"run it: cachecd run --model {repo}{trust} --prompt 'Hello' --max-new 32")
     return 0

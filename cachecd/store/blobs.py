@@ -11,7 +11,8 @@ Invariants:
 - A path is only ever built from a validated digest (exactly 32 lowercase hex chars); anything
   else raises ``InvalidRequest`` before any I/O.
 - A file appears under blobs/ only by rename from tmp/ after all its bytes were written and
-  fsynced; the directory is fsynced after the rename. The caller commits the index row after
+  made durable (``cachecd.durable.full_fsync``: F_FULLFSYNC on macOS, fsync elsewhere); the
+  directory is synced the same way after the rename. The caller commits the index row after
   ``write_blob`` returns, so there is never a row without a complete, durable blob.
 - Every open uses O_NOFOLLOW (a planted symlink is refused) and O_CLOEXEC; temp files are created
   with O_EXCL, mode 0600.
@@ -31,11 +32,12 @@ import random
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from cachecd import errors
+from cachecd.durable import full_fsync, sync_dir
 from cachecd.store.crash import crash_point
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,14 @@ _DIGEST_RE = re.compile(r"[0-9a-f]{32}")
 _SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_TM_EXCLUDE_XATTR = "com.apple.metadata:com_apple_backup_excludeItem"
+# Spotlight does not index a directory (or, at its root, a volume) that holds this file.
+SPOTLIGHT_MARKER = ".metadata_never_index"
+# A "sticky" Time Machine exclusion, as `tmutil addexclusion` sets it: this extended attribute
+# on the item, holding a binary plist of the one string "com.apple.backupd".
+TM_EXCLUDE_XATTR = "com.apple.metadata:com_apple_backup_excludeItem"
+TM_EXCLUDE_VALUE = plistlib.dumps("com.apple.backupd", fmt=plistlib.FMT_BINARY)
+EXCLUDE_FROM_INDEXING = sys.platform == "darwin"
+SetXattr = Callable[[Path, str, bytes], None]
 # Reads while hashing a blob on disk. Small enough that the hash reads the chunk from the CPU's
 # cache and that its buffer is not a fresh mapping each time: 16 K3-sized blobs in the page
 # cache hashed in 60-64 ms with 64-256 KiB chunks, 145-151 ms with 4 MiB ones (this machine).
@@ -64,14 +73,6 @@ def validate_digest(digest_hex: object) -> str:
 
 def is_space_error(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in _SPACE_ERRNOS
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def hash_fd(fd: int) -> tuple[str, int]:
@@ -110,8 +111,8 @@ class CacheDir:
         self.quarantine_dir = self.root / "quarantine"
         for d in (self.root, self.blobs, self.tmp, self.quarantine_dir):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if sys.platform == "darwin":
-            _exclude_from_indexing(self.root)
+        if EXCLUDE_FROM_INDEXING:
+            exclude_from_indexing(self.root)
 
     def blob_path(self, digest_hex: str) -> Path:
         d = validate_digest(digest_hex)
@@ -158,21 +159,36 @@ class CacheDir:
         return dest
 
 
-def _exclude_from_indexing(root: Path) -> None:
-    """Keep Spotlight and Time Machine away from a cache of re-downloadable bytes (macOS)."""
-    try:
-        (root / ".metadata_never_index").touch(exist_ok=True)
-        import ctypes
+def exclude_from_indexing(root: Path, setxattr: SetXattr | None = None) -> None:
+    """Keep Spotlight and Time Machine away from a cache of re-downloadable bytes (macOS).
 
-        value = plistlib.dumps("com.apple.backupd", fmt=plistlib.FMT_BINARY)
-        libc = ctypes.CDLL(None, use_errno=True)
-        rc = libc.setxattr(
-            str(root).encode(), _TM_EXCLUDE_XATTR.encode(), value, len(value), 0, 0
-        )
-        if rc != 0:
-            log.warning("event=tm_exclude_failed dir=%s errno=%d", root, ctypes.get_errno())
+    Writes ``SPOTLIGHT_MARKER`` in ``root`` and sets ``TM_EXCLUDE_XATTR`` on it through
+    ``setxattr(path, name, value)`` (macOS's setxattr(2) unless a test passes its own). A failure
+    is logged, not raised: an indexed or backed-up cache is slow, not wrong.
+    """
+    try:
+        (root / SPOTLIGHT_MARKER).touch(exist_ok=True)
     except OSError as exc:
         log.warning("event=spotlight_exclude_failed dir=%s err=%s", root, exc)
+    try:
+        (setxattr or darwin_setxattr)(root, TM_EXCLUDE_XATTR, TM_EXCLUDE_VALUE)
+    except OSError as exc:
+        log.warning("event=tm_exclude_failed dir=%s err=%s", root, exc)
+
+
+def darwin_setxattr(path: Path, name: str, value: bytes) -> None:
+    """setxattr(2) as <sys/xattr.h> declares it on macOS (os.setxattr exists only on Linux)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    # Declared rather than left to ctypes' default (every int passed as a C int): the size is
+    # a size_t and the position a u_int32_t.
+    libc.setxattr.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p,
+                              ctypes.c_size_t, ctypes.c_uint32, ctypes.c_int]
+    libc.setxattr.restype = ctypes.c_int
+    if libc.setxattr(os.fsencode(path), name.encode(), value, len(value), 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(path))
 
 
 class DirLock:
@@ -339,7 +355,7 @@ class BlobWriter:
         try:
             try:
                 crash_point("after_tmp_write")
-                os.fsync(fd)
+                full_fsync(fd)
                 crash_point("after_fsync")
             finally:
                 os.close(fd)
@@ -347,7 +363,7 @@ class BlobWriter:
             final.parent.mkdir(mode=0o700, exist_ok=True)
             os.rename(self.tmp, final)
             crash_point("after_rename")
-            fsync_dir(final.parent)
+            sync_dir(final.parent)
         except OSError as exc:
             _unlink_quiet(self.tmp)
             self._raise_space_error(exc)

@@ -7,15 +7,20 @@ Invariants:
 - Non-expert weights are bf16, except A_log, dt_bias and e_score_correction_bias, which K3
   keeps in fp32 (mlx-lm's ``cast_predicate`` leaves exactly those alone). In fp32 format
   every tensor is fp32.
+- With ``multimodal`` the repository also holds what K3's does beside its text model and mlx-lm
+  drops in ``sanitize``: a small vision tower and projector, and a next-token-prediction layer
+  (one past ``num_hidden_layers``).
 - Nothing here depends on the seed: the same options give the same config and tensor list.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from cachecd.errors import InvalidRequest
+from cachecd.testbed import kimi_tokenizer, tiny_tokenizer
 
 FORMATS = ("mxfp4", "fp32")
 LANG = "language_model"
@@ -36,6 +41,8 @@ class TinyOptions:
     vocab_size: int = 384
     shared_experts: int = 2
     dense_intermediate: int = 256
+    multimodal: bool = False
+    kimi_tokenizer: bool = False
 
     def validate(self) -> None:
         if self.fmt not in FORMATS:
@@ -48,8 +55,22 @@ class TinyOptions:
             value = getattr(self, name)
             if value <= 0 or value % MXFP4_GROUP:
                 raise InvalidRequest(f"{name}={value} must be a positive multiple of 32")
-        if self.vocab_size < 300:
-            raise InvalidRequest("vocab_size must be >= 300 (256 bytes plus special tokens)")
+        check_vocab(self.vocab_size, self.kimi_tokenizer)
+
+
+def check_vocab(vocab_size: int, kimi: bool) -> None:
+    if kimi and vocab_size != kimi_tokenizer.VOCAB_SIZE:
+        raise InvalidRequest(f"a Kimi-style tokenizer has {kimi_tokenizer.VOCAB_SIZE} ids: "
+                             f"vocab_size must be {kimi_tokenizer.VOCAB_SIZE}")
+    if vocab_size < 300:
+        raise InvalidRequest("vocab_size must be >= 300 (256 bytes plus special tokens)")
+
+
+def tokenizer_of(kimi: bool) -> ModuleType:
+    """The tokenizer writer: Kimi-style (tiktoken + remote code) or byte-level (tokenizer.json);
+    both have ``write_tokenizer(out, vocab_size)``, ``token_id(name)``, ``BOS``, ``EOS``,
+    ``EOS_CHAT``."""
+    return kimi_tokenizer if kimi else tiny_tokenizer
 
 
 @dataclass(frozen=True)
@@ -199,7 +220,32 @@ def tensor_defs(opts: TinyOptions) -> list[TensorDef]:
             defs += _mlp_defs(f"{prefix}.mlp", opts.hidden, opts.dense_intermediate, act)
         else:
             defs += _moe_defs(f"{prefix}.block_sparse_moe", opts, act)
+    if opts.multimodal:
+        defs += _unused_defs(opts, act)
     return sorted(defs, key=lambda t: t.name)
+
+
+def _unused_defs(opts: TinyOptions, act: str) -> list[TensorDef]:
+    """What a multimodal repo holds that the text model does not load."""
+    vision, patch = 64, 3 * 4 * 4
+    defs = [TensorDef("vision_tower.patch_embed.proj.weight", act, (vision, patch), "linear")]
+    for block in range(2):
+        p = f"vision_tower.encoder.blocks.{block}"
+        defs += [
+            TensorDef(f"{p}.attn.qkv.weight", act, (3 * vision, vision), "linear"),
+            TensorDef(f"{p}.mlp.fc1.weight", act, (2 * vision, vision), "linear"),
+            TensorDef(f"{p}.norm1.weight", act, (vision,), "norm"),
+        ]
+    defs += [
+        TensorDef("mm_projector.proj.0.weight", act, (opts.hidden, vision), "linear"),
+        TensorDef("mm_projector.proj.0.bias", "F32", (opts.hidden,), "bias"),
+    ]
+    mtp = f"{LANG}.model.layers.{opts.layers}"  # a layer past the model's: next-token prediction
+    defs += [
+        _lin(f"{mtp}.eh_proj", opts.hidden, 2 * opts.hidden, act),
+        TensorDef(f"{mtp}.enorm.weight", act, (opts.hidden,), "norm"),
+    ]
+    return defs
 
 
 def _res_defs(prefix: str, hidden: int, act: str) -> list[TensorDef]:

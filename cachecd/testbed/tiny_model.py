@@ -1,4 +1,4 @@
-"""``cachecd tiny-model``: write a random Kimi-K3-architecture checkpoint in K3's on-disk layout.
+"""A random Kimi-K3-architecture checkpoint in K3's on-disk layout (``cachecd tiny-model``).
 
 Invariants:
 - Same seed and options => byte-identical files (values come from per-tensor generators seeded
@@ -15,7 +15,6 @@ Invariants:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -28,13 +27,13 @@ from typing import Any
 import numpy as np
 from safetensors import TensorSpec, serialize_file
 
-from cachecd.testbed import tiny_tokenizer
 from cachecd.testbed.tiny_config import (
     TensorDef,
     TinyOptions,
     expert_defs,
     model_config,
     tensor_defs,
+    tokenizer_of,
 )
 from cachecd.testbed.tiny_shards import ShardPlan, plan_shards, split_experts
 
@@ -43,7 +42,9 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARD_BYTES = 256 * 1024  # 12 shards and 4 split experts at the default size
 INDEX_NAME = "model.safetensors.index.json"
 _NP_DTYPES = {"BF16": np.uint16, "F32": np.float32, "U8": np.uint8}
-_ST_DTYPES = {"BF16": "bfloat16", "F32": "float32", "U8": "uint8", "I32": "int32"}
+_ST_DTYPES = {
+    "BF16": "bfloat16", "F32": "float32", "U8": "uint8", "I32": "int32", "F8_E4M3": "float8_e4m3fn"
+}
 # e2m1 code -> value; codes 8..15 are the negatives of 0..7.
 _FP4_VALUES = np.array(
     [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32
@@ -101,7 +102,7 @@ def write_with_info(out: Path, opts: TinyOptions, *, seed: int, shard_bytes: int
     files = _write_shards(out, plan, opts, seed)
     files.append(_write_index(out, plan))
     files += _write_configs(out, opts)
-    files += tiny_tokenizer.write_tokenizer(out, opts.vocab_size)
+    files += tokenizer_of(opts.kimi_tokenizer).write_tokenizer(out, opts.vocab_size)
     split = split_experts(plan)
     info = TinyModelInfo(
         out=out,
@@ -156,9 +157,10 @@ def _write_index(out: Path, plan: ShardPlan) -> Path:
 
 
 def _write_configs(out: Path, opts: TinyOptions) -> list[Path]:
-    eos = tiny_tokenizer.token_id(tiny_tokenizer.EOS_CHAT)
-    bos = tiny_tokenizer.token_id(tiny_tokenizer.BOS)
-    eos_ids = [eos, tiny_tokenizer.token_id(tiny_tokenizer.EOS)]
+    tok = tokenizer_of(opts.kimi_tokenizer)
+    eos = tok.token_id(tok.EOS_CHAT)
+    bos = tok.token_id(tok.BOS)
+    eos_ids = [eos, tok.token_id(tok.EOS)]
     generation = {"bos_token_id": bos, "eos_token_id": eos_ids, "do_sample": False}
     paths = [out / "config.json", out / "generation_config.json"]
     paths[0].write_text(_dumps(model_config(opts, eos_id=eos, bos_id=bos)), encoding="utf-8")
@@ -242,46 +244,3 @@ def _dequantized_expert(t: TensorDef, opts: TinyOptions, seed: int) -> np.ndarra
     packed = tensor_values(by_name[f"{base}.weight_packed"], mx_opts, seed)
     scale = tensor_values(by_name[f"{base}.weight_scale"], mx_opts, seed)
     return dequantize_mxfp4(packed, scale)
-
-
-def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "tiny-model",
-        help="write a tiny random Kimi-K3 checkpoint into OUT",
-        description="Write a random Kimi-K3-architecture checkpoint in K3's "
-        "on-disk layout (mlx-lm loads it unmodified).",
-    )
-    p.add_argument("out", type=Path, metavar="OUT")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--shard-bytes", type=int, default=DEFAULT_SHARD_BYTES)
-    p.add_argument("--format", dest="fmt", choices=("mxfp4", "fp32"), default="mxfp4")
-    p.add_argument("--expert-hidden", type=int, default=64)
-    p.add_argument("--moe-intermediate", type=int, default=64)
-    p.set_defaults(func=_cli)
-
-
-def _cli(args: argparse.Namespace) -> int:
-    opts = TinyOptions(
-        experts=args.experts,
-        top_k=args.top_k,
-        layers=args.layers,
-        fmt=args.fmt,
-        expert_hidden=args.expert_hidden,
-        moe_intermediate=args.moe_intermediate,
-    )
-    info = write_with_info(args.out, opts, seed=args.seed, shard_bytes=args.shard_bytes)
-    for f in info.files:
-        print(f"{f.stat().st_size:>12,}  {f}")
-    print(f"total {info.total_bytes:,} bytes in {len(info.files)} files")
-    print(
-        f"experts {info.experts} ({opts.layers - 1} MoE layers x {opts.experts}), "
-        f"format {opts.fmt}, top-{opts.top_k}"
-    )
-    print(
-        f"split experts (across two shards) {len(info.split_experts)}: "
-        + ", ".join(f"L{layer}/E{e}" for layer, e in info.split_experts)
-    )
-    return 0

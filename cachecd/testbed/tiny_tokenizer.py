@@ -105,7 +105,10 @@ def tokenizer_config(vocab_size: int) -> dict[str, Any]:
 
 
 def write_tokenizer(out: Path, vocab_size: int) -> list[Path]:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into ``out``."""
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into ``out`` (and
+    remove a Kimi-style tokenizer's files an earlier write left)."""
+    for stale in ("tiktoken.model", "tokenization_kimi.py"):
+        (out / stale).unlink(missing_ok=True)
     files = {
         "tokenizer.json": build_tokenizer(vocab_size).to_str(pretty=True) + "\n",
         "tokenizer_config.json": _dumps(tokenizer_config(vocab_size)),

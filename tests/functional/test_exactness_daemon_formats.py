@@ -1,4 +1,4 @@
-"""fp32 (tiny K3) and int4 (tiny K2) through a real daemon: every logit bitwise equal to mlx-lm.
+"""fp32 (tiny K3), int4 and fp8 (tiny K2) through a real daemon: every logit bitwise mlx-lm's.
 
 Each checkpoint is served by `cachecd hub serve`, its manifest built by `cachecd manifest build`,
 and installed by `cachecd setup --stream` into a daemon on a Unix socket under a short /tmp dir.
@@ -24,19 +24,25 @@ from tests.exactness import assert_bitwise, run_logits
 from tests.harness import DaemonProcess, HubProcess, run_cli, short_tmp
 
 PROMPT = "Every routed expert streams through the daemon, bit for bit, cold and warm."
-REPOS = {"fp32": "cachecd/tiny-k3-fp32", "int4": "cachecd/tiny-k2-int4"}
+REPOS = {
+    "fp32": "cachecd/tiny-k3-fp32",
+    "int4": "cachecd/tiny-k2-int4",
+    "fp8": "cachecd/tiny-k2-fp8",
+}
 SORTED_GATHER_ROWS = 64  # mlx-lm's gather_qmm/gather_mm sort the rows from this many on
 
 
 @pytest.fixture(scope="module")
 def formats_hub() -> Iterator[tuple[Path, HubProcess]]:
-    """One `cachecd hub serve` over both checkpoints."""
-    from cachecd.testbed.tiny_k2 import write_tiny_k2
+    """One `cachecd hub serve` over the checkpoints."""
+    from cachecd.testbed.tiny_k2 import K2Options, write_tiny_k2
     from cachecd.testbed.tiny_model import write_tiny_model
 
     root = short_tmp("cdfh")
     write_tiny_model(root / REPOS["fp32"], seed=0, fmt="fp32")
     assert write_tiny_k2(root / REPOS["int4"], seed=0).split_experts
+    fp8 = K2Options(fmt="fp8", moe_intermediate=192)  # whole and partial 128x128 blocks
+    assert write_tiny_k2(root / REPOS["fp8"], fp8, seed=0).split_experts
     hub = HubProcess(root)
     yield root, hub
     hub.stop()

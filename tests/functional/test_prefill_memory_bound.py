@@ -13,6 +13,7 @@ slower in bf16); the experts stay mxfp4 bytes.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -72,3 +73,45 @@ def test_k3_shaped_prefill_stays_under_the_bound(k3_layer) -> None:  # type: ign
     assert stats.groups >= routed // 4  # 4 experts a buffer
     assert peak <= bound + ACTIVATIONS
     assert routed * int(manifest.sizes[0]) > 4 * (bound + ACTIVATIONS)  # the bound is what held
+
+
+@pytest.fixture(scope="module")
+def k2_fp8_layer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """fp8 experts 1024 wide (3 MiB each), 32 of them in one MoE layer, top-8."""
+    from cachecd.testbed.tiny_k2 import K2Options, write_tiny_k2
+
+    opts = K2Options(fmt="fp8", experts=32, top_k=8, layers=2, hidden=1024, moe_intermediate=1024)
+    full = write_tiny_k2(tmp_path_factory.mktemp("fp8-layer") / "full", opts, seed=3,
+                         shard_bytes=4_000_000_000).out
+    return full, manifest_from_dir(full, repo="cachecd/fp8-layer")
+
+
+def test_fp8_prefill_counts_the_bf16_stack_in_the_bound(k2_fp8_layer: Any) -> None:
+    """fp8 stacks are dequantized to bf16 for the kernel (as mlx-lm keeps them): what that
+    computes counts in the bound, so the peak stays within it, and the logits are mlx-lm's."""
+    from cachecd_engine.dispatch import current_backend
+    from cachecd_engine.formats import StackLayout, expert_memory_nbytes, quant_spec
+
+    full, manifest = k2_fp8_layer
+    tokens = np.random.default_rng(0).integers(0, 384, size=TOKENS).tolist()
+    reference, _ = load_model(full)
+    ref = _prefill_logits(reference, tokens)
+    del reference
+    mx.clear_cache()
+
+    layout = StackLayout.of(manifest.expert(1, 0))
+    bound = 8 * expert_memory_nbytes(quant_spec("fp8"), layout, current_backend()) + 1
+    with LocalSource(manifest, full, verify=False) as source:
+        model, _ = load(full, source, ram_bytes=0, expert_memory=bound, prefetch=False)
+        mx.eval(model.parameters())
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        got = _prefill_logits(model, tokens)
+        peak = mx.get_peak_memory() - before
+        stats = model.bank.stats
+    assert_bitwise([ref], [got])
+    print(f"routed {stats.experts_routed} of 32; peak {peak / 2**20:.0f} MiB over the "
+          f"{before / 2**20:.0f} MiB before; bound {bound / 2**20:.0f} MiB; groups {stats.groups}")
+    assert stats.experts_routed >= 0.9 * 32 and stats.groups >= stats.experts_routed // 4
+    assert peak <= bound + ACTIVATIONS

@@ -1,5 +1,7 @@
 """`cachecd run` as people use mlx_lm.generate: --max-tokens (and --max-new), sampling with a
-seed, the prompt from standard input, and progress on stderr during a long prefill."""
+seed, the prompt from standard input, progress on stderr during a long prefill, and the chat
+template applied by default as mlx_lm.generate applies it (--no-chat: the prompt as it is, what
+mlx_lm's ``generate()`` function takes)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from typing import Any
 
 from tests.harness import CACHECD, TINY_REPO, Installed, run_cli
@@ -15,8 +18,29 @@ PROMPT = "Experts stream from the hub into a verified cache, layer after layer."
 
 
 def run_json(inst: Installed, *args: str) -> dict[str, Any]:
-    out = run_cli("run", "--model", TINY_REPO, "--socket", str(inst.socket), "--json", *args).stdout
+    """``cachecd run --no-chat``: the prompt as mlx_lm's ``generate()`` takes it."""
+    out = run_cli("run", "--model", TINY_REPO, "--socket", str(inst.socket), "--json", "--no-chat",
+                  *args).stdout
     return json.loads(out)
+
+
+def mlx_lm_generate_cli(model_dir: Any, *args: str) -> str:
+    """The text ``python -m mlx_lm generate`` prints for the fully resident checkpoint."""
+    proc = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", "--model", str(model_dir),
+                           "--verbose", "False", *args], capture_output=True, text=True,
+                          timeout=300, check=True)
+    return proc.stdout.removesuffix("\n")
+
+
+def test_chat_template_by_default_as_mlx_lm_generate(installed_module: Installed,
+                                                     tiny_dir: Any) -> None:
+    args = ["--prompt", PROMPT, "--max-tokens", "9"]
+    chat = run_cli("run", "--model", TINY_REPO, "--socket", str(installed_module.socket),
+                   *args).stdout
+    assert chat.removesuffix("\n") == mlx_lm_generate_cli(tiny_dir, *args)
+    plain = run_json(installed_module, *args)["text"]
+    assert plain == mlx_lm_generate_cli(tiny_dir, *args, "--ignore-chat-template")
+    assert plain != chat.removesuffix("\n")  # the template changed what the model saw
 
 
 def test_max_tokens_and_its_alias(installed_module: Installed, tiny_resident: Any) -> None:
@@ -48,7 +72,7 @@ def test_prompt_from_stdin_with_prefill_progress(installed_module: Installed,
     long_prompt = PROMPT * 3  # about 210 tokens: 7 prefill steps of 32
     proc = subprocess.run(
         [*CACHECD, "run", "--model", TINY_REPO, "--socket", str(installed_module.socket), "--prompt",
-         "-", "--max-tokens", "4", "--prefill-step-size", "32", "--json"],
+         "-", "--max-tokens", "4", "--prefill-step-size", "32", "--json", "--no-chat"],
         input=long_prompt, capture_output=True, text=True, timeout=300, env={**os.environ})
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["text"] == generate(*tiny_resident, long_prompt, max_tokens=4)

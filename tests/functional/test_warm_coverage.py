@@ -292,7 +292,10 @@ def installed(hub, tiny_manifest_path):  # type: ignore[no-untyped-def]
     inst.cleanup()
 
 
-def test_warm_prompts_records_use_and_run_trace_replays(installed, tiny_manifest, tmp_path):
+def test_warm_prompts_records_use_and_run_trace_replays(installed, tiny_manifest, tmp_path,
+                                                       tiny_dir):
+    from mlx_lm.utils import load_tokenizer
+
     from cachecd_engine.trace import read_trace
 
     m, d = tiny_manifest, installed
@@ -306,6 +309,13 @@ def test_warm_prompts_records_use_and_run_trace_replays(installed, tiny_manifest
     assert len(_blobs_on_disk(d)) == got["fetched"] > 0
     trace = read_trace(saved)
     assert {layer for layer, _ in trace.counts} == set(m.moe_layers)
+    # Each prompt went in the chat template, as `cachecd run` sends it: the first prefill routed
+    # one row per token of the templated prompt but its last (mlx-lm decodes that one).
+    tokenizer = load_tokenizer(tiny_dir)
+    templated = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}],
+                                              add_generation_prompt=True)
+    first = json.loads(saved.read_text().splitlines()[1])
+    assert first["step"] == 0 and len(first["experts"]) + 1 == len(templated) > len(PROMPTS[0])
     for layer, expert in trace.counts:
         assert cached[m.row(layer, expert)] and access[m.row(layer, expert)] > 0  # use recorded
     flag, env = tmp_path / "run.jsonl", tmp_path / "env.jsonl"

@@ -171,5 +171,42 @@ def test_unknown_tensor_or_missing_projection_is_refused() -> None:
 
 
 def test_unknown_format_is_refused() -> None:
-    with pytest.raises(errors.UnsupportedFormat, match="fp8-block"):
-        quant_spec("fp8-block")
+    with pytest.raises(errors.UnsupportedFormat, match="mxfp8"):
+        quant_spec("mxfp8")
+
+
+def fp8_reference(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """What a block-fp8 weight means, decoded in numpy: e4m3fn codes (bias 7, subnormals below
+    exponent 1) times their 128x128 block's scale in fp32, rounded to bf16 (ties to even)."""
+    sign = np.where(codes >> 7, -1.0, 1.0)
+    exp, man = (codes >> 3) & 0xF, codes & 0x7
+    normal = (1 + man / 8) * 2.0 ** (exp.astype(int) - 7)
+    value = sign * np.where(exp == 0, man / 8 * 2.0**-6, normal)
+    block = np.repeat(np.repeat(scales.astype(np.float32), 128, 0), 128, 1)
+    prod = value.astype(np.float32) * block[: codes.shape[0], : codes.shape[1]]
+    bits = prod.view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return rounded.view(np.float32)
+
+
+@pytest.mark.parametrize("scale_dtype", ["F32", "BF16"])
+def test_fp8_block_decodes_to_bf16_as_its_meaning(scale_dtype: str) -> None:
+    """F8_E4M3 weights (kept as bytes) and 128x128 block scales, whole and partial blocks."""
+    rng = np.random.default_rng(7)
+    shapes = {"w1": (192, 136), "w2": (136, 192), "w3": (192, 136)}
+    tensors, want = [], {}
+    for w, (out, inp) in sorted(shapes.items()):
+        codes = rng.integers(0, 256, size=(out, inp), dtype=np.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0x38  # e4m3fn's NaN codes -> 1.0
+        scales = mx.array(rng.uniform(0.01, 0.1, size=(2, 2)).astype(np.float32))
+        if scale_dtype == "BF16":
+            scales = scales.astype(mx.bfloat16)
+        want[w] = fp8_reference(codes, np.array(scales.astype(mx.float32)))
+        tensors.append((f"{w}.weight", "F8_E4M3", (out, inp), codes.tobytes()))
+        tensors.append((f"{w}.weight_scale_inv", scale_dtype, (2, 2), bytes(memoryview(scales))))
+    blob, entry = make_entry(tensors)
+    dec = decode_expert(quant_spec("fp8"), entry, blob)
+    for w, expected in want.items():
+        got = dec[PROJ[w]]["weight"]
+        assert got.dtype == mx.bfloat16 and got.shape == shapes[w]
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)), expected)

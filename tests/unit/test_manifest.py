@@ -17,7 +17,7 @@ import xxhash
 from safetensors.numpy import save_file
 
 from cachecd import constants, errors
-from cachecd.manifest.build import SourceFile, build_manifest
+from cachecd.manifest.build import SourceFile, build_manifest, quant_format_of
 from cachecd.manifest.encode import name_template
 from cachecd.manifest.entries import ExpertEntry
 from cachecd.manifest.manifest import Manifest, parse_expert_name, read_archive, shipped_manifest
@@ -419,3 +419,19 @@ def test_a_source_sha256_mismatch_writes_nothing(ckpt: Path, tmp_path: Path) -> 
 
     with pytest.raises(errors.ChecksumMismatch, match="model-00001-of-00003.safetensors"):
         build_manifest(Lying(ckpt, "cachecd/test-moe", REV), progress=False)
+
+
+@pytest.mark.parametrize(
+    ("qc", "fmt"),
+    [
+        (None, "none"),
+        ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}, "fp8"),
+        # Power-of-two scales over 32x32 blocks: mlx-lm keeps them packed as mxfp8, so they must
+        # not be named fp8 (which the engine dequantizes to bf16).
+        ({"quant_method": "fp8", "scale_fmt": "ue8m0", "weight_block_size": [32, 32]}, "mxfp8"),
+        ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "pack-quantized"),
+    ],
+)
+def test_quant_format_of(qc: dict[str, Any] | None, fmt: str) -> None:
+    assert quant_format_of({"quantization_config": qc} if qc else {}) == fmt
+    assert quant_format_of({"text_config": {"quantization_config": qc}} if qc else {}) == fmt

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from cachecd.errors import InvalidRequest
-from cachecd.testbed.tiny_model import write_tiny_model
+from cachecd.testbed.tiny_config import TinyOptions
+from cachecd.testbed.tiny_model import write_tiny_model, write_with_info
 
 EXPERT_RE = re.compile(r"\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(\w+)$")
 FP32_NAMES = ("A_log", "dt_bias", "e_score_correction_bias")
@@ -280,3 +281,51 @@ def test_cli_writes_and_reports(tmp_path: Path) -> None:
     assert file_bytes(out) == file_bytes(
         write_tiny_model(tmp_path / "api", seed=3, top_k=2, shard_bytes=12000, **SMALL)
     )
+
+
+def test_cli_writes_a_k2_in_fp8(tmp_path: Path) -> None:
+    """--format fp8: K2-Instruct's layout (DeepSeek-V3 names, F8_E4M3 weights, block scales)."""
+    from cachecd.testbed.tiny_k2 import K2Options, write_tiny_k2
+
+    out = tmp_path / "cli"
+    proc = subprocess.run(
+        [sys.executable, "-m", "cachecd.cli", "tiny-model", str(out), "--format", "fp8",
+         "--experts", "8", "--layers", "3", "--moe-intermediate", "192"],
+        check=False, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "experts 16" in proc.stdout and "format fp8" in proc.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "kimi_k2"
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    opts = K2Options(experts=8, layers=3, moe_intermediate=192, fmt="fp8")
+    assert file_bytes(out) == file_bytes(write_tiny_k2(tmp_path / "api", opts).out)
+    dtypes = {name: entry["dtype"] for name, (_, entry) in all_tensors(out).items()}
+    expert = "model.layers.1.mlp.experts.3.up_proj"
+    assert dtypes[f"{expert}.weight"] == "F8_E4M3" and dtypes[f"{expert}.weight_scale_inv"] == "F32"
+    assert dtypes["model.layers.0.mlp.down_proj.weight"] == "F8_E4M3"
+    assert dtypes["model.layers.1.mlp.gate.weight"] == "BF16"  # the router stays unquantized
+
+
+def test_kimi_tokenizer_replaces_the_byte_tokenizer(tmp_path: Path) -> None:
+    """--kimi-tokenizer: Kimi's form only (an earlier write's tokenizer.json would win in mlx-lm),
+    and back again."""
+    from cachecd.testbed import kimi_tokenizer
+
+    out = write_tiny_model(tmp_path / "m", **SMALL)
+    assert (out / "tokenizer.json").exists()
+    proc = subprocess.run(
+        [sys.executable, "-m", "cachecd.cli", "tiny-model", str(out), "--kimi-tokenizer",
+         "--experts", "8", "--layers", "3"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    names = {p.name for p in out.iterdir()}
+    assert {"tiktoken.model", "tokenization_kimi.py", "tokenizer_config.json"} <= names
+    assert not names & {"tokenizer.json", "special_tokens_map.json"}
+    config = json.loads((out / "config.json").read_text())
+    assert config["text_config"]["vocab_size"] == kimi_tokenizer.VOCAB_SIZE
+    assert config["eos_token_id"] == kimi_tokenizer.token_id("<|im_end|>")
+    write_tiny_model(out, **SMALL)
+    assert not (out / "tiktoken.model").exists() and (out / "tokenizer.json").exists()
+    with pytest.raises(InvalidRequest, match="vocab_size must be 640"):
+        write_with_info(tmp_path / "x", TinyOptions(kimi_tokenizer=True), seed=0,
+                        shard_bytes=1 << 20)
