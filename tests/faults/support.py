@@ -17,7 +17,7 @@ import re
 import signal
 import socket
 import subprocess
-import threading
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,27 +212,60 @@ def bytes_under(root: Path) -> int:
     return total
 
 
+_DISK_SAMPLER = r"""
+import json, os, signal, sys, time
+root, interval = sys.argv[1], float(sys.argv[2])
+stop = False
+def _stop(*a):
+    global stop
+    stop = True
+signal.signal(signal.SIGTERM, _stop)
+def walk(path, seen):
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                total += st.st_size
+    return total
+peak_blobs = peak_total = samples = 0
+print("ready", flush=True)
+while not stop:
+    seen = set()
+    tmp = walk(os.path.join(root, "tmp"), seen)  # first: a temp renamed meanwhile counts once
+    blobs = walk(os.path.join(root, "blobs"), seen)
+    peak_blobs, peak_total = max(peak_blobs, blobs), max(peak_total, blobs + tmp)
+    samples += 1
+    time.sleep(interval)
+print(json.dumps({"peak_blobs": peak_blobs, "peak_total": peak_total, "samples": samples}))
+"""
+
+
 class DiskSampler:
-    """Bytes under a cache dir's blobs/ and tmp/ every 50 ms, in a thread."""
+    """Bytes under a cache dir's tmp/ and blobs/ every 50 ms, in its own process: a walk is not
+    atomic, and in a thread of a busy test process (the GIL) one walk can take long enough for
+    blobs evicted and temps written meanwhile both to be counted. Each file counts once (by
+    inode), tmp/ first, so a temp renamed into blobs/ during the walk is not counted twice."""
 
     def __init__(self, d: DaemonProcess, interval: float = 0.05) -> None:
-        self.d, self.interval, self.peak_blobs, self.peak_total, self.samples = d, interval, 0, 0, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            blobs = bytes_under(self.d.cache_dir / "blobs")
-            tmp = bytes_under(self.d.cache_dir / "tmp")
-            self.peak_blobs = max(self.peak_blobs, blobs)
-            self.peak_total = max(self.peak_total, blobs + tmp)
-            self.samples += 1
-            self._stop.wait(self.interval)
+        self.peak_blobs = self.peak_total = self.samples = 0
+        self._proc = subprocess.Popen(
+            [sys.executable, "-I", "-c", _DISK_SAMPLER, str(d.cache_dir), str(interval)],
+            stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout is not None
+        assert self._proc.stdout.readline().strip() == "ready"
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+        out, _ = self._proc.communicate(timeout=30)
+        got = json.loads(out.strip().splitlines()[-1])
+        self.peak_blobs, self.peak_total, self.samples = (
+            got["peak_blobs"], got["peak_total"], got["samples"])
 
 
 # -- the daemon ---------------------------------------------------------------------------------
