@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cachecd import errors
+from cachecd import constants, errors
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,11 @@ def register(sub: Any) -> None:
     b.add_argument(
         "--from-dir", type=Path, help="read a local folder instead (REV must be a commit)"
     )
+    b.add_argument("--jobs", "-j", type=_jobs, default=constants.MANIFEST_BUILD_JOBS,
+                   help="shards streamed and hashed at once (default: %(default)s)")
+    b.add_argument("--work-dir", type=Path,
+                   help="where finished shards are kept until the manifest is written, so a build "
+                        "that stops resumes there (default: OUTPUT.parts)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=_build)
     v = msub.add_parser("verify", help="validate a manifest and print a summary")
@@ -39,6 +44,12 @@ def register(sub: Any) -> None:
     v.add_argument("--endpoint", help="also check file sizes and sha256 against this endpoint")
     v.add_argument("--token", help="HF token for --endpoint")
     v.set_defaults(func=_verify)
+
+
+def _jobs(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 64:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number from 1 to 64")
+    return int(text)
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -57,7 +68,7 @@ def _quiet_http(args: argparse.Namespace) -> None:
 
 def _build(args: argparse.Namespace) -> int:
     _quiet_http(args)
-    from cachecd.manifest.build import build_manifest
+    from cachecd.manifest.build import build_to_file
     from cachecd.manifest.source import HubSource, LocalSource
 
     repo, rev = parse_spec(args.spec)
@@ -69,8 +80,8 @@ def _build(args: argparse.Namespace) -> int:
     else:
         source = HubSource(repo, rev, endpoint=args.endpoint, token=args.token)
     progress = not args.no_progress and sys.stderr.isatty()
-    manifest = build_manifest(source, progress=progress)
-    manifest.save(args.output)
+    manifest = build_to_file(source, args.output, progress=progress, jobs=args.jobs,
+                             work_dir=args.work_dir, say=lambda m: print(m, file=sys.stderr))
     print(f"wrote {args.output}")
     _print_summary(manifest)
     return 0

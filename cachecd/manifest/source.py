@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from cachecd import constants, errors
-from cachecd.manifest.build import HEX64, SourceFile
+from cachecd.manifest.build_plan import HEX64, SourceFile
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,9 @@ class LocalSource:
         with open(self.root / name, "rb") as f:
             return f.read(nbytes)
 
-    def stream(self, name: str) -> Iterator[bytes]:
+    def stream(self, name: str, start: int = 0) -> Iterator[bytes]:
         with open(self.root / name, "rb") as f:
+            f.seek(start)
             while chunk := f.read(CHUNK_BYTES):
                 yield chunk
 
@@ -192,17 +193,27 @@ class HubSource:
             )
         return bytes(resp.content)
 
-    def stream(self, name: str) -> Iterator[bytes]:
+    def stream(self, name: str, start: int = 0) -> Iterator[bytes]:
+        """The file from byte ``start`` on: 200 for the whole file, else 206 with exactly
+        ``bytes start-(size-1)/size`` (a build resumes a broken shard this way)."""
         url = self._location(name)
+        extra = {"Range": f"bytes={start}-"} if start else {}
         try:
             with self._session.stream(
                 "GET",
                 url,
-                headers=self._request_headers(url, {}),
+                headers=self._request_headers(url, extra),
                 follow_redirects=False,
                 timeout=constants.READ_TIMEOUT_S,
             ) as resp:
-                if resp.status_code != 200:
+                size = self._sizes.get(name)
+                want = f"bytes {start}-{size - 1}/{size}" if size else None
+                if start and (resp.status_code != 206 or resp.headers.get("Content-Range") != want):
+                    raise errors.UpstreamError(
+                        f"{self.repo}/{name}: asked bytes={start}-, got HTTP {resp.status_code} "
+                        f"Content-Range {resp.headers.get('Content-Range')!r}"
+                    )
+                if not start and resp.status_code != 200:
                     raise errors.UpstreamError(
                         f"{self.repo}/{name}: GET answered HTTP {resp.status_code}"
                     )

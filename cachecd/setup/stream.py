@@ -91,11 +91,13 @@ def _stale(repo: str, commit: str, path: Path) -> Path:
 def _build_manifest(repo: str, commit: str, endpoint: str, out: Path) -> None:
     from huggingface_hub import get_token
 
-    from cachecd.manifest.build import build_manifest
+    from cachecd.manifest.build import build_to_file
     from cachecd.manifest.source import HubSource
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    build_manifest(HubSource(repo, commit, endpoint=endpoint, token=get_token())).save(out)
+    # Finished shards stay in OUT.parts until the manifest is written: a rerun resumes there.
+    build_to_file(HubSource(repo, commit, endpoint=endpoint, token=get_token()), out,
+                  say=lambda m: print(m, file=sys.stderr))
 
 
 def fetch_small_files(manifest: Any, local: Path, endpoint: str) -> int:

@@ -1,0 +1,120 @@
+"""`cachecd manifest build` killed with SIGKILL halfway resumes where it stopped.
+
+A real `cachecd hub serve` subprocess logs every request it answers (-v); the build runs as a
+subprocess with the named crash point ``manifest_part:N`` (SIGKILL right after the N-th shard's
+part is durable). What the resumed build asks of the hub is read from the hub's own log: each
+shard not finished before the kill is streamed once, a finished one is not touched at all (no
+header read, no stream), and the manifest equals a one-shot build byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+
+from cachecd.manifest.manifest import Manifest
+from tests.harness import CACHECD, TINY_REPO, run_cli, short_tmp
+
+_REQUEST = re.compile(r"request method=(\w+) path=(\S+) status=(\d+)")
+
+
+class LoggedHub:
+    """`cachecd -v hub serve ROOT`, its access log in a file the test reads."""
+
+    def __init__(self, root: Path) -> None:
+        self.log_path = short_tmp("cdlh") / "hub.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([*CACHECD, "-v", "hub", "serve", str(root), "--port", "0"],
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        match = re.search(r"(http://\S+)", line)
+        assert match, f"hub serve printed {line!r}"
+        self.url = match.group(1)
+
+    def requests(self, since: int = 0) -> list[tuple[str, str, int]]:
+        """(method, unquoted path, status) of every request answered, from line ``since`` on."""
+        lines = self.log_path.read_text(errors="replace").splitlines()[since:]
+        return [(m[1], unquote(m[2]), int(m[3])) for line in lines if (m := _REQUEST.search(line))]
+
+    def mark(self) -> int:
+        return len(self.log_path.read_text(errors="replace").splitlines())
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture
+def logged_hub(hub_root: Path):  # type: ignore[no-untyped-def]
+    h = LoggedHub(hub_root)
+    yield h
+    h.stop()
+
+
+def _streamed(requests: list[tuple[str, str, int]], status: int) -> list[str]:
+    """The files GET from the CDN with this status (200: whole file, 206: a range)."""
+    return [path.rsplit("/", 1)[1] for method, path, code in requests
+            if method == "GET" and path.startswith("/_cdn/") and code == status]
+
+
+def test_a_build_killed_halfway_resumes_where_it_stopped(
+    logged_hub: LoggedHub, tiny_manifest_path: Path, tmp_path: Path
+) -> None:
+    one_shot = tiny_manifest_path.read_bytes()  # `cachecd manifest build` in one go, 4 jobs
+    shards = Manifest.from_bytes(one_shot).shards
+    assert len(shards) == 12
+    out = tmp_path / "m.manifest"
+    work = tmp_path / "m.manifest.parts"
+    build = ["manifest", "build", f"{TINY_REPO}@main", "--endpoint", logged_hub.url,
+             "-o", str(out), "--jobs", "2", "--no-progress"]
+
+    killed = run_cli(*build, env={"CACHECD_CRASH_AT": "manifest_part:5"}, check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not out.exists()
+    finished = {json.loads(p.read_text())["file"] for p in work.glob("*.json")}
+    # Five parts were durable when the kill came; another worker may have finished its own.
+    assert 5 <= len(finished) < len(shards) and finished <= set(shards)
+
+    mark = logged_hub.mark()
+    resumed = run_cli(*build)
+    assert f"resuming: {len(finished)} of 12 shards already hashed" in resumed.stderr
+    asked = logged_hub.requests(mark)
+    streamed = [f for f in _streamed(asked, 200) if f.endswith(".safetensors")]
+    assert sorted(streamed) == sorted(set(shards) - finished), "each unfinished shard once"
+    assert not finished & set(_streamed(asked, 206)), "no header read of a finished shard"
+    assert out.read_bytes() == one_shot
+    assert not work.exists(), "the work dir goes once the manifest is written"
+
+
+def test_a_changed_shard_is_not_taken_from_its_part(tiny_dir: Path, tmp_path: Path) -> None:
+    """A part names the sha256 the source vouched for: a shard that changed since is hashed
+    again (here the builder's own local-folder source vouches for none, so nothing is reused)."""
+    from cachecd.manifest.build import build_manifest
+    from cachecd.manifest.build_parts import PartStore
+    from cachecd.manifest.build_plan import SourceFile
+    from cachecd.manifest.source import LocalSource
+
+    rev = "0" * 40
+    work = tmp_path / "parts"
+    m = build_manifest(LocalSource(tiny_dir, TINY_REPO, rev), progress=False, work_dir=work, jobs=3)
+    parts = PartStore(work, TINY_REPO, rev)
+    shard = m.files[m.shards[0]]
+    vouched = SourceFile(shard.name, shard.size, shard.sha256)
+    assert parts.load(vouched) is not None
+    assert parts.load(SourceFile(shard.name, shard.size, None)) is None
+    assert parts.load(SourceFile(shard.name, shard.size, "1" * 64)) is None
+    assert parts.load(SourceFile(shard.name, shard.size + 1, shard.sha256)) is None
+    assert PartStore(work, TINY_REPO, "1" * 40).load(vouched) is None
+    # A pieces file cut short (a disk that lost it): its part is not used.
+    with_pieces = next(p for p in work.glob("*.json") if json.loads(p.read_text())["pieces_bytes"])
+    name = json.loads(with_pieces.read_text())["file"]
+    with_pieces.with_suffix(".pieces").write_bytes(b"")
+    info = m.files[name]
+    assert parts.load(SourceFile(name, info.size, info.sha256)) is None
