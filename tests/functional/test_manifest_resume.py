@@ -118,3 +118,15 @@ def test_a_changed_shard_is_not_taken_from_its_part(tiny_dir: Path, tmp_path: Pa
     with_pieces.with_suffix(".pieces").write_bytes(b"")
     info = m.files[name]
     assert parts.load(SourceFile(name, info.size, info.sha256)) is None
+
+
+def test_a_hub_stream_resumes_from_a_byte(hub, tiny_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """What a broken shard transfer resumes with: a Range from the byte it stopped at, taken only
+    as a 206 with exactly that Content-Range."""
+    from cachecd.manifest.source import HubSource
+
+    source = HubSource(TINY_REPO, "main", endpoint=hub.url)
+    name = "model-00002-of-00012.safetensors"
+    data = (tiny_dir / name).read_bytes()
+    assert b"".join(source.stream(name)) == data
+    assert b"".join(source.stream(name, 12345)) == data[12345:]
