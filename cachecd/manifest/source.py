@@ -61,7 +61,7 @@ def _same_origin(url: str, base: str) -> bool:
     return (a.scheme, a.netloc) == (b.scheme, b.netloc)
 
 
-def _hub_errors(what: str, fn: Callable[[], T]) -> T:
+def hub_errors(what: str, fn: Callable[[], T]) -> T:
     """Run an huggingface_hub call, mapping its errors to cachecd's (no token in messages)."""
     from huggingface_hub import errors as hf_errors
 
@@ -112,7 +112,7 @@ class HubSource:
         self._sizes: dict[str, int] = {}
 
     def _head(self, name: str, rev: str) -> Any:
-        return _hub_errors(
+        return hub_errors(
             f"{self.repo}@{rev}/{name}",
             lambda: self._meta(
                 self._url(name, rev),
@@ -125,7 +125,7 @@ class HubSource:
     def list_files(self) -> list[SourceFile]:
         from huggingface_hub.hf_api import RepoFile
 
-        entries = _hub_errors(
+        entries = hub_errors(
             f"{self.repo}@{self.revision}: list files",
             lambda: list(
                 self._api.list_repo_tree(self.repo, revision=self.revision, recursive=True)

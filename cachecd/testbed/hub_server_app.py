@@ -1,5 +1,8 @@
 """The HTTP side of the hub server: routes, auth, Hub-style errors, signed CDN URLs, ranges.
 
+Model repos are ``DIR/{org}/{name}``, dataset repos ``DIR/datasets/{org}/{name}`` (the Hub's
+``/datasets/...`` and ``/api/datasets/...`` routes); no model org is named ``datasets``.
+
 Invariants:
 - No request path reaches the filesystem before it is validated: org and name match a strict
   pattern, file paths are relative with no ``..``/empty part/backslash/NUL, and a file is only
@@ -54,6 +57,7 @@ DEFAULT_URL_TTL_S = 3600.0
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$", re.IGNORECASE | re.ASCII)
 _SIGNED_SNAPSHOTS = 64
 _Handler = Callable[[web.Request], Awaitable[StreamResponse]]
+DATASETS = "datasets"
 
 
 # ---------------------------------------------------------------- errors as responses
@@ -151,9 +155,11 @@ class _Hub:
     async def snapshot(self, request: web.Request) -> RepoSnapshot:
         org, name = request.match_info["org"], request.match_info["name"]
         repo_id = f"{org}/{name}"
-        if not (valid_repo_part(org) and valid_repo_part(name)):
+        # DIR/datasets/ holds the dataset repos, so no model org is named "datasets" (as on HF).
+        kind = request.match_info.get("kind", "")
+        if not (valid_repo_part(org) and valid_repo_part(name)) or (not kind and org == DATASETS):
             raise _hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
-        repo_dir = self.root / org / name
+        repo_dir = self.root / kind / org / name
         snap = await asyncio.to_thread(self._snapshot_if_repo, repo_dir, repo_id)
         if snap is None:
             raise _hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
@@ -201,16 +207,17 @@ class _Hub:
         snap = await self.snapshot(request)
         self.check_rev(request.match_info["rev"], snap)
         f = self.entry(snap, request.match_info["path"])
-        self.remember(snap)
-        resource = f"{snap.repo_id}/{snap.commit}/{f.relpath}"
+        key = _repo_key(request)
+        self.remember(key, snap)
+        resource = f"{key}/{snap.commit}/{f.relpath}"
         origin = str(request.url.origin())
-        location = f"{origin}/_cdn/{snap.repo_id}/{snap.commit}/{quote(f.relpath)}"
+        location = f"{origin}/_cdn/{key}/{snap.commit}/{quote(f.relpath)}"
         headers = {**self.file_headers(snap, f), "ETag": f'"{f.sha256}"'}
         raise web.HTTPFound(f"{location}?{self.signer.query(resource)}", headers=headers)
 
     async def cdn(self, request: web.Request) -> StreamResponse:
         info = request.match_info
-        resource = f"{info['org']}/{info['name']}/{info['commit']}/{info['path']}"
+        resource = f"{_repo_key(request)}/{info['commit']}/{info['path']}"
         query = request.rel_url.query
         if not self.signer.valid(resource, query.get("expires", ""), query.get("sig", "")):
             raise _hf_error(
@@ -235,8 +242,8 @@ class _Hub:
         (a CDN URL names content, so other files changing does not matter). Otherwise the repo is
         walked again and must still be at ``commit``.
         """
-        repo_id = f"{request.match_info['org']}/{request.match_info['name']}"
-        snap = self.signed.get((repo_id, commit))
+        key = _repo_key(request)
+        snap = self.signed.get((key, commit))
         f = snap.files.get(path) if snap is not None else None
         if snap is not None and f is not None and await asyncio.to_thread(_unchanged, f):
             return snap, f
@@ -247,12 +254,12 @@ class _Hub:
                 "RevisionNotFound",
                 f"{snap.repo_id} changed since this URL was signed: resolve again",
             )
-        self.remember(snap)
+        self.remember(key, snap)
         return snap, self.entry(snap, path)
 
-    def remember(self, snap: RepoSnapshot) -> None:
-        self.signed[(snap.repo_id, snap.commit)] = snap
-        self.signed.move_to_end((snap.repo_id, snap.commit))
+    def remember(self, key: str, snap: RepoSnapshot) -> None:
+        self.signed[(key, snap.commit)] = snap
+        self.signed.move_to_end((key, snap.commit))
         while len(self.signed) > _SIGNED_SNAPSHOTS:
             self.signed.popitem(last=False)
 
@@ -312,15 +319,24 @@ def build_app(
     hub = _Hub(root, token, UrlSigner(url_ttl_s), hashes or SHARED_HASHES)
     app = web.Application(middlewares=[hub.auth])
     app[HUB_KEY] = hub
-    repo = "/{org}/{name}"
-    api = "/api/models" + repo
-    for method in ("GET", "HEAD"):
-        app.router.add_route(method, "/_cdn" + repo + "/{commit}/{path:.+}", hub.cdn)
-        app.router.add_route(method, repo + "/resolve/{rev}/{path:.+}", hub.resolve)
-    app.router.add_get(api + "{slash:/?}", hub.model_info)
-    app.router.add_get(api + "/revision/{rev}{slash:/?}", hub.model_info)
-    app.router.add_get(api + "/tree/{rev}{tail:(/.*)?}", hub.tree)
+    # Dataset routes first: "/datasets/..." is a dataset repo, never a model org.
+    for kind, api in (("/{kind:datasets}", "/api/{kind:datasets}"), ("", "/api/models")):
+        repo = kind + "/{org}/{name}"
+        api += "/{org}/{name}"
+        for method in ("GET", "HEAD"):
+            app.router.add_route(method, "/_cdn" + repo + "/{commit}/{path:.+}", hub.cdn)
+            app.router.add_route(method, repo + "/resolve/{rev}/{path:.+}", hub.resolve)
+        app.router.add_get(api + "{slash:/?}", hub.model_info)
+        app.router.add_get(api + "/revision/{rev}{slash:/?}", hub.model_info)
+        app.router.add_get(api + "/tree/{rev}{tail:(/.*)?}", hub.tree)
     return app
+
+
+def _repo_key(request: web.Request) -> str:
+    """``org/name`` for a model repo, ``datasets/org/name`` for a dataset repo."""
+    repo_id = f"{request.match_info['org']}/{request.match_info['name']}"
+    kind = request.match_info.get("kind")
+    return f"{kind}/{repo_id}" if kind else repo_id
 
 
 class AccessLog(AbstractAccessLogger):

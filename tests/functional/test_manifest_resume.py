@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote
 
 import pytest
@@ -103,7 +104,8 @@ def test_a_changed_shard_is_not_taken_from_its_part(tiny_dir: Path, tmp_path: Pa
 
     rev = "0" * 40
     work = tmp_path / "parts"
-    m = build_manifest(LocalSource(tiny_dir, TINY_REPO, rev), progress=False, work_dir=work, jobs=3)
+    source = LocalSource(tiny_dir, TINY_REPO, rev)
+    m = build_manifest(source, progress=False, work_dir=work, jobs=3)
     parts = PartStore(work, TINY_REPO, rev)
     shard = m.files[m.shards[0]]
     vouched = SourceFile(shard.name, shard.size, shard.sha256)
@@ -120,7 +122,7 @@ def test_a_changed_shard_is_not_taken_from_its_part(tiny_dir: Path, tmp_path: Pa
     assert parts.load(SourceFile(name, info.size, info.sha256)) is None
 
 
-def test_a_hub_stream_resumes_from_a_byte(hub, tiny_dir: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_hub_stream_resumes_from_a_byte(hub: Any, tiny_dir: Path) -> None:
     """What a broken shard transfer resumes with: a Range from the byte it stopped at, taken only
     as a 206 with exactly that Content-Range."""
     from cachecd.manifest.source import HubSource
