@@ -37,7 +37,8 @@ from cachecd.testbed.hub_server_app import (
     AccessLog,
     build_app,
 )
-from cachecd.testbed.hub_server_repo import HashCache, repo_commit, snapshot
+from cachecd.testbed.hub_server_mirror import sidecar_path
+from cachecd.testbed.hub_server_repo import HashCache, repo_commit, snapshot, valid_repo_part
 
 __all__ = ["HashCache", "HubServer", "repo_commit", "serve_in_thread", "spawn_hub", "start_hub"]
 
@@ -159,7 +160,11 @@ def spawn_hub(
 def _prehash(root: Path, hashes: HashCache) -> None:
     models = [p for p in root.glob("*/*") if p.parent.name != DATASETS]
     for repo_dir in sorted(p for p in [*models, *root.glob(f"{DATASETS}/*/*")] if p.is_dir()):
-        snap = snapshot(repo_dir, f"{repo_dir.parent.name}/{repo_dir.name}", hashes)
+        if not (valid_repo_part(repo_dir.parent.name) and valid_repo_part(repo_dir.name)):
+            continue  # DIR/.cache, say: no route reaches it
+        repo_id = f"{repo_dir.parent.name}/{repo_dir.name}"
+        key = repo_id if repo_dir.parent.parent == root else f"{DATASETS}/{repo_id}"
+        snap = snapshot(repo_dir, repo_id, hashes, sidecar_path(root, key))
         log.info("prehashed repo=%s commit=%s files=%d", snap.repo_id, snap.commit, len(snap.files))
 
 
@@ -170,7 +175,8 @@ async def _serve_until_signal(args: argparse.Namespace) -> int:
     base_url = await server.start()
     if args.prehash:
         hashes = server.app[HUB_KEY].hashes
-        threading.Thread(target=_prehash, args=(server.root, hashes), daemon=True).start()
+        root = server.app[HUB_KEY].root  # resolved, as the handlers name sidecars
+        threading.Thread(target=_prehash, args=(root, hashes), daemon=True).start()
     print(f"serving {args.dir} at {base_url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

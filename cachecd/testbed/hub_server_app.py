@@ -8,7 +8,8 @@ Invariants:
   pattern, file paths are relative with no ``..``/empty part/backslash/NUL, and a file is only
   ever served from the repo's own listing (so symlinks leaving the repo are never followed).
 - ``/resolve`` answers a 302 with an absolute, HMAC-signed ``/_cdn`` URL on this server, and the
-  Hub's metadata headers (X-Repo-Commit, X-Linked-Etag = quoted sha256, X-Linked-Size). The
+  Hub's metadata headers (X-Repo-Commit, X-Linked-Etag = quoted sha256, X-Linked-Size; for a
+  file a download record says the Hub keeps in git, only ETag = its git blob id). The
   signed URL needs no token and expires; it serves only the bytes it was signed for: once its
   file changes (size or mtime) it answers 404 RevisionNotFound.
 - ``/_cdn`` honours one byte range exactly (206 + Content-Range, 416 past the end) and streams
@@ -39,6 +40,7 @@ from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
+from cachecd.testbed.hub_server_mirror import sidecar_path
 from cachecd.testbed.hub_server_repo import (
     SHARED_HASHES,
     HashCache,
@@ -111,10 +113,23 @@ class UrlSigner:
 
 class _ExactFileResponse(web.FileResponse):
     """aiohttp's FileResponse (Range, sendfile) minus its swap to a ``.gz``/``.br`` sibling:
-    a repo may hold ``x`` and ``x.gz`` as two different files."""
+    a repo may hold ``x`` and ``x.gz`` as two different files. With ``etag``, that is the ETag
+    (a git blob id, as the Hub sends for a file kept in git), not aiohttp's mtime-size tag."""
+
+    def __init__(self, path: Path, etag: str | None = None) -> None:
+        self._fixed_etag = etag
+        super().__init__(path)
 
     def _get_file_path_stat_encoding(self, accept_encoding: str) -> Any:
         return super()._get_file_path_stat_encoding("")
+
+    @property
+    def etag(self) -> Any:
+        return web.FileResponse.etag.fget(self)  # type: ignore[attr-defined]
+
+    @etag.setter
+    def etag(self, value: Any) -> None:
+        web.FileResponse.etag.fset(self, self._fixed_etag or value)  # type: ignore[attr-defined]
 
 
 def _unsatisfiable(range_header: str | None, size: int) -> bool:
@@ -160,16 +175,17 @@ class _Hub:
         if not (valid_repo_part(org) and valid_repo_part(name)) or (not kind and org == DATASETS):
             raise _hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
         repo_dir = self.root / kind / org / name
-        snap = await asyncio.to_thread(self._snapshot_if_repo, repo_dir, repo_id)
+        kept = sidecar_path(self.root, _repo_key(request))
+        snap = await asyncio.to_thread(self._snapshot_if_repo, repo_dir, repo_id, kept)
         if snap is None:
             raise _hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
         return snap
 
-    def _snapshot_if_repo(self, repo_dir: Path, repo_id: str) -> RepoSnapshot | None:
+    def _snapshot_if_repo(self, repo_dir: Path, repo_id: str, kept: Path) -> RepoSnapshot | None:
         real = repo_dir.resolve()
         if not real.is_relative_to(self.root) or not real.is_dir():
             return None
-        return snapshot(real, repo_id, self.hashes)
+        return snapshot(real, repo_id, self.hashes, kept)
 
     @staticmethod
     def check_rev(rev: str, snap: RepoSnapshot) -> None:
@@ -196,6 +212,9 @@ class _Hub:
 
     @staticmethod
     def file_headers(snap: RepoSnapshot, f: RepoFile) -> dict[str, str]:
+        if f.git_oid is not None:  # as the Hub answers for a file in git: its blob id, no X-Linked
+            return {"X-Repo-Commit": snap.commit, "ETag": f'"{f.git_oid}"',
+                    "Accept-Ranges": "bytes"}
         return {
             "X-Repo-Commit": snap.commit,
             "X-Linked-Etag": f'"{f.sha256}"',
@@ -212,7 +231,7 @@ class _Hub:
         resource = f"{key}/{snap.commit}/{f.relpath}"
         origin = str(request.url.origin())
         location = f"{origin}/_cdn/{key}/{snap.commit}/{quote(f.relpath)}"
-        headers = {**self.file_headers(snap, f), "ETag": f'"{f.sha256}"'}
+        headers = {"ETag": f'"{f.sha256}"', **self.file_headers(snap, f)}
         raise web.HTTPFound(f"{location}?{self.signer.query(resource)}", headers=headers)
 
     async def cdn(self, request: web.Request) -> StreamResponse:
@@ -228,7 +247,7 @@ class _Hub:
             request.headers.get("Range"), f.size
         ):
             raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{f.size}"})
-        response = _ExactFileResponse(f.real)
+        response = _ExactFileResponse(f.real, f.git_oid)
         response.content_type = "application/octet-stream"
         response.headers.update(self.file_headers(snap, f))
         return response

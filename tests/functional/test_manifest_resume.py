@@ -10,46 +10,14 @@ header read, no stream), and the manifest equals a one-shot build byte for byte.
 from __future__ import annotations
 
 import json
-import re
 import signal
-import subprocess
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
 import pytest
 
 from cachecd.manifest.manifest import Manifest
-from tests.harness import CACHECD, TINY_REPO, run_cli, short_tmp
-
-_REQUEST = re.compile(r"request method=(\w+) path=(\S+) status=(\d+)")
-
-
-class LoggedHub:
-    """`cachecd -v hub serve ROOT`, its access log in a file the test reads."""
-
-    def __init__(self, root: Path) -> None:
-        self.log_path = short_tmp("cdlh") / "hub.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([*CACHECD, "-v", "hub", "serve", str(root), "--port", "0"],
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True)
-        line = self.proc.stdout.readline() if self.proc.stdout else ""
-        match = re.search(r"(http://\S+)", line)
-        assert match, f"hub serve printed {line!r}"
-        self.url = match.group(1)
-
-    def requests(self, since: int = 0) -> list[tuple[str, str, int]]:
-        """(method, unquoted path, status) of every request answered, from line ``since`` on."""
-        lines = self.log_path.read_text(errors="replace").splitlines()[since:]
-        return [(m[1], unquote(m[2]), int(m[3])) for line in lines if (m := _REQUEST.search(line))]
-
-    def mark(self) -> int:
-        return len(self.log_path.read_text(errors="replace").splitlines())
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        self._log.close()
+from tests.harness import TINY_REPO, LoggedHub, run_cli
 
 
 @pytest.fixture
