@@ -234,16 +234,14 @@ def snapshot(
 
 def _sha256(cache: HashCache, sidecar: Sidecar, relpath: str, real: Path,
             st: os.stat_result) -> str:
-    """From memory, else from the sidecar of an earlier run, else hashed now (and kept)."""
+    """From the sidecar of an earlier run, else from memory or hashed now (then kept)."""
     size, mtime_ns = st.st_size, st.st_mtime_ns
-    known = cache.cached(real, size, mtime_ns)
-    if known is not None:
-        return known
     kept = sidecar.get(relpath, size, mtime_ns)
     if kept is not None:
-        cache.seed(real, size, mtime_ns, kept)
+        if cache.cached(real, size, mtime_ns) is None:
+            cache.seed(real, size, mtime_ns, kept)
         return kept
-    sha = cache.sha256(real, size, mtime_ns)
+    sha = cache.sha256(real, size, mtime_ns)  # memory first, else hashed once
     sidecar.put(relpath, size, mtime_ns, sha)
     return sha
 
