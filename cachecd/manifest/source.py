@@ -80,7 +80,12 @@ def hub_errors(what: str, fn: Callable[[], T]) -> T:
         if status == 401:
             raise errors.Unauthorized(f"{what}: the endpoint refused the token (401)") from exc
         raise errors.UpstreamError(f"{what}: HTTP {status}: {str(exc).splitlines()[0]}") from exc
-    except OSError as exc:
+    except Exception as exc:
+        # OSError, and the HTTP client's transport errors (connection refused, timeouts), which
+        # huggingface_hub lets through as the client's own types; anything else is a bug.
+        transport = type(exc).__module__.split(".")[0].startswith(("httpx", "httpcore"))
+        if not (isinstance(exc, OSError) or transport) or isinstance(exc, errors.CachecdError):
+            raise
         raise errors.UpstreamError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
