@@ -116,6 +116,20 @@ def test_verify_reads_a_manifest_from_a_dataset_repo(
     assert "matches the endpoint" in out and TINY_REPO in out
 
 
+def test_the_local_hub_serves_dataset_repos_to_huggingface_hub(
+    published: tuple[HubProcess, Path],
+) -> None:
+    from huggingface_hub import HfApi
+
+    hub, root = published
+    api = HfApi(endpoint=hub.url)
+    info = api.dataset_info(DATASET_REPO)
+    assert info.sha and len(info.sha) == 40
+    assert api.list_repo_files(DATASET_REPO, repo_type="dataset") == ["k3/tiny-k3.manifest"]
+    assert not api.file_exists(DATASET_REPO, "k3/tiny-k3.manifest")  # no such model repo
+    assert "tiny-k3.manifest" in api.list_repo_files(MODEL_REPO)
+
+
 @pytest.mark.parametrize("case", list(TAMPERED))
 def test_a_tampered_manifest_is_refused(
     published: tuple[HubProcess, Path], tiny_manifest_path: Path, tmp_path: Path,
