@@ -68,6 +68,9 @@ COALESCE_MAX_EXPERTS = 16
 COALESCE_TARGET_BYTES = 4 * 1024 * 1024
 CHECKSUM_REFETCHES = 2
 SIGNED_URL_TTL_S = 3600.0
+# `cachecd manifest build --jobs`: shards streamed and hashed at once. Each is one connection
+# and about a core of hashing; the /resolve count does not grow with it (one HEAD per file).
+MANIFEST_BUILD_JOBS = 4
 
 # Daemon behaviour.
 SHUTDOWN_TIMEOUT_S = 10.0

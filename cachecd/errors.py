@@ -71,6 +71,14 @@ class ManifestInvalid(CachecdError):
     code, http_status = "manifest_invalid", 422
 
 
+class ManifestMismatch(ManifestInvalid):
+    """A well-formed manifest that disagrees with the Hub's own metadata for the commit it pins
+    (a file's size or sha256, the config's hash, a commit that is not the repo's): the message
+    names the file and the field."""
+
+    code = "manifest_mismatch"
+
+
 class Offline(CachecdError):
     """A miss while HF_HUB_OFFLINE is set."""
 

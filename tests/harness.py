@@ -15,8 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 CACHECD = [sys.executable, "-m", "cachecd.cli"]
+_REQUEST = re.compile(r"request method=(\w+) path=(\S+) status=(\d+)")
 TINY_REPO = "cachecd/tiny-k3"
 
 
@@ -65,6 +67,41 @@ class HubProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class LoggedHub:
+    """`cachecd -v hub serve ROOT`, its debug log (each request answered, each file hashed) in a
+    file the test reads."""
+
+    def __init__(self, root: Path) -> None:
+        self.log_path = short_tmp("cdlh") / "hub.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([*CACHECD, "-v", "hub", "serve", str(root), "--port", "0"],
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        match = re.search(r"(http://\S+)", line)
+        assert match, f"hub serve printed {line!r}"
+        self.url = match.group(1)
+
+    def requests(self, since: int = 0) -> list[tuple[str, str, int]]:
+        """(method, unquoted path, status) of every request answered, from line ``since`` on."""
+        lines = self.log_path.read_text(errors="replace").splitlines()[since:]
+        return [(m[1], unquote(m[2]), int(m[3])) for line in lines if (m := _REQUEST.search(line))]
+
+    def mark(self) -> int:
+        return len(self.log_path.read_text(errors="replace").splitlines())
+
+    def log(self, since: int = 0) -> list[str]:
+        return self.log_path.read_text(errors="replace").splitlines()[since:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        self._log.close()
+        shutil.rmtree(self.log_path.parent, ignore_errors=True)
 
 
 class DaemonProcess:

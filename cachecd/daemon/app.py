@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from cachecd import constants
 from cachecd.config import Settings
 from cachecd.daemon.misses import Fetcher
-from cachecd.daemon.registry import RegisteredModel, Registry, check_repo
+from cachecd.daemon.registry import RegisteredModel, Registry, check_repo, hub_checker
 from cachecd.errors import ExpertNotFound, InvalidRequest
 from cachecd.report.coverage import HitHistory
 from cachecd.store.scrub import Scrubber
@@ -174,7 +174,8 @@ class Daemon:
         self.settings = settings
         self.store = store
         self.upstream = upstream
-        self.registry = Registry(store, settings.models_dir)
+        self.registry = Registry(store, settings.models_dir,
+                                 None if settings.offline else hub_checker(settings.endpoint))
         self.fetcher = Fetcher(store, upstream)
         self.counters: Counter[str] = Counter()
         self.history = HitHistory()

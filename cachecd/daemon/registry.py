@@ -2,8 +2,12 @@
 
 Invariant: the daemon fetches nothing it cannot verify, so a repo without a registered manifest
 is refused (403 ``repo_not_allowed``) before any I/O. A manifest that fails to load refuses that
-model only; the others are still served. The daemon keeps its own copy of each manifest under
-``models_dir/manifests`` so a registration survives the caller's temp files.
+model only; the others are still served. A manifest is registered only once the Hub's metadata for
+its commit agrees with it (``manifest.hub_check``: 422 ``manifest_mismatch`` otherwise); one that
+cannot be checked then (offline, no metadata API, no network) is registered with a warning, and
+the upstream compares each file with the Hub's size and sha256 when it first resolves it. The
+daemon keeps its own copy of each manifest under ``models_dir/manifests`` so a registration
+survives the caller's temp files.
 """
 
 from __future__ import annotations
@@ -11,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cachecd.errors import CachecdError, InvalidRequest, RepoNotAllowed
+from cachecd.errors import CachecdError, InvalidRequest, ManifestMismatch, RepoNotAllowed
 from cachecd.manifest.manifest import Manifest, write_atomic
 from cachecd.store.store import Store
 
@@ -30,6 +35,19 @@ def check_repo(org: str, name: str) -> str:
         if not _PART.match(part) or ".." in part:
             raise InvalidRequest(f"{part!r} is not a valid repo name part (letters, digits, . _ -)")
     return f"{org}/{name}"
+
+
+def hub_checker(endpoint: str) -> Callable[[Manifest], None]:
+    """The check on use against ``endpoint``'s metadata, with the token huggingface_hub finds."""
+
+    def check(manifest: Manifest) -> None:
+        from huggingface_hub import get_token
+
+        from cachecd.manifest.hub_check import check_against_hub
+
+        check_against_hub(manifest, endpoint=endpoint, token=get_token())
+
+    return check
 
 
 @dataclass
@@ -58,10 +76,15 @@ class RegisteredModel:
 
 
 class Registry:
-    def __init__(self, store: Store, models_dir: Path) -> None:
+    """``check`` asks the Hub's metadata about a manifest before it is registered (``hub_check``);
+    None (offline) registers without asking."""
+
+    def __init__(self, store: Store, models_dir: Path,
+                 check: Callable[[Manifest], None] | None = None) -> None:
         self._store = store
         self._dir = models_dir / "manifests"
         self._models: dict[str, RegisteredModel] = {}
+        self._check = check
         self.refused: dict[str, str] = {}
 
     async def load_registered(self) -> None:
@@ -83,6 +106,7 @@ class Registry:
 
     async def register(self, manifest_bytes: bytes, source: str, local_dir: str | None) -> RegisteredModel:
         manifest = await asyncio.to_thread(Manifest.from_bytes, manifest_bytes, source)
+        await self._check_on_use(manifest)
         self._dir.mkdir(parents=True, exist_ok=True)
         name = f"{manifest.repo.replace('/', '--')}--{manifest.revision}.manifest"
         path = self._dir / name
@@ -100,6 +124,23 @@ class Registry:
         log.info("model registered repo=%s revision=%s experts=%d", manifest.repo,
                  manifest.revision, manifest.n_experts)
         return model
+
+    async def _check_on_use(self, manifest: Manifest) -> None:
+        """A manifest the Hub's metadata contradicts is refused (``ManifestMismatch``). One that
+        cannot be checked now (offline, an endpoint without the metadata API, a network error)
+        is registered with a warning: the upstream still compares each file's size and sha256
+        with the Hub's when it first resolves the file."""
+        why = "offline (HF_HUB_OFFLINE)"
+        if self._check is not None:
+            try:
+                await asyncio.to_thread(self._check, manifest)
+                return
+            except ManifestMismatch:
+                raise
+            except CachecdError as exc:
+                why = exc.message
+        log.warning("manifest_unchecked repo=%s revision=%s reason=%s", manifest.repo,
+                    manifest.revision, why)
 
     def get(self, repo: str) -> RegisteredModel:
         model = self._models.get(repo)

@@ -1,299 +1,206 @@
 """Build a manifest from a source of repo files (a Hub endpoint, or a local folder).
 
-One pass: read every shard's safetensors header (Range requests), plan which tensors are which
-expert, then stream each shard ONCE in shard order, computing the file's sha256 and the
-xxh3-128 of every tensor and of every expert on the fly (an expert split across two shards
-keeps its hasher from one shard to the next). A shard whose sha256 differs from the source's
-raises ``ChecksumMismatch``; no manifest is produced. Nothing holds a whole shard in memory.
+Read every shard's safetensors header (Range requests), plan which tensors are which expert
+(``build_plan``), then stream each shard ONCE, ``jobs`` shards at a time, computing the file's
+sha256 and the xxh3-128 of every tensor and expert on the fly (``build_shard``). A shard whose
+sha256 differs from the source's raises ``ChecksumMismatch``; no manifest is produced. Nothing
+holds a whole shard in memory.
+
+Each finished shard is a durable part in the work dir (``build_parts``), so a build that stops
+(an error, Ctrl-C, kill -9, a power cut) resumes with the shards not yet finished; an expert split
+across shards is hashed from its parts' pieces once all are in. The result does not depend on
+the order shards finish in, how often a build was resumed, or ``jobs``: the same revision gives
+the same manifest, byte for byte.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import re
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import xxhash
-from tqdm import tqdm
 
 from cachecd import constants, errors
+from cachecd.manifest.build_parts import PartStore
+from cachecd.manifest.build_plan import (
+    HEX64,
+    Key,
+    Plan,
+    Shard,
+    Source,
+    SourceFile,
+    make_plan,
+    parse_config,
+    quant_format_of,
+    read_small,
+    shard_files,
+)
+from cachecd.manifest.build_shard import ShardResult, hash_shard
 from cachecd.manifest.entries import ByteRange, ExpertEntry, FileInfo, TensorInfo
-from cachecd.manifest.manifest import Manifest, parse_expert_name
-from cachecd.manifest.safetensors_header import HeaderTensor, header_length, parse_header
+from cachecd.manifest.manifest import Manifest
+from cachecd.manifest.safetensors_header import HeaderTensor
+
+__all__ = ["HEX64", "SourceFile", "build_manifest", "build_to_file", "quant_format_of"]
 
 log = logging.getLogger(__name__)
 
-HEAD_PROBE_BYTES = 1024 * 1024  # one Range request covers most headers (K3 shards: < 1 MiB)
-INDEX_FILE = "model.safetensors.index.json"
-HEX64 = re.compile(r"[0-9a-f]{64}")
 
+def build_manifest(
+    source: Source,
+    *,
+    progress: bool = True,
+    jobs: int = constants.MANIFEST_BUILD_JOBS,
+    work_dir: Path | None = None,
+    say: Callable[[str], None] | None = None,
+) -> Manifest:
+    """Read, hash and assemble; the returned manifest has passed full validation.
 
-@dataclass(frozen=True)
-class SourceFile:
-    name: str
-    size: int
-    sha256: str | None  # what the source vouches for (hub X-Linked-Etag / LFS oid); None: unknown
-
-
-class Source(Protocol):
-    """Where the repo's bytes come from. ``revision`` is the resolved 40-hex commit."""
-
-    repo: str
-    revision: str
-
-    def list_files(self) -> list[SourceFile]: ...
-
-    def read_head(self, name: str, nbytes: int) -> bytes: ...
-
-    def stream(self, name: str) -> Iterator[bytes]: ...
-
-
-Key = tuple[int, int]
-
-
-@dataclass
-class _Shard:
-    index: int
-    file: SourceFile
-    header_len: int
-    tensors: list[HeaderTensor]  # sorted by offset, tiling the data section
-
-
-@dataclass
-class _Plan:
-    shards: list[_Shard]
-    owner: dict[str, Key | None]  # tensor name -> (layer, expert), None for resident
-    expert_tensors: dict[Key, list[tuple[str, HeaderTensor]]]  # (file, tensor) in blob order
-    remaining: dict[Key, int] = field(default_factory=dict)  # tensors not yet hashed
-
-
-def build_manifest(source: Source, *, progress: bool = True) -> Manifest:
-    """Read, hash and assemble; the returned manifest has passed full validation."""
+    ``work_dir`` keeps each finished shard durably (and is left for the caller to remove once
+    the manifest is saved); without one a throwaway directory is used.
+    """
     files = sorted(source.list_files(), key=lambda f: f.name)
     by_name = {f.name: f for f in files}
     if "config.json" not in by_name:
         raise errors.NotFound(f"{source.repo}@{source.revision} has no config.json")
-    config_bytes = _read_small(source, by_name["config.json"])
-    config = _parse_config(config_bytes, source.repo)
-    shard_files = _shard_files(source, files, by_name)
-    plan = _plan(source, shard_files)
-    total = sum(s.file.size for s in plan.shards)
-    digests = _Digests()
-    shas: dict[str, str] = {}
-    with tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        disable=not progress,
-        desc=f"hashing {source.repo}",
-        leave=False,
-    ) as bar:
-        hashers: dict[Key, Any] = {}
-        for shard in plan.shards:
-            shas[shard.file.name] = _hash_shard(source, plan, shard, hashers, digests, bar)
+    config_bytes = read_small(source, by_name["config.json"])
+    config = parse_config(config_bytes, source.repo)
+    shard_list = shard_files(source, files, by_name)
+    with _parts(work_dir, source) as parts:
+        done = {f.name: r for f in shard_list if (r := parts.load(f)) is not None}
+        plan = make_plan(source, shard_list, {name: r.header for name, r in done.items()})
+        if done and say is not None:
+            size = sum(r.size for r in done.values())
+            say(f"resuming: {len(done)} of {len(plan.shards)} shards already hashed "
+                f"({size / 1e9:.2f} GB) in {parts.root}")
+        results = _hash_all(source, plan, parts, done, max(1, jobs), progress)
+        tensors, experts = _combine(plan, results, parts)
+    shas = {name: r.sha256 for name, r in results.items()}
     infos = [_file_info(source, f, shas, config_bytes, plan) for f in files]
-    return _assemble(source, config, infos, plan, digests.tensors, digests.experts, config_bytes)
+    return _assemble(source, config, infos, plan, tensors, experts, config_bytes)
 
 
-# -- config and shard list --------------------------------------------------------------------
-def _read_small(source: Source, f: SourceFile) -> bytes:
-    data = b"".join(source.stream(f.name))
-    if len(data) != f.size:
-        raise errors.UpstreamError(f"{f.name}: got {len(data)} bytes, the source lists {f.size}")
-    _check_sha(f, hashlib.sha256(data).hexdigest())
-    return data
+def build_to_file(
+    source: Source,
+    output: Path,
+    *,
+    progress: bool = True,
+    jobs: int = constants.MANIFEST_BUILD_JOBS,
+    work_dir: Path | None = None,
+    say: Callable[[str], None] | None = None,
+) -> Manifest:
+    """Build (resuming from ``work_dir``, by default ``OUTPUT.parts`` beside the output), save
+    durably, then remove the work dir."""
+    work = work_dir or output.with_name(output.name + ".parts")
+    manifest = build_manifest(source, progress=progress, jobs=jobs, work_dir=work, say=say)
+    manifest.save(output)
+    PartStore(work, source.repo, source.revision).remove()
+    return manifest
 
 
-def _parse_config(data: bytes, repo: str) -> dict[str, Any]:
-    try:
-        config = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise errors.ManifestInvalid(f"{repo}: config.json is not JSON ({exc})") from exc
-    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
-        raise errors.ManifestInvalid(f"{repo}: config.json has no model_type")
-    return config
-
-
-def quant_format_of(config: dict[str, Any]) -> str:
-    """ "mxfp4-pack-quantized", "pack-quantized", "fp8", ... from the quantization_config;
-    "none" without one."""
-    text = config.get("text_config")
-    qc = config.get("quantization_config") or (
-        text.get("quantization_config") if isinstance(text, dict) else None
-    )
-    if not isinstance(qc, dict):
-        return "none"
-    if qc.get("quant_method") == "fp8" and qc.get("scale_fmt") == "ue8m0" and list(
-        qc.get("weight_block_size") or ()
-    ) == [32, 32]:
-        return "mxfp8"  # mlx-lm keeps these packed (mxfp8), unlike fp8 it dequantizes to bf16
-    fmt = qc.get("format")
-    if not fmt and isinstance(qc.get("config_groups"), dict):
-        formats = {g.get("format") for g in qc["config_groups"].values() if isinstance(g, dict)}
-        formats.discard(None)
-        fmt = formats.pop() if len(formats) == 1 else None
-    return str(fmt or qc.get("quant_method") or "unknown")
-
-
-def _shard_files(
-    source: Source, files: list[SourceFile], by_name: dict[str, SourceFile]
-) -> list[SourceFile]:
-    """The index's shards when there is an index, else every top-level *.safetensors."""
-    if INDEX_FILE not in by_name:
-        return [f for f in files if f.name.endswith(".safetensors") and "/" not in f.name]
-    try:
-        weight_map = json.loads(_read_small(source, by_name[INDEX_FILE]))["weight_map"]
-        names = sorted(set(weight_map.values()))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise errors.ManifestInvalid(
-            f"{source.repo}: {INDEX_FILE} has no usable weight_map"
-        ) from exc
-    missing = [n for n in names if n not in by_name]
-    if missing:
-        raise errors.ManifestInvalid(
-            f"{source.repo}: {INDEX_FILE} names missing shard {missing[0]}"
-        )
-    return [by_name[n] for n in names]
-
-
-# -- plan --------------------------------------------------------------------------------------
-def _read_header(source: Source, f: SourceFile) -> tuple[int, list[HeaderTensor]]:
-    head = source.read_head(f.name, min(f.size, HEAD_PROBE_BYTES))
-    n = header_length(head, f.name)
-    if 8 + n > len(head):
-        head = source.read_head(f.name, 8 + n)
-    return parse_header(head, f.size, f.name)
-
-
-def _plan(source: Source, shard_files: list[SourceFile]) -> _Plan:
-    shards: list[_Shard] = []
-    owner: dict[str, Key | None] = {}
-    per_expert: dict[Key, list[tuple[str, HeaderTensor]]] = {}
-    for i, f in enumerate(shard_files):
-        n, tensors = _read_header(source, f)
-        shards.append(_Shard(i, f, n, tensors))
-        for t in tensors:
-            if t.name in owner:
-                raise errors.ManifestInvalid(f"{source.repo}: tensor {t.name} is in two shards")
-            key = parse_expert_name(t.name)
-            owner[t.name] = key
-            if key is not None:
-                per_expert.setdefault(key, []).append((f.name, t))
-    remaining = {k: len(v) for k, v in per_expert.items()}
-    log.info("planned repo=%s shards=%d experts=%d", source.repo, len(shards), len(per_expert))
-    return _Plan(shards, owner, per_expert, remaining)
+@contextmanager
+def _parts(work_dir: Path | None, source: Source) -> Iterator[PartStore]:
+    if work_dir is not None:
+        yield PartStore(work_dir, source.repo, source.revision)
+        return
+    with tempfile.TemporaryDirectory(prefix="cachecd-manifest-") as tmp:
+        yield PartStore(Path(tmp), source.repo, source.revision, durable=False)
 
 
 # -- hashing -----------------------------------------------------------------------------------
-def _hash_shard(
-    source: Source, plan: _Plan, shard: _Shard, hashers: dict[Key, Any], out: _Digests, bar: tqdm
-) -> str:
-    """Stream one shard (retrying a broken transfer from the start); returns its sha256."""
-    if shard.file.sha256 is None and getattr(source, "requires_sha256", False):
-        raise errors.UpstreamError(
-            f"{shard.file.name}: the endpoint gives no sha256 (X-Linked-Etag) to check it against"
-        )
-    for attempt in range(constants.MAX_RETRIES + 1):
-        done = 0
-        try:
-            p = _ShardPass(plan, shard, hashers)
-            for chunk in source.stream(shard.file.name):
-                p.feed(chunk)
-                bar.update(len(chunk))
-                done += len(chunk)
-            digest = p.finish()
-        except errors.UpstreamError as exc:
-            bar.update(-done)
-            if attempt == constants.MAX_RETRIES:
+def _hash_all(
+    source: Source, plan: Plan, parts: PartStore, done: dict[str, ShardResult], jobs: int,
+    progress: bool,
+) -> dict[str, ShardResult]:
+    """Every shard's result: the finished parts, and the rest hashed ``jobs`` at a time."""
+    from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
+
+    results = dict(done)
+    pending = [s for s in plan.shards if s.file.name not in done]
+    total = sum(s.file.size for s in plan.shards)
+    initial = sum(r.size for r in done.values())
+    stop, lock = threading.Event(), threading.Lock()
+    with tqdm(total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024,
+              disable=not progress, desc=f"hashing {source.repo}", leave=False) as bar:
+
+        def advance(n: int) -> None:
+            with lock:
+                bar.update(n)
+
+        def work(shard: Shard) -> ShardResult:
+            return parts.save(hash_shard(source, plan, shard, advance, stop))
+
+        bar.set_postfix_str(f"{len(results)}/{len(plan.shards)} shards")
+        with ThreadPoolExecutor(max_workers=min(jobs, max(1, len(pending)))) as pool:
+            futures = [pool.submit(work, s) for s in pending]
+            try:
+                for fut in as_completed(futures):
+                    r = fut.result()
+                    results[r.file] = r
+                    log.debug("shard_hashed file=%s done=%d/%d", r.file, len(results),
+                             len(plan.shards))
+                    bar.set_postfix_str(f"{len(results)}/{len(plan.shards)} shards")
+            except BaseException:
+                stop.set()  # the others stop at their next chunk; their parts stay unwritten
+                for fut in futures:
+                    fut.cancel()
                 raise
-            log.warning(
-                "shard_retry file=%s attempt=%d error=%s", shard.file.name, attempt + 1, exc
+    return results
+
+
+def _combine(
+    plan: Plan, results: dict[str, ShardResult], parts: PartStore
+) -> tuple[dict[str, bytes], dict[Key, bytes]]:
+    """Tensor and expert digests of the whole revision; split experts hashed from their pieces,
+    each piece checked tensor by tensor against the digests its shard's pass computed."""
+    tensors: dict[str, bytes] = {}
+    experts: dict[Key, bytes] = {}
+    for s in plan.shards:
+        r = results[s.file.name]
+        if len(r.tensors) != len(s.tensors):
+            raise errors.ManifestInvalid(
+                f"{s.file.name}: its part has {len(r.tensors)} tensor digests, the header "
+                f"{len(s.tensors)}; remove the work dir {parts.root} and build again"
             )
-            time.sleep(min(constants.BACKOFF_CAP_S, constants.BACKOFF_BASE_S * 2**attempt))
-            continue
-        _check_sha(shard.file, digest)
-        p.commit(hashers, out)
-        return digest
-    raise AssertionError("unreachable")
+        tensors.update(zip((t.name for t in s.tensors), r.tensors, strict=True))
+        experts.update(r.experts)
+    for key in sorted(plan.split):
+        h = xxhash.xxh3_128()
+        by_file: dict[str, list[HeaderTensor]] = {}
+        for file, t in plan.expert_tensors[key]:
+            by_file.setdefault(file, []).append(t)
+        for file, ts in by_file.items():
+            piece = parts.piece(results[file], results[file].pieces[key])
+            _check_piece(file, piece, ts, tensors, parts.root)
+            h.update(piece)
+        experts[key] = h.digest()
+    return tensors, experts
 
 
-@dataclass
-class _Digests:
-    tensors: dict[str, bytes] = field(default_factory=dict)
-    experts: dict[Key, bytes] = field(default_factory=dict)
-
-
-class _ShardPass:
-    """One attempt at one shard. Works on copies of the carried expert hashers so a failed
-    attempt leaves nothing behind; ``commit`` publishes the results."""
-
-    def __init__(self, plan: _Plan, shard: _Shard, hashers: dict[Key, Any]) -> None:
-        self.plan, self.shard = plan, shard
-        self.hashers = {k: h.copy() for k, h in hashers.items()}
-        self.sha = hashlib.sha256()
-        self.i, self.pos, self.cur = 0, 0, xxhash.xxh3_128()
-        self.remaining: dict[Key, int] = {}
-        self.out = _Digests()
-
-    def feed(self, chunk: bytes) -> None:
-        self.sha.update(chunk)
-        tensors, pos = self.shard.tensors, self.pos
-        mv, end = memoryview(chunk), pos + len(chunk)
-        while self.i < len(tensors) and tensors[self.i].start <= end:
-            t = tensors[self.i]
-            lo, hi = max(t.start, pos), min(t.end, end)
-            key = self.plan.owner[t.name]
-            if hi > lo:
-                piece = mv[lo - pos : hi - pos]
-                self.cur.update(piece)
-                if key is not None:
-                    self.hashers.setdefault(key, xxhash.xxh3_128()).update(piece)
-            if t.end > end:
-                break
-            self._finish_tensor(t, key)
-            self.i, self.cur = self.i + 1, xxhash.xxh3_128()
-        self.pos = end
-
-    def _finish_tensor(self, t: HeaderTensor, key: Key | None) -> None:
-        self.out.tensors[t.name] = self.cur.digest()
-        if key is None:
-            return
-        left = self.remaining.get(key, self.plan.remaining[key]) - 1
-        self.remaining[key] = left
-        if left == 0:  # the expert's last byte: free its hasher early
-            self.out.experts[key] = self.hashers.pop(key, xxhash.xxh3_128()).digest()
-
-    def finish(self) -> str:
-        f = self.shard.file
-        if self.pos != f.size or self.i != len(self.shard.tensors):
-            raise errors.UpstreamError(f"{f.name}: stream ended at {self.pos} of {f.size} bytes")
-        return self.sha.hexdigest()
-
-    def commit(self, hashers: dict[Key, Any], out: _Digests) -> None:
-        hashers.clear()
-        hashers.update(self.hashers)
-        self.plan.remaining.update(self.remaining)
-        out.tensors.update(self.out.tensors)
-        out.experts.update(self.out.experts)
-
-
-def _check_sha(f: SourceFile, digest: str) -> None:
-    if f.sha256 is not None and f.sha256 != digest:
-        raise errors.ChecksumMismatch(
-            f"{f.name}: sha256 {digest} differs from the source's {f.sha256}; "
-            "the download was corrupted or the file changed: no manifest written"
-        )
+def _check_piece(
+    file: str, piece: bytes, ts: list[HeaderTensor], digests: dict[str, bytes], root: Path
+) -> None:
+    pos = 0
+    for t in ts:
+        if xxhash.xxh3_128(piece[pos : pos + t.nbytes]).digest() != digests[t.name]:
+            raise errors.ChecksumMismatch(
+                f"{file}: the work dir's bytes of {t.name} differ from its hash; remove the work "
+                f"dir {root} and build again"
+            )
+        pos += t.nbytes
+    if pos != len(piece):
+        raise errors.ChecksumMismatch(f"{file}: a piece in the work dir {root} has the wrong size")
 
 
 # -- assembly ----------------------------------------------------------------------------------
 def _file_info(
-    source: Source, f: SourceFile, shas: dict[str, str], config_bytes: bytes, plan: _Plan
+    source: Source, f: SourceFile, shas: dict[str, str], config_bytes: bytes, plan: Plan
 ) -> FileInfo:
     header = {s.file.name: s.header_len for s in plan.shards}
     if f.name in shas:
@@ -318,7 +225,7 @@ def _assemble(
     source: Source,
     config: dict[str, Any],
     infos: list[FileInfo],
-    plan: _Plan,
+    plan: Plan,
     tensor_digests: dict[str, bytes],
     expert_digests: dict[Key, bytes],
     config_bytes: bytes,

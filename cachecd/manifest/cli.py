@@ -1,8 +1,9 @@
 """``cachecd manifest build`` and ``cachecd manifest verify``.
 
 build: resolve REV to a commit, read every shard header, hash every shard once (checked against
-the hub's sha256), write the manifest atomically. verify: load + validate a manifest file and
-print a summary; with --endpoint, compare each file's size and sha256 with the hub's metadata.
+the hub's sha256), ``--jobs`` at a time, resumably (``build``), write the manifest atomically.
+verify: load + validate a manifest (a file or ``hf://...``) and print a summary; with --endpoint,
+compare it with the hub's metadata for its commit (``hub_check``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cachecd import errors
+from cachecd import constants, errors
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +33,26 @@ def register(sub: Any) -> None:
     b.add_argument(
         "--from-dir", type=Path, help="read a local folder instead (REV must be a commit)"
     )
+    b.add_argument("--jobs", "-j", type=_jobs, default=constants.MANIFEST_BUILD_JOBS,
+                   help="shards streamed and hashed at once (default: %(default)s)")
+    b.add_argument("--work-dir", type=Path,
+                   help="where finished shards are kept until the manifest is written, so a build "
+                        "that stops resumes there (default: OUTPUT.parts)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=_build)
     v = msub.add_parser("verify", help="validate a manifest and print a summary")
-    v.add_argument("file", type=Path)
-    v.add_argument("--endpoint", help="also check file sizes and sha256 against this endpoint")
+    v.add_argument("file", metavar="FILE|hf://...", help="a manifest file, or one published in a "
+                   "Hub repo: hf://[datasets/]ORG/REPO/PATH[@REV]")
+    v.add_argument("--endpoint", help="also check it against this endpoint's metadata for its "
+                   "commit (files' sizes, the shards' sha256, the config's hash)")
     v.add_argument("--token", help="HF token for --endpoint")
     v.set_defaults(func=_verify)
+
+
+def _jobs(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 64:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number from 1 to 64")
+    return int(text)
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -57,7 +71,7 @@ def _quiet_http(args: argparse.Namespace) -> None:
 
 def _build(args: argparse.Namespace) -> int:
     _quiet_http(args)
-    from cachecd.manifest.build import build_manifest
+    from cachecd.manifest.build import build_to_file
     from cachecd.manifest.source import HubSource, LocalSource
 
     repo, rev = parse_spec(args.spec)
@@ -69,52 +83,38 @@ def _build(args: argparse.Namespace) -> int:
     else:
         source = HubSource(repo, rev, endpoint=args.endpoint, token=args.token)
     progress = not args.no_progress and sys.stderr.isatty()
-    manifest = build_manifest(source, progress=progress)
-    manifest.save(args.output)
+    manifest = build_to_file(source, args.output, progress=progress, jobs=args.jobs,
+                             work_dir=args.work_dir, say=lambda m: print(m, file=sys.stderr))
     print(f"wrote {args.output}")
     _print_summary(manifest)
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from cachecd.manifest import published
     from cachecd.manifest.manifest import Manifest
 
-    manifest = Manifest.load(args.file)
+    path = args.file
+    if published.is_published(str(args.file)):
+        endpoint = args.endpoint or constants.HF_ENDPOINT
+        path, _ = published.fetch(str(args.file), endpoint=endpoint, token=args.token)
+    manifest = Manifest.load(path)
     _print_summary(manifest)
     if args.endpoint is None:
         print("ok: manifest valid")
         return 0
     _quiet_http(args)
-    problems = _check_against_hub(manifest, args.endpoint, args.token)
-    for p in problems:
+    from cachecd.manifest.hub_check import problems
+
+    found = problems(manifest, endpoint=args.endpoint.rstrip("/"), token=args.token)
+    for p in found:
         print(f"MISMATCH {p}")
     print(
         "ok: manifest valid and matches the endpoint"
-        if not problems
-        else f"FAILED: {len(problems)} file(s) differ from the endpoint"
+        if not found
+        else f"FAILED: {len(found)} disagreement(s) with the endpoint's metadata"
     )
-    return 0 if not problems else 1
-
-
-def _check_against_hub(manifest: Any, endpoint: str, token: str | None) -> list[str]:
-    from cachecd.manifest.build import HEX64
-    from cachecd.manifest.source import HubSource
-
-    source = HubSource(manifest.repo, manifest.revision, endpoint=endpoint, token=token)
-    hub = {f.name: f for f in source.list_files()}
-    problems = []
-    for name, info in manifest.files.items():
-        f = hub.pop(name, None)
-        if f is None:
-            problems.append(f"{name}: not on the endpoint at {manifest.revision}")
-        elif f.size != info.size:
-            problems.append(f"{name}: size {info.size} in the manifest, {f.size} on the endpoint")
-        elif f.sha256 is not None and HEX64.fullmatch(f.sha256) and f.sha256 != info.sha256:
-            problems.append(
-                f"{name}: sha256 {info.sha256} in the manifest, {f.sha256} on the endpoint"
-            )
-    problems += [f"{name}: on the endpoint but not in the manifest" for name in sorted(hub)]
-    return problems
+    return 0 if not found else 1
 
 
 def _human(n: int) -> str:

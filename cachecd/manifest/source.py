@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from cachecd import constants, errors
-from cachecd.manifest.build import HEX64, SourceFile
+from cachecd.manifest.build_plan import HEX64, SourceFile
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,9 @@ class LocalSource:
         with open(self.root / name, "rb") as f:
             return f.read(nbytes)
 
-    def stream(self, name: str) -> Iterator[bytes]:
+    def stream(self, name: str, start: int = 0) -> Iterator[bytes]:
         with open(self.root / name, "rb") as f:
+            f.seek(start)
             while chunk := f.read(CHUNK_BYTES):
                 yield chunk
 
@@ -60,7 +61,7 @@ def _same_origin(url: str, base: str) -> bool:
     return (a.scheme, a.netloc) == (b.scheme, b.netloc)
 
 
-def _hub_errors(what: str, fn: Callable[[], T]) -> T:
+def hub_errors(what: str, fn: Callable[[], T]) -> T:
     """Run an huggingface_hub call, mapping its errors to cachecd's (no token in messages)."""
     from huggingface_hub import errors as hf_errors
 
@@ -79,7 +80,12 @@ def _hub_errors(what: str, fn: Callable[[], T]) -> T:
         if status == 401:
             raise errors.Unauthorized(f"{what}: the endpoint refused the token (401)") from exc
         raise errors.UpstreamError(f"{what}: HTTP {status}: {str(exc).splitlines()[0]}") from exc
-    except OSError as exc:
+    except Exception as exc:
+        # OSError, and the HTTP client's transport errors (connection refused, timeouts), which
+        # huggingface_hub lets through as the client's own types; anything else is a bug.
+        transport = type(exc).__module__.split(".")[0].startswith(("httpx", "httpcore"))
+        if not (isinstance(exc, OSError) or transport) or isinstance(exc, errors.CachecdError):
+            raise
         raise errors.UpstreamError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
@@ -111,7 +117,7 @@ class HubSource:
         self._sizes: dict[str, int] = {}
 
     def _head(self, name: str, rev: str) -> Any:
-        return _hub_errors(
+        return hub_errors(
             f"{self.repo}@{rev}/{name}",
             lambda: self._meta(
                 self._url(name, rev),
@@ -124,7 +130,7 @@ class HubSource:
     def list_files(self) -> list[SourceFile]:
         from huggingface_hub.hf_api import RepoFile
 
-        entries = _hub_errors(
+        entries = hub_errors(
             f"{self.repo}@{self.revision}: list files",
             lambda: list(
                 self._api.list_repo_tree(self.repo, revision=self.revision, recursive=True)
@@ -192,17 +198,27 @@ class HubSource:
             )
         return bytes(resp.content)
 
-    def stream(self, name: str) -> Iterator[bytes]:
+    def stream(self, name: str, start: int = 0) -> Iterator[bytes]:
+        """The file from byte ``start`` on: 200 for the whole file, else 206 with exactly
+        ``bytes start-(size-1)/size`` (a build resumes a broken shard this way)."""
         url = self._location(name)
+        extra = {"Range": f"bytes={start}-"} if start else {}
         try:
             with self._session.stream(
                 "GET",
                 url,
-                headers=self._request_headers(url, {}),
+                headers=self._request_headers(url, extra),
                 follow_redirects=False,
                 timeout=constants.READ_TIMEOUT_S,
             ) as resp:
-                if resp.status_code != 200:
+                size = self._sizes.get(name)
+                want = f"bytes {start}-{size - 1}/{size}" if size else None
+                if start and (resp.status_code != 206 or resp.headers.get("Content-Range") != want):
+                    raise errors.UpstreamError(
+                        f"{self.repo}/{name}: asked bytes={start}-, got HTTP {resp.status_code} "
+                        f"Content-Range {resp.headers.get('Content-Range')!r}"
+                    )
+                if not start and resp.status_code != 200:
                     raise errors.UpstreamError(
                         f"{self.repo}/{name}: GET answered HTTP {resp.status_code}"
                     )

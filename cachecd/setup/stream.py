@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecd.config import Settings, format_size, load_settings
-from cachecd.errors import DaemonUnavailable, InvalidRequest, ManifestInvalid
+from cachecd.errors import DaemonUnavailable, InvalidRequest, ManifestInvalid, ManifestMismatch
 
 log = logging.getLogger(__name__)
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -30,7 +30,9 @@ def register(sub: Any) -> None:
     p.add_argument("--stream", required=True, metavar="ORG/NAME[@REV]", help="the model to stream")
     p.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or huggingface.co)")
     p.add_argument("--socket", help="the daemon's control socket")
-    p.add_argument("--manifest", help="use this manifest instead of the shipped one")
+    p.add_argument("--manifest", metavar="FILE|hf://[datasets/]ORG/REPO/PATH[@REV]",
+                   help="use this manifest (a file, or one published in a Hub repo) instead of "
+                        "the shipped one")
     p.add_argument("--build-manifest", action="store_true",
                    help="build the manifest from the Hub (reads the whole revision once)")
     p.add_argument("--cache-dir", dest="cache_dirs", action="append", metavar="DIR",
@@ -61,11 +63,20 @@ def resolve_commit(repo: str, rev: str, endpoint: str, offline: bool) -> str:
     return str(HfApi(endpoint=endpoint).model_info(repo, revision=rev).sha)
 
 
-def choose_manifest(args: argparse.Namespace, repo: str, commit: str, settings: Settings) -> Path:
+def choose_manifest(args: argparse.Namespace, repo: str, commit: str,
+                    settings: Settings) -> tuple[Path, Any]:
+    """The manifest file to use: --manifest FILE or hf://..., the shipped one, or one built now;
+    it must pin ``repo@commit`` and agree with the Hub's metadata of that commit."""
+    from cachecd.manifest import published
     from cachecd.manifest.manifest import Manifest, shipped_manifest
 
     path: Path | None
-    if args.manifest:
+    if args.manifest and published.is_published(args.manifest):
+        from huggingface_hub import get_token
+
+        path, at = published.fetch(args.manifest, endpoint=settings.endpoint, token=get_token())
+        print(f"manifest {args.manifest}" + (f" (its repo at {at})" if at else ""))
+    elif args.manifest:
         path = Path(args.manifest)
     else:
         path = shipped_manifest(repo)
@@ -78,9 +89,28 @@ def choose_manifest(args: argparse.Namespace, repo: str, commit: str, settings: 
         path = settings.models_dir / "manifests" / f"{repo.replace('/', '--')}--{commit}.manifest"
         _build_manifest(repo, commit, settings.endpoint, path)
     manifest = Manifest.load(path)
+    if args.manifest:
+        manifest.source = args.manifest  # messages name what the user gave (a hf:// URL)
     if manifest.repo != repo or manifest.revision != commit:
-        raise ManifestInvalid(f"{path}: pins {manifest.repo}@{manifest.revision}, not {repo}@{commit}")
-    return path
+        raise ManifestInvalid(f"{manifest.source}: pins {manifest.repo}@{manifest.revision}, not "
+                              f"{repo}@{commit}; pass --stream {manifest.repo}@{manifest.revision} "
+                              f"to install the revision it pins, or a manifest of {commit}")
+    check_on_use(manifest, settings)
+    return path, manifest
+
+
+def check_on_use(manifest: Any, settings: Settings) -> None:
+    """Refuse a manifest the Hub's own metadata for its commit contradicts (hub_check)."""
+    if settings.offline:
+        print("offline (HF_HUB_OFFLINE): the manifest is not checked against the Hub's metadata")
+        return
+    from huggingface_hub import get_token
+
+    from cachecd.manifest.hub_check import check_against_hub
+
+    check_against_hub(manifest, endpoint=settings.endpoint, token=get_token())
+    print(f"manifest checked against {settings.endpoint}: {manifest.key}, its "
+          f"{len(manifest.files)} files' sizes, the shards' sha256 and the config's hash")
 
 
 def _stale(repo: str, commit: str, path: Path) -> Path:
@@ -91,11 +121,13 @@ def _stale(repo: str, commit: str, path: Path) -> Path:
 def _build_manifest(repo: str, commit: str, endpoint: str, out: Path) -> None:
     from huggingface_hub import get_token
 
-    from cachecd.manifest.build import build_manifest
+    from cachecd.manifest.build import build_to_file
     from cachecd.manifest.source import HubSource
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    build_manifest(HubSource(repo, commit, endpoint=endpoint, token=get_token())).save(out)
+    # Finished shards stay in OUT.parts until the manifest is written: a rerun resumes there.
+    build_to_file(HubSource(repo, commit, endpoint=endpoint, token=get_token()), out,
+                  say=lambda m: print(m, file=sys.stderr))
 
 
 def fetch_small_files(manifest: Any, local: Path, endpoint: str) -> int:
@@ -111,9 +143,14 @@ def fetch_small_files(manifest: Any, local: Path, endpoint: str) -> int:
             continue
         path = Path(hf_hub_download(manifest.repo, info.name, revision=manifest.revision,
                                     endpoint=endpoint, local_dir=local))
-        if _sha256(path) != info.sha256:
+        got = _sha256(path)
+        if got != info.sha256:
             path.unlink(missing_ok=True)
-            raise ManifestInvalid(f"{info.name} from {endpoint} does not match the manifest's sha256")
+            raise ManifestMismatch(
+                f"{manifest.source}: {info.name}: sha256 {info.sha256} in the manifest, {got} in "
+                f"the bytes {endpoint} serves at {manifest.revision}: the manifest was altered or "
+                f"not built from this commit; build one (cachecd manifest build "
+                f"{manifest.key}) or get it again from its publisher")
         fetched += info.size
     return fetched
 
@@ -241,14 +278,12 @@ def wait_healthy(client: Any, proc: subprocess.Popen[bytes], log_path: Path, tim
 
 
 def run(args: argparse.Namespace) -> int:
-    from cachecd.manifest.manifest import Manifest
 
     settings = load_settings({k: getattr(args, k, None) for k in
                               ("endpoint", "socket", "cache_dirs", "budget", "models_dir")})
     repo, rev = parse_spec(args.stream)
     commit = resolve_commit(repo, rev, settings.endpoint, settings.offline)
-    manifest_path = choose_manifest(args, repo, commit, settings)
-    manifest = Manifest.load(manifest_path)
+    manifest_path, manifest = choose_manifest(args, repo, commit, settings)
     local = settings.models_dir / repo / commit
     local.mkdir(parents=True, exist_ok=True)
     print(f"{repo}@{commit}: {manifest.n_experts} experts "

@@ -1,8 +1,9 @@
 """``cachecd hub serve DIR``: a Hugging Face Hub compatible endpoint over a folder of repos.
 
-DIR/{org}/{name}/... is the model repo ``org/name``; unmodified ``huggingface_hub`` with
-``HF_ENDPOINT`` pointing here can list, resolve and download (``hub_server_app`` has the HTTP
-side and its invariants, ``hub_server_repo`` which files count and how the commit is made).
+DIR/{org}/{name}/... is the model repo ``org/name``, DIR/datasets/{org}/{name}/... the dataset
+repo; unmodified ``huggingface_hub`` with ``HF_ENDPOINT`` pointing here can list, resolve and
+download (``hub_server_app`` has the HTTP side and its invariants, ``hub_server_repo`` which
+files count and how the commit is made).
 
 Ways to run it: the CLI (prints ``serving DIR at http://HOST:PORT`` once listening, stops
 cleanly on SIGTERM/SIGINT), :class:`HubServer` / :func:`start_hub` inside a running event
@@ -29,8 +30,15 @@ from aiohttp import web
 
 from cachecd import constants
 from cachecd.errors import InvalidRequest
-from cachecd.testbed.hub_server_app import DEFAULT_URL_TTL_S, HUB_KEY, AccessLog, build_app
-from cachecd.testbed.hub_server_repo import HashCache, repo_commit, snapshot
+from cachecd.testbed.hub_server_app import (
+    DATASETS,
+    DEFAULT_URL_TTL_S,
+    HUB_KEY,
+    AccessLog,
+    build_app,
+)
+from cachecd.testbed.hub_server_mirror import sidecar_path
+from cachecd.testbed.hub_server_repo import HashCache, repo_commit, snapshot, valid_repo_part
 
 __all__ = ["HashCache", "HubServer", "repo_commit", "serve_in_thread", "spawn_hub", "start_hub"]
 
@@ -150,8 +158,13 @@ def spawn_hub(
 
 
 def _prehash(root: Path, hashes: HashCache) -> None:
-    for repo_dir in sorted(p for p in root.glob("*/*") if p.is_dir()):
-        snap = snapshot(repo_dir, f"{repo_dir.parent.name}/{repo_dir.name}", hashes)
+    models = [p for p in root.glob("*/*") if p.parent.name != DATASETS]
+    for repo_dir in sorted(p for p in [*models, *root.glob(f"{DATASETS}/*/*")] if p.is_dir()):
+        if not (valid_repo_part(repo_dir.parent.name) and valid_repo_part(repo_dir.name)):
+            continue  # DIR/.cache, say: no route reaches it
+        repo_id = f"{repo_dir.parent.name}/{repo_dir.name}"
+        key = repo_id if repo_dir.parent.parent == root else f"{DATASETS}/{repo_id}"
+        snap = snapshot(repo_dir, repo_id, hashes, sidecar_path(root, key))
         log.info("prehashed repo=%s commit=%s files=%d", snap.repo_id, snap.commit, len(snap.files))
 
 
@@ -162,7 +175,8 @@ async def _serve_until_signal(args: argparse.Namespace) -> int:
     base_url = await server.start()
     if args.prehash:
         hashes = server.app[HUB_KEY].hashes
-        threading.Thread(target=_prehash, args=(server.root, hashes), daemon=True).start()
+        root = server.app[HUB_KEY].root  # resolved, as the handlers name sidecars
+        threading.Thread(target=_prehash, args=(root, hashes), daemon=True).start()
     print(f"serving {args.dir} at {base_url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -184,7 +198,8 @@ def register(sub: Any) -> None:
     hub = sub.add_parser("hub", help="a Hugging Face Hub compatible endpoint over a folder")
     hub.set_defaults(func=lambda _args: (hub.print_help(), 2)[1])
     hub_sub = hub.add_subparsers(dest="hub_command", metavar="SUBCOMMAND")
-    serve = hub_sub.add_parser("serve", help="serve DIR/{org}/{name}/... as model repos")
+    serve = hub_sub.add_parser(
+        "serve", help="serve DIR/{org}/{name}/... as model repos, DIR/datasets/... as datasets")
     serve.add_argument("dir", type=Path, metavar="DIR")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=0, help="0 picks a free port (printed)")

@@ -1,11 +1,15 @@
 """The HTTP side of the hub server: routes, auth, Hub-style errors, signed CDN URLs, ranges.
 
+Model repos are ``DIR/{org}/{name}``, dataset repos ``DIR/datasets/{org}/{name}`` (the Hub's
+``/datasets/...`` and ``/api/datasets/...`` routes); no model org is named ``datasets``.
+
 Invariants:
 - No request path reaches the filesystem before it is validated: org and name match a strict
   pattern, file paths are relative with no ``..``/empty part/backslash/NUL, and a file is only
   ever served from the repo's own listing (so symlinks leaving the repo are never followed).
 - ``/resolve`` answers a 302 with an absolute, HMAC-signed ``/_cdn`` URL on this server, and the
-  Hub's metadata headers (X-Repo-Commit, X-Linked-Etag = quoted sha256, X-Linked-Size). The
+  Hub's metadata headers (X-Repo-Commit, X-Linked-Etag = quoted sha256, X-Linked-Size; for a
+  file a download record says the Hub keeps in git, only ETag = its git blob id). The
   signed URL needs no token and expires; it serves only the bytes it was signed for: once its
   file changes (size or mtime) it answers 404 RevisionNotFound.
 - ``/_cdn`` honours one byte range exactly (206 + Content-Range, 416 past the end) and streams
@@ -36,6 +40,7 @@ from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
+from cachecd.testbed.hub_server_mirror import sidecar_path
 from cachecd.testbed.hub_server_repo import (
     SHARED_HASHES,
     HashCache,
@@ -54,6 +59,7 @@ DEFAULT_URL_TTL_S = 3600.0
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$", re.IGNORECASE | re.ASCII)
 _SIGNED_SNAPSHOTS = 64
 _Handler = Callable[[web.Request], Awaitable[StreamResponse]]
+DATASETS = "datasets"
 
 
 # ---------------------------------------------------------------- errors as responses
@@ -107,10 +113,23 @@ class UrlSigner:
 
 class _ExactFileResponse(web.FileResponse):
     """aiohttp's FileResponse (Range, sendfile) minus its swap to a ``.gz``/``.br`` sibling:
-    a repo may hold ``x`` and ``x.gz`` as two different files."""
+    a repo may hold ``x`` and ``x.gz`` as two different files. With ``etag``, that is the ETag
+    (a git blob id, as the Hub sends for a file kept in git), not aiohttp's mtime-size tag."""
+
+    def __init__(self, path: Path, etag: str | None = None) -> None:
+        self._fixed_etag = etag
+        super().__init__(path)
 
     def _get_file_path_stat_encoding(self, accept_encoding: str) -> Any:
         return super()._get_file_path_stat_encoding("")
+
+    @property
+    def etag(self) -> Any:
+        return web.FileResponse.etag.fget(self)  # type: ignore[attr-defined]
+
+    @etag.setter
+    def etag(self, value: Any) -> None:
+        web.FileResponse.etag.fset(self, self._fixed_etag or value)  # type: ignore[attr-defined]
 
 
 def _unsatisfiable(range_header: str | None, size: int) -> bool:
@@ -151,19 +170,22 @@ class _Hub:
     async def snapshot(self, request: web.Request) -> RepoSnapshot:
         org, name = request.match_info["org"], request.match_info["name"]
         repo_id = f"{org}/{name}"
-        if not (valid_repo_part(org) and valid_repo_part(name)):
+        # DIR/datasets/ holds the dataset repos, so no model org is named "datasets" (as on HF).
+        kind = request.match_info.get("kind", "")
+        if not (valid_repo_part(org) and valid_repo_part(name)) or (not kind and org == DATASETS):
             raise _hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
-        repo_dir = self.root / org / name
-        snap = await asyncio.to_thread(self._snapshot_if_repo, repo_dir, repo_id)
+        repo_dir = self.root / kind / org / name
+        kept = sidecar_path(self.root, _repo_key(request))
+        snap = await asyncio.to_thread(self._snapshot_if_repo, repo_dir, repo_id, kept)
         if snap is None:
             raise _hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
         return snap
 
-    def _snapshot_if_repo(self, repo_dir: Path, repo_id: str) -> RepoSnapshot | None:
+    def _snapshot_if_repo(self, repo_dir: Path, repo_id: str, kept: Path) -> RepoSnapshot | None:
         real = repo_dir.resolve()
         if not real.is_relative_to(self.root) or not real.is_dir():
             return None
-        return snapshot(real, repo_id, self.hashes)
+        return snapshot(real, repo_id, self.hashes, kept)
 
     @staticmethod
     def check_rev(rev: str, snap: RepoSnapshot) -> None:
@@ -190,6 +212,9 @@ class _Hub:
 
     @staticmethod
     def file_headers(snap: RepoSnapshot, f: RepoFile) -> dict[str, str]:
+        if f.git_oid is not None:  # as the Hub answers for a file in git: its blob id, no X-Linked
+            return {"X-Repo-Commit": snap.commit, "ETag": f'"{f.git_oid}"',
+                    "Accept-Ranges": "bytes"}
         return {
             "X-Repo-Commit": snap.commit,
             "X-Linked-Etag": f'"{f.sha256}"',
@@ -201,16 +226,17 @@ class _Hub:
         snap = await self.snapshot(request)
         self.check_rev(request.match_info["rev"], snap)
         f = self.entry(snap, request.match_info["path"])
-        self.remember(snap)
-        resource = f"{snap.repo_id}/{snap.commit}/{f.relpath}"
+        key = _repo_key(request)
+        self.remember(key, snap)
+        resource = f"{key}/{snap.commit}/{f.relpath}"
         origin = str(request.url.origin())
-        location = f"{origin}/_cdn/{snap.repo_id}/{snap.commit}/{quote(f.relpath)}"
-        headers = {**self.file_headers(snap, f), "ETag": f'"{f.sha256}"'}
+        location = f"{origin}/_cdn/{key}/{snap.commit}/{quote(f.relpath)}"
+        headers = {"ETag": f'"{f.sha256}"', **self.file_headers(snap, f)}
         raise web.HTTPFound(f"{location}?{self.signer.query(resource)}", headers=headers)
 
     async def cdn(self, request: web.Request) -> StreamResponse:
         info = request.match_info
-        resource = f"{info['org']}/{info['name']}/{info['commit']}/{info['path']}"
+        resource = f"{_repo_key(request)}/{info['commit']}/{info['path']}"
         query = request.rel_url.query
         if not self.signer.valid(resource, query.get("expires", ""), query.get("sig", "")):
             raise _hf_error(
@@ -221,7 +247,7 @@ class _Hub:
             request.headers.get("Range"), f.size
         ):
             raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{f.size}"})
-        response = _ExactFileResponse(f.real)
+        response = _ExactFileResponse(f.real, f.git_oid)
         response.content_type = "application/octet-stream"
         response.headers.update(self.file_headers(snap, f))
         return response
@@ -235,8 +261,8 @@ class _Hub:
         (a CDN URL names content, so other files changing does not matter). Otherwise the repo is
         walked again and must still be at ``commit``.
         """
-        repo_id = f"{request.match_info['org']}/{request.match_info['name']}"
-        snap = self.signed.get((repo_id, commit))
+        key = _repo_key(request)
+        snap = self.signed.get((key, commit))
         f = snap.files.get(path) if snap is not None else None
         if snap is not None and f is not None and await asyncio.to_thread(_unchanged, f):
             return snap, f
@@ -247,12 +273,12 @@ class _Hub:
                 "RevisionNotFound",
                 f"{snap.repo_id} changed since this URL was signed: resolve again",
             )
-        self.remember(snap)
+        self.remember(key, snap)
         return snap, self.entry(snap, path)
 
-    def remember(self, snap: RepoSnapshot) -> None:
-        self.signed[(snap.repo_id, snap.commit)] = snap
-        self.signed.move_to_end((snap.repo_id, snap.commit))
+    def remember(self, key: str, snap: RepoSnapshot) -> None:
+        self.signed[(key, snap.commit)] = snap
+        self.signed.move_to_end((key, snap.commit))
         while len(self.signed) > _SIGNED_SNAPSHOTS:
             self.signed.popitem(last=False)
 
@@ -312,15 +338,24 @@ def build_app(
     hub = _Hub(root, token, UrlSigner(url_ttl_s), hashes or SHARED_HASHES)
     app = web.Application(middlewares=[hub.auth])
     app[HUB_KEY] = hub
-    repo = "/{org}/{name}"
-    api = "/api/models" + repo
-    for method in ("GET", "HEAD"):
-        app.router.add_route(method, "/_cdn" + repo + "/{commit}/{path:.+}", hub.cdn)
-        app.router.add_route(method, repo + "/resolve/{rev}/{path:.+}", hub.resolve)
-    app.router.add_get(api + "{slash:/?}", hub.model_info)
-    app.router.add_get(api + "/revision/{rev}{slash:/?}", hub.model_info)
-    app.router.add_get(api + "/tree/{rev}{tail:(/.*)?}", hub.tree)
+    # Dataset routes first: "/datasets/..." is a dataset repo, never a model org.
+    for kind, api in (("/{kind:datasets}", "/api/{kind:datasets}"), ("", "/api/models")):
+        repo = kind + "/{org}/{name}"
+        api += "/{org}/{name}"
+        for method in ("GET", "HEAD"):
+            app.router.add_route(method, "/_cdn" + repo + "/{commit}/{path:.+}", hub.cdn)
+            app.router.add_route(method, repo + "/resolve/{rev}/{path:.+}", hub.resolve)
+        app.router.add_get(api + "{slash:/?}", hub.model_info)
+        app.router.add_get(api + "/revision/{rev}{slash:/?}", hub.model_info)
+        app.router.add_get(api + "/tree/{rev}{tail:(/.*)?}", hub.tree)
     return app
+
+
+def _repo_key(request: web.Request) -> str:
+    """``org/name`` for a model repo, ``datasets/org/name`` for a dataset repo."""
+    repo_id = f"{request.match_info['org']}/{request.match_info['name']}"
+    kind = request.match_info.get("kind")
+    return f"{kind}/{repo_id}" if kind else repo_id
 
 
 class AccessLog(AbstractAccessLogger):

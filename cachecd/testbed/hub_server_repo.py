@@ -1,16 +1,20 @@
-"""A folder seen as a Hub model repo: its files, their sha256, its content-derived commit.
+"""A folder seen as a Hub model repo: its files, their sha256, its commit.
 
 Invariants:
 - A repo's files are the regular files under its folder, walked without following directory
   symlinks, minus any path with a ``.git`` component and the top-level ``.cache`` folder
   (where ``hf download --local-dir`` keeps its bookkeeping). A file symlink counts only if its
   real path stays inside the repo folder. Nothing outside that set is ever listed or served.
-- The commit is sha1 over ``f"{relpath}\\0{sha256hex}\\n"`` for every file, sorted by relative
-  posix path (Python string order): same bytes -> same commit, any change -> a new commit.
+- A folder that is exactly an ``hf download --local-dir`` of one commit is served as that
+  commit, each file with the sha256 (or git blob id) the Hub gave (``hub_server_mirror``).
+- Otherwise the commit is sha1 over ``f"{relpath}\\0{sha256hex}\\n"`` for every file, sorted by
+  relative posix path (Python string order): same bytes -> same commit, any change -> a new one.
 - A file's sha256 is cached by (real path, size, mtime_ns) and computed once per key even when
   many threads ask at the same time; hashing streams in fixed chunks and never holds a file.
+  A server also keeps what it computed in a sidecar file, so a restart does not hash again.
 - Every file is presented as an LFS file (``lfs.sha256`` == the ETag) so that every client
-  sees one identity per file.
+  sees one identity per file, except a file the download record says the Hub keeps in git:
+  it is presented as the Hub presents it, by its git blob id.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cachecd.testbed.hub_server_mirror import Record, Sidecar, read_record, recorded_commit
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +50,7 @@ class RepoFile:
     size: int
     mtime_ns: int
     sha256: str
+    git_oid: str | None = None  # a small file the Hub keeps in git (hf download's record): no LFS
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,7 @@ class RepoSnapshot:
     repo_id: str
     commit: str
     files: dict[str, RepoFile]  # relpath -> file, in sorted order
+    recorded: bool = False  # the commit is the one hf download recorded, not content-derived
 
     @property
     def last_modified(self) -> float:
@@ -92,6 +100,15 @@ class HashCache:
         self._latest: dict[str, tuple[str, int, int]] = {}  # path -> its newest key
         self._locks: dict[tuple[str, int, int], threading.Lock] = {}
         self._guard = threading.Lock()
+        self._sidecars: dict[Path | None, Sidecar] = {}
+
+    def sidecar(self, path: Path | None) -> Sidecar:
+        """The hashes kept in the file ``path`` (None: in memory only), one object per file."""
+        with self._guard:
+            return self._sidecars.setdefault(path, Sidecar(path))
+
+    def cached(self, real: Path, size: int, mtime_ns: int) -> str | None:
+        return self._done.get((str(real), size, mtime_ns))
 
     def seed(self, real: Path, size: int, mtime_ns: int, sha256: str) -> None:
         """Trust a sha256 known from elsewhere (a manifest, an earlier run) for this exact stat."""
@@ -182,20 +199,51 @@ def _regular_inside(path: Path, real_root: Path) -> tuple[Path, os.stat_result] 
     return real, st
 
 
-def snapshot(repo_dir: Path, repo_id: str = "", cache: HashCache | None = None) -> RepoSnapshot:
-    """The repo's files with their sha256 and the commit they make. Blocking: call in a thread."""
+def snapshot(
+    repo_dir: Path, repo_id: str = "", cache: HashCache | None = None, kept: Path | None = None
+) -> RepoSnapshot:
+    """The repo's files with their sha256 and its commit: the one ``hf download`` recorded when
+    the folder is exactly that download (``hub_server_mirror``), else the content-derived one.
+    Hashes computed are kept in the file ``kept`` too (a server's sidecar). Blocking: call in a
+    thread."""
     cache = cache or SHARED_HASHES
+    root = repo_dir.resolve()
+    sidecar = cache.sidecar(kept)
     files: dict[str, RepoFile] = {}
+    records: dict[str, Record | None] = {}
     commit = hashlib.sha1()
     for relpath, real, st in _walk(repo_dir):
+        record = records[relpath] = read_record(root, relpath, st)
         try:
-            sha = cache.sha256(real, st.st_size, st.st_mtime_ns)
+            sha = (record and record.sha256) or _sha256(cache, sidecar, relpath, real, st)
         except OSError as exc:  # removed or made unreadable since the walk: not part of it
             log.warning("skipping file=%s error=%s", relpath, exc.__class__.__name__)
+            del records[relpath]
             continue
-        files[relpath] = RepoFile(relpath, real, st.st_size, st.st_mtime_ns, sha)
+        oid = record.git_oid if record else None
+        files[relpath] = RepoFile(relpath, real, st.st_size, st.st_mtime_ns, sha, oid)
         commit.update(f"{relpath}\0{sha}\n".encode())
-    return RepoSnapshot(repo_id or repo_dir.name, commit.hexdigest(), files)
+    sidecar.flush(set(files))
+    recorded, why = recorded_commit(records)
+    name = repo_id or repo_dir.name
+    if recorded is None and any(records.values()) and why != sidecar.said:
+        sidecar.said = why  # say it once per change, not at every request
+        log.warning("not serving the recorded commit repo=%s reason=%s", name, why)
+    return RepoSnapshot(name, recorded or commit.hexdigest(), files, recorded is not None)
+
+
+def _sha256(cache: HashCache, sidecar: Sidecar, relpath: str, real: Path,
+            st: os.stat_result) -> str:
+    """From the sidecar of an earlier run, else from memory or hashed now (then kept)."""
+    size, mtime_ns = st.st_size, st.st_mtime_ns
+    kept = sidecar.get(relpath, size, mtime_ns)
+    if kept is not None:
+        if cache.cached(real, size, mtime_ns) is None:
+            cache.seed(real, size, mtime_ns, kept)
+        return kept
+    sha = cache.sha256(real, size, mtime_ns)  # memory first, else hashed once
+    sidecar.put(relpath, size, mtime_ns, sha)
+    return sha
 
 
 def repo_commit(repo_dir: Path) -> str:
@@ -224,6 +272,9 @@ def model_info_json(snap: RepoSnapshot) -> dict[str, Any]:
     """What ``HfApi.model_info`` parses: id, sha, lastModified, siblings with sizes and LFS."""
     siblings = []
     for f in snap.files.values():
+        if f.git_oid is not None:  # kept in git on the Hub: a blob id, no LFS
+            siblings.append({"rfilename": f.relpath, "size": f.size, "blobId": f.git_oid})
+            continue
         blob_id, lfs = _lfs_fields(f)
         siblings.append(
             {
@@ -279,6 +330,8 @@ def tree_json(snap: RepoSnapshot, prefix: str, recursive: bool) -> list[dict[str
 
 
 def _file_entry(f: RepoFile) -> dict[str, Any]:
+    if f.git_oid is not None:
+        return {"type": "file", "oid": f.git_oid, "size": f.size, "path": f.relpath}
     blob_id, lfs = _lfs_fields(f)
     return {
         "type": "file",

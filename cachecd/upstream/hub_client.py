@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from cachecd.upstream.singleflight import SingleFlight
 log = logging.getLogger(__name__)
 
 _REDIRECTS = (301, 302, 303, 307, 308)
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _EXPIRY_MARGIN_S = 60.0
 # aiohttp pauses the socket when its buffer passes 2x this; 64 KiB (the default) stalls fast streams.
 READ_BUFSIZE = 1 << 20
@@ -390,5 +392,15 @@ def _check_identity(headers: Any, manifest: Any, file: str, rid: str | None) -> 
         raise errors.BadUpstreamRange(
             f"resolve {file}: the Hub says {linked} bytes, the manifest {info.size}; "
             "this is not the pinned file",
+            request_id=rid,
+        )
+    # The Hub's sha256 of an LFS file: a manifest that disagrees is refused for that file even
+    # where its registration could not ask the Hub's metadata (an endpoint without that API).
+    etag = (headers.get("X-Linked-Etag") or "").removeprefix("W/").strip('"').lower()
+    if info is not None and _SHA256.fullmatch(etag) and etag != info.sha256:
+        raise errors.ManifestMismatch(
+            f"resolve {file}: sha256 {info.sha256} in the manifest of {manifest.repo}, {etag} "
+            "on the Hub at that commit: the manifest was altered or not built from this commit; "
+            "register a manifest built from it (cachecd manifest build)",
             request_id=rid,
         )

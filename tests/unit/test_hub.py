@@ -194,6 +194,26 @@ def test_missing_file_is_not_found(repo: tuple[Path, FakeManifest]) -> None:
     run(*repo, scenario)
 
 
+def test_a_file_whose_hub_sha256_disagrees_is_refused_at_resolve(
+    repo: tuple[Path, FakeManifest],
+) -> None:
+    """The check on use where the registration could not ask the Hub: X-Linked-Etag against
+    the manifest's sha256, before any byte of that file is fetched."""
+
+    async def scenario(hub: FakeHub, up: Upstream, m: FakeManifest, folder: Path) -> None:
+        from dataclasses import replace
+
+        name = next(iter(m.files))
+        altered = FakeManifest(m.repo, m.revision, {**m.files, name: replace(
+            m.files[name], sha256="ab" * 32)}, m.entries)
+        with pytest.raises(errors.ManifestMismatch, match=f"resolve {name}: sha256 {'ab' * 32}"):
+            await up.fetch_range(altered, name, 0, 10)
+        assert hub.count("resolve_head") == 1 and hub.count("cdn_get") == 0
+        assert await up.fetch_range(m, name, 0, 10) == (folder / name).read_bytes()[:10]
+
+    run(*repo, scenario)
+
+
 def test_resolve_5xx_is_retried(repo: tuple[Path, FakeManifest]) -> None:
     async def scenario(hub: FakeHub, up: Upstream, m: FakeManifest, folder: Path) -> None:
         hub.faults.resolve_status_script = [500, 502]
