@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -58,18 +59,6 @@ class RankLayers:
     def describe(self) -> str:
         return (f"pipeline rank {self.rank} of {self.size}: layers {self.start}-{self.end - 1} "
                 f"of {self.layers}")
-
-
-def parse_rank(text: str) -> tuple[int, int]:
-    """``R/N`` -> (R, N), for ``setup --pipeline``."""
-    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
-    if m is None:
-        raise InvalidRequest(f"--pipeline {text!r}: expected RANK/SIZE, e.g. 0/2")
-    rank, size = int(m.group(1)), int(m.group(2))
-    if size < 2 or rank >= size:
-        raise InvalidRequest(f"--pipeline {text}: SIZE must be >= 2 and RANK in 0..SIZE-1 "
-                             f"(without --pipeline setup installs the whole model)")
-    return rank, size
 
 
 def skeleton(config: dict[str, Any]) -> Any:
@@ -144,3 +133,22 @@ def barrier(group: Any) -> None:
     import mlx.core as mx
 
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+
+
+def gather_ints(group: Any, rows: Any) -> Any:
+    """Every rank's int64 ``rows`` (the same shape on each rank), stacked by rank: one
+    collective, for figures gathered once generation is over."""
+    import mlx.core as mx
+    import numpy as np
+
+    mine = mx.array(np.asarray(rows, dtype=np.int64))[None]
+    return np.array(mx.distributed.all_gather(mine, group=group, stream=mx.cpu))
+
+
+def shared_seed(group: Any) -> int:
+    """A PRNG seed rank 0 draws and every rank gets: the ranks sample the same token."""
+    import mlx.core as mx
+
+    mine = int.from_bytes(os.urandom(4), "little") >> 1 if group.rank() == 0 else 0
+    return int(mx.distributed.all_sum(mx.array(mine, dtype=mx.int32), group=group,
+                                      stream=mx.cpu).item())
