@@ -130,10 +130,10 @@ class PrefillProgress:
         if total <= self.step or done == 0:
             return
         s = self.stats
-        print(f"{self.prefix}prefill {done}/{total} tokens: {s.source_hits} experts read through the daemon "
-              f"({format_size(s.source_bytes)}), {self.client.upstream_fetches - self.fetched0} "
-              f"fetched from the Hub, {time.perf_counter() - self.t0:.1f} s", file=sys.stderr,
-              flush=True)
+        print(f"{self.prefix}prefill {done}/{total} tokens: {s.source_hits} experts read "
+              f"through the daemon ({format_size(s.source_bytes)}), "
+              f"{self.client.upstream_fetches - self.fetched0} fetched from the Hub, "
+              f"{time.perf_counter() - self.t0:.1f} s", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -151,7 +151,8 @@ def _served_share(snap: Snapshot, workload: np.ndarray, label: str) -> tuple[np.
         return workload, []
     served = served_mask(snap.manifest, snap.layers)
     other = int(workload[~served].sum())
-    rank = f" (pipeline rank {snap.pipeline['rank']} of {snap.pipeline['size']})" if snap.pipeline else ""
+    rank = (f" (pipeline rank {snap.pipeline['rank']} of {snap.pipeline['size']})"
+            if snap.pipeline else "")
     note = (f"this daemon serves layers {snap.layers[0]}-{snap.layers[1] - 1}{rank}: warming "
             f"those; {other} accesses of {label} are other layers' (warm them on the machines "
             f"that run those layers)")

@@ -1,4 +1,4 @@
-"""``setup --stream ORG/NAME --pipeline R/N``: install one pipeline rank of a model split over machines.
+"""``setup --stream ORG/NAME --pipeline R/N``: one pipeline rank of a model split over machines.
 
 A rank installs the resident tensors of its own layers plus those every rank keeps (embeddings,
 final norm, head), into its own directory (two ranks on one machine never share a resident file),

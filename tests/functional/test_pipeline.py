@@ -100,13 +100,15 @@ def launch(*command: str, timeout: float = 300) -> subprocess.CompletedProcess[s
         [str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()),
          "--cwd", str(ROOT), "--", sys.executable, *command],
         capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, f"mlx.launch exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, (f"mlx.launch exited {proc.returncode}\n{proc.stdout}\n"
+                                  f"{proc.stderr}")
     return proc
 
 
 def held_layers(ranks: Ranks, rank: int, manifest: Any) -> set[int]:
     """The layers of every expert blob in the rank's cache dir (content-addressed by digest)."""
-    layer_of = {manifest.digest_hex(r): int(manifest.layer_ids[r]) for r in range(manifest.n_experts)}
+    layer_of = {manifest.digest_hex(r): int(manifest.layer_ids[r])
+                for r in range(manifest.n_experts)}
     blobs = [p.name for p in (ranks.cache(rank) / "blobs").rglob("*") if p.is_file()]
     assert all(b in layer_of for b in blobs)
     return {layer_of[b] for b in blobs}
