@@ -69,7 +69,7 @@ class RegisteredModel:
     local_dir: Path | None
     layers: tuple[int, int] | None = None  # [start, end): the only layers served
     pipeline: tuple[int, int] | None = None  # (rank, size) those layers are mlx-lm's split of
-    _served: np.ndarray | None = field(default=None, repr=False)
+    _served: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def repo(self) -> str:

@@ -176,3 +176,21 @@ def test_coverage_and_warm_cover_the_served_layers_only(m: Manifest) -> None:
     assert share[served].tolist() == access[served].tolist() and not share[~served].any()
     assert f"{int(access[~served].sum())} accesses of trace t are other layers'" in notes[0]
     assert _served_share(Snapshot(m, cached, access, {}), access, "t") == (access, [])
+
+
+def test_a_rank_loads_only_from_the_daemon_of_its_rank(tiny: tuple[Path, Manifest]) -> None:
+    from cachecd.errors import NotStreamable
+    from cachecd_engine.registered import check_rank, check_split
+
+    rank1 = {"layers": [0, 3], "pipeline": {"rank": 1, "size": 2}}
+    check_rank("o/n", {"layers": None}, RankGroup(0, 2), "s")  # a whole install: any rank
+    check_rank("o/n", rank1, RankGroup(1, 2), "s")
+    for group, why in ((None, "run it under mlx.launch with 2 ranks"),
+                       (RankGroup(0, 2), "this process is pipeline rank 0 of 2"),
+                       (RankGroup(1, 3), "this process is pipeline rank 1 of 3")):
+        with pytest.raises(NotStreamable, match=why):
+            check_rank("o/n", rank1, group, "s")
+    check_split("o/n", rank1, RankGroup(1, 2), tiny[0], None)
+    with pytest.raises(NotStreamable, match="mlx-lm gives this rank layers 0-2 of o/n, but its "
+                                            "daemon serves layers 0-1"):
+        check_split("o/n", {**rank1, "layers": [0, 2]}, RankGroup(1, 2), tiny[0], None)
