@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
             mx.random.seed(seed)
         records, last = _generate(args, model, tokenizer, stats, prefix,
                                   quiet=group is not None and group.rank() != 0)
-        mx.synchronize()
+        settle()
         if group is not None:
             records = merge_ranks(group, records)
     finally:
@@ -166,6 +166,16 @@ def run(args: argparse.Namespace) -> int:
     if group is None or group.rank() == 0:
         _summary(args, records, last)
     return 0
+
+
+def settle() -> None:
+    """Wait for what mlx-lm left running: ``generate_step`` computes one step past the last
+    token, and pipelined that step holds collectives; a collective of ours must not cross them."""
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)
+    mx.synchronize()
 
 
 def merge_ranks(group: Any, records: list[dict[str, Any]]) -> list[dict[str, Any]]:

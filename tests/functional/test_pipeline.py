@@ -152,6 +152,12 @@ def test_two_ranks_generate_what_one_machine_does(ranks: Ranks, installed_module
     got = json.loads(two.stdout)  # rank 0 alone prints
     assert got["tokens"] == one["tokens"] and got["text"] == one["text"]
     assert all(len(t["per_rank"]) == 2 for t in got["per_token"])
+    # Each rank's own figures: one call per MoE layer of its own a decoded token (the first
+    # token's also count the prefill), and the sum over the ranks.
+    moe = {r: len(set(tiny_manifest.moe_layers) & set(range(*LAYERS[r]))) for r in LAYERS}
+    for t in got["per_token"][1:]:
+        assert [t["per_rank"][r]["layer_calls"] for r in (0, 1)] == [moe[0], moe[1]]
+        assert t["layer_calls"] == moe[0] + moe[1]
     assert sum(t["per_rank"][r]["source_hits"] for t in got["per_token"] for r in (0, 1)) > 0
     assert all(t["fetched_upstream"] == 0 for t in got["per_token"])  # all warmed by the trace
     assert "rank 0: cache:" in two.stderr and "rank 1: cache:" in two.stderr
