@@ -55,6 +55,13 @@ class RepoNotAllowed(CachecdError):
     code, http_status = "repo_not_allowed", 403
 
 
+class LayerNotServed(CachecdError):
+    """The model is registered with this daemon for some layers only (one pipeline rank's, with
+    ``setup --pipeline``): an expert of another layer is neither fetched nor served."""
+
+    code, http_status = "layer_not_served", 403
+
+
 class NotFound(CachecdError):
     code, http_status = "not_found", 404
 

@@ -63,10 +63,18 @@ class Client:
         """One registered model: revision, manifest path, local dir, sizes."""
         return self._control.request("GET", f"/v1/models/{model}")
 
-    def register(self, manifest: str | Path, local_dir: str | Path | None = None) -> dict[str, Any]:
-        """Register a model by its manifest file (the daemon keeps its own copy)."""
+    def register(self, manifest: str | Path, local_dir: str | Path | None = None, *,
+                 layers: tuple[int, int] | None = None,
+                 pipeline: tuple[int, int] | None = None) -> dict[str, Any]:
+        """Register a model by its manifest file (the daemon keeps its own copy).
+
+        ``layers`` ``(start, end)`` restricts the daemon to those layers' experts (others are
+        refused with ``LayerNotServed``); ``pipeline`` ``(rank, size)`` names the pipeline rank
+        whose layers they are (``cachecd setup --pipeline``)."""
         body = {"manifest": str(Path(manifest).resolve()),
-                "local_dir": str(local_dir) if local_dir else None}
+                "local_dir": str(local_dir) if local_dir else None,
+                "layers": list(layers) if layers else None,
+                "pipeline": list(pipeline) if pipeline else None}
         return self._control.request("POST", "/v1/models", body)
 
     def manifest_bytes(self, model: str) -> bytes:

@@ -22,10 +22,12 @@ log = logging.getLogger(__name__)
 
 
 class DaemonSource:
-    def __init__(self, client: Any, repo: str, manifest: Manifest) -> None:
+    def __init__(self, client: Any, repo: str, manifest: Manifest,
+                 info: dict[str, Any] | None = None) -> None:
         self.client = client
         self.repo = repo
         self.manifest = manifest
+        self.info = info or {}  # the daemon's description of the registration (layers served)
         self.hints_failed = 0
         self._hints = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachecd-hint")
 
@@ -44,7 +46,7 @@ class DaemonSource:
         except BaseException:
             client.close()  # a server asked for many unknown names must not keep their sockets
             raise
-        return cls(client, repo, manifest), Path(info["local_dir"])
+        return cls(client, repo, manifest, info), Path(info["local_dir"])
 
     def entry(self, layer: int, expert: int) -> ExpertEntry:
         return self.manifest.expert(layer, expert)

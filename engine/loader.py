@@ -7,6 +7,9 @@ Invariants:
   ``mx.load`` is lazy, so even a full checkpoint directory costs only its resident bytes.
 - The streamed banks hold no parameters, so ``load_weights(strict=True)`` and ``nn.quantize``
   never see them.
+- Pipelined (a ``pipeline`` group): mlx-lm's own ``pipeline(group)`` splits the layers right after
+  its sanitize, so quantization and the strict load see this rank's layers only (with the
+  embeddings, norm and head every rank keeps) and only its layers' banks remain.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from cachecd.manifest.manifest import EXPERT_RE
 from cachecd_engine.bank import EngineStats, ExpertBank, ExpertSource
 from cachecd_engine.formats import quant_spec
 from cachecd_engine.memory import default_expert_memory, default_ram_tier
+from cachecd_engine.pipeline import barrier, weights_of_rank
 from cachecd_engine.prefetch import install_prefetch, read_ahead_by_default
 from cachecd_engine.ram_tier import DEFAULT_POLICY, RamTier
 from cachecd_engine.streamed_moe import StreamedSwitchGLU, install_streamed_banks
@@ -46,8 +50,10 @@ def drop_expert_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return {k: v for k, v in weights.items() if not is_expert_weight(k)}
 
 
-def streamed_classes(bank: ExpertBank) -> Callable[[dict], tuple[type[nn.Module], type]]:
-    """A ``get_model_classes`` for mlx-lm's ``load_model`` that builds streamed models."""
+def streamed_classes(bank: ExpertBank,
+                     pipeline: Any = None) -> Callable[[dict], tuple[type[nn.Module], type]]:
+    """A ``get_model_classes`` for mlx-lm's ``load_model`` that builds streamed models, split
+    over ``pipeline`` (an ``mx.distributed`` group) if given."""
 
     def get_classes(config: dict) -> tuple[type[nn.Module], type]:
         model_type = config.get("model_type")
@@ -66,7 +72,13 @@ def streamed_classes(bank: ExpertBank) -> Callable[[dict], tuple[type[nn.Module]
                 install_streamed_banks(self, bank)
 
             def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-                return super().sanitize(drop_expert_weights(weights))
+                weights = super().sanitize(drop_expert_weights(weights))
+                if pipeline is None:
+                    return weights
+                # mlx-lm's sanitize walks every layer, so the split comes after it; load_model
+                # quantizes and loads (strictly) what remains: this rank's layers.
+                self.model.pipeline(pipeline)
+                return weights_of_rank(weights, self.model.start_idx, self.model.end_idx)
 
         StreamedModel.__name__ = f"Streamed{model_class.__name__}"
         return StreamedModel, args_class
@@ -92,6 +104,7 @@ def load(
     tokenizer_config: dict[str, Any] | None = None,
     return_config: bool = False,
     trust_remote_code: bool = False,
+    pipeline: Any = None,
 ) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict[str, Any]]:
     """(model, tokenizer) for ``mlx_lm.generate``/``stream_generate``; the bank is ``model.bank``.
 
@@ -122,7 +135,7 @@ def load(
     tier = RamTier(ram_bytes or 0, ram_policy)
     bank = ExpertBank(source, spec, tier, stats or EngineStats(), expert_memory=bound)
     model, config = load_model(model_dir, lazy=lazy, model_config=model_config,
-                               get_model_classes=streamed_classes(bank))
+                               get_model_classes=streamed_classes(bank, pipeline))
     if ram_bytes is None:
         tier.budget = default_ram_tier()
     moe = [glu.layer for glu in _streamed_banks(model)]
@@ -134,4 +147,6 @@ def load(
     pf = install_prefetch(model, bank) if prefetch else None
     object.__setattr__(model, "prefetcher", pf)
     tokenizer = load_tokenizer(model_dir, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
+    if pipeline is not None:
+        barrier(pipeline)  # as sharded_load: no rank starts generating while another loads
     return (model, tokenizer, config) if return_config else (model, tokenizer)

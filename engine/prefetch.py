@@ -120,9 +120,10 @@ def _prefetching_class(base: type) -> type:
 
 def install_prefetch(model: Any, bank: ExpertBank) -> Prefetcher:
     """Make each streamed MoE layer hint the next MoE layer's likely experts."""
+    # Keyed by each bank's own layer number: a pipelined model's ``layers`` start mid-model.
     moes = [
-        (i, layer.mlp)
-        for i, layer in enumerate(model.layers)
+        (layer.mlp.switch_mlp.layer, layer.mlp)
+        for layer in model.layers
         if isinstance(getattr(layer.mlp, "switch_mlp", None), StreamedSwitchGLU)
     ]
     next_gates = {moes[j][0]: moes[j + 1] for j in range(len(moes) - 1)}

@@ -9,6 +9,9 @@ Invariants:
   ``load_tokenizer`` and ``load_adapters`` do the work), or is refused with ``NotStreamable`` where
   streamed experts cannot honour it: a revision other than the pinned one, an adapter with
   expert weights, a config naming a custom ``model_file``.
+- Under ``mlx.launch`` (more than one rank) the model is split as mlx-lm's ``pipeline(group)``
+  splits it and each rank reads its experts from its own daemon (``{rank}`` in ``socket``); a
+  daemon registered for one rank's layers serves only that rank.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def load(
     stats: Any = None,
     trace: str | Path | None = None,
     prefetch: bool | None = None,
+    pipeline: Any = None,
 ) -> Any:
     """``(model, tokenizer)``, or ``(model, tokenizer, config)`` with ``return_config``, exactly as
     ``mlx_lm.load`` returns them for the same arguments; ``mlx_lm.generate``, ``stream_generate``
@@ -56,22 +60,34 @@ def load(
     Keyword-only, the engine's own: ``socket`` (the daemon's), ``ram_bytes`` (RAM tier of hot
     experts), ``expert_memory`` (bound on a layer's expert buffers), ``stats`` (an
     ``EngineStats`` to count into), ``trace`` (record the routing to this file), ``prefetch``
-    (read ahead the next layer's experts; default: where the model computes on a GPU).
+    (read ahead the next layer's experts; default: where the model computes on a GPU),
+    ``pipeline`` (None: split the layers over the ranks when ``mlx.launch`` started more than
+    one, as mlx-lm's ``sharded_load`` does; an ``mx.distributed`` group: split over it; False:
+    run every layer). Pipelined, ``{rank}`` in ``socket`` or ``trace`` becomes this rank.
     """
     from cachecd_engine.daemon_source import DaemonSource
     from cachecd_engine.loader import load as load_dir
+    from cachecd_engine.pipeline import launched_group, rank_path
 
     repo = check_name(path_or_hf_repo)
+    group = launched_group() if pipeline is None else pipeline or None
+    if group is not None:
+        from cachecd_client.api import default_socket
+
+        socket = rank_path(socket if socket is not None else default_socket(), group.rank())
+        trace = rank_path(trace, group.rank())
     source, local_dir = DaemonSource.connect(repo, socket)
     try:
         check_revision(repo, source.manifest.revision, revision)
+        check_rank(repo, source.info, group, source.client.socket)
+        check_split(repo, source.info, group, local_dir, model_config)
         if adapter_path is not None:
             check_adapter(Path(adapter_path))
         model, tokenizer, config = load_dir(
             local_dir, source, ram_bytes=ram_bytes, expert_memory=expert_memory, stats=stats,
             lazy=lazy, prefetch=prefetch, model_config=model_config,
             tokenizer_config=tokenizer_config, return_config=True,
-            trust_remote_code=trust_remote_code)
+            trust_remote_code=trust_remote_code, pipeline=group)
         if adapter_path is not None:
             from mlx_lm.utils import load_adapters
 
@@ -107,6 +123,47 @@ def check_revision(repo: str, pinned: str, asked: str | None) -> None:
     raise NotStreamable(
         f"{repo} is installed at commit {pinned}, not revision {asked!r}; run "
         f"`cachecd setup --stream {repo}@{asked}` to install that one, or pass revision=None")
+
+
+def check_rank(repo: str, info: dict[str, Any], group: Any, socket: Any) -> None:
+    """A daemon registered for one pipeline rank's layers serves that rank only."""
+    served, rank = info.get("layers"), info.get("pipeline")
+    if not served:
+        return  # a whole install serves every rank
+    scope = (f"layers {served[0]}-{served[1] - 1}"
+             + (f" (pipeline rank {rank['rank']} of {rank['size']})" if rank else ""))
+    if group is None:
+        raise NotStreamable(
+            f"the daemon at {socket} serves {scope} of {repo} only: run it under mlx.launch "
+            f"with {rank['size'] if rank else 'its'} ranks, or `cachecd setup --stream {repo}` "
+            f"without --pipeline for the whole model")
+    if rank and (rank["rank"], rank["size"]) != (group.rank(), group.size()):
+        raise NotStreamable(
+            f"this process is pipeline rank {group.rank()} of {group.size()}, but the daemon at "
+            f"{socket} serves {scope} of {repo}: give each rank its own daemon (`--socket "
+            f"DIR/{{rank}}/s.sock`) or run `cachecd setup --stream {repo} --pipeline "
+            f"{group.rank()}/{group.size()}` there")
+
+
+def check_split(repo: str, info: dict[str, Any], group: Any, local_dir: Path,
+                model_config: dict[str, Any] | None) -> None:
+    """The layers mlx-lm gives this rank are within those setup installed and registered (the
+    installed mlx-lm splits as the one at setup did)."""
+    import json
+
+    from cachecd_engine.pipeline import rank_layers
+
+    served = info.get("layers")
+    if group is None or not served:
+        return
+    config = {**json.loads((local_dir / "config.json").read_text()), **(model_config or {})}
+    mine = rank_layers(config, group.rank(), group.size())
+    if not served[0] <= mine.start < mine.end <= served[1]:
+        raise NotStreamable(
+            f"mlx-lm gives this rank layers {mine.start}-{mine.end - 1} of {repo}, but its "
+            f"daemon serves layers {served[0]}-{served[1] - 1}: the installed mlx-lm splits "
+            f"otherwise than at setup; run `cachecd setup --stream {repo} --pipeline "
+            f"{group.rank()}/{group.size()}` again")
 
 
 def check_adapter(adapter_path: Path) -> None:

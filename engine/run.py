@@ -6,6 +6,11 @@ has one, as mlx_lm.generate does (``--no-chat`` sends it as it is). Before a pre
 told what a cold cache costs: a long prompt can route to nearly every expert of every layer, and
 each missing one is fetched from the Hub first; a prefill longer than one step prints its
 progress (tokens, experts read, fetched).
+
+Under ``mlx.launch`` the model is pipelined over the ranks (``cachecd_engine.pipeline``): every
+rank generates the same tokens, rank 0 prints the output, each rank's notices and ``--stats``
+lines on stderr start with its rank, and ``--json`` gives per token the sum over the ranks and
+each rank's own figures (gathered once generation is over).
 """
 
 from __future__ import annotations
@@ -116,8 +121,8 @@ class PrefillProgress:
     """mlx-lm's ``prompt_progress_callback``: a stderr line after each step of a prefill longer
     than one step, with the experts read through the daemon and fetched from the Hub so far."""
 
-    def __init__(self, stats: Any, client: Any, step: int) -> None:
-        self.stats, self.client, self.step = stats, client, step
+    def __init__(self, stats: Any, client: Any, step: int, prefix: str = "") -> None:
+        self.stats, self.client, self.step, self.prefix = stats, client, step, prefix
         self.t0 = time.perf_counter()
         self.fetched0 = client.upstream_fetches
 
@@ -125,34 +130,78 @@ class PrefillProgress:
         if total <= self.step or done == 0:
             return
         s = self.stats
-        print(f"prefill {done}/{total} tokens: {s.source_hits} experts read through the daemon "
-              f"({format_size(s.source_bytes)}), {self.client.upstream_fetches - self.fetched0} "
-              f"fetched from the Hub, {time.perf_counter() - self.t0:.1f} s", file=sys.stderr,
-              flush=True)
+        print(f"{self.prefix}prefill {done}/{total} tokens: {s.source_hits} experts read "
+              f"through the daemon ({format_size(s.source_bytes)}), "
+              f"{self.client.upstream_fetches - self.fetched0} fetched from the Hub, "
+              f"{time.perf_counter() - self.t0:.1f} s", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from cachecd_engine.bank import EngineStats
+    from cachecd_engine.pipeline import launched_group, shared_seed
 
+    group = launched_group()
+    prefix = f"rank {group.rank()}: " if group is not None else ""
     stats = EngineStats()
-    model, tokenizer = load(args.model, stats=stats, trace=args.trace,
+    model, tokenizer = load(args.model, stats=stats, trace=args.trace, pipeline=group or False,
                             trust_remote_code=args.trust_remote_code, **engine_options(args))
     bank_source = model.bank.source
     try:
-        print(cold_cost_notice(bank_source.client, args.model), file=sys.stderr)
-        if args.seed is not None:
-            mx.random.seed(args.seed)
-        records, last = _generate(args, model, tokenizer, stats)
-        mx.synchronize()
+        print(prefix + cold_cost_notice(bank_source.client, args.model), file=sys.stderr)
+        seed = args.seed if args.seed is not None or group is None else shared_seed(group)
+        if seed is not None:
+            mx.random.seed(seed)
+        records, last = _generate(args, model, tokenizer, stats, prefix,
+                                  quiet=group is not None and group.rank() != 0)
+        settle()
+        if group is not None:
+            records = merge_ranks(group, records)
     finally:
         model.bank.close()
         bank_source.close()
         if model.bank.trace is not None:
             model.bank.trace.close()
-    _summary(args, records, last)
+    if group is None or group.rank() == 0:
+        _summary(args, records, last)
     return 0
+
+
+def settle() -> None:
+    """Wait for what mlx-lm left running: ``generate_step`` computes one step past the last
+    token, and pipelined that step holds collectives; a collective of ours must not cross them."""
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)
+    mx.synchronize()
+
+
+def merge_ranks(group: Any, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per token, the figures summed over the ranks (``s``: rank 0's time) and each rank's own
+    under ``per_rank``. Every rank generated the same tokens, so the records line up."""
+    from cachecd_engine.pipeline import gather_ints
+
+    if not records:
+        return records
+    keys = [k for k in records[0] if k not in ("token", "text")]
+    # Seconds travel as integer microseconds: one int64 collective for every figure.
+    scale = {k: 1_000_000 if isinstance(records[0][k], float) else 1 for k in keys}
+    rows = [[round(r[k] * scale[k]) for k in keys] for r in records]
+    ranks = gather_ints(group, rows)  # (ranks, tokens, keys)
+    merged = []
+    for i, r in enumerate(records):
+        per_rank = [{k: _unscale(int(ranks[g, i, j]), scale[k]) for j, k in enumerate(keys)}
+                    for g in range(ranks.shape[0])]
+        total = {k: _unscale(int(ranks[:, i, j].sum()), scale[k]) for j, k in enumerate(keys)}
+        total["s"] = r["s"]
+        merged.append({"token": r["token"], "text": r["text"], **total, "per_rank": per_rank})
+    return merged
+
+
+def _unscale(value: int, scale: int) -> float | int:
+    return value / scale if scale != 1 else value
 
 
 def _prompt(args: argparse.Namespace, tokenizer: Any) -> str | list[int]:
@@ -160,14 +209,14 @@ def _prompt(args: argparse.Namespace, tokenizer: Any) -> str | list[int]:
                         args.chat)
 
 
-def _generate(args: argparse.Namespace, model: Any, tokenizer: Any,
-              stats: Any) -> tuple[list[dict[str, Any]], Any]:
+def _generate(args: argparse.Namespace, model: Any, tokenizer: Any, stats: Any, prefix: str = "",
+              quiet: bool = False) -> tuple[list[dict[str, Any]], Any]:
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     client = model.bank.source.client
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
-    progress = PrefillProgress(stats, client, args.prefill_step_size)
+    progress = PrefillProgress(stats, client, args.prefill_step_size, prefix)
     records: list[dict[str, Any]] = []
     t0, last, fetched = time.perf_counter(), None, client.upstream_fetches
     for resp in stream_generate(model, tokenizer, _prompt(args, tokenizer), max_tokens=args.max_tokens,
@@ -180,11 +229,11 @@ def _generate(args: argparse.Namespace, model: Any, tokenizer: Any,
         stats.reset()
         t0, last = now, resp
         records.append(step)
-        if not args.json:
+        if not args.json and not quiet:
             sys.stdout.write(resp.text)
             sys.stdout.flush()
         if args.stats and not args.json:
-            print(_stat_line(len(records), step), file=sys.stderr)
+            print(prefix + _stat_line(len(records), step), file=sys.stderr)
     return records, last
 
 

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import mlx.core as mx
-from mlx_lm.utils import _get_classes
 
 from cachecd_engine.loader import is_expert_weight
+from cachecd_engine.pipeline import skeleton
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def kept_names(config: dict[str, Any], tensors: Iterable[Tensor]) -> set[str]:
     if any(t.dtype not in _MX_DTYPES for t in tensors):
         return everything
     try:
-        model = _model(config)
+        model = skeleton(config)
         if not hasattr(model, "sanitize"):
             return everything
         holders = {t.name: _placeholder(t) for t in tensors if not is_expert_weight(t.name)}
@@ -68,15 +68,6 @@ def kept_names(config: dict[str, Any], tensors: Iterable[Tensor]) -> set[str]:
         log.warning("sanitize_keep failed, keeping every tensor: %s", exc)
         return everything
     return kept
-
-
-def _model(config: dict[str, Any]) -> Any:
-    config = dict(config)
-    text = config.get("text_config") or {}
-    if "quantization_config" not in config and "quantization_config" in text:
-        config["quantization_config"] = text["quantization_config"]  # as load_model does
-    model_class, args_class = _get_classes(config)
-    return model_class(args_class.from_dict(config))
 
 
 def _placeholder(t: Tensor) -> mx.array:

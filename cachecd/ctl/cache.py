@@ -88,6 +88,11 @@ def render_status(info: dict[str, Any]) -> str:
     for m in info.get("models", []):
         lines.append(f"model       {m['repo']}@{m['revision'][:12]} {m['experts_total']} experts, "
                      f"{format_size(m['expert_bytes_total'])} of experts")
+        if m.get("layers"):
+            rank = m.get("pipeline")
+            of = f" (pipeline rank {rank['rank']} of {rank['size']})" if rank else ""
+            lines.append(f"  serves    layers {m['layers'][0]}-{m['layers'][1] - 1} only{of}: "
+                         f"{m['experts_served']} experts, {format_size(m['expert_bytes_served'])}")
     for repo, why in info.get("refused_models", {}).items():
         lines.append(f"refused     {repo}: {why}")
     lines += _attention(store, counters, info.get("scrub"))

@@ -40,6 +40,8 @@ class Snapshot:
     cached: np.ndarray  # bool per manifest row
     access: np.ndarray  # the daemon's access count per manifest row
     history: dict[str, Any]
+    layers: tuple[int, int] | None = None  # [start, end): the only layers the daemon serves
+    pipeline: dict[str, int] | None = None  # {"rank", "size"} those layers are
 
 
 def client_for(socket: str | None) -> Any:
@@ -57,7 +59,9 @@ def snapshot(client: Any, model: str, manifest: Manifest | None = None) -> Snaps
     if cached.size != manifest.n_experts:
         raise InvalidRequest(f"the daemon reported {cached.size} experts of {model}, the manifest "
                              f"has {manifest.n_experts}; was the model re-registered meanwhile?")
-    return Snapshot(manifest, cached, access, report.get("history") or {})
+    served = report.get("served_layers")
+    return Snapshot(manifest, cached, access, report.get("history") or {},
+                    (int(served[0]), int(served[1])) if served else None, report.get("pipeline"))
 
 
 def trace_access(manifest: Manifest, path: str | Path) -> np.ndarray:
@@ -71,15 +75,20 @@ def trace_access(manifest: Manifest, path: str | Path) -> np.ndarray:
 
 
 def build_report(snap: Snapshot, access: np.ndarray, workload: str, top: int = 20) -> dict[str, Any]:
-    report = coverage_report(snap.manifest, snap.cached, access, top=top)
+    report = coverage_report(snap.manifest, snap.cached, access, layers=snap.layers, top=top)
     report["workload"] = workload
     report["history"] = snap.history
+    report["pipeline"] = snap.pipeline
     return report
 
 
-def grid_of(manifest: Manifest, cached: np.ndarray, access: np.ndarray) -> Grid:
+def grid_of(manifest: Manifest, cached: np.ndarray, access: np.ndarray,
+            layers: tuple[int, int] | None = None) -> Grid:
     shape = (len(manifest.moe_layers), manifest.experts_per_layer)
-    return Grid(list(manifest.moe_layers), cached.reshape(shape), access.reshape(shape))
+    keep = [i for i, layer in enumerate(manifest.moe_layers)
+            if layers is None or layers[0] <= layer < layers[1]]
+    return Grid([manifest.moe_layers[i] for i in keep], cached.reshape(shape)[keep],
+                access.reshape(shape)[keep])
 
 
 def register(sub: Any) -> None:
@@ -109,7 +118,7 @@ def coverage(args: argparse.Namespace) -> int:
     elif args.format == "json":
         data = render_json(report) + "\n"
     else:
-        png = render_png(report, grid_of(snap.manifest, snap.cached, access))
+        png = render_png(report, grid_of(snap.manifest, snap.cached, access, snap.layers))
         data = png if args.format == "png" else render_html(report, png)
     if args.output:
         Path(args.output).write_bytes(data if isinstance(data, bytes) else data.encode())

@@ -12,6 +12,9 @@ Invariants:
   flight when Ctrl-C arrives still completes in the daemon (its fetch is shielded).
 - Warming is not use: trace, top and bytes go through the daemon's ``warm`` route, which
   fetches without touching access counts, so warming never inflates the statistics it reads.
+- A daemon registered for some layers only (``setup --pipeline``) is warmed with those layers'
+  share of the workload: a trace recorded on one machine warms each rank of a pipelined set
+  with its own layers, and the hit rates shown are over those layers.
 - The budget and pins are the daemon's to enforce; by default the plan stops at the free room
   under the budget, so warming never evicts what is cached (``--allow-evict`` lifts that).
 """
@@ -35,7 +38,7 @@ import numpy as np
 from cachecd.config import format_size, parse_size
 from cachecd.ctl.coverage import DAEMON_WORKLOAD, Snapshot, client_for, snapshot, trace_access
 from cachecd.errors import CachecdError, InvalidRequest
-from cachecd.report.coverage import access_array, trace_weighted, warm_order
+from cachecd.report.coverage import access_array, served_mask, trace_weighted, warm_order
 from cachecd_engine.run import add_chat_flag, add_trust_flag
 
 log = logging.getLogger(__name__)
@@ -127,6 +130,7 @@ def _plan(args: argparse.Namespace, snap: Snapshot) -> Plan:
         workload, label = trace_access(m, args.trace), f"trace {args.trace}"
     else:
         workload, label = snap.access, DAEMON_WORKLOAD
+    workload, notes = _served_share(snap, workload, label)
     order = warm_order(m.sizes, snap.cached, workload)
     if args.top is not None:
         if args.top < 0:
@@ -134,11 +138,25 @@ def _plan(args: argparse.Namespace, snap: Snapshot) -> Plan:
         order = order[:args.top]
     elif args.bytes is not None:
         order = order[:fit_room(m.sizes[order], parse_size(args.bytes, "--bytes"))]
-    plan = Plan(order, workload, label)
+    plan = Plan(order, workload, label, notes)
     if not workload.any():
         plan.notes.append(f"no recorded workload in {label}: nothing to rank experts by "
                           "(run the model first, or warm --prompts / --trace)")
     return plan
+
+
+def _served_share(snap: Snapshot, workload: np.ndarray, label: str) -> tuple[np.ndarray, list[str]]:
+    """The workload over the layers the daemon serves (all of them unless it is one rank's)."""
+    if snap.layers is None:
+        return workload, []
+    served = served_mask(snap.manifest, snap.layers)
+    other = int(workload[~served].sum())
+    rank = (f" (pipeline rank {snap.pipeline['rank']} of {snap.pipeline['size']})"
+            if snap.pipeline else "")
+    note = (f"this daemon serves layers {snap.layers[0]}-{snap.layers[1] - 1}{rank}: warming "
+            f"those; {other} accesses of {label} are other layers' (warm them on the machines "
+            f"that run those layers)")
+    return np.where(served, workload, 0), [note]
 
 
 def _fit_budget(args: argparse.Namespace, store: dict[str, Any], snap: Snapshot, plan: Plan) -> Plan:

@@ -189,8 +189,13 @@ class Daemon:
     def model(self, repo: str) -> RegisteredModel:
         return self.registry.get(parse_repo(repo))
 
-    def entries(self, model: RegisteredModel, layer: Any, ids: list[Any]) -> list[ExpertEntry]:
+    def entries(self, model: RegisteredModel, layer: Any, ids: list[Any], *,
+                served_only: bool = True) -> list[ExpertEntry]:
+        """Manifest entries of ``ids`` in ``layer``; a layer the registration does not serve is
+        refused (``layer_not_served``) unless ``served_only`` is off (eviction: nothing fetched)."""
         layer = _int(layer, "layer")
+        if served_only:
+            model.check_layer(layer)
         if len(ids) > constants.MAX_BATCH_EXPERTS:
             raise InvalidRequest(f"at most {constants.MAX_BATCH_EXPERTS} experts per request")
         return [model.manifest.expert(layer, _int(e, "expert")) for e in ids]

@@ -8,6 +8,10 @@ cannot be checked then (offline, no metadata API, no network) is registered with
 the upstream compares each file with the Hub's size and sha256 when it first resolves it. The
 daemon keeps its own copy of each manifest under ``models_dir/manifests`` so a registration
 survives the caller's temp files.
+
+A registration may name a range of layers (``setup --pipeline R/N``: the layers mlx-lm gives that
+pipeline rank); an expert of any other layer is refused (403 ``layer_not_served``) before any
+I/O, so a rank's daemon only ever fetches and holds its own layers' experts.
 """
 
 from __future__ import annotations
@@ -16,12 +20,21 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cachecd.errors import CachecdError, InvalidRequest, ManifestMismatch, RepoNotAllowed
+import numpy as np
+
+from cachecd.errors import (
+    CachecdError,
+    InvalidRequest,
+    LayerNotServed,
+    ManifestMismatch,
+    RepoNotAllowed,
+)
 from cachecd.manifest.manifest import Manifest, write_atomic
+from cachecd.report.coverage import served_mask
 from cachecd.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -50,18 +63,68 @@ def hub_checker(endpoint: str) -> Callable[[Manifest], None]:
     return check
 
 
+def check_restriction(layers: Any, pipeline: Any) -> tuple[tuple[int, int] | None,
+                                                         tuple[int, int] | None]:
+    """``layers`` ``[start, end)`` and ``pipeline`` ``[rank, size]`` of a registration, checked."""
+    def pair(value: Any, what: str, ok: Any) -> tuple[int, int] | None:
+        if value is None:
+            return None
+        if (not isinstance(value, (list, tuple)) or len(value) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+                or not ok(*value)):
+            raise InvalidRequest(f"{what} must be {_PAIR_RULES[what]}, got {value!r}")
+        return int(value[0]), int(value[1])
+
+    got_layers = pair(layers, "layers", lambda a, b: 0 <= a < b)
+    got_pipeline = pair(pipeline, "pipeline", lambda r, n: 0 <= r < n)
+    if got_pipeline is not None and got_layers is None:
+        raise InvalidRequest("a pipeline rank is registered with its layers: pass both")
+    return got_layers, got_pipeline
+
+
+_PAIR_RULES = {"layers": "[start, end] with 0 <= start < end", "pipeline": "[rank, size] with "
+               "0 <= rank < size"}
+
+
 @dataclass
 class RegisteredModel:
     manifest: Manifest
     manifest_path: Path
     local_dir: Path | None
+    layers: tuple[int, int] | None = None  # [start, end): the only layers served
+    pipeline: tuple[int, int] | None = None  # (rank, size) those layers are mlx-lm's split of
+    _served: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def repo(self) -> str:
         return self.manifest.repo
 
+    def serves(self, layer: int) -> bool:
+        return self.layers is None or self.layers[0] <= layer < self.layers[1]
+
+    def check_layer(self, layer: int) -> None:
+        if not self.serves(layer):
+            raise LayerNotServed(
+                f"layer {layer} of {self.repo} is not this daemon's: it is registered for "
+                f"{self.scope()} only; ask the daemon of the machine that runs layer {layer} "
+                f"(cachecd run --socket with {{rank}}), or run setup without --pipeline")
+
+    def scope(self) -> str:
+        if self.layers is None:
+            return "every layer"
+        start, end = self.layers
+        rank = f" (pipeline rank {self.pipeline[0]} of {self.pipeline[1]})" if self.pipeline else ""
+        return f"layers {start}-{end - 1}{rank}"
+
+    def served_rows(self) -> np.ndarray:
+        """Per manifest row: whether this daemon serves that expert."""
+        if self._served is None:
+            self._served = served_mask(self.manifest, self.layers)
+        return self._served
+
     def describe(self) -> dict[str, Any]:
         m = self.manifest
+        served = self.served_rows()
         return {
             "repo": m.repo,
             "revision": m.revision,
@@ -72,6 +135,11 @@ class RegisteredModel:
             "experts_total": m.n_experts,
             "expert_bytes_total": m.expert_bytes_total,
             "resident_bytes_total": m.resident_bytes_total,
+            "layers": list(self.layers) if self.layers else None,
+            "pipeline": ({"rank": self.pipeline[0], "size": self.pipeline[1]}
+                         if self.pipeline else None),
+            "experts_served": int(served.sum()),
+            "expert_bytes_served": int(m.sizes[served].sum()),
         }
 
 
@@ -99,12 +167,18 @@ class Registry:
         path = Path(record["manifest"])
         manifest = await asyncio.to_thread(Manifest.load, path)
         local = Path(record["local_dir"]) if record.get("local_dir") else None
-        model = RegisteredModel(manifest, path, local)
+        layers, pipeline = check_restriction(record.get("layers"), record.get("pipeline"))
+        model = RegisteredModel(manifest, path, local, layers, pipeline)
         self._models[manifest.repo] = model
         self.refused.pop(manifest.repo, None)
         return model
 
-    async def register(self, manifest_bytes: bytes, source: str, local_dir: str | None) -> RegisteredModel:
+    async def register(self, manifest_bytes: bytes, source: str, local_dir: str | None,
+                       layers: Any = None, pipeline: Any = None) -> RegisteredModel:
+        """Register (or re-register, replacing the last registration of that repo) a model;
+        ``layers`` ``[start, end)`` restricts the experts served, ``pipeline`` ``[rank, size]``
+        says which pipeline rank those layers are."""
+        layers, pipeline = check_restriction(layers, pipeline)
         manifest = await asyncio.to_thread(Manifest.from_bytes, manifest_bytes, source)
         await self._check_on_use(manifest)
         self._dir.mkdir(parents=True, exist_ok=True)
@@ -116,13 +190,16 @@ class Registry:
             "revision": manifest.revision,
             "manifest": str(path),
             "local_dir": local_dir,
+            "layers": list(layers) if layers else None,
+            "pipeline": list(pipeline) if pipeline else None,
         }
         self._store.put_model(manifest.repo, record)
-        model = RegisteredModel(manifest, path, Path(local_dir) if local_dir else None)
+        model = RegisteredModel(manifest, path, Path(local_dir) if local_dir else None, layers,
+                                pipeline)
         self._models[manifest.repo] = model
         self.refused.pop(manifest.repo, None)
-        log.info("model registered repo=%s revision=%s experts=%d", manifest.repo,
-                 manifest.revision, manifest.n_experts)
+        log.info("model registered repo=%s revision=%s experts=%d layers=%s", manifest.repo,
+                 manifest.revision, manifest.n_experts, model.scope().replace(" ", "_"))
         return model
 
     async def _check_on_use(self, manifest: Manifest) -> None:

@@ -117,15 +117,18 @@ async def register_model(request: web.Request) -> web.Response:
         body = await _json_body(request)
         path = body.get("manifest")
         if not isinstance(path, str):
-            raise InvalidRequest("POST /v1/models takes {\"manifest\": PATH, \"local_dir\": DIR}")
+            raise InvalidRequest("POST /v1/models takes {\"manifest\": PATH, \"local_dir\": DIR, "
+                                 "\"layers\": [START, END], \"pipeline\": [RANK, SIZE]}")
         try:
             data = await asyncio.to_thread(_read_file, path)
         except OSError as exc:
             raise InvalidRequest(f"cannot read manifest {path}: {exc.strerror}") from None
         source, local_dir = path, body.get("local_dir")
+        layers, pipeline = body.get("layers"), body.get("pipeline")
     else:
         data, source, local_dir = await request.read(), "<upload>", request.query.get("local_dir")
-    model = await d.registry.register(data, source, local_dir)
+        layers = pipeline = None
+    model = await d.registry.register(data, source, local_dir, layers, pipeline)
     return web.json_response(model.describe(), status=201)
 
 
@@ -195,7 +198,8 @@ async def coverage(request: web.Request) -> web.Response:
 
     def build() -> dict[str, Any]:
         cached, access = cached_mask(m, d.store.has), access_array(m, d.store.access_counts(m.key))
-        report = coverage_report(m, cached, access)
+        report = coverage_report(m, cached, access, layers=model.layers)
+        report["pipeline"] = model.describe()["pipeline"]
         report["history"] = d.history.snapshot(m.key)
         if detail:
             report["detail"] = pack_detail(cached, access)
@@ -245,7 +249,9 @@ async def evict(request: web.Request) -> web.Response:
     digests = None
     if "model" in body:
         model = d.model(str(body["model"]))
-        digests = [e.digest_hex for e in d.entries(model, body.get("layer"), list(body.get("ids") or []))]
+        entries = d.entries(model, body.get("layer"), list(body.get("ids") or []),
+                            served_only=False)  # evicting fetches nothing
+        digests = [e.digest_hex for e in entries]
     nbytes = body.get("bytes", 0)
     if not isinstance(nbytes, int) or nbytes < 0:
         raise InvalidRequest("bytes must be a whole number >= 0")

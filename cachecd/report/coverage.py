@@ -11,6 +11,8 @@ Invariants:
   daemon's per-expert counts, or a routing trace's), never a guess.
 - The plan to reach a target hit rate is greedy by accesses per byte: for equal-sized experts
   (every supported model) that is the optimum for "fewest bytes to reach X%".
+- A registration restricted to some layers (a pipeline rank's) is reported over those layers
+  only: totals, per-layer rows, most wanted and the plan all leave the other layers out.
 - The hit/miss history is in memory, per model, in fixed time buckets; a restart starts it
   afresh (the per-expert access counts, which coverage uses, are durable in the index).
 """
@@ -41,6 +43,14 @@ def cached_mask(manifest: Manifest, has: Callable[[str], bool]) -> np.ndarray:
     hexes = manifest.digests.tobytes().hex()
     return np.fromiter((has(hexes[i * 32:(i + 1) * 32]) for i in range(manifest.n_experts)),
                        dtype=bool, count=manifest.n_experts)
+
+
+def served_mask(manifest: Manifest, layers: tuple[int, int] | None) -> np.ndarray:
+    """Per row: whether its layer is in ``[start, end)`` (every row when ``layers`` is None)."""
+    lids = manifest.layer_ids
+    if layers is None:
+        return np.ones(len(lids), dtype=bool)
+    return (lids >= layers[0]) & (lids < layers[1])
 
 
 def rows_of(manifest: Manifest, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
@@ -92,24 +102,30 @@ def unpack_detail(detail: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def coverage_report(manifest: Manifest, cached: np.ndarray, access: np.ndarray, *,
-                    targets: tuple[float, ...] = TARGETS, top: int = MOST_WANTED) -> dict[str, Any]:
+                    layers: tuple[int, int] | None = None, targets: tuple[float, ...] = TARGETS,
+                    top: int = MOST_WANTED) -> dict[str, Any]:
+    """The report over every expert, or over the layers ``[start, end)`` a restricted
+    registration serves."""
     sizes = manifest.sizes.astype(np.int64)
-    cached = np.asarray(cached, dtype=bool)
-    access = np.asarray(access, dtype=np.int64)
+    served = served_mask(manifest, layers)
+    cached = np.asarray(cached, dtype=bool) & served
+    access = np.where(served, np.asarray(access, dtype=np.int64), 0)
     total_access = int(access.sum())
     hit_access = int(access[cached].sum())
+    rows = _layers(manifest, cached, access, sizes)
     return {
         "repo": manifest.repo,
         "revision": manifest.revision,
-        "experts_total": int(manifest.n_experts),
+        "served_layers": list(layers) if layers is not None else None,
+        "experts_total": int(served.sum()),
         "experts_cached": int(cached.sum()),
-        "bytes_total": int(sizes.sum()),
+        "bytes_total": int(sizes[served].sum()),
         "bytes_cached": int(sizes[cached].sum()),
         "resident_bytes": int(manifest.resident_bytes_total),
         "accesses": total_access,
         "accesses_cached": hit_access,
         "workload_coverage": hit_access / total_access if total_access else None,
-        "layers": _layers(manifest, cached, access, sizes),
+        "layers": [r for r in rows if layers is None or layers[0] <= r["layer"] < layers[1]],
         "most_wanted": most_wanted(manifest, cached, access, top),
         "to_reach": bytes_to_reach(sizes, cached, access, targets),
     }

@@ -42,6 +42,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     workload = report.get("workload", "the daemon's recorded accesses")
     lines = [
         f"model      {report['repo']}@{report['revision'][:12]}",
+        *_served_line(report),
         (f"cached     {report['experts_cached']} of {report['experts_total']} experts "
          f"({exp_share:.1%}), {format_size(report['bytes_cached'])} of "
          f"{format_size(report['bytes_total'])}"),
@@ -55,6 +56,17 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"history    {hist['hits']} hits, {hist['misses']} misses ({rate}) in "
                      f"{len(hist['buckets'])} buckets of {hist['bucket_s']} s since the daemon started")
     return lines
+
+
+def _served_line(report: dict[str, Any]) -> list[str]:
+    """What a registration restricted to some layers (a pipeline rank's) covers, if it is."""
+    served = report.get("served_layers")
+    if not served:
+        return []
+    rank = report.get("pipeline")
+    of = f" (pipeline rank {rank['rank']} of {rank['size']})" if rank else ""
+    return [f"serves     layers {served[0]}-{served[1] - 1} only{of}: the figures below are "
+            f"these layers' experts"]
 
 
 def _reach_line(row: dict[str, Any]) -> str:

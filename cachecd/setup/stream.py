@@ -20,6 +20,7 @@ from typing import Any
 
 from cachecd.config import Settings, format_size, load_settings
 from cachecd.errors import DaemonUnavailable, InvalidRequest, ManifestInvalid, ManifestMismatch
+from cachecd.setup import pipeline
 
 log = logging.getLogger(__name__)
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -40,6 +41,9 @@ def register(sub: Any) -> None:
     p.add_argument("--budget", help="disk budget for a daemon this command starts")
     p.add_argument("--models-dir", help="where resident files are installed")
     p.add_argument("--no-start", action="store_true", help="do not start a daemon when none runs")
+    p.add_argument("--pipeline", metavar="R/N",
+                   help="install rank R of N machines that pipeline the model (mlx.launch): its "
+                        "layers' resident weights, its daemon serving only its layers' experts")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="the tokenizer runs code its repo ships (Kimi's tokenization_kimi.py): "
                         "load it once now, as pinned by sha256 in the manifest")
@@ -282,23 +286,35 @@ def run(args: argparse.Namespace) -> int:
     settings = load_settings({k: getattr(args, k, None) for k in
                               ("endpoint", "socket", "cache_dirs", "budget", "models_dir")})
     repo, rev = parse_spec(args.stream)
+    rank = pipeline.parse_rank(args.pipeline) if getattr(args, "pipeline", None) else None
     commit = resolve_commit(repo, rev, settings.endpoint, settings.offline)
     manifest_path, manifest = choose_manifest(args, repo, commit, settings)
     local = settings.models_dir / repo / commit
+    if rank is not None:
+        local = pipeline.rank_dir(local, *rank)
     local.mkdir(parents=True, exist_ok=True)
     print(f"{repo}@{commit}: {manifest.n_experts} experts "
           f"({format_size(manifest.expert_bytes_total)}) streamed on demand")
     small = fetch_small_files(manifest, local, settings.endpoint)
     remote_code = check_tokenizer(manifest, local, args.trust_remote_code)
     keep = text_model_tensors(manifest, local)
+    layers = pipeline.rank_layers(local, *rank) if rank is not None else None
+    if layers is not None:
+        keep = pipeline.rank_keep(manifest, keep, layers)
     resident = asyncio.run(fetch_resident(manifest, local, settings, keep))
     client = ensure_daemon(settings, args)
     with client:
-        client.register(manifest_path, local)
+        client.register(manifest_path, local, layers=layers and (layers.start, layers.end),
+                        pipeline=rank)
     used = sum(f.stat().st_size for f in local.rglob("*") if f.is_file())
     full = sum(f.size for f in manifest.files.values())
     print(f"installed {local} ({format_size(used)} on disk, fetched {format_size(small + resident)} "
           f"now) of a {format_size(full)} model: {used / full:.1%}")
     trust = " --trust-remote-code" if remote_code else ""
+    if layers is not None:
+        print(pipeline.rank_report(manifest, layers))
+        print(f"run it on every machine at once: mlx.launch --hostfile hosts.json -- cachecd run "
+              f"--model {repo}{trust} --prompt 'Hello' --max-new 32")
+        return 0
     print(f"run it: cachecd run --model {repo}{trust} --prompt 'Hello' --max-new 32")
     return 0
