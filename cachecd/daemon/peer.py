@@ -43,8 +43,9 @@ class PeerCred:
 def peer_cred(sock: socket.socket) -> PeerCred:
     """The connected peer's credentials (SO_PEERCRED on Linux, LOCAL_PEERCRED on macOS)."""
     if hasattr(socket, "SO_PEERCRED"):
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid, uid, gid = struct.unpack("3i", raw)
+        # struct ucred: pid_t (signed), uid_t and gid_t (unsigned: a uid above 2**31 stays positive)
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+        pid, uid, gid = struct.unpack("iII", raw)
         return PeerCred(pid, uid, gid)
     return darwin_peer_cred(sock)
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
-from cachecd.durable import full_fsync
+from cachecd.durable import full_fsync, sync_dir
 from cachecd.errors import ChecksumMismatch
 from cachecd.upstream.verify import digest
 
@@ -124,6 +124,7 @@ class ResidentWriter:
         finally:
             os.close(fd)
         os.replace(self.partial, self.final)
+        sync_dir(self.final.parent)  # the rename itself survives a power loss
         self.progress.unlink(missing_ok=True)
         return fetched
 

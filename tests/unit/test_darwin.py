@@ -38,6 +38,7 @@ from cachecd.daemon.peer import (
     darwin_peer_cred,
     parse_peer_pid,
     parse_xucred,
+    peer_cred,
     unix_path_limit,
 )
 from cachecd.errors import Forbidden
@@ -116,6 +117,16 @@ def test_darwin_peer_cred_asks_sol_local_for_the_cred_and_the_pid() -> None:
     sock = MacUnixSocket({(0, 1, 76): xucred(501, [20, 12]), (0, 2, 4): struct.pack("<i", 777)})
     assert darwin_peer_cred(sock) == PeerCred(pid=777, uid=501, gid=20)  # type: ignore[arg-type]
     assert sock.asked == [(0, 1, 76), (0, 2, 4)]
+
+
+@pytest.mark.skipif(not hasattr(socket, "SO_PEERCRED"), reason="needs Linux: SO_PEERCRED")
+def test_linux_ucred_reads_uid_and_gid_unsigned() -> None:
+    # struct ucred is {pid_t pid; uid_t uid; gid_t gid}: a uid above 2**31 (user namespaces,
+    # LDAP ranges) must not come back negative and so never equal the daemon's own uid.
+    big = 2**32 - 2
+    level, option = socket.SOL_SOCKET, socket.SO_PEERCRED
+    sock = MacUnixSocket({(level, option, 12): struct.pack("iII", 4242, big, big)})
+    assert peer_cred(sock) == PeerCred(pid=4242, uid=big, gid=big)  # type: ignore[arg-type]
 
 
 @pytest.mark.macos("LOCAL_PEERCRED and LOCAL_PEERPID of a real connection give this process's "
