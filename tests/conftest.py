@@ -56,10 +56,11 @@ def hub(hub_root: Path) -> Iterator[HubProcess]:
 
 
 @pytest.fixture(scope="session")
-def tiny_manifest_path(hub: HubProcess, hub_root: Path) -> Path:
+def tiny_manifest_path(hub: HubProcess, hub_root: Path) -> Iterator[Path]:
     out = hub_root.parent / (hub_root.name + "-tiny.manifest")
     run_cli("manifest", "build", f"{TINY_REPO}@main", "--endpoint", hub.url, "--output", str(out))
-    return out
+    yield out
+    out.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
