@@ -24,11 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,6 +230,24 @@ def _finish(args: argparse.Namespace, outcome: Outcome, seconds: float, label: s
     return code
 
 
+@contextmanager
+def interrupt_flag() -> Iterator[threading.Event]:
+    """Ctrl-C sets a flag the batch loop reads between its waits, instead of raising inside them.
+
+    A KeyboardInterrupt that lands inside ``concurrent.futures.wait`` while it holds the futures'
+    locks leaves one held; the worker that then finishes that future waits for it forever, and the
+    interpreter, joining its workers at exit, with it."""
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.signal(signal.SIGINT, lambda _sig, _frame: flag.set())
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_batches(make_client: Callable[[], Any], model: str, batches: list[Batch], total: int,
                 parallel: int) -> Outcome:
     """Send the batches to the daemon (``parallel`` in flight), with a bytes progress bar."""
@@ -249,9 +269,11 @@ def run_batches(make_client: Callable[[], Any], model: str, batches: list[Batch]
                disable=None, file=sys.stderr)
     pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="cachecd-warm")
     try:
-        pending = {pool.submit(send, b): b for b in batches}
-        _collect(pending, outcome, bar)
-    except KeyboardInterrupt:
+        with interrupt_flag() as interrupted:
+            pending = {pool.submit(send, b): b for b in batches}
+            _collect(pending, outcome, bar, interrupted)
+            outcome.interrupted = interrupted.is_set()
+    except KeyboardInterrupt:  # before the flag took over Ctrl-C
         outcome.interrupted = True
     finally:
         pool.shutdown(wait=not outcome.interrupted, cancel_futures=True)
@@ -261,9 +283,10 @@ def run_batches(make_client: Callable[[], Any], model: str, batches: list[Batch]
     return outcome
 
 
-def _collect(pending: dict[Future[dict[str, Any]], Batch], outcome: Outcome, bar: Any) -> None:
-    while pending:
-        # A timeout so Ctrl-C reaches the main thread promptly.
+def _collect(pending: dict[Future[dict[str, Any]], Batch], outcome: Outcome, bar: Any,
+             interrupted: threading.Event) -> None:
+    while pending and not interrupted.is_set():
+        # A timeout so Ctrl-C is seen promptly.
         done, _ = wait(list(pending), timeout=0.2, return_when=FIRST_COMPLETED)
         for fut in done:
             batch = pending.pop(fut)
