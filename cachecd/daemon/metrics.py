@@ -60,6 +60,10 @@ _DAEMON_COUNTERS = {
     "prefetch_hints": "Prefetch hints received.",
     "commit_failed": "Verified experts whose commit to the store failed.",
     "warm_fetched_experts": "Experts fetched by `cachecd warm`.",
+    "control_connections_refused": "Control connections refused at the connection limit.",
+    "control_connections_dropped": "Slow control connections closed to make room.",
+    "control_connections_idle_closed": "Idle control connections closed to make room.",
+    "data_connections_refused": "Data path connections refused at the connection limit.",
 }
 # status()["upstream"]: gauges; the rest are counters, ``faults_<kind>`` labelled.
 _UPSTREAM_GAUGES = {
@@ -168,11 +172,12 @@ def _labelled_counts(
     family: tuple[str, str, str],
 ) -> Iterator[Metric]:
     """A counter per key (a gauge for ``gauges``), keys starting ``labelled`` gathered into one
-    counter family with the rest of the key as its label."""
+    counter family with the rest of the key as its label. Known counters not yet counted are 0,
+    so a series exists from the first scrape on."""
     name, help_, label = family
     by_label = CounterMetricFamily(f"cachecd_{name}", help_, labels=[label])
-    for key in sorted(counts):
-        value = counts[key]
+    for key in sorted(set(counts) | set(helps)):
+        value = counts.get(key, 0)
         if key.startswith(labelled):
             by_label.add_metric([key.removeprefix(labelled)], value)
         elif key in gauges:

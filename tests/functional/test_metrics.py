@@ -51,6 +51,7 @@ def test_metrics_are_prometheus_exposition(daemon, tiny_manifest) -> None:
     assert first["cachecd_fetched_bytes"].type == "counter"
     assert _value(first, "cachecd_fetched_bytes") == status["counters"]["fetched_bytes"]
     assert first["cachecd_store_hits"].type == "counter"
+    assert _value(first, "cachecd_commit_failed") == 0  # a known counter is there before it counts
     assert first["cachecd_upstream_requests_range"].type == "counter"
     assert _value(first, "cachecd_upstream_bytes") == status["upstream"]["bytes"] > 0
     assert first["cachecd_scrub_failures"].type == "counter"
