@@ -203,7 +203,7 @@ class HubClient:
             raise errors.InvalidRequest(f"range {start}-{end} runs past {file} ({size} bytes)")
         deadline = time.monotonic() + self.total_timeout
         failed: str | None = None
-        for _ in range(2):  # a second pass after the CDN refused a (stale) signed URL, or a new token
+        for _ in range(2):  # again after the CDN refused a (stale) signed URL, or a new token
             loc = await self.location(manifest, file, failed)
 
             def once(loc: Location = loc) -> Any:
