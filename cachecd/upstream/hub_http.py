@@ -1,5 +1,6 @@
 """HTTP details of talking to a Hub: status -> error, Content-Range, waits the server asks for,
-backoff, signed-URL lifetimes, the proxy for a URL. Pure functions, no I/O, so each rule is tested on its own.
+backoff, signed-URL lifetimes, the proxy for a URL. Pure functions, no I/O, so each rule is
+tested on its own.
 
 Invariant: an error message built here never contains a request header (so never a token) and
 never a signed URL's query string; it keeps the server's own message and X-Request-Id.
