@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import urllib.request
 from pathlib import Path
 
 from huggingface_hub import constants as hf_constants
@@ -107,6 +108,9 @@ LMDB_MAP_CEILING = 64 * 1024 * 1024 * 1024
 HF_ENDPOINT: str = hf_constants.ENDPOINT
 HF_HUB_OFFLINE: bool = bool(hf_constants.HF_HUB_OFFLINE)
 HF_HOME: str = hf_constants.HF_HOME
+# Proxies as curl and huggingface_hub read them: http_proxy, https_proxy, all_proxy, no_proxy
+# (either case, lowercase first) -> {"http": url, "https": url, "all": url, "no": hosts}.
+PROXIES: dict[str, str] = urllib.request.getproxies_environment()
 
 # Engine: record the routing trace to this file (``cachecd_engine.trace``); `run --trace` wins.
 TRACE_PATH: str | None = os.environ.get("CACHECD_TRACE") or None

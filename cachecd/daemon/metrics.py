@@ -1,33 +1,235 @@
-"""``/metrics`` in the Prometheus text format, from the daemon's counters and store stats."""
+"""``/metrics``: the daemon's figures in the Prometheus text format, via prometheus_client.
+
+Each scrape reads ``Daemon.status()`` (what ``cachecd status --json`` shows) through a collector
+on the daemon's own registry, so the exposition and the status never disagree.
+
+Invariants:
+- A count that only grows while the process lives is a counter, exposed as ``..._total`` (it
+  restarts at 0 with the daemon, which ``rate()`` handles); a figure that can go down is a gauge.
+- Every family has HELP. Values are exact: prometheus_client writes a float's shortest repr
+  (an integer below 2**53 parses back to itself), never a rounded ``%g``.
+- Labels carry what a dashboard groups by: ``cache_dir``, ``model``, an error ``code``, a fault
+  ``kind``. Never an expert id or digest (unbounded series).
+"""
 
 from __future__ import annotations
 
-import re
+from collections.abc import Iterator
 from typing import Any
 
-_NAME = re.compile(r"[^a-zA-Z0-9_]")
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# status()["store"]: figures of the cache now (gauges) and counts since start (counters).
+_STORE_GAUGES = {
+    "entries": "Experts in the cache.",
+    "bytes": "Bytes of expert blobs in the cache.",
+    "budget": "The cache's byte budget (0: no budget).",
+    "reserved": "Bytes reserved for fetches under way.",
+    "pinned": "Pinned experts.",
+    "pinned_bytes": "Bytes of pinned experts.",
+    "index_map_size": "Size of the LMDB index's map in bytes.",
+}
+_STORE_COUNTERS = {
+    "hits": "Store lookups that found the expert.",
+    "misses": "Store lookups that did not find the expert.",
+    "inserts": "Experts committed to the cache.",
+    "evictions": "Experts evicted.",
+    "bytes_evicted": "Bytes evicted.",
+    "quarantined": "Blobs quarantined (failed their hash).",
+    "verified_on_open": "Blobs hashed on open that matched.",
+    "bit_rot_on_open": "Blobs hashed on open that did not match (bit rot).",
+}
+# status()["counters"]: the daemon's own counts, all counters; ``fetch_error_<code>`` is labelled.
+_DAEMON_COUNTERS = {
+    "expert_requests": "Distinct experts asked for, per request.",
+    "expert_hits": "Experts asked for that were cached.",
+    "expert_misses": "Experts asked for that had to be fetched.",
+    "fetched_experts": "Experts fetched from the upstream, verified and committed.",
+    "fetched_bytes": "Bytes of experts fetched, verified and committed.",
+    "coalesced_waiters": "Requests that waited for a fetch another request had started.",
+    "prefetch_hints": "Prefetch hints received.",
+    "commit_failed": "Verified experts whose commit to the store failed.",
+    "warm_fetched_experts": "Experts fetched by `cachecd warm`.",
+    "control_connections_refused": "Control connections refused at the connection limit.",
+    "control_connections_dropped": "Slow control connections closed to make room.",
+    "control_connections_idle_closed": "Idle control connections closed to make room.",
+    "data_connections_refused": "Data path connections refused at the connection limit.",
+}
+# status()["upstream"]: gauges; the rest are counters, ``faults_<kind>`` labelled.
+_UPSTREAM_GAUGES = {
+    "in_flight": "Upstream HTTP requests under way.",
+    "peak_in_flight": "Most upstream HTTP requests under way at once since start.",
+}
+_UPSTREAM_COUNTERS = {
+    "requests_resolve": "Resolve (HEAD) requests sent upstream.",
+    "resolves": "Files resolved to a location.",
+    "requests_range": "Range GET requests sent upstream.",
+    "bytes": "Bytes received in range answers.",
+    "retries": "Upstream requests retried after a transient fault.",
+}
+# status()["scrub"]: the background re-hash.
+_SCRUB_COUNTERS = {
+    "blobs": "Blobs the scrub hashed.",
+    "bytes": "Bytes the scrub hashed.",
+    "failures": "Blobs that failed their hash in the scrub.",
+    "missing": "Blobs the scrub found missing.",
+    "passes": "Full scrub passes finished.",
+    "yields": "Times the scrub slowed down for fetches in flight.",
+}
+_SCRUB_PASS = {  # key in status()["scrub"]["pass"] -> (metric suffix, HELP)
+    "started": ("pass_started_seconds", "Unix time the scrub pass under way started."),
+    "blobs_total": ("pass_blobs", "Blobs in the scrub pass under way."),
+    "bytes_total": ("pass_bytes", "Bytes in the scrub pass under way."),
+    "blobs_done": ("pass_blobs_done", "Blobs done in the scrub pass under way."),
+    "bytes_done": ("pass_bytes_done", "Bytes done in the scrub pass under way."),
+    "failures": ("pass_failures", "Failures in the scrub pass under way."),
+}
+_SCRUB_LAST = {  # key in status()["scrub"]["last_pass"]
+    "finished": ("last_pass_finished_seconds", "Unix time the last full scrub pass finished."),
+    "seconds": ("last_pass_duration_seconds", "How long the last full scrub pass took."),
+    "blobs": ("last_pass_blobs", "Blobs the last full scrub pass hashed."),
+    "bytes": ("last_pass_bytes", "Bytes the last full scrub pass hashed."),
+    "failures": ("last_pass_failures", "Failures in the last full scrub pass."),
+}
+_MODEL_GAUGES = {
+    "experts_total": ("model_experts", "Experts in the model's manifest."),
+    "expert_bytes_total": ("model_expert_bytes", "Bytes of all the model's experts."),
+    "resident_bytes_total": ("model_resident_bytes", "Bytes of the model's resident tensors."),
+    "experts_served": ("model_experts_served", "Experts this daemon serves (its layers)."),
+    "expert_bytes_served": ("model_expert_bytes_served", "Bytes of the experts it serves."),
+}
 
 
-def _flatten(prefix: str, value: Any, out: list[tuple[str, float]]) -> None:
-    if isinstance(value, bool):
-        out.append((prefix, float(value)))
-    elif isinstance(value, (int, float)):
-        out.append((prefix, float(value)))
-    elif isinstance(value, dict):
-        for key, sub in value.items():
-            _flatten(f"{prefix}_{_NAME.sub('_', str(key))}", sub, out)
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float))  # bool included: running, offline are 0/1
 
 
-def render_metrics(daemon: Any) -> str:
-    status = daemon.status()
-    samples: list[tuple[str, float]] = []
-    for section in ("store", "counters", "upstream", "scrub"):
-        _flatten(f"cachecd_{section}", status.get(section, {}), samples)
-    samples.append(("cachecd_inflight_fetches", float(status["inflight"])))
-    samples.append(("cachecd_uptime_seconds", float(status["uptime_s"])))
-    samples.append(("cachecd_models_registered", float(len(status["models"]))))
-    lines = []
-    for name, value in samples:
-        lines.append(f"# TYPE {name} gauge")
-        lines.append(f"{name} {value:g}")
-    return "\n".join(lines) + "\n"
+class DaemonCollector(Collector):
+    """Reads the daemon's figures at scrape time; holds nothing between scrapes."""
+
+    def __init__(self, daemon: Any) -> None:
+        self.daemon = daemon
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.daemon.status()
+        yield from _process(s)
+        yield from _store(s["store"])
+        yield from _labelled_counts(s["counters"], "cachecd_", _DAEMON_COUNTERS, {}, "fetch_error_",
+                                    ("fetch_errors", "Expert fetches that failed, by error code.",
+                                     "code"))
+        yield from _labelled_counts(s["upstream"], "cachecd_upstream_", _UPSTREAM_COUNTERS,
+                                    _UPSTREAM_GAUGES, "faults_",
+                                    ("upstream_faults", "Upstream faults, by kind (each retried "
+                                     "or ended in an error).", "kind"))
+        yield from _scrub(s["scrub"])
+        yield from _models(s["models"], s["refused_models"])
+
+
+def _process(s: dict[str, Any]) -> Iterator[Metric]:
+    yield InfoMetricFamily("cachecd", "The daemon's version and eviction policy.",
+                           value={"version": str(s["version"]),
+                                  "policy": str(s["store"].get("policy", ""))})
+    yield GaugeMetricFamily("cachecd_uptime_seconds", "Seconds since the daemon started.",
+                            value=s["uptime_s"])
+    yield GaugeMetricFamily("cachecd_offline", "1 if offline mode (HF_HUB_OFFLINE) is on.",
+                            value=int(bool(s["offline"])))
+    yield GaugeMetricFamily("cachecd_inflight_fetches", "Expert fetches under way.",
+                            value=s["inflight"])
+    yield GaugeMetricFamily("cachecd_blob_fds", "Open blob fds the daemon keeps for hits.",
+                            value=s.get("debug", {}).get("blob_fds", 0))
+
+
+def _store(store: dict[str, Any]) -> Iterator[Metric]:
+    for key, value in store.items():
+        if key in _STORE_GAUGES:
+            yield GaugeMetricFamily(f"cachecd_store_{key}", _STORE_GAUGES[key], value=value)
+        elif _number(value):  # every other number the ledger keeps is a count since start
+            help_ = _STORE_COUNTERS.get(key, f"Store count {key!r} since start.")
+            yield CounterMetricFamily(f"cachecd_store_{key}", help_, value=value)
+    free = GaugeMetricFamily("cachecd_cache_dir_free_bytes",
+                             "Free bytes on each cache dir's file system.", labels=["cache_dir"])
+    for d in store.get("dirs", []):
+        free.add_metric([d["path"]], d["free_bytes"])
+    yield free
+
+
+def _labelled_counts(
+    counts: dict[str, Any],
+    prefix: str,
+    helps: dict[str, str],
+    gauges: dict[str, str],
+    labelled: str,
+    family: tuple[str, str, str],
+) -> Iterator[Metric]:
+    """A counter per key (a gauge for ``gauges``), keys starting ``labelled`` gathered into one
+    counter family with the rest of the key as its label. Known counters not yet counted are 0,
+    so a series exists from the first scrape on."""
+    name, help_, label = family
+    by_label = CounterMetricFamily(f"cachecd_{name}", help_, labels=[label])
+    for key in sorted(set(counts) | set(helps)):
+        value = counts.get(key, 0)
+        if key.startswith(labelled):
+            by_label.add_metric([key.removeprefix(labelled)], value)
+        elif key in gauges:
+            yield GaugeMetricFamily(prefix + key, gauges[key], value=value)
+        elif _number(value):
+            yield CounterMetricFamily(prefix + key, helps.get(key, f"Count {key!r} since start."),
+                                      value=value)
+    yield by_label
+
+
+def _scrub(scrub: dict[str, Any]) -> Iterator[Metric]:
+    yield GaugeMetricFamily("cachecd_scrub_rate", "The scrub's pace in bytes a second (0: off).",
+                            value=scrub["rate"])
+    yield GaugeMetricFamily("cachecd_scrub_running", "1 while the scrub thread runs.",
+                            value=int(bool(scrub["running"])))
+    for key, help_ in _SCRUB_COUNTERS.items():
+        yield CounterMetricFamily(f"cachecd_scrub_{key}", help_, value=scrub.get(key, 0))
+    for section, table in (("pass", _SCRUB_PASS), ("last_pass", _SCRUB_LAST)):
+        for key, (suffix, help_) in table.items():
+            value = scrub.get(section, {}).get(key)
+            if value is not None:
+                yield GaugeMetricFamily(f"cachecd_scrub_{suffix}", help_, value=value)
+    failure = scrub.get("last_failure")
+    if failure is not None:
+        yield GaugeMetricFamily("cachecd_scrub_last_failure_seconds",
+                                "Unix time of the scrub's last failed hash.", value=failure["at"])
+
+
+def _models(models: list[dict[str, Any]], refused: dict[str, Any]) -> Iterator[Metric]:
+    yield GaugeMetricFamily("cachecd_models_registered", "Models registered.", value=len(models))
+    yield GaugeMetricFamily("cachecd_models_refused", "Manifests refused at start.",
+                            value=len(refused))
+    info = InfoMetricFamily("cachecd_model", "A registered model's pinned commit and format.",
+                            labels=["model"])
+    gauges = {key: GaugeMetricFamily(f"cachecd_{name}", help_, labels=["model"])
+              for key, (name, help_) in _MODEL_GAUGES.items()}
+    for m in models:
+        info.add_metric([m["repo"]], {"revision": m["revision"], "model_type": str(m["model_type"]),
+                                      "quant_format": str(m["quant_format"])})
+        for key, family in gauges.items():
+            family.add_metric([m["repo"]], m[key])
+    yield info
+    yield from gauges.values()
+
+
+def registry_for(daemon: Any) -> CollectorRegistry:
+    """The daemon's own registry (never the global one): its figures and the process's."""
+    registry = CollectorRegistry()
+    registry.register(DaemonCollector(daemon))
+    ProcessCollector(registry=registry)  # process_cpu_seconds_total, process_open_fds, ...
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

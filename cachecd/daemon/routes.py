@@ -17,8 +17,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
-from cachecd.daemon.metrics import render_metrics
+from cachecd.daemon import metrics as prom
 from cachecd.daemon.peer import peer_cred
 from cachecd.errors import CachecdError, Forbidden, Internal, InvalidRequest, NotFound
 from cachecd.report.coverage import access_array, cached_mask, coverage_report, pack_detail
@@ -26,6 +27,7 @@ from cachecd.report.coverage import access_array, cached_mask, coverage_report, 
 log = logging.getLogger(__name__)
 
 DAEMON: web.AppKey[Any] = web.AppKey("daemon")
+METRICS: web.AppKey[CollectorRegistry] = web.AppKey("metrics", CollectorRegistry)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -102,7 +104,9 @@ async def status(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(text=render_metrics(request.app[DAEMON]), content_type="text/plain")
+    await request.app[DAEMON].fetcher.settled()  # as status: what was handed out is counted
+    body = prom.render(request.app[METRICS])
+    return web.Response(body=body, headers={"Content-Type": prom.CONTENT_TYPE})
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -265,6 +269,7 @@ def build_app(daemon: Any, client_max_size: int, door: Any = None) -> web.Applic
     app = web.Application(middlewares=[*first, errors_as_json, peer_check],
                           client_max_size=client_max_size)
     app[DAEMON] = daemon
+    app[METRICS] = prom.registry_for(daemon)
     base = "/v1/models/{org}/{name}"
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)

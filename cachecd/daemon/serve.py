@@ -78,7 +78,6 @@ class _MalformedRequestLine(logging.Filter):
 
 async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     from aiohttp import web
-    from huggingface_hub import get_token
 
     from cachecd.daemon.app import Daemon
     from cachecd.daemon.control_door import ControlDoor, ControlSite
@@ -91,8 +90,8 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     store = await Store.open(settings.cache_dirs, budget=settings.budget, policy=settings.policy,
                              map_size=settings.map_size)
     # huggingface_hub may fetch a small registry synchronously the first time it builds headers:
-    # keep that off the event loop.
-    upstream = await asyncio.to_thread(Upstream, settings.endpoint, get_token(),
+    # keep that off the event loop. Token None: the one huggingface_hub finds, at each resolve.
+    upstream = await asyncio.to_thread(Upstream, settings.endpoint, None,
                                        offline=settings.offline, max_parallel=settings.max_parallel,
                                        read_timeout=settings.read_timeout,
                                        total_timeout=settings.total_timeout)

@@ -77,14 +77,16 @@ class _Assembly:
 class Upstream(HubClient):
     """Fetches experts' bytes from ``endpoint`` (huggingface.co, a mirror, ``cachecd hub serve``).
 
-    ``token`` is sent as-is (resolve it with ``huggingface_hub.get_token()``); None sends none.
+    ``token``: a string is sent as-is; None follows huggingface_hub's ``get_token()`` (HF_TOKEN,
+    then the token file), asked again before each resolve, so ``hf auth login`` counts without a
+    restart; False sends none.
     Create and close it inside the daemon's event loop.
     """
 
     def __init__(
         self,
         endpoint: str,
-        token: str | None,
+        token: str | bool | None,
         *,
         offline: bool = False,
         max_parallel: int = constants.MAX_PARALLEL_FETCHES,

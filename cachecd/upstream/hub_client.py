@@ -5,7 +5,9 @@ Invariants (``hub.Upstream`` builds on them):
   exactly ``bytes start-(end-1)/size``; anything else is a fault, retried, then an error.
 - One ``/resolve`` per (repo, revision, file) until the signed Location expires or the CDN answers
   403; concurrent resolves of one file share one request.
-- The Authorization header is built for the endpoint's ``/resolve`` only.
+- The Authorization header is built for the endpoint's ``/resolve`` only; the token is found
+  again before each resolve and after a 401 (``hub_auth``), so a login needs no restart.
+- Each request goes through the proxy the environment names for its URL (``hub_http.proxy_for``).
 - ``_not_before[host]`` is honoured before every request to that host.
 """
 
@@ -23,10 +25,10 @@ from urllib.parse import urljoin, urlsplit
 
 import aiohttp
 from huggingface_hub import hf_hub_url
-from huggingface_hub.utils import build_hf_headers
 
 from cachecd import constants, errors
 from cachecd.upstream import hub_http as hh
+from cachecd.upstream.hub_auth import HubAuth
 from cachecd.upstream.singleflight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ class HubClient:
     def __init__(
         self,
         endpoint: str,
-        token: str | None,
+        token: str | bool | None,
         *,
         offline: bool,
         max_parallel: int,
@@ -89,10 +91,8 @@ class HubClient:
         self.total_timeout, self.max_retries = total_timeout, max_retries
         self.backoff_base, self.backoff_cap = backoff_base, backoff_cap
         self.signed_url_ttl = signed_url_ttl
-        self._auth_headers = build_hf_headers(
-            token=token or False, library_name=constants.APP, library_version=constants.VERSION
-        )
-        self._plain_headers = {"user-agent": self._auth_headers["user-agent"]}
+        self.auth = HubAuth(token)
+        self._proxies: dict[str, str | None] = {}  # scheme://host -> its proxy
         self._session: aiohttp.ClientSession | None = None
         self._sem = asyncio.Semaphore(max_parallel)
         self._locations: dict[tuple[str, str, str], Location] = {}
@@ -127,10 +127,21 @@ class HubClient:
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=self.max_parallel + 4, ttl_dns_cache=300)
             # auto_decompress off: the bytes we hash are the bytes on the wire.
+            # trust_env off: proxies come from proxy_for (read once), and aiohttp's own reading
+            # would also take ~/.netrc logins, which clash with the token's header.
             self._session = aiohttp.ClientSession(
                 connector=connector, auto_decompress=False, read_bufsize=READ_BUFSIZE
             )
         return self._session
+
+    def _proxy(self, url: str) -> str | None:
+        parts = urlsplit(url)
+        key = f"{parts.scheme}://{parts.netloc}"
+        if key not in self._proxies:
+            self._proxies[key] = hh.proxy_for(url, constants.PROXIES)
+            if self._proxies[key] is not None:
+                log.info("event=proxied host=%s", parts.hostname)
+        return self._proxies[key]
 
     # -- resolve -----------------------------------------------------------------------------
     async def location(self, manifest: Any, file: str, failed: str | None = None) -> Location:
@@ -145,6 +156,12 @@ class HubClient:
 
     async def _resolve(self, manifest: Any, file: str) -> Location:
         url = hf_hub_url(manifest.repo, file, revision=manifest.revision, endpoint=self.endpoint)
+        await self.auth.refresh()
+        try:
+            return await self._with_retries(url, lambda: self._head(url, manifest, file))
+        except errors.Unauthorized:
+            if not await self.auth.refresh():  # a token that changed while this one was refused
+                raise
         return await self._with_retries(url, lambda: self._head(url, manifest, file))
 
     async def _head(self, url: str, manifest: Any, file: str) -> Location:
@@ -155,9 +172,9 @@ class HubClient:
             sock_connect=self.connect_timeout,
             sock_read=self.read_timeout,
         )
-        headers = {**self._auth_headers, "Accept-Encoding": "identity"}
+        headers = {**self.auth.headers, "Accept-Encoding": "identity"}
         async with self._get_session().head(
-            url, headers=headers, allow_redirects=False, timeout=timeout
+            url, headers=headers, allow_redirects=False, timeout=timeout, proxy=self._proxy(url)
         ) as resp:
             rid = resp.headers.get("X-Request-Id")
             what = f"resolve {manifest.repo}@{manifest.revision[:12]} {file}"
@@ -186,7 +203,7 @@ class HubClient:
             raise errors.InvalidRequest(f"range {start}-{end} runs past {file} ({size} bytes)")
         deadline = time.monotonic() + self.total_timeout
         failed: str | None = None
-        for _ in range(2):  # a second pass only after the CDN refused a (stale) signed URL
+        for _ in range(2):  # again after the CDN refused a (stale) signed URL, or a new token
             loc = await self.location(manifest, file, failed)
 
             def once(loc: Location = loc) -> Any:
@@ -196,6 +213,12 @@ class HubClient:
                 return await self._with_retries(loc.url, once, deadline)
             except _CdnForbidden:
                 self.count("faults_cdn_403")
+                failed = loc.url
+            except errors.Unauthorized:
+                # The endpoint serves the bytes itself, with the token: resolve again with a
+                # token that changed since, else this is the answer.
+                if loc.redirected or not await self.auth.refresh():
+                    raise
                 failed = loc.url
         raise errors.UpstreamError(
             f"the CDN refused {file} twice (HTTP 403), even with a freshly resolved location; "
@@ -222,11 +245,12 @@ class HubClient:
         )
         if consumer is not None:
             await consumer.restart()
-        base = self._plain_headers if loc.redirected else self._auth_headers
+        base = self.auth.plain if loc.redirected else self.auth.headers
         headers = {**base, "Accept-Encoding": "identity", "Range": f"bytes={start}-{end - 1}"}
         self.count("requests_range")
         async with self._get_session().get(
-            loc.url, headers=headers, allow_redirects=False, timeout=timeout
+            loc.url, headers=headers, allow_redirects=False, timeout=timeout,
+            proxy=self._proxy(loc.url),
         ) as resp:
             rid = resp.headers.get("X-Request-Id")
             what = f"GET {file} bytes {start}-{end - 1}"

@@ -1,5 +1,6 @@
 """HTTP details of talking to a Hub: status -> error, Content-Range, waits the server asks for,
-backoff, signed-URL lifetimes. Pure functions, no I/O, so each rule is tested on its own.
+backoff, signed-URL lifetimes, the proxy for a URL. Pure functions, no I/O, so each rule is
+tested on its own.
 
 Invariant: an error message built here never contains a request header (so never a token) and
 never a signed URL's query string; it keeps the server's own message and X-Request-Id.
@@ -14,6 +15,7 @@ import re
 import time
 from collections.abc import Mapping
 from urllib.parse import parse_qs, urlsplit
+from urllib.request import proxy_bypass_environment  # type: ignore[attr-defined]  # no stub
 
 from cachecd import errors
 
@@ -101,7 +103,9 @@ def error_for_status(
     msg = describe(status, body, request_id, what)
     if status == 401:
         return errors.Unauthorized(
-            f"{msg}. Set HF_TOKEN or run `hf auth login` with a token that can read this repo",
+            f"{msg}. Run `hf auth login` with a token that can read this repo: it counts from the "
+            "next fetch, without a restart (an HF_TOKEN in the daemon's environment wins over "
+            "it: change that and restart the daemon)",
             request_id=request_id,
         )
     if status == 403 and on_resolve:
@@ -126,3 +130,26 @@ def error_for_status(
 
 def is_retryable_status(status: int) -> bool:
     return status == 429 or status == 408 or status >= 500
+
+
+def proxy_for(url: str, proxies: Mapping[str, str]) -> str | None:
+    """The proxy a request to ``url`` goes through, by the environment's rules (``proxies`` as
+    ``urllib.request.getproxies_environment`` gives them): the scheme's proxy, else ``all``,
+    unless ``no`` names the host (``*``, a host or domain suffix, optionally with a port).
+    UpstreamError for a proxy that is not http(s):// (a SOCKS proxy): naming it beats a
+    connection that silently bypasses it."""
+    parts = urlsplit(url)
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    host = parts.netloc.rpartition("@")[2]
+    if not proxy or proxy_bypass_environment(host, dict(proxies)):
+        return None
+    if "://" not in proxy:
+        proxy = "http://" + proxy  # curl's reading of a bare host:port
+    scheme = proxy.split("://", 1)[0].lower()
+    if scheme not in ("http", "https"):
+        raise errors.UpstreamError(
+            f"the environment's proxy for {parts.scheme}:// URLs is a {scheme}:// proxy, which "
+            "cachecd cannot use: set HTTPS_PROXY/HTTP_PROXY to an http:// proxy, or name the Hub's "
+            "hosts in NO_PROXY, and restart the daemon"
+        )
+    return proxy

@@ -57,6 +57,7 @@ class Faults:
     delay: float = 0.0  # before every /cdn GET answers
     resolve_status_script: list[int] = field(default_factory=list)  # popped per /resolve
     require_token: str | None = None  # /resolve answers 401 unless "Bearer <token>"
+    direct: bool = False  # /resolve serves the bytes itself (a mirror), no redirect to /cdn
 
 
 @dataclass(frozen=True)
@@ -177,10 +178,13 @@ class FakeHub:
             path is None or request.match_info["rev"] not in (self.revision, "main")
         ):
             status = 404
-        self._record(request, kind, status or 302)
+        if status or not f.direct:
+            self._record(request, kind, status or 302)
         if status:
             return _error(status, f.retry_after if status in (429, 503) else None, f.ratelimit)
         assert path is not None
+        if f.direct:
+            return await self._send(request, kind, path, False)
         file = request.match_info["file"]
         expires = int(time.time() + self.url_ttl)
         cdn_path = f"/cdn/{self.repo}/{self.revision}/{file}"
@@ -246,7 +250,7 @@ class FakeHub:
         if start >= end and status == 206:
             self._record(request, kind, 416)
             return _error(416, None, None)
-        body = bytearray(_read(path, start, end) if kind == "cdn_get" else b"")
+        body = bytearray(_read(path, start, end) if kind.endswith("_get") else b"")
         resp = web.StreamResponse(status=status)
         if status == 206:
             shift = 1 if faulty and f.wrong_content_range else 0
@@ -258,10 +262,10 @@ class FakeHub:
         if faulty and f.short_body:
             del body[max(0, len(body) - f.short_body) :]
         resp.headers["Accept-Ranges"] = "bytes"
-        resp.content_length = len(body) if kind == "cdn_get" else end - start
+        resp.content_length = len(body) if kind.endswith("_get") else end - start
         self._record(request, kind, status)
         await resp.prepare(request)
-        if kind == "cdn_head":
+        if kind.endswith("_head"):
             return resp
         cut = _cut(f) if faulty else None
         await self._write(request, resp, memoryview(body)[: cut[1]] if cut else memoryview(body))

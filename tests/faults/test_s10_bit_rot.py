@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import xxhash
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.faults.figures import FIGURES
 from tests.faults.support import (
@@ -221,8 +222,9 @@ def test_rot_under_a_running_daemon_is_never_served_after_the_scrub_passes_it(sm
     store = d.status()["store"]
     assert store["bit_rot_on_open"] == 0  # the scrub caught it, not an open
     _, _, metrics = http_request(d.socket, "GET", "/metrics")
-    counted = dict(line.split() for line in metrics.decode().splitlines() if line[:1] != "#")
-    assert float(counted["cachecd_scrub_failures"]) == 1 and float(counted["cachecd_scrub_passes"]) >= 1
+    counted = {s.name: s.value for f in text_string_to_metric_families(metrics.decode())
+               for s in f.samples}
+    assert counted["cachecd_scrub_failures_total"] == 1 and counted["cachecd_scrub_passes_total"] >= 1
     out = run_cli("status", "--socket", str(d.socket)).stdout  # what the user sees
     assert "failed their hash in the background scrub" in out and "last scrub  full pass" in out, out
     FIGURES.set("s10.rot_held_open_caught_by_scrub", scrub["failures"])

@@ -88,7 +88,7 @@ def test_http_api_with_curl(daemon, tiny_manifest, tiny_dir):
     )
     assert err["error"] == "expert_not_found" and err["retryable"] is False
     metrics = subprocess.run([*base, "http://d/metrics"], capture_output=True, text=True).stdout
-    assert "cachecd_counters_fetched_experts 1" in metrics
+    assert "\ncachecd_fetched_experts_total 1.0\n" in metrics
 
 
 def test_typed_errors_reach_the_client(daemon, tiny_manifest):

@@ -171,6 +171,46 @@ def test_wrong_token_is_unauthorized_and_not_retried(repo: tuple[Path, FakeManif
     run(*repo, scenario, token=TOKEN)
 
 
+def test_an_explicit_token_wins_over_the_one_huggingface_hub_finds(
+    repo: tuple[Path, FakeManifest], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_" + "Env" * 12)
+
+    async def scenario(hub: FakeHub, up: Upstream, m: FakeManifest, folder: Path) -> None:
+        hub.faults.require_token = TOKEN
+        assert await up.fetch_experts(m, layer(m, 0), Sink()) == {}
+        heads = [r.headers.get("Authorization") for r in hub.records if r.kind == "resolve_head"]
+        assert heads and set(heads) == {f"Bearer {TOKEN}"}
+
+    run(*repo, scenario, token=TOKEN)
+
+
+def test_a_token_replaced_after_start_is_found_again_after_a_401(
+    repo: tuple[Path, FakeManifest], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mirror that serves the bytes itself keeps the resolved location, so a range GET is the
+    first to meet a rotated token: the 401 makes the upstream ask huggingface_hub again and
+    resolve once more with the new token, within the same fetch."""
+    old, new = "hf_" + "Old" * 12, "hf_" + "New" * 12
+    monkeypatch.setenv("HF_TOKEN", old)
+
+    async def scenario(hub: FakeHub, up: Upstream, m: FakeManifest, folder: Path) -> None:
+        hub.faults.direct, hub.faults.require_token = True, old
+        first, second = layer(m, 0)[0], layer(m, 0)[-1]
+        assert first.ranges[0].file == second.ranges[0].file  # one location, resolved once
+        assert await up.fetch_experts(m, [first], Sink()) == {}
+        hub.faults.require_token = new  # the old token is revoked...
+        monkeypatch.setenv("HF_TOKEN", new)  # ...and the new one is what huggingface_hub finds
+        sink = Sink()
+        assert await up.fetch_experts(m, [second], sink) == {}
+        assert sink.got[(second.layer, second.expert)] == expert_bytes_of(folder, second)
+        gets = [(r.status, r.headers.get("Authorization")) for r in hub.records
+                if r.kind == "resolve_get"]
+        assert gets == [(206, f"Bearer {old}"), (401, f"Bearer {old}"), (206, f"Bearer {new}")]
+
+    run(*repo, scenario, token=None)
+
+
 @pytest.mark.parametrize(("status", "exc"), [(403, errors.Gated), (404, errors.NotFound)])
 def test_gated_and_not_found_are_not_retried(
     repo: tuple[Path, FakeManifest], status: int, exc: type[errors.CachecdError]

@@ -139,3 +139,31 @@ def test_plan_keeps_enough_requests_for_parallel_streams() -> None:
         len(r.experts()) for r in plan_requests(big, max_bytes=10_000, max_experts=16, parallel=8)
     ]
     assert counts == [16] * 12 + [8]  # plenty of requests: the usual bound applies
+
+
+PROXIES = {"http": "http://u:p@proxy:3128", "https": "proxy:3128",
+           "no": "localhost, .corp.example,10.1.2.3:8080"}
+
+
+@pytest.mark.parametrize(("url", "proxies", "want"), [
+    ("http://127.0.0.1:9000/x", PROXIES, "http://u:p@proxy:3128"),
+    ("https://huggingface.co/x", PROXIES, "http://proxy:3128"),  # curl's reading of host:port
+    ("http://localhost:7/x", PROXIES, None),
+    ("https://cdn.corp.example/x", PROXIES, None),  # a domain suffix
+    ("http://10.1.2.3:8080/x", PROXIES, None),  # host and port
+    ("http://10.1.2.3:9090/x", PROXIES, "http://u:p@proxy:3128"),  # another port
+    ("https://huggingface.co/x", {"all": "http://any:1"}, "http://any:1"),
+    ("https://huggingface.co/x", {"https": "http://p:1", "no": "*"}, None),
+    ("https://huggingface.co/x", {"http": "http://p:1"}, None),  # no proxy for https
+    ("https://huggingface.co/x", {}, None),
+])
+def test_proxy_for_follows_the_environments_rules(
+    url: str, proxies: dict[str, str], want: str | None
+) -> None:
+    assert hh.proxy_for(url, proxies) == want
+
+
+def test_a_socks_proxy_is_named_not_bypassed() -> None:
+    with pytest.raises(errors.UpstreamError, match="socks5:// proxy") as info:
+        hh.proxy_for("https://huggingface.co/x", {"all": "socks5://u:secret@h:1080"})
+    assert "secret" not in info.value.message
