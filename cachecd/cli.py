@@ -12,9 +12,10 @@ import importlib
 import logging
 import os
 import sys
+import traceback
 
 from cachecd import __version__
-from cachecd.errors import CachecdError
+from cachecd.hub_errors import translate
 
 # Modules that own commands, in the order `--help` lists them.
 _COMMAND_MODULES: tuple[str, ...] = (
@@ -71,14 +72,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except CachecdError as exc:
-        print(f"cachecd: {exc.code}: {exc.message}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
     except BrokenPipeError:  # `cachecd ... | head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0
+    except Exception as exc:
+        typed = translate(exc)  # the Hub's and the network's errors, as cachecd's
+        if typed is None:
+            raise
+        if args.verbose:
+            traceback.print_exception(exc)
+        print(f"cachecd: {typed.code}: {typed.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

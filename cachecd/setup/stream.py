@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from cachecd.config import Settings, format_size, load_settings
-from cachecd.errors import DaemonUnavailable, InvalidRequest, ManifestInvalid, ManifestMismatch
+from cachecd.errors import (
+    DaemonUnavailable,
+    InvalidRequest,
+    ManifestInvalid,
+    ManifestMismatch,
+    Offline,
+)
 from cachecd.setup import pipeline
 
 log = logging.getLogger(__name__)
@@ -61,7 +67,9 @@ def resolve_commit(repo: str, rev: str, endpoint: str, offline: bool) -> str:
     if _COMMIT.match(rev):
         return rev
     if offline:
-        raise InvalidRequest(f"offline: {repo}@{rev} is not a commit; pass @<40-hex commit>")
+        raise Offline(f"{repo}@{rev}: HF_HUB_OFFLINE is set, so the Hub cannot say which commit "
+                      f"{rev!r} is; name the commit of a revision installed before "
+                      f"(--stream {repo}@<40-hex commit>), or unset HF_HUB_OFFLINE")
     from huggingface_hub import HfApi
 
     return str(HfApi(endpoint=endpoint).model_info(repo, revision=rev).sha)

@@ -31,7 +31,8 @@ LAYERS: dict[str, set[str]] = {
     "cachecd.durable": set(),
     "cachecd": {"cachecd.constants"},
     "cachecd.protocol": {"cachecd.errors"},
-    "cachecd.manifest": _BASE | {"cachecd.durable"},
+    "cachecd.hub_errors": {"cachecd.errors"},
+    "cachecd.manifest": _BASE | {"cachecd.durable", "cachecd.hub_errors"},
     "cachecd.store": _BASE | {"cachecd.durable"},
     "cachecd.upstream": _BASE,
     "cachecd.config": _BASE | {"cachecd.store"},
@@ -49,7 +50,7 @@ LAYERS: dict[str, set[str]] = {
                               "cachecd.upstream", "cachecd.service", "cachecd_client",
                               "cachecd_engine"},
     "cachecd.testbed": _BASE | {"cachecd.config", "cachecd.manifest", "cachecd_client"},
-    "cachecd.cli": _BASE | {"cachecd"},  # names its command modules as strings (importlib)
+    "cachecd.cli": _BASE | {"cachecd", "cachecd.hub_errors"},  # names its command modules as strings (importlib)
 }
 
 
