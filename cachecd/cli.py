@@ -15,9 +15,10 @@ import sys
 import traceback
 
 from cachecd import __version__
+from cachecd.cli_help import Parser, group_commands
 from cachecd.hub_errors import translate
 
-# Modules that own commands, in the order `--help` lists them.
+# Modules that own commands; `--help` lists the commands in cli_help's groups.
 _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.testbed.tiny_cli",
     "cachecd.testbed.hub_server",
@@ -35,10 +36,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="cachecd",
-        description="Run a frontier MoE model on a machine too small for it.",
-    )
+    parser = Parser(prog="cachecd", description="Run a frontier MoE model on a machine too small for it.")
     parser.add_argument("--version", action="version", version=f"cachecd {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -50,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(sub)
+    group_commands(parser, sub)
     return parser
 
 

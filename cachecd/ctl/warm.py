@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from cachecd.config import format_size, parse_size
+from cachecd.ctl import SOCKET_HELP
 from cachecd.ctl.coverage import DAEMON_WORKLOAD, Snapshot, client_for, snapshot, trace_access
 from cachecd.errors import CachecdError, InvalidRequest
 from cachecd.report.coverage import access_array, served_mask, trace_weighted, warm_order
@@ -95,14 +96,15 @@ def fit_room(sizes_in_order: np.ndarray, room: int) -> int:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("warm", help="warm the cache for a workload (prompts, a trace, the top experts)")
-    p.add_argument("--model", required=True, help="ORG/NAME")
+    p.add_argument("--model", help="ORG/NAME (default: the one model the daemon has registered)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", metavar="FILE", help="one prompt a line (or JSON lines with \"prompt\")")
     src.add_argument("--trace", metavar="FILE", help="a routing trace (cachecd run --trace)")
     src.add_argument("--top", type=int, metavar="N", help="the N most-used missing experts")
     src.add_argument("--bytes", metavar="SIZE", help="the most-used missing experts up to SIZE, e.g. 20GB")
     p.add_argument("--max-new", type=int, default=4, help="tokens generated per prompt (--prompts)")
-    p.add_argument("--save-trace", metavar="FILE", help="keep the routing of --prompts as a trace")
+    p.add_argument("--save-trace", metavar="FILE",
+                   help="keep the routing of --prompts as a trace (default: not kept)")
     add_chat_flag(p)
     add_trust_flag(p)
     p.add_argument("--parallel", type=int, default=2, help="requests in flight to the daemon")
@@ -110,11 +112,14 @@ def register(sub: Any) -> None:
     p.add_argument("--allow-evict", action="store_true",
                    help="go past the free room under the budget (the daemon evicts by policy)")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
-    p.add_argument("--socket")
+    p.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
     p.set_defaults(func=warm)
 
 
 def warm(args: argparse.Namespace) -> int:
+    from cachecd_client import resolve_model
+
+    args.model = resolve_model(args.model, args.socket)
     with client_for(args.socket) as client:
         before = snapshot(client, args.model)
         if args.prompts:

@@ -24,15 +24,21 @@ log = logging.getLogger(__name__)
 
 def add_daemon_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", dest="cache_dirs", action="append", metavar="DIR",
-                   help="a cache directory (repeat for one per SSD); default: the user cache dir")
-    p.add_argument("--budget", help="disk budget for experts, e.g. 500GB or 16MiB; 0 = free space")
-    p.add_argument("--socket", help="control socket path (the data socket sits beside it)")
+                   help="a cache directory (repeat for one per SSD; default: "
+                        f"{constants.DEFAULT_CACHE_DIR})")
+    p.add_argument("--budget", help="disk budget for experts, e.g. 500GB or 16MiB; 0 = free space "
+                   "(default: 0)")
+    p.add_argument("--socket", help="control socket path, the data socket beside it (default: "
+                   f"{constants.DEFAULT_SOCKET})")
     p.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or huggingface.co)")
     p.add_argument("--manifest", dest="manifests", action="append", metavar="FILE",
-                   help="register a model manifest at start (repeatable)")
-    p.add_argument("--models-dir", help="where registered models' resident files and manifests live")
+                   help="register a model manifest at start (repeatable; default: only the "
+                        "models registered before)")
+    p.add_argument("--models-dir", help="where registered models' resident files and manifests "
+                   f"live (default: {constants.DEFAULT_MODELS_DIR})")
     p.add_argument("--policy", help="eviction policy: default (wlfu), wlfu, lfuda or lru")
-    p.add_argument("--max-parallel", type=int, help="upstream requests in flight at once")
+    p.add_argument("--max-parallel", type=int, help="upstream requests in flight at once "
+                   f"(default: {constants.MAX_PARALLEL_FETCHES})")
     p.add_argument("--offline", action="store_const", const=True, default=None,
                    help="serve hits only; refuse misses (also HF_HUB_OFFLINE=1)")
     p.add_argument("--scrub-rate", metavar="RATE",

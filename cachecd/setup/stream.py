@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cachecd import constants
 from cachecd.config import Settings, format_size, load_settings
 from cachecd.errors import (
     DaemonUnavailable,
@@ -36,20 +37,25 @@ def register(sub: Any) -> None:
     p = sub.add_parser("setup", help="install a model's resident weights and stream its experts")
     p.add_argument("--stream", required=True, metavar="ORG/NAME[@REV]", help="the model to stream")
     p.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or huggingface.co)")
-    p.add_argument("--socket", help="the daemon's control socket")
+    p.add_argument("--socket", help="the daemon's control socket (default: CACHECD_SOCKET or "
+                   f"the config's, else {constants.DEFAULT_SOCKET})")
     p.add_argument("--manifest", metavar="FILE|hf://[datasets/]ORG/REPO/PATH[@REV]",
-                   help="use this manifest (a file, or one published in a Hub repo) instead of "
-                        "the shipped one")
+                   help="use this manifest (a file, or one published in a Hub repo; default: "
+                        "the one cachecd ships for the model)")
     p.add_argument("--build-manifest", action="store_true",
                    help="build the manifest from the Hub (reads the whole revision once)")
     p.add_argument("--cache-dir", dest="cache_dirs", action="append", metavar="DIR",
-                   help="cache dir for a daemon this command starts (repeatable)")
-    p.add_argument("--budget", help="disk budget for a daemon this command starts")
-    p.add_argument("--models-dir", help="where resident files are installed")
+                   help="cache dir for a daemon this command starts (repeatable; default: "
+                        f"{constants.DEFAULT_CACHE_DIR})")
+    p.add_argument("--budget", help="disk budget for a daemon this command starts (default: 0, "
+                   "the free space)")
+    p.add_argument("--models-dir", help="where resident files are installed (default: "
+                   f"{constants.DEFAULT_MODELS_DIR})")
     p.add_argument("--no-start", action="store_true", help="do not start a daemon when none runs")
     p.add_argument("--pipeline", metavar="R/N",
                    help="install rank R of N machines that pipeline the model (mlx.launch): its "
-                        "layers' resident weights, its daemon serving only its layers' experts")
+                        "layers' resident weights, its daemon serving only its layers' experts "
+                        "(default: the whole model on this machine)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="the tokenizer runs code its repo ships (Kimi's tokenization_kimi.py): "
                         "load it once now, as pinned by sha256 in the manifest")

@@ -203,10 +203,11 @@ def register(sub: Any) -> None:
     hub_sub = hub.add_subparsers(dest="hub_command", metavar="SUBCOMMAND")
     serve = hub_sub.add_parser(
         "serve", help="serve DIR/{org}/{name}/... as model repos, DIR/datasets/... as datasets")
-    serve.add_argument("dir", type=Path, metavar="DIR")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("dir", type=Path, metavar="DIR",
+                       help="the folder: DIR/ORG/NAME/ is the model repo ORG/NAME")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=0, help="0 picks a free port (printed)")
-    serve.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN'")
+    serve.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN' (default: no token needed)")
     serve.add_argument(
         "--url-ttl",
         type=float,
