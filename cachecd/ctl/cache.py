@@ -180,7 +180,7 @@ def evict(args: argparse.Namespace) -> int:
 
 
 def fsck(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
     from cachecd.store.fsck import fsck as run_fsck
 

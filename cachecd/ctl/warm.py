@@ -236,7 +236,7 @@ def _finish(args: argparse.Namespace, outcome: Outcome, seconds: float, label: s
 def run_batches(make_client: Callable[[], Any], model: str, batches: list[Batch], total: int,
                 parallel: int) -> Outcome:
     """Send the batches to the daemon (``parallel`` in flight), with a bytes progress bar."""
-    from tqdm import tqdm
+    from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
     outcome = Outcome()
     local = threading.local()
@@ -317,7 +317,7 @@ def read_prompts(path: str | Path) -> list[str]:
 
 def _warm_prompts(args: argparse.Namespace, client: Any, before: Snapshot) -> int:
     from mlx_lm import stream_generate
-    from tqdm import tqdm
+    from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
     from cachecd_engine.run import load, prompt_input
     from cachecd_engine.trace import TraceRecorder

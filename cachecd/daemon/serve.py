@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecd import constants
-from cachecd.config import Settings, load_settings
+from cachecd.config import Settings, load_settings, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,36 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def register(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the daemon in the foreground")
     add_daemon_arguments(p)
+    p.add_argument("--log-file", type=Path, metavar="FILE",
+                   help="log to FILE, rotated (default: stderr, which launchd and journald "
+                        "collect)")
+    p.add_argument("--log-max-bytes", default=f"{constants.DAEMON_LOG_MAX_BYTES >> 20}MiB",
+                   metavar="SIZE", help=f"with --log-file: start a new file past SIZE, keeping "
+                   f"{constants.DAEMON_LOG_BACKUPS} old ones (FILE.1, ...)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    if args.log_file:
+        log_to_file(args.log_file, parse_size(args.log_max_bytes, "--log-max-bytes"))
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else settings.log_level)
     logging.getLogger("aiohttp.server").addFilter(_MalformedRequestLine())
     return asyncio.run(serve(settings))
+
+
+def log_to_file(path: Path, max_bytes: int, backups: int = constants.DAEMON_LOG_BACKUPS) -> None:
+    """The log goes to ``path`` instead of stderr, in the same format, rotated by size: at most
+    ``backups + 1`` files of ``max_bytes`` on disk however long the daemon runs."""
+    from logging.handlers import RotatingFileHandler
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
+    root = logging.getLogger()
+    for old in root.handlers[:]:
+        handler.setFormatter(old.formatter)  # cli's format
+        root.removeHandler(old)
+    root.addHandler(handler)
 
 
 class _MalformedRequestLine(logging.Filter):

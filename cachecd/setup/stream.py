@@ -225,7 +225,7 @@ def text_model_tensors(manifest: Any, local: Path) -> set[str]:
 async def fetch_resident(manifest: Any, local: Path, settings: Settings,
                          keep: set[str] | None = None) -> int:
     from huggingface_hub import get_token
-    from tqdm import tqdm
+    from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
     from cachecd.setup.resident import ResidentWriter
     from cachecd.upstream.hub import Upstream
@@ -253,7 +253,7 @@ def ensure_daemon(settings: Settings, args: argparse.Namespace) -> Any:
     except DaemonUnavailable:
         if args.no_start:
             raise
-    log_path = settings.models_dir / "daemon.log"
+    log_path = daemon_log_path(settings.socket)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "cachecd.cli", "serve", "--socket", str(settings.socket),
            "--endpoint", settings.endpoint, "--models-dir", str(settings.models_dir)]
@@ -261,12 +261,20 @@ def ensure_daemon(settings: Settings, args: argparse.Namespace) -> Any:
         cmd += ["--cache-dir", str(d)]
     if settings.budget:
         cmd += ["--budget", str(settings.budget)]
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                start_new_session=True)
+    # The daemon rotates its log itself; its stderr (a crash's traceback) starts afresh each start.
+    with open(log_path.with_suffix(".stderr"), "wb") as err:
+        proc = subprocess.Popen([*cmd, "--log-file", str(log_path)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     print(f"started a daemon (pid {proc.pid}, log {log_path})")
     print(service_hint(cmd[cmd.index("serve") + 1:]))
     return wait_healthy(client, proc, log_path)
+
+
+def daemon_log_path(socket: Path) -> Path:
+    """Where a daemon this command starts logs: the platform's log dir, one file per socket."""
+    if socket == constants.DEFAULT_SOCKET:
+        return constants.LOG_DIR / "daemon.log"
+    return constants.LOG_DIR / f"daemon-{hashlib.sha256(str(socket).encode()).hexdigest()[:8]}.log"
 
 
 def service_hint(serve_args: list[str]) -> str:
@@ -285,7 +293,8 @@ def wait_healthy(client: Any, proc: subprocess.Popen[bytes], log_path: Path, tim
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-2000:]
+            tail = "".join(p.read_text(errors="replace")[-2000:] for p in
+                           (log_path, log_path.with_suffix(".stderr")) if p.exists())
             raise DaemonUnavailable(f"the daemon exited with {proc.returncode}:\n{tail}")
         try:
             client.health()
