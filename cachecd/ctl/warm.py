@@ -316,8 +316,8 @@ def read_prompts(path: str | Path) -> list[str]:
 
 
 def _warm_prompts(args: argparse.Namespace, client: Any, before: Snapshot) -> int:
-    from mlx_lm import stream_generate
     from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
+    from mlx_lm import stream_generate
 
     from cachecd_engine.run import load, prompt_input
     from cachecd_engine.trace import TraceRecorder
