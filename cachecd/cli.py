@@ -12,11 +12,13 @@ import importlib
 import logging
 import os
 import sys
+import traceback
 
 from cachecd import __version__
-from cachecd.errors import CachecdError
+from cachecd.cli_help import Parser, group_commands
+from cachecd.hub_errors import translate
 
-# Modules that own commands, in the order `--help` lists them.
+# Modules that own commands; `--help` lists the commands in cli_help's groups.
 _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.testbed.tiny_cli",
     "cachecd.testbed.hub_server",
@@ -34,10 +36,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="cachecd",
-        description="Run a frontier MoE model on a machine too small for it.",
-    )
+    parser = Parser(prog="cachecd", description="Run a frontier MoE model on a machine too small for it.")
     parser.add_argument("--version", action="version", version=f"cachecd {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -49,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(sub)
+    group_commands(parser, sub)
     return parser
 
 
@@ -71,14 +71,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except CachecdError as exc:
-        print(f"cachecd: {exc.code}: {exc.message}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
     except BrokenPipeError:  # `cachecd ... | head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0
+    except Exception as exc:
+        typed = translate(exc)  # the Hub's and the network's errors, as cachecd's
+        if typed is None:
+            raise
+        if args.verbose:
+            traceback.print_exception(exc)
+        print(f"cachecd: {typed.code}: {typed.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -41,6 +41,13 @@ def _user_runtime_dir() -> Path:
     return _user_cache_root() / "run"
 
 
+def _user_log_dir() -> Path:
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Logs" / APP
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / APP
+
+
 ENV_PREFIX = "CACHECD_"
 
 # Defaults (lowest precedence; config.py layers TOML, env and argv on top).
@@ -53,6 +60,12 @@ DEFAULT_CONFIG_FILE = Path(
 ) / APP / "config.toml"
 DEFAULT_BUDGET = 0  # 0: no budget beyond the free space of the cache dirs
 DEFAULT_LOG_LEVEL = "INFO"
+# Where a daemon that `setup` starts logs (a daemon under launchd or systemd logs to stderr, which
+# they collect). Rotated by the daemon itself: at most (DAEMON_LOG_BACKUPS + 1) files of
+# DAEMON_LOG_MAX_BYTES, 40 MiB, however long it runs.
+LOG_DIR = Path(os.environ.get("CACHECD_LOG_DIR") or _user_log_dir())
+DAEMON_LOG_MAX_BYTES = 10 * 1024 * 1024
+DAEMON_LOG_BACKUPS = 3
 
 # Upstream behaviour.
 CONNECT_TIMEOUT_S = 10.0

@@ -8,6 +8,7 @@ Errors are cachecd's typed errors (``cachecd.errors``); ``DaemonUnavailable`` wh
 """
 
 from cachecd.errors import CachecdError, DaemonUnavailable
-from cachecd_client.api import AsyncClient, Client, default_socket
+from cachecd_client.api import AsyncClient, Client, default_socket, resolve_model
 
-__all__ = ["AsyncClient", "CachecdError", "Client", "DaemonUnavailable", "default_socket"]
+__all__ = ["AsyncClient", "CachecdError", "Client", "DaemonUnavailable", "default_socket",
+           "resolve_model"]

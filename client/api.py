@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from cachecd.config import data_socket_path, load_settings
-from cachecd.errors import ExpertSizeMismatch, InvalidRequest
+from cachecd.errors import ExpertSizeMismatch, InvalidRequest, ModelNotFound
 from cachecd.protocol import MAX_FDS_PER_FRAME
 from cachecd_client.transport import ControlTransport, DataTransport, Target, parallel_preadv
 
@@ -26,6 +26,26 @@ from cachecd_client.transport import ControlTransport, DataTransport, Target, pa
 def default_socket() -> Path:
     """The socket a daemon started with the same environment and config would use."""
     return load_settings().socket
+
+
+def resolve_model(model: str | None, socket: str | Path | None = None) -> str:
+    """``model`` if given, else the one model the daemon on ``socket`` has registered.
+
+    Raises:
+        ModelNotFound: none is registered.
+        InvalidRequest: several are; the message lists them.
+    """
+    if model:
+        return model
+    with Client(socket) as client:
+        repos = sorted({m["repo"] for m in client.models()})
+    if len(repos) == 1:
+        return repos[0]
+    if not repos:
+        raise ModelNotFound(f"no model is registered with the daemon on {client.socket}: install "
+                            "one with `cachecd setup --stream ORG/NAME`")
+    raise InvalidRequest(f"{len(repos)} models are registered with the daemon on {client.socket} "
+                         f"({', '.join(repos)}): name one with --model ORG/NAME")
 
 
 class Client:

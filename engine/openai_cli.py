@@ -19,7 +19,8 @@ from cachecd_engine.run import add_engine_flags, add_trust_flag, engine_options
 
 def register(sub: Any) -> None:
     p = sub.add_parser("openai", help="an OpenAI-compatible HTTP server (mlx-lm's) through the daemon")
-    p.add_argument("--model", required=True, help="ORG/NAME, installed with setup --stream")
+    p.add_argument("--model", help="ORG/NAME, installed with setup --stream (default: the one model the "
+                        "daemon has registered)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free one)")
     add_engine_flags(p)
@@ -29,9 +30,10 @@ def register(sub: Any) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="default nucleus sampling top-p")
     p.add_argument("--top-k", type=int, default=0, help="default top-k (0: off)")
     p.add_argument("--min-p", type=float, default=0.0, help="default min-p (0: off)")
-    p.add_argument("--chat-template", default="", help="a chat template to use instead of the model's")
+    p.add_argument("--chat-template", default="", help="a chat template to use instead of the model's (default: the model's)")
     p.add_argument("--chat-template-args", type=json.loads, default={},
-                   help="JSON arguments for apply_chat_template, e.g. '{\"thinking\": false}'")
+                   help="JSON arguments for apply_chat_template, e.g. '{\"thinking\": false}' "
+                        "(default: none)")
     add_trust_flag(p)
     p.add_argument("--allowed-origins", type=lambda s: s.split(","), default=[],
                    help="browser origins allowed to use the server, comma-separated ('*': any); "
@@ -59,8 +61,10 @@ def server_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cachecd_client import resolve_model
     from cachecd_engine.openai_server import serve
 
+    args.model = resolve_model(args.model, args.socket)
     serve(server_args(args), engine_options(args))
     # Once it has generated, an MLX process that ran mlx-lm's server aborts in its exit-time
     # destructors ("terminate called without an active exception", exit 134; the same with

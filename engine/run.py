@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cachecd import constants
 from cachecd.config import format_size
 
 # mlx_lm.generate's defaults (DEFAULT_TEMP, ...): literals so `cachecd --help` needs no mlx
@@ -39,7 +40,8 @@ def load(repo: str, socket: str | Path | None = None, **engine: Any) -> tuple[An
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The flags that set the engine (``cachecd run`` and ``cachecd openai``)."""
-    p.add_argument("--socket", help="the daemon's socket (default: from config)")
+    p.add_argument("--socket", help="the daemon's control socket (default: CACHECD_SOCKET or "
+                   f"the config's, else {constants.DEFAULT_SOCKET})")
     p.add_argument("--ram", default="auto",
                    help="RAM tier for hot experts, e.g. 8GiB; 0 disables; auto (default): a quarter "
                         "of the memory left once the model is loaded")
@@ -66,7 +68,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("run", help="generate through the daemon (greedy unless --temp)")
-    p.add_argument("--model", required=True, help="ORG/NAME, installed with setup --stream")
+    p.add_argument("--model", help="ORG/NAME, installed with setup --stream (default: the one model the "
+                        "daemon has registered)")
     p.add_argument("--prompt", required=True, help="the prompt; '-' reads it from standard input")
     p.add_argument("--max-tokens", "--max-new", dest="max_tokens", type=int, default=64,
                    help="tokens to generate (default 64)")
@@ -74,7 +77,8 @@ def register(sub: Any) -> None:
     p.add_argument("--top-p", type=float, default=TOP_P, help="nucleus sampling top-p")
     p.add_argument("--top-k", type=int, default=TOP_K, help="top-k sampling (0: off)")
     p.add_argument("--min-p", type=float, default=MIN_P, help="min-p sampling (0: off)")
-    p.add_argument("--seed", type=int, help="PRNG seed: the same seed samples the same text")
+    p.add_argument("--seed", type=int, help="PRNG seed: the same seed samples the same text "
+                   "(default: unseeded)")
     p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
                    help="prompt tokens per prefill step (progress is printed after each)")
     add_engine_flags(p)
@@ -83,7 +87,8 @@ def register(sub: Any) -> None:
     p.add_argument("--stats", action="store_true", help="per-token stats on stderr")
     p.add_argument("--json", action="store_true", help="print token ids and per-token stats as JSON")
     p.add_argument("--trace", metavar="FILE",
-                   help="record the routing (JSON lines; replay with cachecd warm --trace)")
+                   help="record the routing (JSON lines; replay with cachecd warm --trace; "
+                        "default: CACHECD_TRACE, else not recorded)")
     p.set_defaults(func=run)
 
 
@@ -139,9 +144,11 @@ class PrefillProgress:
 def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
+    from cachecd_client import resolve_model
     from cachecd_engine.bank import EngineStats
     from cachecd_engine.pipeline import launched_group, shared_seed
 
+    args.model = resolve_model(args.model, args.socket)
     group = launched_group()
     prefix = f"rank {group.rank()}: " if group is not None else ""
     stats = EngineStats()

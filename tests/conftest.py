@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -23,6 +24,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if mark is not None:
             what = mark.args[0] if mark.args else item.name
             item.add_marker(pytest.mark.skip(reason=f"needs macOS: {what}"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def daemon_log_dir() -> Iterator[Path]:
+    """Daemons that `cachecd setup` starts log here, not in the user's own log dir."""
+    logs, before = short_tmp("cdlogs"), os.environ.get("CACHECD_LOG_DIR")
+    os.environ["CACHECD_LOG_DIR"] = str(logs)
+    yield logs
+    os.environ.pop("CACHECD_LOG_DIR") if before is None else os.environ.update(CACHECD_LOG_DIR=before)
+    shutil.rmtree(logs, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

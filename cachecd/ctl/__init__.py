@@ -1,3 +1,8 @@
 """Commands that ask a running daemon through ``cachecd_client``: ``status``, ``pin``, ``unpin``,
 ``evict``, ``coverage``, ``warm`` (and ``fsck``, which opens a stopped daemon's cache itself).
 """
+
+from cachecd import constants
+
+SOCKET_HELP = ("the daemon's control socket (default: CACHECD_SOCKET or the config's, else "
+               f"{constants.DEFAULT_SOCKET})")

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from cachecd.config import format_size, load_settings, parse_size
+from cachecd.ctl import SOCKET_HELP
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -18,8 +19,8 @@ def _client(args: argparse.Namespace) -> Any:
 
 
 def _experts_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="ORG/NAME")
-    p.add_argument("--layer", type=int, required=True)
+    p.add_argument("--model", help="ORG/NAME (default: the one model the daemon has registered)")
+    p.add_argument("--layer", type=int, required=True, help="the MoE layer's number")
     p.add_argument("--experts", required=True, help="comma-separated expert numbers, e.g. 0,5,17")
 
 
@@ -29,21 +30,23 @@ def _ids(text: str) -> list[int]:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("status", help="daemon health, models, disk use, hit rate")
-    p.add_argument("--socket")
+    p.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
     p.add_argument("--json", action="store_true", help="print the raw status JSON")
     p.set_defaults(func=status)
     for name, helptext in (("pin", "fetch and pin experts so they are never evicted"),
                            ("unpin", "let pinned experts be evicted again")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("--socket")
+        p.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
         _experts_args(p)
         p.set_defaults(func=pin if name == "pin" else unpin)
     p = sub.add_parser("evict", help="free cache space by policy, or evict given experts")
-    p.add_argument("--socket")
-    p.add_argument("--bytes", default="0", help="how much to free, e.g. 10GB")
-    p.add_argument("--model")
-    p.add_argument("--layer", type=int)
-    p.add_argument("--experts", default="")
+    p.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
+    p.add_argument("--bytes", default="0", help="how much to free by policy, e.g. 10GB")
+    p.add_argument("--model", help="ORG/NAME of --experts (default: the one model the daemon "
+                   "has registered)")
+    p.add_argument("--layer", type=int, help="the MoE layer of --experts (default: none)")
+    p.add_argument("--experts", default="",
+                   help="comma-separated expert numbers to evict, e.g. 0,5,17 (default: none)")
     p.set_defaults(func=evict)
     p = sub.add_parser("fsck", help="verify every cached blob (daemon stopped); exit 1 corrupt, 4 unverifiable")
     p.add_argument("--cache-dir", dest="cache_dirs", action="append", metavar="DIR",
@@ -144,7 +147,14 @@ def _attention(store: dict[str, Any], counters: dict[str, Any],
     return out
 
 
+def _model(args: argparse.Namespace) -> str:
+    from cachecd_client import resolve_model
+
+    return resolve_model(args.model, args.socket)
+
+
 def pin(args: argparse.Namespace) -> int:
+    args.model = _model(args)
     with _client(args) as client:
         n = client.pin(args.model, args.layer, _ids(args.experts))
     print(f"pinned {n} experts of {args.model} layer {args.layer}")
@@ -152,6 +162,7 @@ def pin(args: argparse.Namespace) -> int:
 
 
 def unpin(args: argparse.Namespace) -> int:
+    args.model = _model(args)
     with _client(args) as client:
         n = client.unpin(args.model, args.layer, _ids(args.experts))
     print(f"unpinned {n} experts of {args.model} layer {args.layer}")
@@ -159,6 +170,8 @@ def unpin(args: argparse.Namespace) -> int:
 
 
 def evict(args: argparse.Namespace) -> int:
+    if args.experts:
+        args.model = _model(args)
     with _client(args) as client:
         freed = client.evict(parse_size(args.bytes, "--bytes"), args.model, args.layer,
                              _ids(args.experts))
@@ -167,7 +180,7 @@ def evict(args: argparse.Namespace) -> int:
 
 
 def fsck(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
     from cachecd.store.fsck import fsck as run_fsck
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from cachecd.config import load_settings
+from cachecd.ctl import SOCKET_HELP
 from cachecd.errors import InvalidRequest
 from cachecd.manifest.manifest import Manifest
 from cachecd.report.coverage import access_array, coverage_report, unpack_detail
@@ -93,19 +94,23 @@ def grid_of(manifest: Manifest, cached: np.ndarray, access: np.ndarray,
 
 def register(sub: Any) -> None:
     p = sub.add_parser("coverage", help="per-layer coverage, workload hit rate, heatmap")
-    p.add_argument("--model", required=True, help="ORG/NAME")
-    p.add_argument("--format", choices=FORMATS, default="table")
-    p.add_argument("--output", metavar="FILE", help="write here instead of stdout (png needs it)")
+    p.add_argument("--model", help="ORG/NAME (default: the one model the daemon has registered)")
+    p.add_argument("--format", choices=FORMATS, default="table", help="how to show it")
+    p.add_argument("--output", metavar="FILE",
+                   help="write here instead of stdout (png needs it; default: stdout)")
     p.add_argument("--trace", metavar="FILE",
-                   help="weigh coverage by this routing trace instead of the daemon's counts")
+                   help="weigh coverage by this routing trace (default: the daemon's counts)")
     p.add_argument("--top", type=int, default=20, help="how many most-wanted missing experts")
-    p.add_argument("--socket")
+    p.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
     p.set_defaults(func=coverage)
 
 
 def coverage(args: argparse.Namespace) -> int:
     if args.format == "png" and not args.output:
         raise InvalidRequest("--format png writes an image: give --output FILE.png")
+    from cachecd_client import resolve_model
+
+    args.model = resolve_model(args.model, args.socket)
     with client_for(args.socket) as client:
         snap = snapshot(client, args.model)
     access, workload = snap.access, DAEMON_WORKLOAD

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from cachecd.config import format_size, parse_size
+from cachecd.ctl import SOCKET_HELP
 from cachecd.ctl.coverage import DAEMON_WORKLOAD, Snapshot, client_for, snapshot, trace_access
 from cachecd.errors import CachecdError, InvalidRequest
 from cachecd.report.coverage import access_array, served_mask, trace_weighted, warm_order
@@ -97,14 +98,15 @@ def fit_room(sizes_in_order: np.ndarray, room: int) -> int:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("warm", help="warm the cache for a workload (prompts, a trace, the top experts)")
-    p.add_argument("--model", required=True, help="ORG/NAME")
+    p.add_argument("--model", help="ORG/NAME (default: the one model the daemon has registered)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", metavar="FILE", help="one prompt a line (or JSON lines with \"prompt\")")
     src.add_argument("--trace", metavar="FILE", help="a routing trace (cachecd run --trace)")
     src.add_argument("--top", type=int, metavar="N", help="the N most-used missing experts")
     src.add_argument("--bytes", metavar="SIZE", help="the most-used missing experts up to SIZE, e.g. 20GB")
     p.add_argument("--max-new", type=int, default=4, help="tokens generated per prompt (--prompts)")
-    p.add_argument("--save-trace", metavar="FILE", help="keep the routing of --prompts as a trace")
+    p.add_argument("--save-trace", metavar="FILE",
+                   help="keep the routing of --prompts as a trace (default: not kept)")
     add_chat_flag(p)
     add_trust_flag(p)
     p.add_argument("--parallel", type=int, default=2, help="requests in flight to the daemon")
@@ -112,11 +114,14 @@ def register(sub: Any) -> None:
     p.add_argument("--allow-evict", action="store_true",
                    help="go past the free room under the budget (the daemon evicts by policy)")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
-    p.add_argument("--socket")
+    p.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
     p.set_defaults(func=warm)
 
 
 def warm(args: argparse.Namespace) -> int:
+    from cachecd_client import resolve_model
+
+    args.model = resolve_model(args.model, args.socket)
     with client_for(args.socket) as client:
         before = snapshot(client, args.model)
         if args.prompts:
@@ -251,7 +256,7 @@ def interrupt_flag() -> Iterator[threading.Event]:
 def run_batches(make_client: Callable[[], Any], model: str, batches: list[Batch], total: int,
                 parallel: int) -> Outcome:
     """Send the batches to the daemon (``parallel`` in flight), with a bytes progress bar."""
-    from tqdm import tqdm
+    from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
     outcome = Outcome()
     local = threading.local()
@@ -334,8 +339,8 @@ def read_prompts(path: str | Path) -> list[str]:
 
 
 def _warm_prompts(args: argparse.Namespace, client: Any, before: Snapshot) -> int:
+    from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
     from mlx_lm import stream_generate
-    from tqdm import tqdm
 
     from cachecd_engine.run import load, prompt_input
     from cachecd_engine.trace import TraceRecorder

@@ -17,22 +17,28 @@ from pathlib import Path
 from typing import Any
 
 from cachecd import constants
-from cachecd.config import Settings, load_settings
+from cachecd.config import Settings, load_settings, parse_size
 
 log = logging.getLogger(__name__)
 
 
 def add_daemon_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", dest="cache_dirs", action="append", metavar="DIR",
-                   help="a cache directory (repeat for one per SSD); default: the user cache dir")
-    p.add_argument("--budget", help="disk budget for experts, e.g. 500GB or 16MiB; 0 = free space")
-    p.add_argument("--socket", help="control socket path (the data socket sits beside it)")
+                   help="a cache directory (repeat for one per SSD; default: "
+                        f"{constants.DEFAULT_CACHE_DIR})")
+    p.add_argument("--budget", help="disk budget for experts, e.g. 500GB or 16MiB; 0 = free space "
+                   "(default: 0)")
+    p.add_argument("--socket", help="control socket path, the data socket beside it (default: "
+                   f"{constants.DEFAULT_SOCKET})")
     p.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or huggingface.co)")
     p.add_argument("--manifest", dest="manifests", action="append", metavar="FILE",
-                   help="register a model manifest at start (repeatable)")
-    p.add_argument("--models-dir", help="where registered models' resident files and manifests live")
+                   help="register a model manifest at start (repeatable; default: only the "
+                        "models registered before)")
+    p.add_argument("--models-dir", help="where registered models' resident files and manifests "
+                   f"live (default: {constants.DEFAULT_MODELS_DIR})")
     p.add_argument("--policy", help="eviction policy: default (wlfu), wlfu, lfuda or lru")
-    p.add_argument("--max-parallel", type=int, help="upstream requests in flight at once")
+    p.add_argument("--max-parallel", type=int, help="upstream requests in flight at once "
+                   f"(default: {constants.MAX_PARALLEL_FETCHES})")
     p.add_argument("--offline", action="store_const", const=True, default=None,
                    help="serve hits only; refuse misses (also HF_HUB_OFFLINE=1)")
     p.add_argument("--scrub-rate", metavar="RATE",
@@ -49,14 +55,36 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def register(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the daemon in the foreground")
     add_daemon_arguments(p)
+    p.add_argument("--log-file", type=Path, metavar="FILE",
+                   help="log to FILE, rotated (default: stderr, which launchd and journald "
+                        "collect)")
+    p.add_argument("--log-max-bytes", default=f"{constants.DAEMON_LOG_MAX_BYTES >> 20}MiB",
+                   metavar="SIZE", help=f"with --log-file: start a new file past SIZE, keeping "
+                   f"{constants.DAEMON_LOG_BACKUPS} old ones (FILE.1, ...)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    if args.log_file:
+        log_to_file(args.log_file, parse_size(args.log_max_bytes, "--log-max-bytes"))
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else settings.log_level)
     logging.getLogger("aiohttp.server").addFilter(_MalformedRequestLine())
     return asyncio.run(serve(settings))
+
+
+def log_to_file(path: Path, max_bytes: int, backups: int = constants.DAEMON_LOG_BACKUPS) -> None:
+    """The log goes to ``path`` instead of stderr, in the same format, rotated by size: at most
+    ``backups + 1`` files of ``max_bytes`` on disk however long the daemon runs."""
+    from logging.handlers import RotatingFileHandler
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
+    root = logging.getLogger()
+    for old in root.handlers[:]:
+        handler.setFormatter(old.formatter)  # cli's format
+        root.removeHandler(old)
+    root.addHandler(handler)
 
 
 class _MalformedRequestLine(logging.Filter):

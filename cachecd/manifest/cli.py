@@ -31,7 +31,7 @@ def register(sub: Any) -> None:
     b.add_argument("--token", help="HF token (default: HF_TOKEN or the stored login)")
     b.add_argument("--output", "-o", required=True, type=Path, help="manifest file to write")
     b.add_argument(
-        "--from-dir", type=Path, help="read a local folder instead (REV must be a commit)"
+        "--from-dir", type=Path, help="read a local folder instead (REV must be a commit; default: read the hub)"
     )
     b.add_argument("--jobs", "-j", type=_jobs, default=constants.MANIFEST_BUILD_JOBS,
                    help="shards streamed and hashed at once (default: %(default)s)")
@@ -44,8 +44,10 @@ def register(sub: Any) -> None:
     v.add_argument("file", metavar="FILE|hf://...", help="a manifest file, or one published in a "
                    "Hub repo: hf://[datasets/]ORG/REPO/PATH[@REV]")
     v.add_argument("--endpoint", help="also check it against this endpoint's metadata for its "
-                   "commit (files' sizes, the shards' sha256, the config's hash)")
-    v.add_argument("--token", help="HF token for --endpoint")
+                   "commit (files' sizes, the shards' sha256, the config's hash; default: no "
+                   "check; an hf:// FILE comes from HF_ENDPOINT)")
+    v.add_argument("--token", help="HF token for --endpoint (default: HF_TOKEN or the stored "
+                   "login)")
     v.set_defaults(func=_verify)
 
 

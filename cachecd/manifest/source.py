@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from cachecd import constants, errors
+from cachecd.hub_errors import translate
 from cachecd.manifest.build_plan import HEX64, SourceFile
 
 log = logging.getLogger(__name__)
@@ -62,31 +63,16 @@ def _same_origin(url: str, base: str) -> bool:
 
 
 def hub_errors(what: str, fn: Callable[[], T]) -> T:
-    """Run an huggingface_hub call, mapping its errors to cachecd's (no token in messages)."""
-    from huggingface_hub import errors as hf_errors
-
+    """Run an huggingface_hub call, its Hub and network errors raised as cachecd's."""
     try:
         return fn()
-    except hf_errors.GatedRepoError as exc:
-        raise errors.Gated(f"{what}: gated repo; accept its terms and pass a token") from exc
-    except (
-        hf_errors.RepositoryNotFoundError,
-        hf_errors.RevisionNotFoundError,
-        hf_errors.EntryNotFoundError,
-    ) as exc:
-        raise errors.NotFound(f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
-    except hf_errors.HfHubHTTPError as exc:
-        status = exc.response.status_code if exc.response is not None else None
-        if status == 401:
-            raise errors.Unauthorized(f"{what}: the endpoint refused the token (401)") from exc
-        raise errors.UpstreamError(f"{what}: HTTP {status}: {str(exc).splitlines()[0]}") from exc
     except Exception as exc:
-        # OSError, and the HTTP client's transport errors (connection refused, timeouts), which
-        # huggingface_hub lets through as the client's own types; anything else is a bug.
-        transport = type(exc).__module__.split(".")[0].startswith(("httpx", "httpcore"))
-        if not (isinstance(exc, OSError) or transport) or isinstance(exc, errors.CachecdError):
+        typed = translate(exc, what)
+        if typed is None and isinstance(exc, OSError):  # a local write failed under the call
+            typed = errors.UpstreamError(f"{what}: {type(exc).__name__}: {exc}")
+        if typed is None or typed is exc:
             raise
-        raise errors.UpstreamError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        raise typed from exc
 
 
 class HubSource:

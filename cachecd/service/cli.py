@@ -60,8 +60,8 @@ def register(sub: Any) -> None:
     s.set_defaults(func=status)
     g = actions.add_parser("logs", help="the service's log (journalctl or the launchd log file)")
     _common(g)
-    g.add_argument("-n", "--lines", type=int, default=100)
-    g.add_argument("-f", "--follow", action="store_true")
+    g.add_argument("-n", "--lines", type=int, default=100, help="how many of the last lines")
+    g.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     g.set_defaults(func=logs)
 
 

@@ -18,8 +18,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cachecd import constants
 from cachecd.config import Settings, format_size, load_settings
-from cachecd.errors import DaemonUnavailable, InvalidRequest, ManifestInvalid, ManifestMismatch
+from cachecd.errors import (
+    DaemonUnavailable,
+    InvalidRequest,
+    ManifestInvalid,
+    ManifestMismatch,
+    Offline,
+)
 from cachecd.setup import pipeline
 
 log = logging.getLogger(__name__)
@@ -30,20 +37,25 @@ def register(sub: Any) -> None:
     p = sub.add_parser("setup", help="install a model's resident weights and stream its experts")
     p.add_argument("--stream", required=True, metavar="ORG/NAME[@REV]", help="the model to stream")
     p.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or huggingface.co)")
-    p.add_argument("--socket", help="the daemon's control socket")
+    p.add_argument("--socket", help="the daemon's control socket (default: CACHECD_SOCKET or "
+                   f"the config's, else {constants.DEFAULT_SOCKET})")
     p.add_argument("--manifest", metavar="FILE|hf://[datasets/]ORG/REPO/PATH[@REV]",
-                   help="use this manifest (a file, or one published in a Hub repo) instead of "
-                        "the shipped one")
+                   help="use this manifest (a file, or one published in a Hub repo; default: "
+                        "the one cachecd ships for the model)")
     p.add_argument("--build-manifest", action="store_true",
                    help="build the manifest from the Hub (reads the whole revision once)")
     p.add_argument("--cache-dir", dest="cache_dirs", action="append", metavar="DIR",
-                   help="cache dir for a daemon this command starts (repeatable)")
-    p.add_argument("--budget", help="disk budget for a daemon this command starts")
-    p.add_argument("--models-dir", help="where resident files are installed")
+                   help="cache dir for a daemon this command starts (repeatable; default: "
+                        f"{constants.DEFAULT_CACHE_DIR})")
+    p.add_argument("--budget", help="disk budget for a daemon this command starts (default: 0, "
+                   "the free space)")
+    p.add_argument("--models-dir", help="where resident files are installed (default: "
+                   f"{constants.DEFAULT_MODELS_DIR})")
     p.add_argument("--no-start", action="store_true", help="do not start a daemon when none runs")
     p.add_argument("--pipeline", metavar="R/N",
                    help="install rank R of N machines that pipeline the model (mlx.launch): its "
-                        "layers' resident weights, its daemon serving only its layers' experts")
+                        "layers' resident weights, its daemon serving only its layers' experts "
+                        "(default: the whole model on this machine)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="the tokenizer runs code its repo ships (Kimi's tokenization_kimi.py): "
                         "load it once now, as pinned by sha256 in the manifest")
@@ -61,7 +73,9 @@ def resolve_commit(repo: str, rev: str, endpoint: str, offline: bool) -> str:
     if _COMMIT.match(rev):
         return rev
     if offline:
-        raise InvalidRequest(f"offline: {repo}@{rev} is not a commit; pass @<40-hex commit>")
+        raise Offline(f"{repo}@{rev}: HF_HUB_OFFLINE is set, so the Hub cannot say which commit "
+                      f"{rev!r} is; name the commit of a revision installed before "
+                      f"(--stream {repo}@<40-hex commit>), or unset HF_HUB_OFFLINE")
     from huggingface_hub import HfApi
 
     return str(HfApi(endpoint=endpoint).model_info(repo, revision=rev).sha)
@@ -211,7 +225,7 @@ def text_model_tensors(manifest: Any, local: Path) -> set[str]:
 async def fetch_resident(manifest: Any, local: Path, settings: Settings,
                          keep: set[str] | None = None) -> int:
     from huggingface_hub import get_token
-    from tqdm import tqdm
+    from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
     from cachecd.setup.resident import ResidentWriter
     from cachecd.upstream.hub import Upstream
@@ -239,7 +253,7 @@ def ensure_daemon(settings: Settings, args: argparse.Namespace) -> Any:
     except DaemonUnavailable:
         if args.no_start:
             raise
-    log_path = settings.models_dir / "daemon.log"
+    log_path = daemon_log_path(settings.socket)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "cachecd.cli", "serve", "--socket", str(settings.socket),
            "--endpoint", settings.endpoint, "--models-dir", str(settings.models_dir)]
@@ -247,12 +261,20 @@ def ensure_daemon(settings: Settings, args: argparse.Namespace) -> Any:
         cmd += ["--cache-dir", str(d)]
     if settings.budget:
         cmd += ["--budget", str(settings.budget)]
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                start_new_session=True)
+    # The daemon rotates its log itself; its stderr (a crash's traceback) starts afresh each start.
+    with open(log_path.with_suffix(".stderr"), "wb") as err:
+        proc = subprocess.Popen([*cmd, "--log-file", str(log_path)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     print(f"started a daemon (pid {proc.pid}, log {log_path})")
     print(service_hint(cmd[cmd.index("serve") + 1:]))
     return wait_healthy(client, proc, log_path)
+
+
+def daemon_log_path(socket: Path) -> Path:
+    """Where a daemon this command starts logs: the platform's log dir, one file per socket."""
+    if socket == constants.DEFAULT_SOCKET:
+        return constants.LOG_DIR / "daemon.log"
+    return constants.LOG_DIR / f"daemon-{hashlib.sha256(str(socket).encode()).hexdigest()[:8]}.log"
 
 
 def service_hint(serve_args: list[str]) -> str:
@@ -271,7 +293,8 @@ def wait_healthy(client: Any, proc: subprocess.Popen[bytes], log_path: Path, tim
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-2000:]
+            tail = "".join(p.read_text(errors="replace")[-2000:] for p in
+                           (log_path, log_path.with_suffix(".stderr")) if p.exists())
             raise DaemonUnavailable(f"the daemon exited with {proc.returncode}:\n{tail}")
         try:
             client.health()

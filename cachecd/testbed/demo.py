@@ -27,15 +27,17 @@ DEFAULT_PROMPT = "The cache warms to the workload because"
 
 def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="stream a tiny K3 through a local hub and a daemon, end to end")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--max-new", type=int, default=32)
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt the demo generates from")
+    p.add_argument("--max-new", type=int, default=32, help="tokens to generate")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (hub, cache, logs)")
     p.set_defaults(func=run)
 
 
-def _cli(*args: str, capture: bool = False) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, capture: bool = False,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "cachecd.cli", *args]
-    proc = subprocess.run(cmd, text=True, capture_output=capture)
+    proc = subprocess.run(cmd, text=True, capture_output=capture,
+                          env={**os.environ, **env} if env else None)
     if proc.returncode != 0:
         detail = (proc.stderr or "")[-2000:] if capture else ""
         raise SystemExit(f"demo: `cachecd {' '.join(args)}` failed ({proc.returncode}) {detail}")
@@ -90,8 +92,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"serving it as an HF-compatible hub at {hub.url}")
         _step(f"cachecd setup --stream {REPO}")
         common = ["--socket", str(socket)]
+        # The daemon setup starts logs in the temp dir too, not in the user's log dir.
         _cli("setup", "--stream", REPO, "--endpoint", hub.url, *common, "--cache-dir",
-             str(tmp / "cache"), "--models-dir", str(tmp / "models"))
+             str(tmp / "cache"), "--models-dir", str(tmp / "models"),
+             env={"CACHECD_LOG_DIR": str(tmp / "logs")})
         _step(f"cachecd run --prompt {args.prompt!r} --max-new {args.max_new}")
         _cli("run", "--model", REPO, "--prompt", args.prompt, "--max-new", str(args.max_new), *common)
         _step("what the daemon fetched")

@@ -59,9 +59,11 @@ class HubServer:
         token: str | None = None,
         url_ttl_s: float = DEFAULT_URL_TTL_S,
         hashes: HashCache | None = None,
+        gated: frozenset[str] = frozenset(),
     ) -> None:
         self.root, self.host, self.port = Path(root), host, port
-        self.app = build_app(self.root, token=token, url_ttl_s=url_ttl_s, hashes=hashes)
+        self.app = build_app(self.root, token=token, url_ttl_s=url_ttl_s, hashes=hashes,
+                             gated=gated)
         self.runner = web.AppRunner(
             self.app,
             access_log_class=AccessLog,
@@ -170,7 +172,8 @@ def _prehash(root: Path, hashes: HashCache) -> None:
 
 async def _serve_until_signal(args: argparse.Namespace) -> int:
     server = HubServer(
-        args.dir, host=args.host, port=args.port, token=args.token, url_ttl_s=args.url_ttl
+        args.dir, host=args.host, port=args.port, token=args.token, url_ttl_s=args.url_ttl,
+        gated=frozenset(args.gated or ()),
     )
     base_url = await server.start()
     if args.prehash:
@@ -200,10 +203,11 @@ def register(sub: Any) -> None:
     hub_sub = hub.add_subparsers(dest="hub_command", metavar="SUBCOMMAND")
     serve = hub_sub.add_parser(
         "serve", help="serve DIR/{org}/{name}/... as model repos, DIR/datasets/... as datasets")
-    serve.add_argument("dir", type=Path, metavar="DIR")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("dir", type=Path, metavar="DIR",
+                       help="the folder: DIR/ORG/NAME/ is the model repo ORG/NAME")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=0, help="0 picks a free port (printed)")
-    serve.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN'")
+    serve.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN' (default: no token needed)")
     serve.add_argument(
         "--url-ttl",
         type=float,
@@ -212,5 +216,10 @@ def register(sub: Any) -> None:
     )
     serve.add_argument(
         "--prehash", action="store_true", help="hash every repo in the background at start"
+    )
+    serve.add_argument(
+        "--gated", action="append", metavar="ORG/NAME",
+        help="answer for this repo as the Hub does for a gated repo the caller has no access to "
+             "(403 GatedRepo); repeatable (default: none)",
     )
     serve.set_defaults(func=_cmd_serve)

@@ -16,6 +16,8 @@ Invariants:
   with sendfile; it never substitutes a pre-compressed sibling file. Its responses carry the
   same metadata headers, since huggingface_hub follows a same-origin redirect on HEAD.
 - With a token configured, every request outside ``/_cdn`` needs ``Authorization: Bearer T``.
+- A repo named gated answers every request outside ``/_cdn`` as the Hub answers a gated repo
+  the token has no access to: 403 with ``X-Error-Code: GatedRepo``.
 - Blocking work (walking, stat, hashing) runs in threads, never on the event loop.
 """
 
@@ -159,9 +161,11 @@ def _unchanged(f: RepoFile) -> bool:
 class _Hub:
     """Request handlers over one root folder."""
 
-    def __init__(self, root: Path, token: str | None, signer: UrlSigner, hashes: HashCache) -> None:
+    def __init__(self, root: Path, token: str | None, signer: UrlSigner, hashes: HashCache,
+                 gated: frozenset[str] = frozenset()) -> None:
         self.root = root.resolve()
         self.token = token
+        self.gated = gated
         self.signer = signer
         self.hashes = hashes
         # Snapshots this server signed URLs from, newest last: the CDN's fast path.
@@ -174,6 +178,11 @@ class _Hub:
         kind = request.match_info.get("kind", "")
         if not (valid_repo_part(org) and valid_repo_part(name)) or (not kind and org == DATASETS):
             raise _hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
+        if repo_id in self.gated:
+            raise _hf_error(web.HTTPForbidden, "GatedRepo",
+                            f"Access to model {repo_id} is restricted and you are not in the "
+                            f"authorized list. Visit {request.url.origin()}/{repo_id} to ask for "
+                            "access.")
         repo_dir = self.root / kind / org / name
         kept = sidecar_path(self.root, _repo_key(request))
         snap = await asyncio.to_thread(self._snapshot_if_repo, repo_dir, repo_id, kept)
@@ -332,10 +341,11 @@ def build_app(
     token: str | None = None,
     url_ttl_s: float = DEFAULT_URL_TTL_S,
     hashes: HashCache | None = None,
+    gated: frozenset[str] = frozenset(),
 ) -> web.Application:
     """The hub over ``root``. Servers share the process-wide sha256 cache unless given their own,
     so a server restarted in the same process does not hash again."""
-    hub = _Hub(root, token, UrlSigner(url_ttl_s), hashes or SHARED_HASHES)
+    hub = _Hub(root, token, UrlSigner(url_ttl_s), hashes or SHARED_HASHES, gated)
     app = web.Application(middlewares=[hub.auth])
     app[HUB_KEY] = hub
     # Dataset routes first: "/datasets/..." is a dataset repo, never a model org.

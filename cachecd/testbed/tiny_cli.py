@@ -21,16 +21,17 @@ def register(sub: Any) -> None:
         "(mlx-lm loads it unmodified); --format int4 or fp8 writes a DeepSeek-V3-layout Kimi K2 "
         "instead (K2-Thinking's int4 experts, K2-Instruct's fp8 experts).",
     )
-    p.add_argument("out", type=Path, metavar="OUT")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("out", type=Path, metavar="OUT", help="the folder to write the checkpoint into")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--experts", type=int, default=32, help="experts per MoE layer")
+    p.add_argument("--top-k", type=int, default=4, help="experts each token routes to")
+    p.add_argument("--layers", type=int, default=6, help="decoder layers (the first one dense)")
     p.add_argument("--shard-bytes", type=int, help="shard size (default: 256 KiB, K2: 96 KiB)")
     p.add_argument("--format", dest="fmt", choices=("mxfp4", "fp32", "int4", "fp8"),
                    default="mxfp4", help="mxfp4, fp32: K3; int4, fp8: K2 (DeepSeek-V3 layout)")
     p.add_argument("--expert-hidden", type=int, default=64, help="K3's expert latent width")
-    p.add_argument("--moe-intermediate", type=int, default=64)
+    p.add_argument("--moe-intermediate", type=int, default=64,
+                   help="an expert's intermediate width")
     p.add_argument("--kimi-tokenizer", action="store_true",
                    help="Kimi's tokenizer form: tiktoken.model, remote code (tokenization_kimi.py, "
                         "needs --trust-remote-code to run), tokenizer_config.json with auto_map")

@@ -182,7 +182,8 @@ class HubClient:
                 raise self._status_failure(resp, b"", rid, what, on_resolve=True)
             _check_identity(resp.headers, manifest, file, rid)
             target = resp.headers.get("Location") if resp.status in _REDIRECTS else None
-        log.info("resolved repo=%s file=%s redirected=%s", manifest.repo, file, target is not None)
+        # DEBUG: routine, once per file; `setup` would print one line per shard between its bars.
+        log.debug("resolved repo=%s file=%s redirected=%s", manifest.repo, file, target is not None)
         if target is None:
             return Location(url, False, time.monotonic() + self.signed_url_ttl)
         target = urljoin(url, target)

@@ -1,0 +1,52 @@
+"""How ``cachecd --help`` reads: every option's default shown, the commands in groups.
+
+The groups put what a user runs first (use, cache, service) and the developer tools last.
+A command no group names is still listed, under "more", so none is ever hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("use", ("setup", "run", "openai", "demo")),
+    ("cache", ("status", "warm", "coverage", "pin", "unpin", "evict", "fsck")),
+    ("service", ("serve", "service")),
+    ("developer tools", ("manifest", "hub", "tiny-model")),
+)
+_SAYS_DEFAULT = re.compile(r"\(default|default:|%\(default|\(the default\)|; default ", re.I)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, with ``(default: X)`` after an option's help unless the help says
+    its default already or there is none to show (a flag that is off, an unset option whose help
+    says what happens without it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not action.option_strings or _SAYS_DEFAULT.search(text):
+            return text
+        d = action.default
+        if d is None or d is False or d is argparse.SUPPRESS or d in ("", [], {}):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose help, and its subcommands' help, uses :class:`HelpFormatter`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def group_commands(parser: argparse.ArgumentParser, sub: Any) -> None:
+    """List ``sub``'s commands under GROUPS' titles instead of one block of positionals."""
+    entries = {a.dest: a for a in sub._choices_actions}  # argparse's one row per command
+    parser._positionals._group_actions.remove(sub)
+    for title, names in (*GROUPS, ("more", tuple(entries))):
+        rows = [entries.pop(n) for n in names if n in entries]
+        if rows:
+            parser.add_argument_group(title)._group_actions.extend(rows)

@@ -1,0 +1,115 @@
+"""Ordinary mistakes end in one line naming what failed and what to do, never a traceback.
+
+`cachecd setup --stream` run as a user runs it, against `cachecd hub serve` (one plain, one that
+wants a token and gates the tiny repo), a port nothing listens on, and offline mode with an empty
+Hugging Face cache. With `-v` the traceback is printed too.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cachecd.testbed.hub_server import spawn_hub
+from tests.harness import TINY_REPO, HubProcess, run_cli, short_tmp
+
+TOKEN = "hf_test_token_for_the_gated_hub"
+
+
+@pytest.fixture(scope="module")
+def gated_hub(hub_root: Path) -> Iterator[str]:
+    """A hub that wants TOKEN and answers for the tiny repo as the Hub does for a gated repo."""
+    proc, url = spawn_hub(hub_root, token=TOKEN, extra_args=["--gated", TINY_REPO])
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def home() -> Iterator[Path]:
+    """An empty HF_HOME (no stored token, nothing cached) and the dirs setup would use."""
+    base = short_tmp("cde")
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def setup(home: Path, spec: str, endpoint: str, *extra: str, env: dict[str, str] | None = None,
+          verbose: bool = False) -> subprocess.CompletedProcess[str]:
+    env = {"HF_HOME": str(home / "hf"), "HF_TOKEN": "", "HF_HUB_OFFLINE": "0", **(env or {})}
+    return run_cli(*(["-v"] if verbose else []), "setup", "--stream", spec, "--endpoint", endpoint,
+                   "--socket", str(home / "run" / "s.sock"), "--models-dir", str(home / "models"),
+                   "--cache-dir", str(home / "cache"), "--no-start", *extra, env=env,
+                   check=False, timeout=120)
+
+
+def one_line(proc: subprocess.CompletedProcess[str], code: str) -> str:
+    """The single stderr line of a failed command, checked to carry ``code``."""
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"cachecd: {code}: "), proc.stderr
+    return lines[0]
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_repo_not_found(hub: HubProcess, home: Path) -> None:
+    line = one_line(setup(home, "nosuch/repo", hub.url), "not_found")
+    assert "nosuch/repo" in line and hub.url in line and "hf auth login" in line
+
+
+def test_revision_not_found(hub: HubProcess, home: Path) -> None:
+    line = one_line(setup(home, f"{TINY_REPO}@nosuch", hub.url), "not_found")
+    assert f"{TINY_REPO}@nosuch" in line and "revision" in line
+
+
+def test_refused_token_is_unauthorized(gated_hub: str, home: Path) -> None:
+    line = one_line(setup(home, TINY_REPO, gated_hub, env={"HF_TOKEN": "hf_wrong"}),
+                    "unauthorized")
+    assert "401" in line and "HF_TOKEN" in line and TINY_REPO in line and "hf_wrong" not in line
+
+
+def test_gated_repo_says_where_to_ask(gated_hub: str, home: Path) -> None:
+    line = one_line(setup(home, TINY_REPO, gated_hub, env={"HF_TOKEN": TOKEN}), "gated")
+    assert f"request access at {gated_hub}/{TINY_REPO}" in line and TOKEN not in line
+
+
+def test_unreachable_endpoint(home: Path) -> None:
+    url = f"http://127.0.0.1:{closed_port()}"
+    line = one_line(setup(home, TINY_REPO, url), "upstream_error")
+    assert f"cannot reach {url}" in line and "HF_HUB_OFFLINE=1" in line
+
+
+def test_offline_with_nothing_cached(hub: HubProcess, home: Path, tiny_manifest: object,
+                                     tiny_manifest_path: Path) -> None:
+    offline = {"HF_HUB_OFFLINE": "1"}
+    line = one_line(setup(home, TINY_REPO, hub.url, env=offline), "offline")
+    assert f"{TINY_REPO}@<40-hex commit>" in line
+    commit = tiny_manifest.revision  # type: ignore[attr-defined]
+    proc = setup(home, f"{TINY_REPO}@{commit}", hub.url, "--manifest", str(tiny_manifest_path),
+                 env=offline)
+    line = one_line(proc, "offline")
+    assert f"{TINY_REPO}@{commit}/config.json" in line and "HF_HUB_OFFLINE" in line
+
+
+def test_verbose_adds_the_traceback(hub: HubProcess, home: Path) -> None:
+    proc = setup(home, "nosuch/repo", hub.url, verbose=True)
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr and "RepositoryNotFoundError" in proc.stderr
+    lines = proc.stderr.splitlines()  # debug lines may follow (connections closed at exit)
+    assert any(line.startswith("cachecd: not_found: nosuch/repo") for line in lines)
+
+
+def test_no_daemon_is_one_line(home: Path) -> None:
+    proc = run_cli("status", "--socket", str(home / "none.sock"), check=False)
+    line = one_line(proc, "daemon_unavailable")
+    assert "cachecd serve" in line
