@@ -104,7 +104,7 @@ def register(sub: Any) -> None:
     src.add_argument("--trace", metavar="FILE", help="a routing trace (cachecd run --trace)")
     src.add_argument("--top", type=int, metavar="N", help="the N most-used missing experts")
     src.add_argument("--bytes", metavar="SIZE", help="the most-used missing experts up to SIZE, e.g. 20GB")
-    p.add_argument("--max-new", type=int, default=4, help="tokens generated per prompt (--prompts)")
+    p.add_argument("--max-tokens", "--max-new", dest="max_new", type=int, default=4, help="tokens generated per prompt (--prompts)")
     p.add_argument("--save-trace", metavar="FILE",
                    help="keep the routing of --prompts as a trace (default: not kept)")
     add_chat_flag(p)

@@ -337,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
     if layers is not None:
         print(pipeline.rank_report(manifest, layers))
         print(f"run it on every machine at once: mlx.launch --hostfile hosts.json -- cachecd run "
-              f"--model {repo}{trust} --prompt 'Hello' --max-new 32")
+              f"--model {repo}{trust} --prompt 'Hello' --max-tokens 32")
         return 0
-    print(f"run it: cachecd run --model {repo}{trust} --prompt 'Hello' --max-new 32")
+    print(f"run it: cachecd run --model {repo}{trust} --prompt 'Hello' --max-tokens 32")
     return 0

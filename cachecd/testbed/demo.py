@@ -28,7 +28,7 @@ DEFAULT_PROMPT = "The cache warms to the workload because"
 def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="stream a tiny K3 through a local hub and a daemon, end to end")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt the demo generates from")
-    p.add_argument("--max-new", type=int, default=32, help="tokens to generate")
+    p.add_argument("--max-tokens", "--max-new", dest="max_new", type=int, default=32, help="tokens to generate")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (hub, cache, logs)")
     p.set_defaults(func=run)
 
@@ -96,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
         _cli("setup", "--stream", REPO, "--endpoint", hub.url, *common, "--cache-dir",
              str(tmp / "cache"), "--models-dir", str(tmp / "models"),
              env={"CACHECD_LOG_DIR": str(tmp / "logs")})
-        _step(f"cachecd run --prompt {args.prompt!r} --max-new {args.max_new}")
-        _cli("run", "--model", REPO, "--prompt", args.prompt, "--max-new", str(args.max_new), *common)
+        _step(f"cachecd run --prompt {args.prompt!r} --max-tokens {args.max_new}")
+        _cli("run", "--model", REPO, "--prompt", args.prompt, "--max-tokens", str(args.max_new), *common)
         _step("what the daemon fetched")
         _summary(socket)
     finally:
