@@ -108,6 +108,9 @@ HF_ENDPOINT: str = hf_constants.ENDPOINT
 HF_HUB_OFFLINE: bool = bool(hf_constants.HF_HUB_OFFLINE)
 HF_HOME: str = hf_constants.HF_HOME
 
+# systemd's readiness socket for a Type=notify unit (daemon.notify); unset outside systemd.
+NOTIFY_SOCKET: str | None = os.environ.get("NOTIFY_SOCKET") or None
+
 # Engine: record the routing trace to this file (``cachecd_engine.trace``); `run --trace` wins.
 TRACE_PATH: str | None = os.environ.get("CACHECD_TRACE") or None
 
