@@ -194,10 +194,12 @@ def read_requests(path: str | Path) -> Stream:
     """The requests of a ``cachecd-trace`` file, in the order they were recorded."""
     calls: list[np.ndarray] = []
     with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if number == 1 or not line.strip():
-                continue  # the header; cachecd_engine.trace.read_trace validates files
+        for line in f:
+            if not line.strip():
+                continue
             record = json.loads(line)
+            if "format" in record:
+                continue  # a run's header; cachecd_engine.trace.read_trace validates files
             rows = np.asarray(record["experts"], dtype=np.int64).reshape(-1)
             calls.append(int(record["layer"]) * KEY_STRIDE + rows)
     return Stream.of_calls(calls)

@@ -26,6 +26,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.setup.stream",
     "cachecd.daemon.serve",
     "cachecd.ctl.cache",
+    "cachecd.ctl.remove",
     "cachecd.service.cli",
     "cachecd_engine.run",
     "cachecd_engine.openai_cli",

@@ -12,7 +12,7 @@ from typing import Any
 
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("use", ("setup", "run", "openai", "demo")),
-    ("cache", ("status", "warm", "coverage", "pin", "unpin", "evict", "fsck")),
+    ("cache", ("status", "warm", "coverage", "pin", "unpin", "evict", "remove", "fsck")),
     ("service", ("serve", "service")),
     ("developer tools", ("manifest", "hub", "tiny-model")),
 )

@@ -125,6 +125,9 @@ HF_HOME: str = hf_constants.HF_HOME
 # (either case, lowercase first) -> {"http": url, "https": url, "all": url, "no": hosts}.
 PROXIES: dict[str, str] = urllib.request.getproxies_environment()
 
+# systemd's readiness socket for a Type=notify unit (daemon.notify); unset outside systemd.
+NOTIFY_SOCKET: str | None = os.environ.get("NOTIFY_SOCKET") or None
+
 # Engine: record the routing trace to this file (``cachecd_engine.trace``); `run --trace` wins.
 TRACE_PATH: str | None = os.environ.get("CACHECD_TRACE") or None
 

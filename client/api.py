@@ -97,6 +97,14 @@ class Client:
                 "pipeline": list(pipeline) if pipeline else None}
         return self._control.request("POST", "/v1/models", body)
 
+    def remove(self, model: str, *, experts: bool = False) -> dict[str, Any]:
+        """Unregister ``model`` (a restart does not bring it back) and delete the resident files
+        setup installed for it under the daemon's models dir; with ``experts``, evict its cached
+        experts too, but for those another registered model shares. Returns what was freed
+        (``resident_bytes_freed``, ``expert_bytes_freed``, ...) and what was kept, and why."""
+        query = "?experts=1" if experts else ""
+        return self._control.request("DELETE", f"/v1/models/{model}{query}")
+
     def manifest_bytes(self, model: str) -> bytes:
         """The registered manifest of ``model``, as stored by the daemon."""
         data, _ = self._control.request("GET", f"/v1/models/{model}/manifest", raw=True)

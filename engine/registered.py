@@ -187,12 +187,13 @@ def check_adapter(adapter_path: Path) -> None:
 
 
 def attach_trace(model: Any, repo: str, path: str | Path | None) -> None:
-    """Record the routing to ``path`` (or ``CACHECD_TRACE``), closed at exit."""
+    """Record the routing to ``path`` (or ``CACHECD_TRACE``), after the runs already in it;
+    closed at exit."""
     from cachecd import constants
     from cachecd_engine.trace import TraceRecorder
 
     path = path or constants.TRACE_PATH
     if path:
-        recorder = TraceRecorder(path, repo)
+        recorder = TraceRecorder(path, repo, append=True)
         model.bank.trace = recorder
         atexit.register(recorder.close)

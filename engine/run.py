@@ -87,8 +87,9 @@ def register(sub: Any) -> None:
     p.add_argument("--stats", action="store_true", help="per-token stats on stderr")
     p.add_argument("--json", action="store_true", help="print token ids and per-token stats as JSON")
     p.add_argument("--trace", metavar="FILE",
-                   help="record the routing (JSON lines; replay with cachecd warm --trace; "
-                        "default: CACHECD_TRACE, else not recorded)")
+                   help="record the routing (JSON lines, after the runs already in FILE; "
+                        "replay with cachecd warm --trace; default: CACHECD_TRACE, else not "
+                        "recorded)")
     p.set_defaults(func=run)
 
 

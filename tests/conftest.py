@@ -130,3 +130,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--soak-seconds", type=float, default=None,
         help="how long the fault suite's soak (tests/faults/test_s17_soak.py) keeps the daemon "
              "under load; default $CACHECD_SOAK_SECONDS, else 60")
+    parser.addoption(
+        "--lowest-deps", action="store_true", default=False,
+        help="run tests/install: a venv with every dependency at the lowest release "
+             "pyproject.toml allows, `cachecd --help` and tests/unit in it (a few minutes)")

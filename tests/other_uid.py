@@ -193,5 +193,18 @@ def _open_up(root: Path) -> None:
 
 
 def new_root() -> Path:
-    """A dir under the temp dir (``TMPDIR``, else the platform's), for ``prepare`` to fill."""
-    return Path(tempfile.mkdtemp(prefix="cd-uid"))
+    """A new dir for ``prepare`` to fill, under a temp dir the other uid can reach: ``TMPDIR`` may
+    be private (pam_tmpdir's ``/tmp/user/UID`` is 0700), then ``/tmp`` or ``/var/tmp``."""
+    for base in (tempfile.gettempdir(), "/tmp", "/var/tmp"):
+        if _searchable_by_all(Path(base)):
+            return Path(tempfile.mkdtemp(prefix="cd-uid", dir=base))
+    return Path(tempfile.mkdtemp(prefix="cd-uid"))  # prepare then skips, naming what failed
+
+
+def _searchable_by_all(path: Path) -> bool:
+    """Whether every directory from / down to ``path`` lets any uid through (o+x)."""
+    try:
+        real = path.resolve(strict=True)
+        return all(os.stat(d).st_mode & 0o001 for d in (real, *real.parents))
+    except OSError:
+        return False

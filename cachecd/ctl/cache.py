@@ -96,10 +96,21 @@ def render_status(info: dict[str, Any]) -> str:
             of = f" (pipeline rank {rank['rank']} of {rank['size']})" if rank else ""
             lines.append(f"  serves    layers {m['layers'][0]}-{m['layers'][1] - 1} only{of}: "
                          f"{m['experts_served']} experts, {format_size(m['expert_bytes_served'])}")
+        if "experts_cached" in m:
+            lines.append(_cached_line(m))
     for repo, why in info.get("refused_models", {}).items():
         lines.append(f"refused     {repo}: {why}")
     lines += _attention(store, counters, info.get("scrub"))
     return "\n".join(lines)
+
+
+def _cached_line(m: dict[str, Any]) -> str:
+    """A model's coverage: its experts cached, of those this daemon serves."""
+    served, total = m.get("experts_served", m["experts_total"]), m.get(
+        "expert_bytes_served", m["expert_bytes_total"])
+    share = m["expert_bytes_cached"] / total if total else 0.0
+    return (f"  cached    {m['experts_cached']}/{served} experts, "
+            f"{format_size(m['expert_bytes_cached'])} of {format_size(total)} ({share:.1%})")
 
 
 def _ago(when: float) -> str:

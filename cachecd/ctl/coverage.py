@@ -65,14 +65,25 @@ def snapshot(client: Any, model: str, manifest: Manifest | None = None) -> Snaps
                     (int(served[0]), int(served[1])) if served else None, report.get("pipeline"))
 
 
-def trace_access(manifest: Manifest, path: str | Path) -> np.ndarray:
-    """Per-row routed counts of a recorded trace (``cachecd_engine.trace`` format)."""
-    from cachecd_engine.trace import read_trace
+def trace_access(manifest: Manifest, paths: list[str]) -> np.ndarray:
+    """Per-row routed counts of recorded traces (``cachecd_engine.trace`` format, plain or
+    gzip), summed over the files and the runs in each."""
+    from cachecd_engine.trace import read_traces
 
-    trace = read_trace(path)
+    trace = read_traces(paths)
     if trace.model not in (None, manifest.repo):
-        raise InvalidRequest(f"{path} is a trace of {trace.model}, not {manifest.repo}")
+        raise InvalidRequest(f"{', '.join(paths)}: traces of {trace.model}, not {manifest.repo}")
     return access_array(manifest, trace.counts)
+
+
+def trace_label(paths: list[str]) -> str:
+    return f"trace {paths[0]}" if len(paths) == 1 else f"traces {', '.join(paths)}"
+
+
+def add_trace_flag(p: Any, helptext: str) -> None:
+    """``--trace FILE [FILE ...]``, also repeatable: several traces are one workload."""
+    p.add_argument("--trace", metavar="FILE", nargs="+", action="extend",
+                   help=helptext + " (several files, or the flag repeated, add up; .gz is read too)")
 
 
 def build_report(snap: Snapshot, access: np.ndarray, workload: str, top: int = 20) -> dict[str, Any]:
@@ -98,8 +109,7 @@ def register(sub: Any) -> None:
     p.add_argument("--format", choices=FORMATS, default="table", help="how to show it")
     p.add_argument("--output", metavar="FILE",
                    help="write here instead of stdout (png needs it; default: stdout)")
-    p.add_argument("--trace", metavar="FILE",
-                   help="weigh coverage by this routing trace (default: the daemon's counts)")
+    add_trace_flag(p, "weigh coverage by this routing trace (default: the daemon's counts)")
     p.add_argument("--top", type=int, default=20, help="how many most-wanted missing experts")
     p.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
     p.set_defaults(func=coverage)
@@ -115,7 +125,7 @@ def coverage(args: argparse.Namespace) -> int:
         snap = snapshot(client, args.model)
     access, workload = snap.access, DAEMON_WORKLOAD
     if args.trace:
-        access, workload = trace_access(snap.manifest, args.trace), f"trace {args.trace}"
+        access, workload = trace_access(snap.manifest, args.trace), trace_label(args.trace)
     report = build_report(snap, access, workload, args.top)
     data: str | bytes
     if args.format == "table":

@@ -39,7 +39,15 @@ import numpy as np
 
 from cachecd.config import format_size, parse_size
 from cachecd.ctl import SOCKET_HELP
-from cachecd.ctl.coverage import DAEMON_WORKLOAD, Snapshot, client_for, snapshot, trace_access
+from cachecd.ctl.coverage import (
+    DAEMON_WORKLOAD,
+    Snapshot,
+    add_trace_flag,
+    client_for,
+    snapshot,
+    trace_access,
+    trace_label,
+)
 from cachecd.errors import CachecdError, InvalidRequest
 from cachecd.report.coverage import access_array, served_mask, trace_weighted, warm_order
 from cachecd_engine.run import add_chat_flag, add_trust_flag
@@ -101,10 +109,11 @@ def register(sub: Any) -> None:
     p.add_argument("--model", help="ORG/NAME (default: the one model the daemon has registered)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", metavar="FILE", help="one prompt a line (or JSON lines with \"prompt\")")
-    src.add_argument("--trace", metavar="FILE", help="a routing trace (cachecd run --trace)")
+    add_trace_flag(src, "a routing trace (cachecd run --trace)")
     src.add_argument("--top", type=int, metavar="N", help="the N most-used missing experts")
     src.add_argument("--bytes", metavar="SIZE", help="the most-used missing experts up to SIZE, e.g. 20GB")
-    p.add_argument("--max-tokens", "--max-new", dest="max_new", type=int, default=4, help="tokens generated per prompt (--prompts)")
+    p.add_argument("--max-tokens", "--max-new", dest="max_new", type=int, default=4,
+                   help="tokens generated per prompt (--prompts)")
     p.add_argument("--save-trace", metavar="FILE",
                    help="keep the routing of --prompts as a trace (default: not kept)")
     add_chat_flag(p)
@@ -134,7 +143,7 @@ def warm(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace, snap: Snapshot) -> Plan:
     m = snap.manifest
     if args.trace:
-        workload, label = trace_access(m, args.trace), f"trace {args.trace}"
+        workload, label = trace_access(m, args.trace), trace_label(args.trace)
     else:
         workload, label = snap.access, DAEMON_WORKLOAD
     workload, notes = _served_share(snap, workload, label)
@@ -347,7 +356,7 @@ def _warm_prompts(args: argparse.Namespace, client: Any, before: Snapshot) -> in
 
     prompts = read_prompts(args.prompts)
     model, tokenizer = load(args.model, args.socket, trust_remote_code=args.trust_remote_code)
-    recorder = TraceRecorder(args.save_trace, args.model)
+    recorder = TraceRecorder(args.save_trace, args.model, append=True)
     model.bank.trace = recorder
     start_bytes = client.stats()["counters"].get("fetched_bytes", 0)
     outcome, t0 = Outcome(), time.monotonic()

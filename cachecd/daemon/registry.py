@@ -154,6 +154,7 @@ class Registry:
         self._models: dict[str, RegisteredModel] = {}
         self._check = check
         self.refused: dict[str, str] = {}
+        self.at_start: set[str] = set()  # repos `serve --manifest` registers at every start
 
     async def load_registered(self) -> None:
         for record in self._store.models():
@@ -218,6 +219,22 @@ class Registry:
                 why = exc.message
         log.warning("manifest_unchecked repo=%s revision=%s reason=%s", manifest.repo,
                     manifest.revision, why)
+
+    async def unregister(self, repo: str) -> tuple[RegisteredModel | None, dict[str, Any]]:
+        """Forget ``repo``'s registration, in memory and durably in the index (a restart does not
+        bring it back); its model (None if its manifest was refused) and its stored record."""
+        model = self._models.get(repo)
+        record = self._store.get_model(repo) or (
+            {"repo": repo, "manifest": str(model.manifest_path), "local_dir": None} if model
+            else None)
+        if record is None:
+            raise RepoNotAllowed(f"{repo} is not registered with this daemon; `cachecd status` "
+                                 "lists the models it has")
+        await asyncio.wrap_future(self._store.delete_model(repo))
+        self._models.pop(repo, None)
+        self.refused.pop(repo, None)
+        log.info("model unregistered repo=%s", repo)
+        return model, record
 
     def get(self, repo: str) -> RegisteredModel:
         model = self._models.get(repo)

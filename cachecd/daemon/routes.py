@@ -20,7 +20,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from cachecd.daemon import metrics as prom
+from cachecd.daemon.app import parse_repo
 from cachecd.daemon.peer import peer_cred
+from cachecd.daemon.removal import remove_model
 from cachecd.errors import CachecdError, Forbidden, Internal, InvalidRequest, NotFound
 from cachecd.report.coverage import access_array, cached_mask, coverage_report, pack_detail
 
@@ -100,7 +102,20 @@ async def healthz(request: web.Request) -> web.Response:
 async def status(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     await d.fetcher.settled()  # what was handed out is in the store before it is reported
-    return web.json_response(d.status())
+    info = d.status()
+    await asyncio.to_thread(_add_coverage, d, info["models"])
+    return web.json_response(info)
+
+
+def _add_coverage(d: Any, models: list[dict[str, Any]]) -> None:
+    """Each model's experts cached, of those the daemon serves (a thread: K3 has 82,432)."""
+    by_repo = {m.repo: m for m in d.registry.all()}
+    for row in models:
+        model = by_repo.get(row["repo"])
+        if model is not None:
+            cached = cached_mask(model.manifest, d.store.has) & model.served_rows()
+            row["experts_cached"] = int(cached.sum())
+            row["expert_bytes_cached"] = int(model.manifest.sizes[cached].sum())
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -139,6 +154,15 @@ async def register_model(request: web.Request) -> web.Response:
 def _read_file(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
+
+
+async def unregister_model(request: web.Request) -> web.Response:
+    """``cachecd remove``: unregister, delete the resident files; ``?experts=1`` evicts the
+    model's cached experts too (those another registered model shares stay)."""
+    d = request.app[DAEMON]
+    repo = parse_repo(_repo(request))
+    experts = request.query.get("experts") in ("1", "true")
+    return web.json_response(await remove_model(d, repo, experts))
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -277,6 +301,7 @@ def build_app(daemon: Any, client_max_size: int, door: Any = None) -> web.Applic
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/models", register_model)
     app.router.add_get(base, model_info)
+    app.router.add_delete(base, unregister_model)
     app.router.add_get(base + "/manifest", model_manifest)
     app.router.add_get(base + "/experts/{layer}/{expert}", expert_bytes)
     app.router.add_get(base + "/experts/{layer}", expert_batch)

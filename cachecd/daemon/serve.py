@@ -2,8 +2,9 @@
 
 Start-up order matters: the cache lock is taken and recovery (temps, bad rows, strays, eviction
 down to the budget) finishes before either socket is bound, so no client ever sees a cache that
-is over budget or half-recovered. SIGTERM/SIGINT drain: stop accepting, let fetches in flight
-finish within ``shutdown_timeout``, close LMDB, remove the sockets, exit 0.
+is over budget or half-recovered. Under a ``Type=notify`` systemd unit, ``READY=1`` is sent only
+once both sockets accept (``notify``). SIGTERM/SIGINT drain: stop accepting, let fetches in
+flight finish within ``shutdown_timeout``, close LMDB, remove the sockets, exit 0.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from cachecd import constants
 from cachecd.config import Settings, load_settings, parse_size
+from cachecd.daemon.notify import notify
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +117,10 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     from cachecd.store.store import Store
     from cachecd.upstream.hub import Upstream
 
+    notify("STATUS=recovering the cache: " + ", ".join(map(str, settings.cache_dirs)))
     store = await Store.open(settings.cache_dirs, budget=settings.budget, policy=settings.policy,
                              map_size=settings.map_size)
+    notify("STATUS=registering models")
     # huggingface_hub may fetch a small registry synchronously the first time it builds headers:
     # keep that off the event loop. Token None: the one huggingface_hub finds, at each resolve.
     upstream = await asyncio.to_thread(Upstream, settings.endpoint, None,
@@ -138,6 +142,8 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     data_server = DataServer(daemon, data)
     data_server.start()
     daemon.scrub.start()
+    # Both sockets accept connections now: a client ordered after the unit finds a daemon.
+    notify("READY=1", f"STATUS=serving on {settings.socket}")
     return daemon, [runner, data_server]
 
 
@@ -146,7 +152,9 @@ async def _register_or_refuse(daemon: Any, path: Path) -> None:
     from cachecd.errors import CachecdError
 
     try:
-        await daemon.registry.register(await asyncio.to_thread(path.read_bytes), str(path), None)
+        model = await daemon.registry.register(await asyncio.to_thread(path.read_bytes),
+                                               str(path), None)
+        daemon.registry.at_start.add(model.repo)
     except (CachecdError, OSError) as exc:
         reason = exc.message if isinstance(exc, CachecdError) else f"cannot read {path}: {exc}"
         daemon.registry.refused[str(path)] = reason
@@ -166,6 +174,7 @@ async def serve(settings: Settings) -> int:
     await stop.wait()
     log.info("draining inflight=%d timeout=%.1fs", daemon.fetcher.inflight, settings.shutdown_timeout)
     daemon.draining = True
+    notify("STOPPING=1", f"STATUS=draining {daemon.fetcher.inflight} fetches in flight")
     await daemon.fetcher.drain(settings.shutdown_timeout)
     await runner.cleanup()
     await data_server.close()

@@ -53,6 +53,14 @@ SPOTLIGHT_MARKER = ".metadata_never_index"
 TM_EXCLUDE_XATTR = "com.apple.metadata:com_apple_backup_excludeItem"
 TM_EXCLUDE_VALUE = plistlib.dumps("com.apple.backupd", fmt=plistlib.FMT_BINARY)
 EXCLUDE_FROM_INDEXING = sys.platform == "darwin"
+# The Cache Directory Tagging spec (bford.info/cachedir): backup tools (borg, restic, tar
+# --exclude-caches, ...) skip a directory holding this file when it begins with this line.
+CACHEDIR_TAG = "CACHEDIR.TAG"
+CACHEDIR_TAG_TEXT = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This file is a cache directory tag created by cachecd: every byte here is fetched again\n"
+    "# from the Hub, and verified, when it is needed. See https://bford.info/cachedir/\n"
+)
 SetXattr = Callable[[Path, str, bytes], None]
 # Reads while hashing a blob on disk. Small enough that the hash reads the chunk from the CPU's
 # cache and that its buffer is not a fresh mapping each time: 16 K3-sized blobs in the page
@@ -111,6 +119,7 @@ class CacheDir:
         self.quarantine_dir = self.root / "quarantine"
         for d in (self.root, self.blobs, self.tmp, self.quarantine_dir):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tag_cache_dir(self.root)
         if EXCLUDE_FROM_INDEXING:
             exclude_from_indexing(self.root)
 
@@ -157,6 +166,22 @@ class CacheDir:
             return None
         log.warning("event=quarantined path=%s dest=%s reason=%s", path, dest, reason)
         return dest
+
+
+def tag_cache_dir(root: Path) -> None:
+    """Write ``CACHEDIR_TAG`` in ``root`` unless one is there (a user's own is left alone). A
+    failure is logged, not raised: a backed-up cache costs space, not correctness."""
+    tag = root / CACHEDIR_TAG
+    if tag.exists():
+        return
+    try:
+        fd = os.open(tag, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(CACHEDIR_TAG_TEXT)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        log.warning("event=cachedir_tag_failed dir=%s err=%s", root, exc)
 
 
 def exclude_from_indexing(root: Path, setxattr: SetXattr | None = None) -> None:

@@ -10,7 +10,8 @@ there to observe what happens meanwhile (an answer before the blob is durable, s
 
 Points on the blob write path, in order: after_tmp_write, after_fsync, after_rename,
 before_index_commit, after_index_commit. In the index: during_map_growth (the LMDB map was just
-grown, the write txn that ran out of room not yet retried).
+grown, the write txn that ran out of room not yet retried). At start: during_recovery (the
+repair done, neither socket bound yet).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from pathlib import Path
 from cachecd import errors
 from cachecd.store import blobs as blobs_mod
 from cachecd.store.blobs import BlobDirs, OnDisk
+from cachecd.store.crash import crash_point
 from cachecd.store.index import Entry, Index
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ def recover(
         _reconcile(blobs, index, entries, report)
     report.entries = len(entries)
     report.bytes = sum(e.size for e in entries.values())
+    crash_point("during_recovery")  # the scan done; nothing served yet
     return report, entries
 
 

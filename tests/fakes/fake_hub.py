@@ -34,7 +34,10 @@ from tests.fakes.expert_shards import (  # noqa: F401 - re-exported for tests
 )
 
 CHUNK = 64 * 1024
-ARRIVAL = web.RequestKey("t_arrival", float)
+# web.RequestKey came in aiohttp 3.14; older releases (the lowest cachecd allows, which
+# tests/install checks) key a request's state by string.
+ARRIVAL: Any = (web.RequestKey("t_arrival", float) if hasattr(web, "RequestKey")
+                else "t_arrival")
 
 
 @dataclass

@@ -141,7 +141,9 @@ def test_rendered_unit_passes_systemd_analyze_verify(home: Path) -> None:
     assert argv[argv.index("--socket") + 1] == str(sock)
     rw = shlex.split(unit_values(text, "ReadWritePaths")[0].replace("%%", "%"))
     assert rw == [str(cache), str(home / ODD_NAME / "models"), str(sock.parent)]
-    for key, value in (("Type", "simple"), ("Restart", "on-failure"), ("KillSignal", "SIGTERM"),
+    # READY=1 once recovery is done and the sockets accept (tests/functional/test_notify.py).
+    for key, value in (("Type", "notify"), ("NotifyAccess", "main"), ("Restart", "on-failure"),
+                       ("KillSignal", "SIGTERM"),
                        ("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"),
                        ("ProtectHome", "read-only"),
                        ("RestrictAddressFamilies", "AF_UNIX AF_INET AF_INET6"),

@@ -168,6 +168,24 @@ def test_warm_trace_then_coverage_of_that_trace(daemon, tiny_manifest, tmp_path)
     assert report["experts_cached"] == 10 and report["workload"] == f"trace {trace}"
 
 
+def test_warm_and_coverage_take_several_traces_and_gzip_ones(daemon, tiny_manifest, tmp_path):
+    import gzip
+
+    m = tiny_manifest
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    _write_trace(first, m, [(0, [1, 2, 3, 4])])
+    _write_trace(second, m, [(1, [1, 2, 30, 31]), (0, [1, 2, 5, 6])])
+    packed = tmp_path / "b.jsonl.gz"
+    packed.write_bytes(gzip.compress(second.read_bytes()))
+    got, _proc = _warm(daemon, "--trace", str(first), str(packed))
+    assert got["fetched"] == 10 and got["hit_rate_after"] == 1.0  # the union of both traces
+    out = run_cli("coverage", "--model", TINY_REPO, "--socket", str(daemon.socket), "--trace",
+                  str(first), "--trace", str(packed), "--format", "json").stdout
+    report = json.loads(out)
+    assert report["accesses"] == 12 and report["workload_coverage"] == 1.0
+    assert report["workload"] == f"traces {first}, {packed}"
+
+
 def test_coverage_formats_match_the_daemon(daemon, tiny_manifest, tmp_path):
     m = tiny_manifest
     with daemon.client() as c:
@@ -325,6 +343,10 @@ def test_warm_prompts_records_use_and_run_trace_replays(installed, tiny_manifest
     run_cli(*common, env={"CACHECD_TRACE": str(env)})
     by_flag, by_env = read_trace(flag), read_trace(env)
     assert by_flag.counts == by_env.counts and by_flag.steps >= 2 and by_flag.model == TINY_REPO
+    run_cli(*common, "--trace", str(env))  # a second run appends to the trace, as a run of its own
+    both = read_trace(env)
+    assert both.counts == by_env.counts + by_env.counts and both.steps == 2 * by_env.steps
+    assert sum('"format"' in line for line in env.read_text().splitlines()) == 2
     assert set(by_flag.counts) <= set(trace.counts)  # the same prompt routes the same way
     got, _ = _warm(d, "--trace", str(flag))
     assert got["fetched"] == 0 and got["hit_rate_before"] == 1.0

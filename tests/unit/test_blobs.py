@@ -168,3 +168,33 @@ def test_hash_fd_spans_chunks(tmp_path: Path) -> None:
             assert hash_fd(fd) == (xxhash.xxh3_128(data).hexdigest(), n)
         finally:
             os.close(fd)
+
+
+def test_a_cache_dir_carries_a_cachedir_tag_that_backup_tools_honour(tmp_path: Path) -> None:
+    import shutil
+
+    root = tmp_path / "home" / "cache"
+    CacheDir(root, 0)
+    (root / "blobs" / "ab").mkdir()
+    (root / "blobs" / "ab" / ("ab" + "0" * 30)).write_bytes(b"cached bytes")
+    tag = (root / "CACHEDIR.TAG").read_bytes()
+    # The spec: the file begins with exactly these 43 bytes.
+    assert tag.startswith(b"Signature: 8a477f597d28d172789f06886806bc55")
+    if shutil.which("tar") is None:
+        pytest.skip("needs tar on PATH to check a backup tool skips the cache")
+    (tmp_path / "home" / "notes.txt").write_text("kept")
+    listing = subprocess.run(
+        ["tar", "--exclude-caches-all", "-cf", "-", "-C", str(tmp_path), "home"],
+        capture_output=True, check=True)
+    names = subprocess.run(["tar", "-tf", "-"], input=listing.stdout, capture_output=True,
+                           check=True).stdout.decode().split()
+    assert "home/notes.txt" in names
+    assert not [n for n in names if n.startswith("home/cache")], names
+
+
+def test_a_cachedir_tag_already_there_is_left_as_it_is(tmp_path: Path) -> None:
+    own = b"Signature: 8a477f597d28d172789f06886806bc55\n# the user's own\n"
+    tmp_path.joinpath("CACHEDIR.TAG").write_bytes(own)
+    CacheDir(tmp_path, 0)
+    CacheDir(tmp_path, 0)
+    assert tmp_path.joinpath("CACHEDIR.TAG").read_bytes() == own

@@ -24,7 +24,7 @@ from cachecd.report.coverage import (
     warm_order,
 )
 from cachecd.report.coverage_render import Grid, render_html, render_json, render_png, render_table
-from cachecd_engine.trace import TraceRecorder, read_trace
+from cachecd_engine.trace import TraceRecorder, read_trace, read_traces
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +154,71 @@ def test_trace_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert trace.counts[(1, 1)] == 3 and trace.counts[(1, 2)] == 2 and trace.counts[(2, 11)] == 3
     lines = path.read_text().splitlines()
     assert json.loads(lines[1]) == {"step": 0, "layer": 1, "experts": [[1, 2], [2, 3], [1, 4]]}
+
+
+def _record(path, model: str = "org/m", append: bool = True, calls: int = 2):  # type: ignore[no-untyped-def]
+    rec = TraceRecorder(path, model, append=append)
+    for step in range(calls):
+        rec(1, np.array([[[step, 7]]]))
+        rec(2, np.array([[[3, 4]]]))
+    rec.close()
+    return rec.trace
+
+
+def test_recording_into_a_trace_appends_a_run_and_readers_sum_the_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "t.jsonl"
+    first, second = _record(path), _record(path, calls=3)
+    trace = read_trace(path)
+    assert trace.counts == first.counts + second.counts and trace.steps == 2 + 3
+    assert trace.tokens == 2 * (2 + 3) and trace.model == "org/m"
+    headers = [line for line in path.read_text().splitlines() if '"format"' in line]
+    assert len(headers) == 2
+    _record(path, append=False)  # the library's default overwrites
+    assert read_trace(path).steps == 2
+
+
+def test_appending_drops_a_line_a_killed_run_cut_short(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "t.jsonl"
+    whole = _record(path)
+    with open(path, "a") as f:
+        f.write('{"step": 2, "layer": 1, "exp')  # SIGKILL in the middle of a buffered write
+    assert read_trace(path).counts == whole.counts  # a reader skips it
+    again = _record(path)
+    assert read_trace(path).counts == whole.counts + again.counts
+
+
+def test_appending_refuses_another_models_trace_or_a_gzip_path(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "t.jsonl"
+    _record(path)
+    before = path.read_bytes()
+    with pytest.raises(InvalidRequest, match="a trace of org/m, not org/other"):
+        _record(path, model="org/other")
+    assert path.read_bytes() == before
+    with pytest.raises(InvalidRequest, match="gzip one once it is finished"):
+        TraceRecorder(tmp_path / "t.jsonl.gz", "org/m", append=True)
+    other = tmp_path / "not-a-trace.txt"
+    other.write_text("my notes\n")
+    with pytest.raises(InvalidRequest, match="not JSON"):
+        TraceRecorder(other, "org/m", append=True)
+    assert other.read_text() == "my notes\n"
+
+
+def test_several_traces_and_gzip_ones_read_as_one_workload(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import gzip
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    ta, tb = _record(a), _record(b, calls=1)
+    packed = tmp_path / "b.jsonl.gz"
+    packed.write_bytes(gzip.compress(b.read_bytes()))
+    both = read_traces([a, packed])
+    assert both.counts == ta.counts + tb.counts and both.steps == 3 and both.model == "org/m"
+    _record(tmp_path / "c.jsonl", model="org/other")
+    with pytest.raises(InvalidRequest, match="a trace of org/other among traces of org/m"):
+        read_traces([a, tmp_path / "c.jsonl"])
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(packed.read_bytes()[:-12])
+    with pytest.raises(InvalidRequest, match="cannot be read as a trace"):
+        read_trace(cut)
 
 
 @pytest.mark.parametrize("text,where", [

@@ -37,3 +37,17 @@ def test_the_scrub_shows_its_pass_its_last_full_pass_and_what_it_found() -> None
     assert len(attention) == 1 and "background scrub" in attention[0]
     off = render_status({**BASE, "scrub": {"rate": 0}})
     assert "scrub       off (--scrub-rate 0)" in off and "attention" not in off
+
+
+def test_each_model_shows_its_coverage_of_what_the_daemon_serves() -> None:
+    whole = {"repo": "org/a", "revision": "a" * 40, "experts_total": 256,
+             "expert_bytes_total": 256 << 20, "experts_served": 256,
+             "expert_bytes_served": 256 << 20, "experts_cached": 64,
+             "expert_bytes_cached": 64 << 20}
+    rank = {**whole, "repo": "org/b", "layers": [1, 3], "pipeline": {"rank": 0, "size": 2},
+            "experts_served": 128, "expert_bytes_served": 128 << 20, "experts_cached": 128,
+            "expert_bytes_cached": 128 << 20}
+    text = render_status({**BASE, "models": [whole, rank]}).splitlines()
+    at = text.index(next(line for line in text if line.startswith("model       org/a")))
+    assert text[at + 1] == "  cached    64/256 experts, 64.0 MiB of 256.0 MiB (25.0%)"
+    assert "  cached    128/128 experts, 128.0 MiB of 128.0 MiB (100.0%)" in text
