@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import TINY_REPO, DaemonProcess, HubProcess, Installed, run_cli, short_tmp
+from tests.harness import (
+    TINY_REPO,
+    DaemonProcess,
+    HubProcess,
+    Installed,
+    remove_short_tmps,
+    run_cli,
+    short_tmp,
+)
 from tests.other_uid import NOBODY, OtherUid, new_root, prepare
 
 
@@ -134,3 +142,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--lowest-deps", action="store_true", default=False,
         help="run tests/install: a venv with every dependency at the lowest release "
              "pyproject.toml allows, `cachecd --help` and tests/unit in it (a few minutes)")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # Session fixtures (hubs, daemons) are torn down by now; a failed run keeps its dirs (logs).
+    if exitstatus == pytest.ExitCode.OK:
+        remove_short_tmps()

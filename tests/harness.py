@@ -22,8 +22,20 @@ _REQUEST = re.compile(r"request method=(\w+) path=(\S+) status=(\d+)")
 TINY_REPO = "cachecd/tiny-k3"
 
 
+_MADE: list[Path] = []  # every dir short_tmp made in this process
+
+
 def short_tmp(prefix: str = "cd") -> Path:
-    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    """A new dir under /tmp, removed at the end of a session that passed (kept for a look after
+    a failure)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    _MADE.append(path)
+    return path
+
+
+def remove_short_tmps() -> None:
+    while _MADE:
+        shutil.rmtree(_MADE.pop(), ignore_errors=True)
 
 
 def run_cli(
