@@ -8,6 +8,7 @@ so ``cachecd --help`` and the client-side commands start fast.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import os
@@ -77,11 +78,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except Exception as exc:
         typed = translate(exc)  # the Hub's and the network's errors, as cachecd's
-        if typed is None:
+        if typed is not None:
+            line = f"{typed.code}: {typed.message}"
+        elif isinstance(exc, OSError) and exc.filename:  # a path the user gave that cannot be used
+            name = errno.errorcode.get(exc.errno or 0, "os_error").lower()
+            line = f"{name}: {exc.filename}: {exc.strerror} (cachecd -v shows where)"
+        else:
             raise
         if args.verbose:
             traceback.print_exception(exc)
-        print(f"cachecd: {typed.code}: {typed.message}", file=sys.stderr)
+        print(f"cachecd: {line}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

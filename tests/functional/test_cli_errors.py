@@ -113,3 +113,12 @@ def test_no_daemon_is_one_line(home: Path) -> None:
     proc = run_cli("status", "--socket", str(home / "none.sock"), check=False)
     line = one_line(proc, "daemon_unavailable")
     assert "cachecd serve" in line
+
+
+def test_a_path_that_cannot_be_used_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a folder")
+    out = tmp_path / "a-file" / "model"
+    line = one_line(run_cli("tiny-model", str(out), check=False), "enotdir")
+    assert str(out) in line and "Not a directory" in line
+    verbose = run_cli("-v", "tiny-model", str(out), check=False)
+    assert verbose.returncode == 1 and "NotADirectoryError" in verbose.stderr
