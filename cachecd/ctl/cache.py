@@ -196,6 +196,11 @@ def fsck(args: argparse.Namespace) -> int:
     from cachecd.store.fsck import fsck as run_fsck
 
     dirs = load_settings({"cache_dirs": args.cache_dirs}).cache_dirs
+    missing = [str(d) for d in dirs if not d.is_dir()]
+    if missing:  # checking would make an empty cache there and call it clean
+        print(f"cachecd: fsck: no cache dir at {', '.join(missing)}: give the --cache-dir the "
+              "daemon uses (cachecd status names them)", file=sys.stderr)
+        return 4
     bar = tqdm(unit="blob", desc="fsck", disable=None)
 
     def progress(done: int, total: int) -> None:

@@ -122,3 +122,11 @@ def test_a_path_that_cannot_be_used_is_one_line(tmp_path: Path) -> None:
     assert str(out) in line and "Not a directory" in line
     verbose = run_cli("-v", "tiny-model", str(out), check=False)
     assert verbose.returncode == 1 and "NotADirectoryError" in verbose.stderr
+
+
+def test_fsck_of_a_cache_dir_that_is_not_there_checks_nothing_and_says_so(tmp_path: Path) -> None:
+    none = tmp_path / "no-cache"
+    proc = run_cli("fsck", "--cache-dir", str(none), check=False)
+    assert proc.returncode == 4, proc.stderr  # nothing could be verified
+    assert f"no cache dir at {none}" in proc.stderr and "Traceback" not in proc.stderr
+    assert not none.exists()  # not made by looking
