@@ -217,6 +217,21 @@ def expert_bytes_from_files(repo_dir: Path, entry: Any) -> bytes:
     return bytes(out)
 
 
+def stop_daemon(socket: Path) -> None:
+    """SIGTERM the daemon that answers on ``socket`` (as a supervisor would) and wait until its
+    socket is gone. DaemonUnavailable if none answers."""
+    from cachecd_client import Client
+
+    with Client(socket) as c:
+        pid = c.health()["pid"]
+    os.kill(pid, signal.SIGTERM)
+    for _ in range(400):
+        if not socket.exists():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"daemon {pid} did not stop")
+
+
 class Installed:
     """What `cachecd setup --stream` installs: the resident model and the daemon it started."""
 
@@ -242,15 +257,9 @@ class Installed:
         from cachecd.errors import DaemonUnavailable
 
         try:
-            with self.client() as c:
-                pid = c.health()["pid"]
+            stop_daemon(self.socket)
         except DaemonUnavailable:
             return
-        os.kill(pid, signal.SIGTERM)
-        for _ in range(400):
-            if not self.socket.exists():
-                return
-            time.sleep(0.05)
 
     def cleanup(self) -> None:
         self.stop()

@@ -5,36 +5,20 @@ daemon keeps registered is checked across a restart."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from cachecd.errors import RepoNotAllowed
-from tests.harness import TINY_REPO, DaemonProcess, HubProcess, run_cli, short_tmp
+from tests.harness import TINY_REPO, DaemonProcess, HubProcess, run_cli, short_tmp, stop_daemon
 
 TWIN = "cachecd/tiny-k3-twin"  # the same files under another name: every expert blob is shared
 
 
 def _blobs(cache: Path) -> set[str]:
     return {f.name for f in (cache / "blobs").rglob("*") if f.is_file()}
-
-
-def _stop(socket: Path) -> None:
-    from cachecd_client import Client
-
-    with Client(socket) as c:
-        pid = c.health()["pid"]
-    os.kill(pid, signal.SIGTERM)
-    for _ in range(400):
-        if not socket.exists():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"daemon {pid} did not stop")
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +67,7 @@ def test_remove_frees_the_install_and_only_the_experts_no_other_model_shares(twi
         assert len(_blobs(cache)) == 4
 
         # The removal is durable: a restarted daemon serves the model left and refuses the other.
-        _stop(sock)
+        stop_daemon(sock)
         d = DaemonProcess(url, cache_dir=cache, socket=sock, args=["--models-dir", str(models)])
         d.start()
         with d.client() as c:
@@ -105,7 +89,7 @@ def test_remove_frees_the_install_and_only_the_experts_no_other_model_shares(twi
         d.stop()
     finally:
         try:
-            _stop(sock)
+            stop_daemon(sock)
         except Exception:  # noqa: BLE001 - already stopped
             pass
         shutil.rmtree(base, ignore_errors=True)

@@ -17,7 +17,7 @@ import pytest
 
 from cachecd.report.coverage import unpack_detail
 from tests.fakes.fake_hub import FakeHubThread
-from tests.harness import CACHECD, TINY_REPO, DaemonProcess, run_cli
+from tests.harness import CACHECD, TINY_REPO, DaemonProcess, run_cli, stop_daemon
 
 # (layer position, expert) -> how many requests; the workload the daemon records.
 WORKLOAD = {(0, 0): 5, (1, 7): 4, (0, 1): 3, (0, 2): 2, (0, 3): 1}
@@ -298,15 +298,7 @@ def installed(hub, tiny_manifest_path):  # type: ignore[no-untyped-def]
             "--manifest", str(tiny_manifest_path))
     inst = DaemonProcess(hub.url, cache_dir=base / "cache", socket=sock)
     yield inst
-    from cachecd_client import Client
-
-    with Client(sock) as c:
-        pid = c.health()["pid"]
-    os.kill(pid, signal.SIGTERM)
-    for _ in range(400):
-        if not sock.exists():
-            break
-        time.sleep(0.05)
+    stop_daemon(sock)
     inst.cleanup()
 
 
