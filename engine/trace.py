@@ -129,11 +129,23 @@ def _ready_to_append(path: Path, model: str | None) -> None:
         raise InvalidRequest(f"{path} is a trace of {header.get('model')}, not {model}: record "
                              "into another file")
     with open(path, "r+b") as f:
-        f.seek(max(0, size - 1))
+        f.seek(size - 1)
         if f.read(1) != b"\n":  # a torn last line: cut it back to the last whole one
-            f.seek(0)
-            data = f.read()
-            f.truncate(data.rfind(b"\n") + 1)
+            f.truncate(_last_line_end(f, size))
+
+
+def _last_line_end(f: IO[bytes], size: int, chunk: int = 1 << 16) -> int:
+    """The offset just past the last newline of ``f`` (0 if it has none), read from the end
+    backwards, so a long trace is not read whole to drop a torn line."""
+    end = size
+    while end > 0:
+        start = max(0, end - chunk)
+        f.seek(start)
+        i = f.read(end - start).rfind(b"\n")
+        if i >= 0:
+            return start + i + 1
+        end = start
+    return 0
 
 
 _GZIP_MAGIC = b"\x1f\x8b"
