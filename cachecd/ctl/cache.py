@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from cachecd.config import format_size, load_settings, parse_size
-from cachecd.ctl import SOCKET_HELP
+from cachecd.ctl import MODEL_HELP, SOCKET_HELP
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -19,7 +19,7 @@ def _client(args: argparse.Namespace) -> Any:
 
 
 def _experts_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="ORG/NAME (default: the one model the daemon has registered)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--layer", type=int, required=True, help="the MoE layer's number")
     p.add_argument("--experts", required=True, help="comma-separated expert numbers, e.g. 0,5,17")
 

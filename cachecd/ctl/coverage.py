@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from cachecd.config import load_settings
-from cachecd.ctl import SOCKET_HELP
+from cachecd.ctl import MODEL_HELP, SOCKET_HELP
 from cachecd.errors import InvalidRequest
 from cachecd.manifest.manifest import Manifest
 from cachecd.report.coverage import access_array, coverage_report, unpack_detail
@@ -105,7 +105,7 @@ def grid_of(manifest: Manifest, cached: np.ndarray, access: np.ndarray,
 
 def register(sub: Any) -> None:
     p = sub.add_parser("coverage", help="per-layer coverage, workload hit rate, heatmap")
-    p.add_argument("--model", help="ORG/NAME (default: the one model the daemon has registered)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--format", choices=FORMATS, default="table", help="how to show it")
     p.add_argument("--output", metavar="FILE",
                    help="write here instead of stdout (png needs it; default: stdout)")

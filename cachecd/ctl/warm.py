@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from cachecd.config import format_size, parse_size
-from cachecd.ctl import SOCKET_HELP
+from cachecd.ctl import MODEL_HELP, SOCKET_HELP
 from cachecd.ctl.coverage import (
     DAEMON_WORKLOAD,
     Snapshot,
@@ -106,7 +106,7 @@ def fit_room(sizes_in_order: np.ndarray, room: int) -> int:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("warm", help="warm the cache for a workload (prompts, a trace, the top experts)")
-    p.add_argument("--model", help="ORG/NAME (default: the one model the daemon has registered)")
+    p.add_argument("--model", help=MODEL_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", metavar="FILE", help="one prompt a line (or JSON lines with \"prompt\")")
     add_trace_flag(src, "a routing trace (cachecd run --trace)")
