@@ -1,5 +1,6 @@
 """Commands that ask a running daemon through ``cachecd_client``: ``status``, ``pin``, ``unpin``,
-``evict``, ``remove``, ``coverage``, ``warm`` (and ``fsck``, which opens a stopped daemon's cache itself).
+``evict``, ``remove``, ``coverage``, ``warm`` (and ``fsck``, which opens a stopped daemon's cache
+itself).
 """
 
 from cachecd import constants
