@@ -68,6 +68,10 @@ class _CdnForbidden(Exception):
     pass
 
 
+class _DeadlinePassed(errors.UpstreamTimeout):
+    """The total deadline passed before an attempt could start."""
+
+
 class HubClient:
     def __init__(
         self,
@@ -238,7 +242,7 @@ class HubClient:
     ) -> bytearray:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise errors.UpstreamTimeout(
+            raise _DeadlinePassed(
                 f"total deadline of {self.total_timeout}s passed for {file}"
             )
         timeout = aiohttp.ClientTimeout(
@@ -317,11 +321,18 @@ class HubClient:
         """Run ``once()`` under the semaphore and the host's wait, retrying transient faults."""
         host = urlsplit(url).netloc
         deadline = deadline or time.monotonic() + self.total_timeout
+        failure: Transient | None = None
         for attempt in range(self.max_retries + 1):
             try:
                 return await self._attempt(host, once)
             except Transient as exc:
                 failure = exc
+            except _DeadlinePassed:
+                # The deadline passed while a retry waited for its turn: what went wrong is the
+                # fault that made it retry, not the wait.
+                if failure is None:
+                    raise
+                raise failure.error from None
             self.count(f"faults_{failure.fault}")
             if failure.wait is not None:
                 self._not_before[host] = max(
@@ -343,6 +354,7 @@ class HubClient:
                 failure.error.message,
             )
             await asyncio.sleep(delay)
+        assert failure is not None
         raise failure.error
 
     async def _attempt(self, host: str, once: Any) -> Any:

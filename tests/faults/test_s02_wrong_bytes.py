@@ -87,10 +87,12 @@ def _round(d: Any, model: Model, picks: list[tuple[int, int]], outcomes: Counter
             outcomes["ok"] += 1
             served.add(model.entry(layer, expert).digest_hex)
 
-    with ThreadPoolExecutor(WORKERS) as pool:
-        list(pool.map(one, picks))
-    while not clients.empty():
-        clients.get().close()
+    try:
+        with ThreadPoolExecutor(WORKERS) as pool:
+            list(pool.map(one, picks))
+    finally:
+        while not clients.empty():
+            clients.get().close()
     return served
 
 

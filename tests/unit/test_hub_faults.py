@@ -146,6 +146,26 @@ def test_total_deadline_stops_a_slow_dribble(repo: tuple[Path, FakeManifest]) ->
     run(*repo, scenario, read_timeout=30, total_timeout=0.5, max_retries=5)
 
 
+def test_deadline_passing_while_a_retry_waits_its_turn_reports_the_fault(
+    repo: tuple[Path, FakeManifest],
+) -> None:
+    """Three requests share one stream; every answer ignores the Range after 0.3 s. The first
+    request's retry gets the stream only after the other two answers, past its 0.75 s deadline:
+    it fails with what the upstream did (a bad range), not with the wait."""
+
+    async def scenario(hub: FakeHub, up: Upstream, m: FakeManifest, folder: Path) -> None:
+        hub.faults.ignore_range, hub.faults.delay = True, 0.3
+        file = next(iter(m.files))
+        first = asyncio.create_task(up.fetch_range(m, file, 0, 10))
+        await asyncio.sleep(0.05)  # the first request takes the stream before the others
+        others = [asyncio.create_task(up.fetch_range(m, file, 10 * i, 10 * i + 10)) for i in (1, 2)]
+        done = await asyncio.gather(first, *others, return_exceptions=True)
+        assert isinstance(done[0], errors.BadUpstreamRange), done[0]
+        assert up.stats()["faults_ignored_range"] >= 2  # the first and the second answer
+
+    run(*repo, scenario, total_timeout=0.75, max_retries=5)
+
+
 def test_429_retry_after_is_honoured(repo: tuple[Path, FakeManifest]) -> None:
     async def scenario(hub: FakeHub, up: Upstream, m: FakeManifest, folder: Path) -> None:
         hub.faults.status_script, hub.faults.retry_after = [429], "2"
