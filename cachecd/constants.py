@@ -144,8 +144,14 @@ SYSTEMD_USER_DIR = Path(
 ) / "systemd" / "user"
 LAUNCH_AGENTS_DIR = Path.home() / "Library" / "LaunchAgents"
 LAUNCHD_LOG_DIR = Path.home() / "Library" / "Logs" / APP
+# The proxy variables go in too (a proxied network needs them in the service as in the shell),
+# except one whose URL carries a password: service.render leaves it out and says so.
+SERVICE_PROXY_KEYS = tuple(
+    k for name in ("https_proxy", "http_proxy", "all_proxy", "no_proxy") for k in (name.upper(), name)
+)
 _SERVICE_ENV_KEYS = (
     "HF_HOME", "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_TOKEN_PATH", "HF_HUB_DISABLE_TELEMETRY",
+    *SERVICE_PROXY_KEYS,
 )
 _SERVICE_ENV_SKIP = ("CACHECD_CRASH_AT", "CACHECD_PAUSE_AT", "CACHECD_CONFIG", "CACHECD_SERVICE_INSTANCE")
 SERVICE_ENV: dict[str, str] = {

@@ -9,7 +9,7 @@ to the permanent storage device" (fcntl(2)); SQLite and LMDB use it there, and s
 
 Invariants:
 - Every durability point of cachecd (a blob's temp file and its directory, the resident model
-  file, a manifest and its directory) goes through ``full_fsync`` or ``sync_dir``; nothing else
+  file, a manifest and its directory, a service unit file) goes through ``full_fsync`` or ``sync_dir``; nothing else
   in cachecd/, client/ or engine/ calls ``os.fsync`` (tests/unit/test_durable.py walks the
   source for it).
 - On Darwin, a file system that does not implement F_FULLFSYNC gets fsync(2) instead, as SQLite,
@@ -24,6 +24,7 @@ import fcntl
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,26 @@ def sync_dir(path: Path, *, platform: str | None = None) -> str:
         return full_fsync(fd, platform=platform)
     finally:
         os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, *, mode: int | None = None) -> None:
+    """Replace ``path`` with ``data`` so that a crash or power loss leaves the old file or the new
+    one, never a mix: a temp file beside it, synced, renamed over it, the directory synced.
+    ``mode`` sets the new file's permission bits (mkstemp's 0600 otherwise)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
+            full_fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    sync_dir(path.parent)
 
 
 def _f_fullfsync() -> int:

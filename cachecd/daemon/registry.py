@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from cachecd.durable import write_atomic
 from cachecd.errors import (
     CachecdError,
     InvalidRequest,
@@ -33,7 +34,7 @@ from cachecd.errors import (
     ManifestMismatch,
     RepoNotAllowed,
 )
-from cachecd.manifest.manifest import Manifest, write_atomic
+from cachecd.manifest.manifest import Manifest
 from cachecd.report.coverage import served_mask
 from cachecd.store.store import Store
 

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from cachecd import constants
+from cachecd.durable import write_atomic
 from cachecd.manifest.build_plan import SourceFile
 from cachecd.manifest.build_shard import ShardResult
-from cachecd.manifest.manifest import write_atomic
 
 log = logging.getLogger(__name__)
 

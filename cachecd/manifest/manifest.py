@@ -23,7 +23,6 @@ import io
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from cachecd import errors
-from cachecd.durable import full_fsync, sync_dir
+from cachecd.durable import write_atomic
 from cachecd.manifest.encode import build_meta, encode_experts
 from cachecd.manifest.entries import ByteRange, ExpertEntry, FileInfo, TensorInfo
 from cachecd.manifest.meta import EXPERT_PATTERN, EXPERT_RE, FORMAT_NAME
@@ -279,21 +278,6 @@ def read_archive(data: bytes, source: str) -> tuple[Any, dict[str, np.ndarray]]:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise errors.ManifestInvalid(f"{source}: meta: bad JSON ({exc})") from exc
     return meta, arrays
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            full_fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    sync_dir(path.parent)
 
 
 def manifest_filename(repo: str) -> str:

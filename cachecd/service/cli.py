@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cachecd.durable import write_atomic
 from cachecd.errors import (
     CachecdError,
     DaemonUnavailable,
@@ -96,7 +97,7 @@ def render(args: argparse.Namespace) -> int:
         return 0
     out = Path(args.output) / mgr.path.name
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out, text)
+    write_atomic(out, text.encode("utf-8"), mode=0o644)
     print(out)
     return 0
 
@@ -115,7 +116,7 @@ def install(args: argparse.Namespace) -> int:
         return 0
     _make_dirs(mgr, spec)
     if changed:
-        _write_atomic(mgr.path, text)
+        write_atomic(mgr.path, text.encode("utf-8"), mode=0o644)
     print(f"{'wrote' if changed else 'unchanged'} {mgr.path}")
     if rogue:
         _stop_unmanaged(rogue, spec, mgr.name)
@@ -225,17 +226,6 @@ def _read(path: Path) -> str | None:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _make_dirs(mgr: Manager, spec: ServiceSpec) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from string import Template
+from urllib.parse import urlsplit
 from xml.sax.saxutils import escape as xml_escape
 
 from cachecd import constants
@@ -93,6 +94,12 @@ def serve_arguments(settings: Settings, explicit: dict[str, object]) -> list[str
     return argv
 
 
+def _has_credentials(url: str) -> bool:
+    """``http://user:secret@proxy:3128`` (or a token as the user name) -> True; a proxy without
+    credentials, or a NO_PROXY list, -> False."""
+    return "@" in urlsplit(url if "://" in url else f"//{url}").netloc
+
+
 def build_spec(settings: Settings, explicit: dict[str, object], log_file: Path) -> ServiceSpec:
     socket_dir = settings.socket.absolute().parent
     writable = _unique([*(d.absolute() for d in settings.cache_dirs),
@@ -100,6 +107,14 @@ def build_spec(settings: Settings, explicit: dict[str, object], log_file: Path) 
     env = {**constants.SERVICE_ENV, "CACHECD_CONFIG": str(constants.ACTIVE_CONFIG_FILE.absolute()),
            "PYTHONUNBUFFERED": "1"}
     notes = []
+    kept_out = sorted(k for k in constants.SERVICE_PROXY_KEYS
+                      if k in env and _has_credentials(env[k]))
+    for k in kept_out:
+        del env[k]
+    if kept_out:
+        notes.append(f"{', '.join(kept_out)} carries credentials, which are never written into a "
+                     "service file: set it in the service manager yourself (a systemd drop-in "
+                     "with Environment=, or EnvironmentVariables in the agent's plist)")
     if constants.HF_TOKEN_IN_ENV and not Path(constants.HF_TOKEN_PATH).exists():
         notes.append("HF_TOKEN is set in this shell, but a token is never written into a service "
                      f"file and {constants.HF_TOKEN_PATH} does not exist: run `hf auth login` so "

@@ -13,6 +13,7 @@ import plistlib
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -122,6 +123,24 @@ def systemd_verify(unit: Path, runtime: Path) -> subprocess.CompletedProcess[str
                           capture_output=True, text=True, env=env, timeout=60)
 
 
+def test_proxy_variables_reach_the_service_but_never_credentials(home: Path) -> None:
+    env = clean_env(home, HTTPS_PROXY="http://proxy.example:3128", no_proxy="localhost,.lan",
+                    http_proxy="http://me:hunter2@proxy.example:3128")
+    seen = {}
+    for platform in ("systemd", "launchd"):
+        proc = cli("service", "render", "--platform", platform, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert "hunter2" not in proc.stdout + proc.stderr
+        assert "note: http_proxy carries credentials" in proc.stderr, proc.stderr
+        seen[platform] = proc.stdout
+    plist = plistlib.loads(seen["launchd"].encode())["EnvironmentVariables"]
+    unit = dict(line.removeprefix("Environment=").split("=", 1)
+                for line in seen["systemd"].splitlines() if line.startswith("Environment="))
+    for env_of_service in (plist, unit):
+        assert env_of_service["HTTPS_PROXY"] == "http://proxy.example:3128"
+        assert env_of_service["no_proxy"] == "localhost,.lan" and "http_proxy" not in env_of_service
+
+
 def test_rendered_unit_passes_systemd_analyze_verify(home: Path) -> None:
     out, cache = home / "out", home / ODD_NAME / "experts"
     sock = home / "run" / "s.sock"
@@ -130,6 +149,8 @@ def test_rendered_unit_passes_systemd_analyze_verify(home: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     unit = out / "cachecd.service"
     text = unit.read_text()
+    assert stat.S_IMODE(unit.stat().st_mode) == 0o644  # readable by the service manager
+    assert [p.name for p in out.iterdir()] == ["cachecd.service"]  # no temp file left beside it
     runtime = home / "rt"
     runtime.mkdir(mode=0o700)
     check = systemd_verify(unit, runtime)

@@ -199,6 +199,33 @@ def test_a_saved_manifest_and_the_resident_file_are_f_fullfsynced_on_darwin(
     assert fsyncs == []
 
 
+def test_write_atomic_replaces_syncs_file_then_dir_and_sets_the_mode(
+    tmp_path: Path, darwin: OsEdge, fsyncs: list
+) -> None:
+    path = tmp_path / "unit" / "cachecd.service"
+    durable.write_atomic(path, b"old")
+    darwin.calls.clear()
+    durable.write_atomic(path, b"new", mode=0o644)
+    assert path.read_bytes() == b"new" and stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert darwin.calls == [("F_FULLFSYNC", "file"), ("F_FULLFSYNC", "dir")] and fsyncs == []
+    assert [p.name for p in path.parent.iterdir()] == ["cachecd.service"]
+
+
+def test_write_atomic_that_fails_leaves_the_old_file_and_no_temp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "x.manifest"
+    durable.write_atomic(path, b"old")
+
+    def failed_sync(fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fsync", failed_sync)
+    with pytest.raises(OSError, match="Input/output"):
+        durable.write_atomic(path, b"new")
+    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["x.manifest"]
+
+
 def sync_calls_outside_durable() -> list[str]:
     """file:line of every fsync/fdatasync/F_FULLFSYNC in the product outside cachecd/durable.py."""
     found = []
