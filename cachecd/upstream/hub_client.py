@@ -1,4 +1,5 @@
-"""One exact Range GET against a Hub, with resolve caching, retries, waits and timeouts.
+"""One exact Range GET against a Hub, with resolve caching and timeouts; retries and waits are
+``retry.Retrier``'s.
 
 Invariants (``hub.Upstream`` builds on them):
 - ``get_range`` returns exactly ``end - start`` bytes taken from a 206 whose Content-Range is
@@ -8,14 +9,11 @@ Invariants (``hub.Upstream`` builds on them):
 - The Authorization header is built for the endpoint's ``/resolve`` only; the token is found
   again before each resolve and after a 401 (``hub_auth``), so a login needs no restart.
 - Each request goes through the proxy the environment names for its URL (``hub_http.proxy_for``).
-- ``_not_before[host]`` is honoured before every request to that host.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import random
 import re
 import time
 from collections import Counter
@@ -29,6 +27,7 @@ from huggingface_hub import hf_hub_url
 from cachecd import constants, errors
 from cachecd.upstream import hub_http as hh
 from cachecd.upstream.hub_auth import HubAuth
+from cachecd.upstream.retry import DeadlinePassed, Retrier, Transient
 from cachecd.upstream.singleflight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -56,20 +55,8 @@ class Location:
     expires_at: float  # time.monotonic()
 
 
-class Transient(Exception):
-    """A failure worth retrying; ``error`` is what the caller sees if retries run out."""
-
-    def __init__(self, error: errors.CachecdError, fault: str, wait: float | None = None) -> None:
-        super().__init__(error.message)
-        self.error, self.fault, self.wait = error, fault, wait
-
-
 class _CdnForbidden(Exception):
     pass
-
-
-class _DeadlinePassed(errors.UpstreamTimeout):
-    """The total deadline passed before an attempt could start."""
 
 
 class HubClient:
@@ -92,19 +79,19 @@ class HubClient:
         self.offline = offline
         self.max_parallel = max_parallel
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
-        self.total_timeout, self.max_retries = total_timeout, max_retries
-        self.backoff_base, self.backoff_cap = backoff_base, backoff_cap
+        self.total_timeout = total_timeout
         self.signed_url_ttl = signed_url_ttl
         self.auth = HubAuth(token)
         self._proxies: dict[str, str | None] = {}  # scheme://host -> its proxy
         self._session: aiohttp.ClientSession | None = None
-        self._sem = asyncio.Semaphore(max_parallel)
         self._locations: dict[tuple[str, str, str], Location] = {}
         self._resolving: SingleFlight[tuple[str, str, str, str], Location] = SingleFlight()
-        self._not_before: dict[str, float] = {}
-        self._in_flight = 0
         self._counters: Counter[str] = Counter()
-        self._rng = random.Random()
+        self._retry = Retrier(
+            self._counters, max_parallel=max_parallel, max_retries=max_retries,
+            backoff_base=backoff_base, backoff_cap=backoff_cap, read_timeout=read_timeout,
+            total_timeout=total_timeout,
+        )
 
     # -- lifecycle and bookkeeping -----------------------------------------------------------
     async def close(self) -> None:
@@ -115,7 +102,7 @@ class HubClient:
     def stats(self) -> dict[str, int]:
         """Counters for /metrics: requests, resolves, bytes, retries, faults_<kind>, in flight."""
         out = dict(self._counters)
-        out["in_flight"] = self._in_flight
+        out["in_flight"] = self._retry.in_flight
         return out
 
     def count(self, name: str, n: int = 1) -> None:
@@ -162,11 +149,11 @@ class HubClient:
         url = hf_hub_url(manifest.repo, file, revision=manifest.revision, endpoint=self.endpoint)
         await self.auth.refresh()
         try:
-            return await self._with_retries(url, lambda: self._head(url, manifest, file))
+            return await self._retry.run(url, lambda: self._head(url, manifest, file))
         except errors.Unauthorized:
             if not await self.auth.refresh():  # a token that changed while this one was refused
                 raise
-        return await self._with_retries(url, lambda: self._head(url, manifest, file))
+        return await self._retry.run(url, lambda: self._head(url, manifest, file))
 
     async def _head(self, url: str, manifest: Any, file: str) -> Location:
         self.count("requests_resolve")
@@ -215,7 +202,7 @@ class HubClient:
                 return self._get_once(loc, file, start, end, size, deadline, consumer)
 
             try:
-                return await self._with_retries(loc.url, once, deadline)
+                return await self._retry.run(loc.url, once, deadline)
             except _CdnForbidden:
                 self.count("faults_cdn_403")
                 failed = loc.url
@@ -242,7 +229,7 @@ class HubClient:
     ) -> bytearray:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise _DeadlinePassed(
+            raise DeadlinePassed(
                 f"total deadline of {self.total_timeout}s passed for {file}"
             )
         timeout = aiohttp.ClientTimeout(
@@ -315,81 +302,6 @@ class HubClient:
         if hh.is_retryable_status(resp.status):
             return Transient(err, f"status_{resp.status}", hh.server_wait(resp.headers))
         return err
-
-    # -- retries -----------------------------------------------------------------------------
-    async def _with_retries(self, url: str, once: Any, deadline: float | None = None) -> Any:
-        """Run ``once()`` under the semaphore and the host's wait, retrying transient faults."""
-        host = urlsplit(url).netloc
-        deadline = deadline or time.monotonic() + self.total_timeout
-        failure: Transient | None = None
-        for attempt in range(self.max_retries + 1):
-            try:
-                return await self._attempt(host, once)
-            except Transient as exc:
-                failure = exc
-            except _DeadlinePassed:
-                # The deadline passed while a retry waited for its turn: what went wrong is the
-                # fault that made it retry, not the wait.
-                if failure is None:
-                    raise
-                raise failure.error from None
-            self.count(f"faults_{failure.fault}")
-            if failure.wait is not None:
-                self._not_before[host] = max(
-                    self._not_before.get(host, 0.0), time.monotonic() + failure.wait
-                )
-            delay = max(
-                hh.backoff_delay(attempt, self.backoff_base, self.backoff_cap, self._rng),
-                failure.wait or 0.0,
-            )
-            if attempt == self.max_retries or time.monotonic() + delay > deadline:
-                break
-            self.count("retries")
-            log.warning(
-                "upstream retry host=%s attempt=%d fault=%s delay_s=%.2f error=%s",
-                host,
-                attempt + 1,
-                failure.fault,
-                delay,
-                failure.error.message,
-            )
-            await asyncio.sleep(delay)
-        assert failure is not None
-        raise failure.error
-
-    async def _attempt(self, host: str, once: Any) -> Any:
-        async with self._sem:
-            wait = self._not_before.get(host, 0.0) - time.monotonic()
-            while wait > 0:
-                await asyncio.sleep(wait)
-                wait = self._not_before.get(host, 0.0) - time.monotonic()
-            self._in_flight += 1
-            self._counters["peak_in_flight"] = max(
-                self._counters["peak_in_flight"], self._in_flight
-            )
-            try:
-                return await once()
-            except TimeoutError as exc:
-                raise Transient(
-                    errors.UpstreamTimeout(
-                        f"no data from {host} within the timeout (read {self.read_timeout}s, "
-                        f"total {self.total_timeout}s); the upstream stalled"
-                    ),
-                    "timeout",
-                ) from exc
-            except aiohttp.ClientPayloadError as exc:
-                raise Transient(
-                    errors.UpstreamError(f"{host} cut the body short: {exc}"), "truncated"
-                ) from exc
-            except (aiohttp.ClientConnectionError, ConnectionError) as exc:
-                raise Transient(
-                    errors.UpstreamError(
-                        f"connection to {host} failed: {exc.__class__.__name__}: {exc}"
-                    ),
-                    "connection",
-                ) from exc
-            finally:
-                self._in_flight -= 1
 
 
 def _bad_range(message: str, fault: str, rid: str | None) -> Transient:

@@ -1,0 +1,133 @@
+"""Running one upstream request to its end: the parallel limit, the host's wait, retries.
+
+Invariants (``hub_client.HubClient`` sends every request through ``Retrier.run``):
+- At most ``max_parallel`` attempts are in flight at once; an attempt starts only after its
+  host's ``not_before`` (a server's Retry-After or RateLimit wait).
+- A ``Transient`` failure is retried after capped, jittered exponential backoff (or the server's
+  wait, whichever is longer) while attempts remain and the wait ends before the deadline; then
+  its ``error`` is raised. Any other exception is raised at once.
+- When the deadline passes while a retry waits for its turn, the caller gets the fault that made
+  it retry, not the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from cachecd import errors
+from cachecd.upstream import hub_http as hh
+
+log = logging.getLogger(__name__)
+
+
+class Transient(Exception):
+    """A failure worth retrying; ``error`` is what the caller sees if retries run out."""
+
+    def __init__(self, error: errors.CachecdError, fault: str, wait: float | None = None) -> None:
+        super().__init__(error.message)
+        self.error, self.fault, self.wait = error, fault, wait
+
+
+class DeadlinePassed(errors.UpstreamTimeout):
+    """The total deadline passed before an attempt could start."""
+
+
+class Retrier:
+    def __init__(
+        self,
+        counters: Counter[str],
+        *,
+        max_parallel: int,
+        max_retries: int,
+        backoff_base: float,
+        backoff_cap: float,
+        read_timeout: float,
+        total_timeout: float,
+    ) -> None:
+        self.max_retries, self.total_timeout = max_retries, total_timeout
+        self.backoff_base, self.backoff_cap = backoff_base, backoff_cap
+        self.read_timeout = read_timeout
+        self.in_flight = 0
+        self._counters = counters
+        self._sem = asyncio.Semaphore(max_parallel)
+        self._not_before: dict[str, float] = {}
+        self._rng = random.Random()
+
+    async def run(
+        self, url: str, once: Callable[[], Awaitable[Any]], deadline: float | None = None
+    ) -> Any:
+        """``once()`` under the parallel limit and the host's wait, retrying transient faults."""
+        host = urlsplit(url).netloc
+        deadline = deadline or time.monotonic() + self.total_timeout
+        failure: Transient | None = None
+        for attempt in range(self.max_retries + 1):
+            try:
+                return await self._attempt(host, once)
+            except Transient as exc:
+                failure = exc
+            except DeadlinePassed:
+                if failure is None:
+                    raise
+                raise failure.error from None
+            self._counters[f"faults_{failure.fault}"] += 1
+            if failure.wait is not None:
+                self._not_before[host] = max(
+                    self._not_before.get(host, 0.0), time.monotonic() + failure.wait
+                )
+            delay = max(
+                hh.backoff_delay(attempt, self.backoff_base, self.backoff_cap, self._rng),
+                failure.wait or 0.0,
+            )
+            if attempt == self.max_retries or time.monotonic() + delay > deadline:
+                break
+            self._counters["retries"] += 1
+            log.warning(
+                "upstream retry host=%s attempt=%d fault=%s delay_s=%.2f error=%s",
+                host, attempt + 1, failure.fault, delay, failure.error.message,
+            )
+            await asyncio.sleep(delay)
+        assert failure is not None
+        raise failure.error
+
+    async def _attempt(self, host: str, once: Callable[[], Awaitable[Any]]) -> Any:
+        async with self._sem:
+            wait = self._not_before.get(host, 0.0) - time.monotonic()
+            while wait > 0:
+                await asyncio.sleep(wait)
+                wait = self._not_before.get(host, 0.0) - time.monotonic()
+            self.in_flight += 1
+            self._counters["peak_in_flight"] = max(
+                self._counters["peak_in_flight"], self.in_flight
+            )
+            try:
+                return await once()
+            except TimeoutError as exc:
+                raise Transient(
+                    errors.UpstreamTimeout(
+                        f"no data from {host} within the timeout (read {self.read_timeout}s, "
+                        f"total {self.total_timeout}s); the upstream stalled"
+                    ),
+                    "timeout",
+                ) from exc
+            except aiohttp.ClientPayloadError as exc:
+                raise Transient(
+                    errors.UpstreamError(f"{host} cut the body short: {exc}"), "truncated"
+                ) from exc
+            except (aiohttp.ClientConnectionError, ConnectionError) as exc:
+                raise Transient(
+                    errors.UpstreamError(
+                        f"connection to {host} failed: {exc.__class__.__name__}: {exc}"
+                    ),
+                    "connection",
+                ) from exc
+            finally:
+                self.in_flight -= 1
