@@ -189,10 +189,11 @@ class Ledger:
             ("hits", "misses", "inserts", "evictions", "bytes_evicted", "quarantined",
              "verified_on_open", "bit_rot_on_open"), 0
         )
-        for digest, entry in sorted(entries.items(), key=lambda kv: counts.get(kv[0], (0, 0))[1]):
-            policy.on_insert(digest, entry.size, min(counts.get(digest, (0, 0.0))[0],
-                                                     RESTORED_HITS_CAP))
-            budget.add_used(entry.size)
+        none = (0, 0.0)
+        oldest_first = sorted(entries.items(), key=lambda kv: counts.get(kv[0], none)[1])
+        policy.restore([(d, e.size, min(counts.get(d, none)[0], RESTORED_HITS_CAP))
+                        for d, e in oldest_first])
+        budget.add_used(sum(e.size for e in entries.values()))
 
     # ---- eviction: each returns Victims already out of memory and out of ``used`` -------
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from cachecd import errors
 from cachecd.store.budget import Budget, Reservation
-from cachecd.store.policies import LFUDA, LRU, make_policy
+from cachecd.store.policies import LFUDA, LRU, WindowLFU, make_policy
 
 
 class Model:
@@ -221,3 +221,42 @@ def test_held_entries_are_spared_until_released() -> None:
     assert list(ledger.take(None, 100).where) == ["b"]  # a is still held once
     ledger.release_hold(["a"])
     assert list(ledger.take(None, 100).where) == ["a"] and not ledger.held
+
+
+def _state(p: WindowLFU) -> tuple:
+    return (list(p._window.items()), dict(p._main), sorted(p._heap), dict(p._counts), p._peak,
+            p._share, list(p._ghost_window), list(p._ghost_main))
+
+
+@pytest.mark.parametrize("share", [0.0, 0.1, 0.5, 1.0])
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 257])
+def test_restore_at_open_equals_one_insert_each(share: float, n: int) -> None:
+    """The store's open hands the default policy every entry at once (~82k at K3 scale): its
+    fast path must leave the policy exactly as inserting them one by one would, and rank the
+    same victims before and after more traffic."""
+    rng = random.Random(n)
+    rows = [(f"d{i}", rng.choice([1, 7, 100]), rng.choice([0, 0, 1, 5])) for i in range(n)]
+    fast, slow = WindowLFU(window=share), WindowLFU(window=share)
+    fast.restore(rows)
+    for digest, size, count in rows:
+        slow.on_insert(digest, size, count)
+    assert _state(fast) == _state(slow)
+    for p in (fast, slow):
+        same = random.Random(7)  # the same traffic for both
+        for _ in range(3 * n):
+            p.on_access(f"d{same.randrange(max(n, 1))}")
+        p.on_insert("new", 3)
+        p.on_remove(f"d{same.randrange(max(n, 1))}")
+    assert fast.victims(10**9, set()) == slow.victims(10**9, set())
+
+
+def test_restore_into_a_used_policy_falls_back_to_inserts() -> None:
+    fast, slow = WindowLFU(), WindowLFU()
+    for p in (fast, slow):
+        p.on_insert("a", 1)
+        p.on_remove("a")  # a ghost now: the next insert of it moves the share
+    rows = [("a", 1, 2), ("b", 1, 0), ("c", 1, 3)]
+    fast.restore(rows)
+    for row in rows:
+        slow.on_insert(*row)
+    assert _state(fast) == _state(slow)
