@@ -24,12 +24,11 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Self
+from typing import Self
 
 from aiohttp import web
 
 from cachecd import constants
-from cachecd.errors import InvalidRequest
 from cachecd.testbed.hub_server_app import (
     DATASETS,
     DEFAULT_URL_TTL_S,
@@ -170,9 +169,10 @@ def _prehash(root: Path, hashes: HashCache) -> None:
         log.info("prehashed repo=%s commit=%s files=%d", snap.repo_id, snap.commit, len(snap.files))
 
 
-async def _serve_until_signal(args: argparse.Namespace) -> int:
+async def serve_until_signal(args: argparse.Namespace) -> int:
     server = HubServer(
-        args.dir, host=args.host, port=args.port, token=args.token, url_ttl_s=args.url_ttl,
+        args.dir, host=args.host, port=args.port, token=args.token,
+        url_ttl_s=DEFAULT_URL_TTL_S if args.url_ttl is None else args.url_ttl,
         gated=frozenset(args.gated or ()),
     )
     base_url = await server.start()
@@ -189,37 +189,3 @@ async def _serve_until_signal(args: argparse.Namespace) -> int:
     log.info("hub stopping")
     await server.close()
     return 0
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    if not args.dir.is_dir():
-        raise InvalidRequest(f"{args.dir} is not a directory: give the folder that holds org/name/")
-    return asyncio.run(_serve_until_signal(args))
-
-
-def register(sub: Any) -> None:
-    hub = sub.add_parser("hub", help="a Hugging Face Hub compatible endpoint over a folder")
-    hub.set_defaults(func=lambda _args: (hub.print_help(), 2)[1])
-    hub_sub = hub.add_subparsers(dest="hub_command", metavar="SUBCOMMAND")
-    serve = hub_sub.add_parser(
-        "serve", help="serve DIR/{org}/{name}/... as model repos, DIR/datasets/... as datasets")
-    serve.add_argument("dir", type=Path, metavar="DIR",
-                       help="the folder: DIR/ORG/NAME/ is the model repo ORG/NAME")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=0, help="0 picks a free port (printed)")
-    serve.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN' (default: no token needed)")
-    serve.add_argument(
-        "--url-ttl",
-        type=float,
-        default=DEFAULT_URL_TTL_S,
-        help="seconds a signed download URL stays valid",
-    )
-    serve.add_argument(
-        "--prehash", action="store_true", help="hash every repo in the background at start"
-    )
-    serve.add_argument(
-        "--gated", action="append", metavar="ORG/NAME",
-        help="answer for this repo as the Hub does for a gated repo the caller has no access to "
-             "(403 GatedRepo); repeatable (default: none)",
-    )
-    serve.set_defaults(func=_cmd_serve)

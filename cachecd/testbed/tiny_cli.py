@@ -8,9 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from cachecd.errors import InvalidRequest
-from cachecd.testbed import kimi_tokenizer, tiny_k2
-from cachecd.testbed.tiny_config import TinyOptions
-from cachecd.testbed.tiny_model import DEFAULT_SHARD_BYTES, write_with_info
 
 
 def register(sub: Any) -> None:
@@ -42,6 +39,9 @@ def register(sub: Any) -> None:
 
 
 def _cli(args: argparse.Namespace) -> int:
+    from cachecd.testbed.tiny_config import TinyOptions
+    from cachecd.testbed.tiny_model import DEFAULT_SHARD_BYTES, write_with_info
+
     if args.fmt in ("int4", "fp8"):
         return _cli_k2(args)
     args.shard_bytes = args.shard_bytes or DEFAULT_SHARD_BYTES
@@ -69,6 +69,8 @@ def _cli(args: argparse.Namespace) -> int:
 
 
 def _cli_k2(args: argparse.Namespace) -> int:
+    from cachecd.testbed import tiny_k2
+
     if args.multimodal:
         raise InvalidRequest("--multimodal adds K3's vision weights: use it with --format "
                              "mxfp4 or fp32")
@@ -87,6 +89,8 @@ def _cli_k2(args: argparse.Namespace) -> int:
 
 
 def _vocab(args: argparse.Namespace) -> dict[str, int]:
+    from cachecd.testbed import kimi_tokenizer
+
     return {"vocab_size": kimi_tokenizer.VOCAB_SIZE} if args.kimi_tokenizer else {}
 
 

@@ -74,3 +74,25 @@ def test_commands_are_grouped_user_first() -> None:
         section = out[start:end]
         for name in names:
             assert re.search(rf"^  {re.escape(name)}\s", section, re.M), (title, name, out)
+
+
+def test_building_the_command_line_loads_no_heavy_library() -> None:
+    """cli.py's promise: `cachecd --help`, `status` and the other client-side commands do not
+    pay for aiohttp, mlx or the checkpoint writers; each command loads them when it runs."""
+    import subprocess
+    import sys
+
+    heavy = ("aiohttp", "mlx", "mlx_lm", "safetensors", "transformers", "lmdb",
+             "cachecd.testbed.tiny_k2", "cachecd.testbed.hub_server")
+    probe = ("import sys; from cachecd.cli import build_parser; build_parser(); "
+             f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True,
+                         text=True, timeout=60).stdout
+    assert out.strip() == "[]", out
+
+
+def test_hub_serve_help_names_the_url_lifetime_the_server_uses() -> None:
+    from cachecd.testbed.hub_server_app import DEFAULT_URL_TTL_S
+
+    out = run_cli("hub", "serve", "--help").stdout
+    assert f"(default: {DEFAULT_URL_TTL_S:.0f}," in " ".join(out.split())

@@ -1,0 +1,47 @@
+"""``cachecd hub serve DIR``: the command's parser and entry. ``hub_server`` (aiohttp) loads only
+when the command runs, so building the CLI's parser stays light."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from cachecd.errors import InvalidRequest
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    if not args.dir.is_dir():
+        raise InvalidRequest(f"{args.dir} is not a directory: give the folder that holds org/name/")
+    from cachecd.testbed.hub_server import serve_until_signal
+
+    return asyncio.run(serve_until_signal(args))
+
+
+def register(sub: Any) -> None:
+    hub = sub.add_parser("hub", help="a Hugging Face Hub compatible endpoint over a folder")
+    hub.set_defaults(func=lambda _args: (hub.print_help(), 2)[1])
+    hub_sub = hub.add_subparsers(dest="hub_command", metavar="SUBCOMMAND")
+    serve = hub_sub.add_parser(
+        "serve", help="serve DIR/{org}/{name}/... as model repos, DIR/datasets/... as datasets")
+    serve.add_argument("dir", type=Path, metavar="DIR",
+                       help="the folder: DIR/ORG/NAME/ is the model repo ORG/NAME")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=0, help="0 picks a free port (printed)")
+    serve.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN' (default: no token needed)")
+    serve.add_argument(
+        "--url-ttl",
+        type=float,
+        default=None,
+        help="seconds a signed download URL stays valid (default: 3600, an hour, as the Hub's)",
+    )
+    serve.add_argument(
+        "--prehash", action="store_true", help="hash every repo in the background at start"
+    )
+    serve.add_argument(
+        "--gated", action="append", metavar="ORG/NAME",
+        help="answer for this repo as the Hub does for a gated repo the caller has no access to "
+             "(403 GatedRepo); repeatable (default: none)",
+    )
+    serve.set_defaults(func=_cmd_serve)
