@@ -125,12 +125,12 @@ def _wait_health(sock: Path, proc: subprocess.Popen[bytes]) -> None:
     raise SystemExit("the daemon did not answer within 120 s")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int,
                     default=constants.K3_MOE_LAYERS * constants.K3_EXPERTS_PER_LAYER)
     add_common_args(ap, rounds=5)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="index-start-", dir=args.dir))
     run = short_tmp("cdidx")
     try:

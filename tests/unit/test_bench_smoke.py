@@ -153,3 +153,8 @@ def test_k3_decode_script_ends_with_ratio(capsys: pytest.CaptureFixture[str]) ->
     out = capsys.readouterr().out
     assert "same tokens from all three" in out and "exposed wait" in out
     assert RATIO_LINE.match(out.strip().splitlines()[-1])
+
+
+def test_index_start_script_ends_with_the_crash_open_time(capsys: pytest.CaptureFixture[str]) -> None:
+    _load("index_start").main(["--experts", "300", "--rounds", "1"])
+    assert re.fullmatch(r"crash_open_s=\d+\.\d{3}", _last_line(capsys))
