@@ -190,9 +190,9 @@ class Ledger:
              "verified_on_open", "bit_rot_on_open"), 0
         )
         none = (0, 0.0)
-        oldest_first = sorted(entries.items(), key=lambda kv: counts.get(kv[0], none)[1])
-        policy.restore([(d, e.size, min(counts.get(d, none)[0], RESTORED_HITS_CAP))
-                        for d, e in oldest_first])
+        rows = [(counts.get(d, none), d, e.size) for d, e in entries.items()]
+        rows.sort(key=lambda row: row[0][1])  # least recently used first
+        policy.restore([(d, size, min(c[0], RESTORED_HITS_CAP)) for c, d, size in rows])
         budget.add_used(sum(e.size for e in entries.values()))
 
     # ---- eviction: each returns Victims already out of memory and out of ``used`` -------
