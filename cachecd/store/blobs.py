@@ -33,8 +33,8 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from cachecd import errors
 from cachecd.durable import full_fsync, sync_dir
@@ -97,9 +97,9 @@ def hash_fd(fd: int) -> tuple[str, int]:
         offset += len(chunk)
 
 
-@dataclass(frozen=True, slots=True)
-class OnDisk:
-    """A file found under blobs/ by a scan (plain strs: a scan makes ~10^5 of these)."""
+class OnDisk(NamedTuple):
+    """A file found under blobs/ by a scan (a tuple of plain strs: a scan after a crash makes
+    ~10^5 of these, and a tuple is made in a third less time than a frozen dataclass)."""
 
     dir_index: int
     name: str
