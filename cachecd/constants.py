@@ -145,7 +145,7 @@ SYSTEMD_USER_DIR = Path(
 LAUNCH_AGENTS_DIR = Path.home() / "Library" / "LaunchAgents"
 LAUNCHD_LOG_DIR = Path.home() / "Library" / "Logs" / APP
 # The proxy variables go in too (a proxied network needs them in the service as in the shell),
-# except one whose URL carries a password: service.render leaves it out and says so.
+# except one whose URL carries credentials: service.render leaves it out and says so.
 SERVICE_PROXY_KEYS = tuple(
     k for name in ("https_proxy", "http_proxy", "all_proxy", "no_proxy") for k in (name.upper(), name)
 )

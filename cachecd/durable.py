@@ -9,9 +9,9 @@ to the permanent storage device" (fcntl(2)); SQLite and LMDB use it there, and s
 
 Invariants:
 - Every durability point of cachecd (a blob's temp file and its directory, the resident model
-  file, a manifest and its directory, a service unit file) goes through ``full_fsync`` or ``sync_dir``; nothing else
-  in cachecd/, client/ or engine/ calls ``os.fsync`` (tests/unit/test_durable.py walks the
-  source for it).
+  file, a manifest and its directory, a service unit file) goes through ``full_fsync`` or
+  ``sync_dir``; nothing else in cachecd/, client/ or engine/ calls ``os.fsync``
+  (tests/unit/test_durable.py walks the source for it).
 - On Darwin, a file system that does not implement F_FULLFSYNC gets fsync(2) instead, as SQLite,
   libuv and Go do, with one warning per process and errno; any other error of either call is
   raised, because it means the bytes may not be on disk.
