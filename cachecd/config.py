@@ -214,4 +214,6 @@ def load_settings(
 
 def add_common_arguments(parser: Any) -> None:
     """The flags every command that talks to a daemon takes."""
-    parser.add_argument("--socket", help="control socket of the daemon (default: per-user runtime dir)")
+    parser.add_argument("--socket", metavar="PATH",
+                        help="the daemon's control socket (default: CACHECD_SOCKET or the "
+                             f"config's, else {constants.DEFAULT_SOCKET})")

@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cachecd import constants
-from cachecd.config import format_size
+from cachecd.config import add_common_arguments, format_size
 
 # mlx_lm.generate's defaults (DEFAULT_TEMP, ...): literals so `cachecd --help` needs no mlx
 # import; tests/unit/test_openai_cli.py holds them equal to mlx-lm's.
@@ -40,8 +39,7 @@ def load(repo: str, socket: str | Path | None = None, **engine: Any) -> tuple[An
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The flags that set the engine (``cachecd run`` and ``cachecd openai``)."""
-    p.add_argument("--socket", help="the daemon's control socket (default: CACHECD_SOCKET or "
-                   f"the config's, else {constants.DEFAULT_SOCKET})")
+    add_common_arguments(p)
     p.add_argument("--ram", default="auto",
                    help="RAM tier for hot experts, e.g. 8GiB; 0 disables; auto (default): a quarter "
                         "of the memory left once the model is loaded")

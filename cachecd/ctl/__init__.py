@@ -3,9 +3,5 @@
 itself).
 """
 
-from cachecd import constants
-
-SOCKET_HELP = ("the daemon's control socket (default: CACHECD_SOCKET or the config's, else "
-               f"{constants.DEFAULT_SOCKET})")
 # --model of the commands that resolve it with cachecd_client.resolve_model when left out.
 MODEL_HELP = "ORG/NAME (default: the one model the daemon has registered)"

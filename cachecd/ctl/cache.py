@@ -8,8 +8,8 @@ import sys
 import time
 from typing import Any
 
-from cachecd.config import format_size, load_settings, parse_size
-from cachecd.ctl import MODEL_HELP, SOCKET_HELP
+from cachecd.config import add_common_arguments, format_size, load_settings, parse_size
+from cachecd.ctl import MODEL_HELP
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -30,17 +30,17 @@ def _ids(text: str) -> list[int]:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("status", help="daemon health, models, disk use, hit rate")
-    p.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
+    add_common_arguments(p)
     p.add_argument("--json", action="store_true", help="print the raw status JSON")
     p.set_defaults(func=status)
     for name, helptext in (("pin", "fetch and pin experts so they are never evicted"),
                            ("unpin", "let pinned experts be evicted again")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
+        add_common_arguments(p)
         _experts_args(p)
         p.set_defaults(func=pin if name == "pin" else unpin)
     p = sub.add_parser("evict", help="free cache space by policy, or evict given experts")
-    p.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
+    add_common_arguments(p)
     p.add_argument("--bytes", default="0", help="how much to free by policy, e.g. 10GB")
     p.add_argument("--model", help="ORG/NAME of --experts (default: the one model the daemon "
                    "has registered)")

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from cachecd.config import load_settings
-from cachecd.ctl import MODEL_HELP, SOCKET_HELP
+from cachecd.config import add_common_arguments, load_settings
+from cachecd.ctl import MODEL_HELP
 from cachecd.errors import InvalidRequest
 from cachecd.manifest.manifest import Manifest
 from cachecd.report.coverage import access_array, coverage_report, unpack_detail
@@ -111,7 +111,7 @@ def register(sub: Any) -> None:
                    help="write here instead of stdout (png needs it; default: stdout)")
     add_trace_flag(p, "weigh coverage by this routing trace (default: the daemon's counts)")
     p.add_argument("--top", type=int, default=20, help="how many most-wanted missing experts")
-    p.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
+    add_common_arguments(p)
     p.set_defaults(func=coverage)
 
 

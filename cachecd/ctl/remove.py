@@ -9,8 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cachecd.config import format_size, load_settings
-from cachecd.ctl import SOCKET_HELP
+from cachecd.config import add_common_arguments, format_size, load_settings
 
 
 def register(sub: Any) -> None:
@@ -20,7 +19,7 @@ def register(sub: Any) -> None:
                    help="ORG/NAME to remove (always named: removing is not guessed)")
     p.add_argument("--experts", action="store_true",
                    help="evict its cached experts now (those another registered model shares stay)")
-    p.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
+    add_common_arguments(p)
     p.set_defaults(func=remove)
 
 

@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from cachecd.config import format_size, parse_size
-from cachecd.ctl import MODEL_HELP, SOCKET_HELP
+from cachecd.config import add_common_arguments, format_size, parse_size
+from cachecd.ctl import MODEL_HELP
 from cachecd.ctl.coverage import (
     DAEMON_WORKLOAD,
     Snapshot,
@@ -123,7 +123,7 @@ def register(sub: Any) -> None:
     p.add_argument("--allow-evict", action="store_true",
                    help="go past the free room under the budget (the daemon evicts by policy)")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
-    p.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
+    add_common_arguments(p)
     p.set_defaults(func=warm)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecd import constants
-from cachecd.config import Settings, format_size, load_settings
+from cachecd.config import Settings, add_common_arguments, format_size, load_settings
 from cachecd.errors import (
     DaemonUnavailable,
     InvalidRequest,
@@ -37,8 +37,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser("setup", help="install a model's resident weights and stream its experts")
     p.add_argument("--stream", required=True, metavar="ORG/NAME[@REV]", help="the model to stream")
     p.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or huggingface.co)")
-    p.add_argument("--socket", help="the daemon's control socket (default: CACHECD_SOCKET or "
-                   f"the config's, else {constants.DEFAULT_SOCKET})")
+    add_common_arguments(p)
     p.add_argument("--manifest", metavar="FILE|hf://[datasets/]ORG/REPO/PATH[@REV]",
                    help="use this manifest (a file, or one published in a Hub repo; default: "
                         "the one cachecd ships for the model)")
