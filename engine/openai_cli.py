@@ -14,13 +14,12 @@ import os
 import sys
 from typing import Any
 
-from cachecd_engine.run import add_engine_flags, add_trust_flag, engine_options
+from cachecd_engine.run import MODEL_HELP, add_engine_flags, add_trust_flag, engine_options
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("openai", help="an OpenAI-compatible HTTP server (mlx-lm's) through the daemon")
-    p.add_argument("--model", help="ORG/NAME, installed with setup --stream (default: the one model the "
-                        "daemon has registered)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free one)")
     add_engine_flags(p)

@@ -63,11 +63,14 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "expert_memory": _size(args.expert_memory, "--expert-memory"),
             "prefetch": args.prefetch}
 
+# --model of run and openai, resolved with cachecd_client.resolve_model when left out.
+MODEL_HELP = ("ORG/NAME, installed with setup --stream (default: the one model the daemon has "
+              "registered)")
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("run", help="generate through the daemon (greedy unless --temp)")
-    p.add_argument("--model", help="ORG/NAME, installed with setup --stream (default: the one model the "
-                        "daemon has registered)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--prompt", required=True, help="the prompt; '-' reads it from standard input")
     p.add_argument("--max-tokens", "--max-new", dest="max_tokens", type=int, default=64,
                    help="tokens to generate (default 64)")
