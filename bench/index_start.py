@@ -18,11 +18,8 @@ The bar (DESIGN.md "Scale"): a K3-sized index loads in <= 1 s. Last line: ``cras
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +31,7 @@ from cachecd import constants
 from cachecd.store.index import Entry
 from cachecd.store.recovery import CLEAN_KEY
 from cachecd.store.store import Store
-from tests.harness import short_tmp
+from tests.harness import DaemonProcess
 
 MODEL = "moonshotai/Kimi-K3@" + "ab" * 20
 
@@ -83,46 +80,23 @@ def open_after_crash(cache: Path, n: int) -> float:
     return took
 
 
-def daemon_start(cache: Path, sock: Path, log: Path, crash: bool) -> float:
-    """Start ``cachecd serve`` (after the previous one stopped as ``crash`` says) and time it
+def daemon_start(cache: Path, crash: bool) -> float:
+    """Start ``cachecd serve`` on ``cache``, stop it as ``crash`` says, and time its next start
     until it answers a health check."""
-    argv = [sys.executable, "-m", "cachecd.cli", "serve", "--cache-dir", str(cache),
-            "--socket", str(sock), "--scrub-rate", "0", "--log-file", str(log)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    first = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_health(sock, first)
-    first.send_signal(signal.SIGKILL if crash else signal.SIGTERM)
-    first.wait(timeout=60)
-    if sock.exists():
-        sock.unlink()  # a killed daemon leaves its socket file
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    d = DaemonProcess(constants.HF_ENDPOINT, cache_dir=cache, args=["--scrub-rate", "0"],
+                      env={"HF_HUB_OFFLINE": "1"})
     try:
-        _wait_health(sock, proc)
+        d.start()
+        d.stop(signal.SIGKILL if crash else signal.SIGTERM)
+        t0 = time.perf_counter()
+        d.start(poll=0.005)
         took = time.perf_counter() - t0
-        recovery = [ln for ln in log.read_text().splitlines() if "event=recovery" in ln][-1]
+        recovery = [ln for ln in d.log().splitlines() if "event=recovery" in ln][-1]
         assert f"full_scan={crash}" in recovery, recovery
         return took
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-
-
-def _wait_health(sock: Path, proc: subprocess.Popen[bytes]) -> None:
-    from cachecd.errors import DaemonUnavailable
-    from cachecd_client import Client
-
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the daemon exited with {proc.returncode}")
-        try:
-            with Client(sock, timeout=5) as c:
-                c.health()
-                return
-        except DaemonUnavailable:
-            time.sleep(0.005)
-    raise SystemExit("the daemon did not answer within 120 s")
+        d.stop()
+        shutil.rmtree(d.base, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,7 +106,6 @@ def main(argv: list[str] | None = None) -> None:
     add_common_args(ap, rounds=5)
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="index-start-", dir=args.dir))
-    run = short_tmp("cdidx")
     try:
         cache = work / "cache"
         t0 = time.perf_counter()
@@ -142,9 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         times = alternate({"clean": lambda: open_clean(cache),
                            "crash": lambda: open_after_crash(cache, args.experts)},
                           args.rounds, show=lambda k, v: f"{k}_open_s={v:.3f}")
-        sock = run / "s.sock"
-        serve_clean = daemon_start(cache, sock, work / "serve.log", crash=False)
-        serve_crash = daemon_start(cache, sock, work / "serve.log", crash=True)
+        serve_clean = daemon_start(cache, crash=False)
+        serve_crash = daemon_start(cache, crash=True)
         print(f"index_start: {args.experts} entries, {args.rounds} rounds (median), "
               f"in-process Store.open")
         print(f"clean_open_s={median(times['clean']):.3f} (max {max(times['clean']):.3f})  "
@@ -154,7 +126,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"crash_open_s={median(times['crash']):.3f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(run, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ class DaemonProcess:
             argv += ["--manifest", str(m)]
         return argv + self.extra
 
-    def start(self, timeout: float = 60) -> DaemonProcess:
+    def start(self, timeout: float = 60, poll: float = 0.05) -> DaemonProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=log, env=self.env)
         deadline = time.monotonic() + timeout
@@ -166,7 +166,7 @@ class DaemonProcess:
                 raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log()}")
             if self._healthy():
                 return self
-            time.sleep(0.05)
+            time.sleep(poll)
         raise AssertionError(f"daemon not healthy after {timeout}s:\n{self.log()}")
 
     def _healthy(self) -> bool:
