@@ -249,6 +249,7 @@ def _assemble(
         files=infos,
         experts=experts,
         resident=resident,
+        made="full-pass",
     )
 
 

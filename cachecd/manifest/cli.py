@@ -2,8 +2,9 @@
 
 build: resolve REV to a commit, read every shard header, hash every shard once (checked against
 the hub's sha256), ``--jobs`` at a time, resumably (``build``), write the manifest atomically.
-verify: load + validate a manifest (a file or ``hf://...``) and print a summary; with --endpoint,
-compare it with the hub's metadata for its commit (``hub_check``).
+verify: load + validate a manifest (a file or ``hf://...``), print a summary, and check it against
+the endpoint's metadata and the shards' safetensors headers at its commit (``hub_check``); a
+disagreement exits 1. ``--no-hub`` only validates the file.
 """
 
 from __future__ import annotations
@@ -40,14 +41,18 @@ def register(sub: Any) -> None:
                         "that stops resumes there (default: OUTPUT.parts)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=_build)
-    v = msub.add_parser("verify", help="validate a manifest and print a summary")
+    v = msub.add_parser("verify", help="check a manifest against the Hub and print a summary")
     v.add_argument("file", metavar="FILE|hf://...", help="a manifest file, or one published in a "
                    "Hub repo: hf://[datasets/]ORG/REPO/PATH[@REV]")
-    v.add_argument("--endpoint", help="also check it against this endpoint's metadata for its "
-                   "commit (files' sizes, the shards' sha256, the config's hash; default: no "
-                   "check; an hf:// FILE comes from HF_ENDPOINT)")
+    v.add_argument("--endpoint", help="the endpoint whose commit it is checked against: the "
+                   "files' sizes, the shards' sha256, the config's hash, and every expert's byte "
+                   "ranges against the shards' safetensors headers (default: HF_ENDPOINT, "
+                   f"{constants.HF_ENDPOINT})")
     v.add_argument("--token", help="HF token for --endpoint (default: HF_TOKEN or the stored "
                    "login)")
+    v.add_argument("--no-hub", action="store_true",
+                   help="only read and validate the file; checked against nothing, it proves "
+                        "nothing about which bytes are which expert (default: check it)")
     v.set_defaults(func=_verify)
 
 
@@ -92,31 +97,59 @@ def _build(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_SHOWN = 20  # disagreements printed; a manifest swapped throughout has one per expert
+
+
 def _verify(args: argparse.Namespace) -> int:
     from cachecd.manifest import published
     from cachecd.manifest.manifest import Manifest
 
+    endpoint = (args.endpoint or constants.HF_ENDPOINT).rstrip("/")
     path = args.file
     if published.is_published(str(args.file)):
-        endpoint = args.endpoint or constants.HF_ENDPOINT
         path, _ = published.fetch(str(args.file), endpoint=endpoint, token=args.token)
     manifest = Manifest.load(path)
     _print_summary(manifest)
-    if args.endpoint is None:
-        print("ok: manifest valid")
+    made = manifest.made
+    print(f"made        {made}" if made else "made        (not recorded: an older cachecd)")
+    if args.no_hub:
+        print("ok: manifest valid (--no-hub: not checked against any endpoint)")
         return 0
+    if constants.HF_HUB_OFFLINE:
+        return _verify_offline(manifest)
     _quiet_http(args)
+    from cachecd.manifest.headers import keep_dir
     from cachecd.manifest.hub_check import problems
 
-    found = problems(manifest, endpoint=args.endpoint.rstrip("/"), token=args.token)
-    for p in found:
+    found = problems(manifest, endpoint=endpoint, token=args.token,
+                     keep=keep_dir(constants.DEFAULT_MODELS_DIR))
+    for p in found[:MAX_SHOWN]:
         print(f"MISMATCH {p}")
+    if len(found) > MAX_SHOWN:
+        print(f"... and {len(found) - MAX_SHOWN} more")
     print(
-        "ok: manifest valid and matches the endpoint"
+        f"ok: manifest valid and matches {endpoint}: its files, and every expert's byte ranges "
+        "against the shards' safetensors headers"
         if not found
-        else f"FAILED: {len(found)} disagreement(s) with the endpoint's metadata"
+        else f"FAILED: {len(found)} disagreement(s) with {endpoint} at {manifest.revision}"
     )
     return 0 if not found else 1
+
+
+def _verify_offline(manifest: Any) -> int:
+    """HF_HUB_OFFLINE: the layout against headers kept by an earlier check, if all are kept."""
+    from cachecd.manifest.headers import keep_dir
+    from cachecd.manifest.hub_check import check_layout_at
+
+    keep = keep_dir(constants.DEFAULT_MODELS_DIR)
+    try:
+        check_layout_at(manifest, endpoint="", keep=keep, offline=True)
+    except errors.Offline as exc:
+        print(f"ok: manifest valid; not checked (HF_HUB_OFFLINE): {exc.message}")
+        return 0
+    print(f"ok: manifest valid; its layout matches the shards' headers kept in {keep} "
+          "(HF_HUB_OFFLINE: the Hub's metadata not asked)")
+    return 0
 
 
 def _human(n: int) -> str:

@@ -28,9 +28,11 @@ def build_meta(
     files: Iterable[FileInfo],
     experts_per_layer: int,
     resident: Iterable[TensorInfo],
+    made: str | None = None,
 ) -> dict[str, Any]:
-    """The JSON half of a manifest; ``dtypes``/``shapes``/``templates`` are filled by encoding."""
-    return {
+    """The JSON half of a manifest; ``dtypes``/``shapes``/``templates`` are filled by encoding.
+    ``made`` (``meta.MADE``) says how it was made; left out when not known."""
+    meta = {
         "format": FORMAT_NAME,
         "format_version": constants.MANIFEST_FORMAT_VERSION,
         "repo": repo,
@@ -51,6 +53,9 @@ def build_meta(
             for t in sorted(resident, key=lambda t: (t.file, t.offset, t.name))
         ],
     }
+    if made is not None:
+        meta["made"] = made
+    return meta
 
 
 def name_template(name: str, layer: int, expert: int) -> tuple[str, ...]:

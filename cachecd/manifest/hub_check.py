@@ -1,7 +1,9 @@
-"""Check a manifest against the Hub's own metadata for the commit it pins, before it is used.
+"""Check a manifest against the Hub for the commit it pins, before it is used.
 
-One metadata call per revision (``model_info`` with file metadata), remembered for the process
-once it agrees. Compared:
+Two checks, each remembered for the process once it passes (keyed by endpoint and by everything
+the manifest says, so another manifest of the same commit is checked afresh):
+
+The metadata: one call per revision (``model_info`` with file metadata). Compared:
 
 - the commit: the Hub must know it as a commit of the repo;
 - every file: present at that commit with the manifest's size; for an LFS file (every safetensors
@@ -11,45 +13,63 @@ once it agrees. Compared:
   small config outside LFS and gives only its git blob id, so its bytes are fetched, checked
   against that blob id, and hashed).
 
-Not compared: the sha256 of other small non-LFS files (the Hub has none to give; setup checks
-them against the bytes it downloads) and the xxh3-128 of tensors and experts (the Hub has no hash
-below a file): a wrong one fails the fetch of that expert and never lets a byte through.
+The layout (``layout_check``): every expert's and resident tensor's name, shard, offset, size,
+dtype and shape against the safetensors headers of the shards at that commit (``headers``:
+fetched by range, kept). After both, a manifest can be wrong only in its xxh3-128 hashes (the Hub
+has no hash below a file), and a wrong one fails the fetch of that expert: it never lets a byte
+through. Not compared: the sha256 of other small non-LFS files (setup checks them against the
+bytes it downloads).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import threading
+from pathlib import Path
 from typing import Any
 
 from cachecd import constants, errors
+from cachecd.manifest.headers import shard_headers
+from cachecd.manifest.layout_check import check_layout, layout_problems
 from cachecd.manifest.manifest import Manifest
 from cachecd.manifest.source import hub_errors
 
 log = logging.getLogger(__name__)
 
-_agreed: set[tuple[str, str, str, str]] = set()  # (endpoint, repo, commit, fingerprint)
+_agreed: set[tuple[str, str, str]] = set()  # (what, endpoint or "kept", content sha256)
 _lock = threading.Lock()
 
 
-def fingerprint(manifest: Manifest) -> str:
-    """What the check covers: the repo, commit, files and config hash."""
-    files = [[f.name, f.size, f.sha256] for f in manifest.files.values()]
-    what = [manifest.repo, manifest.revision, manifest.config_sha256, files]
-    return hashlib.sha256(json.dumps(what).encode()).hexdigest()
+def _memo(what: str, endpoint: str, manifest: Manifest) -> tuple[str, str, str]:
+    return (what, endpoint, manifest.content_sha256())
 
 
-def check_against_hub(manifest: Manifest, *, endpoint: str, token: str | None = None) -> None:
-    """Raise ``ManifestMismatch`` naming what disagrees and what to do; ``UpstreamError`` (or
-    ``Unauthorized``/``Gated``) when the endpoint could not be asked."""
-    endpoint = endpoint.rstrip("/")
-    key = (endpoint, manifest.repo, manifest.revision, fingerprint(manifest))
+def _remembered(key: tuple[str, str, str]) -> bool:
     with _lock:
-        if key in _agreed:
-            return
-    found = problems(manifest, endpoint=endpoint, token=token)
+        return key in _agreed
+
+
+def _remember(key: tuple[str, str, str]) -> None:
+    with _lock:
+        _agreed.add(key)
+
+
+def check_against_hub(manifest: Manifest, *, endpoint: str, token: str | None = None,
+                      keep: Path | None = None) -> None:
+    """Both checks: raise ``ManifestMismatch`` naming what disagrees and what to do;
+    ``UpstreamError`` (or ``Unauthorized``/``Gated``) when the endpoint could not be asked."""
+    check_metadata(manifest, endpoint=endpoint, token=token)
+    check_layout_at(manifest, endpoint=endpoint, token=token, keep=keep)
+
+
+def check_metadata(manifest: Manifest, *, endpoint: str, token: str | None = None) -> None:
+    """The metadata check alone (see the module docstring)."""
+    endpoint = endpoint.rstrip("/")
+    key = _memo("metadata", endpoint, manifest)
+    if _remembered(key):
+        return
+    found = metadata_problems(manifest, endpoint=endpoint, token=token)
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise errors.ManifestMismatch(
@@ -58,11 +78,35 @@ def check_against_hub(manifest: Manifest, *, endpoint: str, token: str | None = 
             f"use it; build one (cachecd manifest build {manifest.repo}@{manifest.revision}) or "
             "get it again from its publisher"
         )
-    with _lock:
-        _agreed.add(key)
+    _remember(key)
 
 
-def problems(manifest: Manifest, *, endpoint: str, token: str | None = None) -> list[str]:
+def check_layout_at(manifest: Manifest, *, endpoint: str, token: str | None = None,
+                    keep: Path | None = None, offline: bool = False, retry: bool = True) -> None:
+    """The layout check alone, against headers kept in ``keep`` or fetched from ``endpoint``
+    (``Offline`` when they are not kept and ``offline``)."""
+    endpoint = endpoint.rstrip("/")
+    key = _memo("layout", "", manifest)  # headers are addressed by content: any endpoint's do
+    if _remembered(key):
+        return
+    check_layout(manifest, shard_headers(manifest, endpoint=endpoint, token=token, keep=keep,
+                                         offline=offline, retry=retry))
+    _remember(key)
+
+
+def problems(manifest: Manifest, *, endpoint: str, token: str | None = None,
+             keep: Path | None = None) -> list[str]:
+    """Every disagreement, as "FILE: FIELD ..." or "layer L expert E: ...": the metadata's,
+    then (when it agrees) the layout's."""
+    found = metadata_problems(manifest, endpoint=endpoint, token=token)
+    if found:
+        return found
+    headers = shard_headers(manifest, endpoint=endpoint.rstrip("/"), token=token, keep=keep)
+    return layout_problems(manifest, headers)
+
+
+def metadata_problems(manifest: Manifest, *, endpoint: str,
+                      token: str | None = None) -> list[str]:
     """Every disagreement with the Hub's metadata, as "FILE: FIELD ...", first the commit."""
     info = _model_info(manifest, endpoint, token)
     if info is None or info.sha != manifest.revision:

@@ -19,6 +19,7 @@ templates (head + layer + mid + expert + tail) and expand to the exact checkpoin
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -34,7 +35,7 @@ from cachecd import errors
 from cachecd.durable import write_atomic
 from cachecd.manifest.encode import build_meta, encode_experts
 from cachecd.manifest.entries import ByteRange, ExpertEntry, FileInfo, TensorInfo
-from cachecd.manifest.meta import EXPERT_PATTERN, EXPERT_RE, FORMAT_NAME
+from cachecd.manifest.meta import EXPERT_PATTERN, EXPERT_RE, FORMAT_NAME, MADE
 from cachecd.manifest.validate import Checked, check_archive
 
 __all__ = [
@@ -65,6 +66,7 @@ class Manifest:
         self.model_type: str = meta["model_type"]
         self.quant_format: str = meta["quant_format"]
         self.config_sha256: str = meta["config_sha256"]
+        self.made: str | None = MADE.get(meta.get("made", ""))  # how it was made, in words
         self.files: dict[str, FileInfo] = {
             f[0]: FileInfo(f[0], f[1], f[2], f[3]) for f in meta["files"]
         }
@@ -103,6 +105,7 @@ class Manifest:
         self._experts_list: list[int] = self.expert_ids.tolist()
         self._sizes_list: list[int] = self.sizes.tolist()
         self._cache: dict[int, ExpertEntry] = {}
+        self._content_sha256: str | None = None
 
     # -- identity --------------------------------------------------------------------------
     @property
@@ -124,6 +127,18 @@ class Manifest:
         return all(np.array_equal(v, other._arrays[k]) for k, v in self._arrays.items())
 
     __hash__ = None  # type: ignore[assignment]
+
+    def content_sha256(self) -> str:
+        """sha256 of everything the manifest says (meta and every column): equal manifests,
+        and only those, have the same one."""
+        if self._content_sha256 is None:
+            h = hashlib.sha256(json.dumps(self._meta, sort_keys=True).encode())
+            for name in sorted(self._arrays):
+                arr = self._arrays[name]
+                h.update(f"{name}:{arr.dtype.str}:{arr.shape}".encode())
+                h.update(np.ascontiguousarray(arr).tobytes())
+            self._content_sha256 = h.hexdigest()
+        return self._content_sha256
 
     # -- lookups ---------------------------------------------------------------------------
     def row(self, layer: int, expert: int) -> int:
@@ -188,6 +203,28 @@ class Manifest:
         """Every expert in row order (builds them all: for tools and tests, not hot paths)."""
         return [self.entry(i) for i in range(self.n_experts)]
 
+    def tensor_table(self) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """Every expert tensor in row order, without building entries: their names, their
+        columns ``[file index, offset, nbytes, dtype, shape]`` (indices into ``files`` order,
+        ``dtype_names`` and ``shape_list``) and the row each belongs to."""
+        rows = np.repeat(np.arange(self.n_experts, dtype=np.int64), np.diff(self._t_ptr))
+        tpl = self._t_table[:, 0].tolist()
+        names = [self._tensor_name(t, self._layers_list[r], self._experts_list[r])
+                 for t, r in zip(tpl, rows.tolist(), strict=True)]
+        return names, self._t_table[:, [3, 4, 5, 1, 2]], rows
+
+    @property
+    def file_names(self) -> list[str]:
+        return list(self._file_names)
+
+    @property
+    def dtype_names(self) -> list[str]:
+        return list(self._dtypes)
+
+    @property
+    def shape_list(self) -> list[tuple[int, ...]]:
+        return list(self._shapes)
+
     def digest_hex(self, row: int) -> str:
         return self.digests[row].tobytes().hex()
 
@@ -237,6 +274,7 @@ class Manifest:
         experts: Iterable[ExpertEntry],
         resident: Iterable[TensorInfo],
         experts_per_layer: int | None = None,
+        made: str | None = None,
     ) -> Manifest:
         """A validated manifest from objects (the builder, tests and benches use this)."""
         experts = list(experts)
@@ -254,6 +292,7 @@ class Manifest:
             files=files,
             experts_per_layer=experts_per_layer,
             resident=resident,
+            made=made,
         )
         arrays = encode_experts(meta, experts)
         return cls.from_parts(meta, arrays)

@@ -41,6 +41,13 @@ DTYPE_BITS: dict[str, int] = {
     "F6_E2M3": 6,
     "F6_E3M2": 6,
 }
+# How a manifest was made (the optional meta key "made"), as shown by `manifest verify` and
+# `status`. Only a full pass makes its hashes the revision's own; whoever made it says so here,
+# so the word of a manifest you did not build is its publisher's.
+MADE = {
+    "full-pass": "by a full pass (cachecd manifest build): every tensor's and expert's xxh3-128 "
+                 "computed from the shards' bytes, each shard's sha256 in the same pass",
+}
 META_TYPES: dict[str, type | tuple[type, ...]] = {
     "format": str,
     "format_version": int,
@@ -101,6 +108,8 @@ def check_meta(ctx: Ctx, meta: Any) -> None:
         )
     if meta["experts_per_layer"] < 0:
         raise ctx.fail("experts_per_layer", "negative")
+    if "made" in meta and (not isinstance(meta["made"], str) or meta["made"] not in MADE):
+        raise ctx.fail("made", f"{meta['made']!r:.80} is not one of {sorted(MADE)}")
     _check_files(ctx, meta["files"])
     _check_vocab(ctx, meta)
     _check_resident(ctx, meta)

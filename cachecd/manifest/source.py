@@ -62,6 +62,38 @@ def _same_origin(url: str, base: str) -> bool:
     return (a.scheme, a.netloc) == (b.scheme, b.netloc)
 
 
+def request_headers(url: str, endpoint: str, hf_headers: dict[str, str],
+                    extra: dict[str, str]) -> dict[str, str]:
+    """Identity encoding, and huggingface_hub's headers: the token only to the endpoint's own
+    origin, never to a CDN host a signed location points at."""
+    headers = {"Accept-Encoding": "identity", **extra}
+    if _same_origin(url, endpoint):
+        headers.update(hf_headers)
+    else:
+        headers.update({k: v for k, v in hf_headers.items() if k.lower() != "authorization"})
+    return headers
+
+
+def read_first_bytes(session: Any, url: str, headers: dict[str, str], nbytes: int,
+                     size: int | None, what: str) -> bytes:
+    """The first ``nbytes`` of a file by one Range GET: insists on 206 with exactly
+    ``bytes 0-(nbytes-1)/size`` and that many bytes."""
+    rng = f"bytes=0-{nbytes - 1}"
+    try:
+        resp = session.get(url, headers={**headers, "Range": rng}, follow_redirects=False,
+                           timeout=constants.READ_TIMEOUT_S)
+    except Exception as exc:  # httpx transport errors
+        raise errors.UpstreamError(f"{what}: {type(exc).__name__}: {exc}") from exc
+    got = resp.headers.get("Content-Range", "")
+    want = f"bytes 0-{nbytes - 1}/{size if size is not None else ''}"
+    if resp.status_code != 206 or not got.startswith(want):
+        raise errors.BadUpstreamRange(
+            f"{what}: asked {rng}, got HTTP {resp.status_code} Content-Range {got!r}")
+    if len(resp.content) != nbytes:
+        raise errors.BadUpstreamRange(f"{what}: {len(resp.content)} bytes for {rng}")
+    return bytes(resp.content)
+
+
 def hub_errors(what: str, fn: Callable[[], T]) -> T:
     """Run an huggingface_hub call, its Hub and network errors raised as cachecd's."""
     try:
@@ -153,36 +185,12 @@ class HubSource:
         return self._locations[name]
 
     def _request_headers(self, url: str, extra: dict[str, str]) -> dict[str, str]:
-        headers = {"Accept-Encoding": "identity", **extra}
-        if _same_origin(url, self.endpoint):
-            headers.update(self._headers)
-        else:  # never hand the token to a CDN host
-            headers.update({k: v for k, v in self._headers.items() if k.lower() != "authorization"})
-        return headers
+        return request_headers(url, self.endpoint, self._headers, extra)
 
     def read_head(self, name: str, nbytes: int) -> bytes:
         url = self._location(name)
-        rng = f"bytes=0-{nbytes - 1}"
-        try:
-            resp = self._session.get(
-                url,
-                headers=self._request_headers(url, {"Range": rng}),
-                follow_redirects=False,
-                timeout=constants.READ_TIMEOUT_S,
-            )
-        except Exception as exc:  # httpx transport errors
-            raise errors.UpstreamError(f"{self.repo}/{name}: {type(exc).__name__}: {exc}") from exc
-        got = resp.headers.get("Content-Range", "")
-        want = f"bytes 0-{nbytes - 1}/{self._sizes.get(name, '')}"
-        if resp.status_code != 206 or not got.startswith(want):
-            raise errors.BadUpstreamRange(
-                f"{self.repo}/{name}: asked {rng}, got HTTP {resp.status_code} Content-Range {got!r}"
-            )
-        if len(resp.content) != nbytes:
-            raise errors.BadUpstreamRange(
-                f"{self.repo}/{name}: {len(resp.content)} bytes for {rng}"
-            )
-        return bytes(resp.content)
+        return read_first_bytes(self._session, url, self._request_headers(url, {}), nbytes,
+                                self._sizes.get(name), f"{self.repo}/{name}")
 
     def stream(self, name: str, start: int = 0) -> Iterator[bytes]:
         """The file from byte ``start`` on: 200 for the whole file, else 206 with exactly

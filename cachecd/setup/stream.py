@@ -117,17 +117,26 @@ def choose_manifest(args: argparse.Namespace, repo: str, commit: str,
 
 
 def check_on_use(manifest: Any, settings: Settings) -> None:
-    """Refuse a manifest the Hub's own metadata for its commit contradicts (hub_check)."""
-    if settings.offline:
-        print("offline (HF_HUB_OFFLINE): the manifest is not checked against the Hub's metadata")
-        return
+    """Refuse a manifest the Hub's metadata or the shards' own headers at its commit contradict
+    (hub_check); offline, only against headers kept from an earlier check."""
     from huggingface_hub import get_token
 
-    from cachecd.manifest.hub_check import check_against_hub
+    from cachecd.manifest.headers import keep_dir
+    from cachecd.manifest.hub_check import check_against_hub, check_layout_at
 
-    check_against_hub(manifest, endpoint=settings.endpoint, token=get_token())
+    keep = keep_dir(settings.models_dir)
+    if settings.offline:
+        print("offline (HF_HUB_OFFLINE): the manifest is not checked against the Hub's metadata")
+        try:
+            check_layout_at(manifest, endpoint=settings.endpoint, keep=keep, offline=True)
+            print("its experts' byte ranges checked against the shards' headers kept in " + str(keep))
+        except Offline as exc:
+            print(f"nor its layout: {exc.message}")
+        return
+    check_against_hub(manifest, endpoint=settings.endpoint, token=get_token(), keep=keep)
     print(f"manifest checked against {settings.endpoint}: {manifest.key}, its "
-          f"{len(manifest.files)} files' sizes, the shards' sha256 and the config's hash")
+          f"{len(manifest.files)} files' sizes, the shards' sha256 and the config's hash, and "
+          f"every expert's byte ranges against the shards' safetensors headers")
 
 
 def _stale(repo: str, commit: str, path: Path) -> Path:

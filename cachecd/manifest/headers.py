@@ -1,0 +1,144 @@
+"""The safetensors headers of a manifest's shards at its pinned commit: fetched by range, kept.
+
+What the layout check (``layout_check``) compares a manifest with. Per shard: one HEAD at the
+pinned commit (the Hub's size, sha256 and signed location; a commit, size or sha256 that is not
+the manifest's is a ``ManifestMismatch``), then the first 8 + N bytes by one Range request (206
+with the exact Content-Range), which must parse as a header whose tensors tile the data section
+up to the file's size. The headers are a few MB for K3 (96 shards, under 1 MiB each).
+
+Kept under ``keep`` as ``<sha256>.header``: addressed by the content of the shard they came
+from, as the endpoint vouched for it (X-Linked-Etag), so a kept header is the same for every
+repo, revision and mirror holding that shard, and a later check (another registration, a daemon
+offline) needs no network. A kept header is parsed and checked against the size again when read;
+one that fails is fetched again.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from cachecd import errors
+from cachecd.durable import write_atomic
+from cachecd.manifest.entries import FileInfo
+from cachecd.manifest.manifest import Manifest
+from cachecd.manifest.safetensors_header import header_length, parse_header
+from cachecd.manifest.source import hub_errors, read_first_bytes, request_headers
+
+log = logging.getLogger(__name__)
+
+PROBE_BYTES = 1024 * 1024  # one Range request covers a K3 shard's header (< 1 MiB)
+PARALLEL = 8
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def keep_dir(models_dir: Path) -> Path:
+    """Where setup and the daemon keep headers: beside the daemon's copies of manifests."""
+    return models_dir / "manifests" / "headers"
+
+
+def shard_headers(manifest: Manifest, *, endpoint: str, token: str | None = None,
+                  keep: Path | None = None, offline: bool = False,
+                  retry: bool = True) -> dict[str, bytes]:
+    """Every shard's header bytes, kept ones first; the rest fetched (``Offline`` when
+    ``offline`` and some are not kept; ``retry``: huggingface_hub retries a HEAD that failed
+    on the network or a 5xx)."""
+    out = {name: head for name in manifest.shards
+           if (head := kept(keep, manifest.files[name])) is not None}
+    missing = [manifest.files[name] for name in manifest.shards if name not in out]
+    if not missing:
+        return out
+    if offline:
+        raise errors.Offline(
+            f"{manifest.key}: the safetensors headers of {len(missing)} shards "
+            f"({missing[0].name}, ...) are not kept here and HF_HUB_OFFLINE is set, so its "
+            f"manifest's expert layout cannot be checked; unset HF_HUB_OFFLINE once")
+    fetched = _fetch_all(manifest, missing, endpoint.rstrip("/"), token, retry)
+    for f in missing:
+        head, vouched = fetched[f.name]
+        out[f.name] = head
+        if keep is not None and vouched:
+            _keep(keep, f, head)
+    return out
+
+
+def kept(keep: Path | None, f: FileInfo) -> bytes | None:
+    """The kept header of the shard whose sha256 is ``f.sha256``, if it checks against its size."""
+    if keep is None:
+        return None
+    try:
+        head = (keep / f"{f.sha256}.header").read_bytes()
+        parse_header(head, f.size, f.name)
+    except (OSError, errors.ManifestInvalid):
+        return None
+    return head
+
+
+def _keep(keep: Path, f: FileInfo, head: bytes) -> None:
+    try:
+        keep.mkdir(parents=True, exist_ok=True)
+        write_atomic(keep / f"{f.sha256}.header", head)
+    except OSError as exc:  # a read-only models dir: the check still ran, it is only not kept
+        log.warning("header_not_kept file=%s dir=%s err=%s", f.name, keep, exc)
+
+
+def _fetch_all(manifest: Manifest, files: Iterable[FileInfo], endpoint: str,
+               token: str | None, retry: bool) -> dict[str, tuple[bytes, bool]]:
+    from huggingface_hub import get_session
+    from huggingface_hub.utils import build_hf_headers
+
+    session, hf = get_session(), build_hf_headers(token=token)
+    files = list(files)
+    with ThreadPoolExecutor(min(PARALLEL, len(files))) as pool:
+        results = pool.map(lambda f: _fetch(manifest, f, endpoint, token, retry, session, hf),
+                           files)
+        return dict(zip((f.name for f in files), results, strict=True))
+
+
+def _fetch(manifest: Manifest, f: FileInfo, endpoint: str, token: str | None, retry: bool,
+           session: Any, hf: dict[str, str]) -> tuple[bytes, bool]:
+    """(header bytes, whether the endpoint vouched for the shard's sha256)."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    what = f"{manifest.repo}@{manifest.revision}/{f.name}"
+    url = hf_hub_url(manifest.repo, f.name, revision=manifest.revision, endpoint=endpoint)
+    meta = hub_errors(what, lambda: get_hf_file_metadata(url, token=token, endpoint=endpoint,
+                                                          retry_on_errors=retry))
+    vouched = _check_identity(manifest, f, meta, endpoint)
+    location = meta.location or url
+    headers = request_headers(location, endpoint, hf, {})
+    head = read_first_bytes(session, location, headers, min(f.size, PROBE_BYTES), f.size, what)
+    n = header_length(head, what)
+    if 8 + n > len(head):
+        head = read_first_bytes(session, location, headers, 8 + n, f.size, what)
+    head = head[: 8 + n]
+    try:
+        parse_header(head, f.size, what)
+    except errors.ManifestInvalid as exc:
+        raise errors.BadUpstreamRange(
+            f"{what}: {endpoint} served a header that does not describe a file of {f.size} "
+            f"bytes ({exc.message}); try again, or another endpoint") from exc
+    return head, vouched
+
+
+def _check_identity(manifest: Manifest, f: FileInfo, meta: Any, endpoint: str) -> bool:
+    """The HEAD's commit, size and sha256 must be the manifest's; True if it gave a sha256."""
+    where = f"{f.name} at {manifest.revision} on {endpoint}"
+    if meta.commit_hash and meta.commit_hash != manifest.revision:
+        raise errors.ManifestMismatch(
+            f"{manifest.source}: {where} answered for commit {meta.commit_hash}: the manifest "
+            f"pins a commit the endpoint does not serve as such")
+    if meta.size is not None and meta.size != f.size:
+        raise errors.ManifestMismatch(
+            f"{manifest.source}: {f.name}: size {f.size} in the manifest, {meta.size} on "
+            f"{endpoint}: build one (cachecd manifest build {manifest.key}) or get it again")
+    etag = (meta.etag or "").lower()
+    if _SHA256.fullmatch(etag) and etag != f.sha256:
+        raise errors.ManifestMismatch(
+            f"{manifest.source}: {f.name}: sha256 {f.sha256} in the manifest, {etag} on "
+            f"{endpoint}: build one (cachecd manifest build {manifest.key}) or get it again")
+    return bool(_SHA256.fullmatch(etag))
