@@ -86,6 +86,14 @@ class ManifestMismatch(ManifestInvalid):
     code = "manifest_mismatch"
 
 
+class ManifestUnchecked(CachecdError):
+    """A registered manifest whose expert layout has not been checked against the shards'
+    safetensors headers yet (the daemon could not reach its endpoint, and no header is kept):
+    none of its experts is served until it is."""
+
+    code, http_status, retryable = "manifest_unchecked", 503, True
+
+
 class Offline(CachecdError):
     """A miss while HF_HUB_OFFLINE is set."""
 

@@ -98,10 +98,28 @@ def render_status(info: dict[str, Any]) -> str:
                          f"{m['experts_served']} experts, {format_size(m['expert_bytes_served'])}")
         if "experts_cached" in m:
             lines.append(_cached_line(m))
+        if "manifest_origin" in m:
+            lines.append(manifest_line(m))
     for repo, why in info.get("refused_models", {}).items():
         lines.append(f"refused     {repo}: {why}")
     lines += _attention(store, counters, info.get("scrub"))
     return "\n".join(lines)
+
+
+def manifest_line(m: dict[str, Any]) -> str:
+    """Where a model's manifest came from, how it was made, and whether its layout is checked."""
+    origin, made = m.get("manifest_origin"), m.get("manifest_made")
+    if origin == "built":
+        how = "built on this machine by a full pass: its hashes are the revision's own"
+    elif origin == "shipped":
+        how = "shipped with cachecd"
+    else:
+        how = (f"{origin or 'registered without saying where it came from'}, made "
+               f"{made or '(not recorded)'} by its maker's word: a wrong hash is refused, never "
+               f"served; `setup --build-manifest` makes them your own")
+    layout = ("layout checked against the shards' headers" if m.get("layout_checked") else
+              "layout NOT checked yet: no expert is served until it is")
+    return f"  manifest  {how}; {layout}"
 
 
 def _cached_line(m: dict[str, Any]) -> str:

@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, Any
 from cachecd import constants
 from cachecd.config import Settings
 from cachecd.daemon.misses import Fetcher
-from cachecd.daemon.registry import RegisteredModel, Registry, check_repo, hub_checker
+from cachecd.daemon.registry import (
+    RegisteredModel,
+    Registry,
+    check_repo,
+    hub_checker,
+    layout_checker,
+)
+from cachecd.manifest.headers import keep_dir
 from cachecd.errors import ExpertNotFound, InvalidRequest
 from cachecd.report.coverage import HitHistory
 from cachecd.store.scrub import Scrubber
@@ -174,8 +181,10 @@ class Daemon:
         self.settings = settings
         self.store = store
         self.upstream = upstream
-        self.registry = Registry(store, settings.models_dir,
-                                 None if settings.offline else hub_checker(settings.endpoint))
+        self.registry = Registry(
+            store, settings.models_dir,
+            None if settings.offline else hub_checker(settings.endpoint),
+            layout_checker(settings.endpoint, keep_dir(settings.models_dir), settings.offline))
         self.fetcher = Fetcher(store, upstream)
         self.counters: Counter[str] = Counter()
         self.history = HitHistory()
@@ -188,6 +197,14 @@ class Daemon:
 
     def model(self, repo: str) -> RegisteredModel:
         return self.registry.get(parse_repo(repo))
+
+    async def serving(self, repo: str) -> RegisteredModel:
+        """``model``, once its layout is checked: no expert of a model flows, hit or miss, before
+        its manifest's ranges agree with the shards' headers (``Registry.check_layout``)."""
+        model = self.registry.get(parse_repo(repo))
+        if not model.layout_checked:
+            await self.registry.check_layout(model)
+        return model
 
     def entries(self, model: RegisteredModel, layer: Any, ids: list[Any], *,
                 served_only: bool = True) -> list[ExpertEntry]:
@@ -227,6 +244,8 @@ class Daemon:
         ``record_uses`` exactly once, after answering, so that bookkeeping overlaps the client's
         reads instead of delaying them."""
         model = self.model(repo)
+        if not model.layout_checked:
+            model = await self.serving(repo)
         entries = self.entries(model, layer, ids)
         digests = [e.digest_hex for e in entries]
         # Spared from eviction until opened: under a tight budget the other requests' fetches

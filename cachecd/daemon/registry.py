@@ -2,12 +2,21 @@
 
 Invariant: the daemon fetches nothing it cannot verify, so a repo without a registered manifest
 is refused (403 ``repo_not_allowed``) before any I/O. A manifest that fails to load refuses that
-model only; the others are still served. A manifest is registered only once the Hub's metadata for
-its commit agrees with it (``manifest.hub_check``: 422 ``manifest_mismatch`` otherwise); one that
-cannot be checked then (offline, no metadata API, no network) is registered with a warning, and
-the upstream compares each file with the Hub's size and sha256 when it first resolves it. The
-daemon keeps its own copy of each manifest under ``models_dir/manifests`` so a registration
-survives the caller's temp files.
+model only; the others are still served. Two checks on use (``manifest.hub_check``; 422
+``manifest_mismatch`` when either disagrees):
+
+- the Hub's metadata for its commit; one that cannot be asked then (offline, no metadata API, no
+  network) is registered with a warning, and the upstream compares each file with the Hub's size
+  and sha256 when it first resolves it;
+- its layout: every expert's tensors against the shards' safetensors headers at that commit
+  (kept under ``models_dir/manifests/headers``). No expert of a model is served, hit or miss,
+  until this has passed: one that cannot be checked at registration is checked again before its
+  first expert is served, and until then such requests get 503 ``manifest_unchecked``. A pass
+  is recorded with the registration (by the manifest's content), so a restart does not repeat it.
+
+The daemon keeps its own copy of each manifest under ``models_dir/manifests`` so a registration
+survives the caller's temp files; ``origin`` says where the caller got it (``built``,
+``shipped``, a path or an ``hf://`` URL), for ``status``.
 
 A registration may name a range of layers (``setup --pipeline R/N``: the layers mlx-lm gives that
 pipeline rank); an expert of any other layer is refused (403 ``layer_not_served``) before any
@@ -32,6 +41,7 @@ from cachecd.errors import (
     InvalidRequest,
     LayerNotServed,
     ManifestMismatch,
+    ManifestUnchecked,
     RepoNotAllowed,
 )
 from cachecd.manifest.manifest import Manifest
@@ -57,9 +67,24 @@ def hub_checker(endpoint: str) -> Callable[[Manifest], None]:
     def check(manifest: Manifest) -> None:
         from huggingface_hub import get_token
 
-        from cachecd.manifest.hub_check import check_against_hub
+        from cachecd.manifest.hub_check import check_metadata
 
-        check_against_hub(manifest, endpoint=endpoint, token=get_token())
+        check_metadata(manifest, endpoint=endpoint, token=get_token())
+
+    return check
+
+
+def layout_checker(endpoint: str, keep: Path, offline: bool) -> Callable[[Manifest], None]:
+    """The layout check: headers kept in ``keep``, else fetched from ``endpoint`` (at once: a
+    failure is retried at the first request instead)."""
+
+    def check(manifest: Manifest) -> None:
+        from huggingface_hub import get_token
+
+        from cachecd.manifest.hub_check import check_layout_at
+
+        check_layout_at(manifest, endpoint=endpoint, token=None if offline else get_token(),
+                        keep=keep, offline=offline, retry=False)
 
     return check
 
@@ -83,6 +108,11 @@ def check_restriction(layers: Any, pipeline: Any) -> tuple[tuple[int, int] | Non
     return got_layers, got_pipeline
 
 
+def _label(origin: str | None, path: str) -> str:
+    """How messages name a manifest: what the user gave (a file, an hf:// URL), else its path."""
+    return origin if origin and origin not in ("built", "shipped") else path
+
+
 _PAIR_RULES = {"layers": "[start, end] with 0 <= start < end", "pipeline": "[rank, size] with "
                "0 <= rank < size"}
 
@@ -94,6 +124,8 @@ class RegisteredModel:
     local_dir: Path | None
     layers: tuple[int, int] | None = None  # [start, end): the only layers served
     pipeline: tuple[int, int] | None = None  # (rank, size) those layers are mlx-lm's split of
+    origin: str | None = None  # where the registering caller got the manifest
+    layout_checked: bool = False  # its ranges agree with the shards' headers: experts may flow
     _served: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -141,19 +173,26 @@ class RegisteredModel:
                          if self.pipeline else None),
             "experts_served": int(served.sum()),
             "expert_bytes_served": int(m.sizes[served].sum()),
+            "manifest_origin": self.origin,
+            "manifest_made": m.made,
+            "layout_checked": self.layout_checked,
         }
 
 
 class Registry:
-    """``check`` asks the Hub's metadata about a manifest before it is registered (``hub_check``);
-    None (offline) registers without asking."""
+    """``check`` asks the Hub's metadata about a manifest before it is registered, ``layout``
+    checks its ranges against the shards' headers (``hub_check``); a ``check`` of None (offline)
+    registers without asking the metadata."""
 
     def __init__(self, store: Store, models_dir: Path,
-                 check: Callable[[Manifest], None] | None = None) -> None:
+                 check: Callable[[Manifest], None] | None = None,
+                 layout: Callable[[Manifest], None] | None = None) -> None:
         self._store = store
         self._dir = models_dir / "manifests"
         self._models: dict[str, RegisteredModel] = {}
         self._check = check
+        self._layout = layout
+        self._layout_locks: dict[str, asyncio.Lock] = {}
         self.refused: dict[str, str] = {}
         self.at_start: set[str] = set()  # repos `serve --manifest` registers at every start
 
@@ -170,19 +209,26 @@ class Registry:
         manifest = await asyncio.to_thread(Manifest.load, path)
         local = Path(record["local_dir"]) if record.get("local_dir") else None
         layers, pipeline = check_restriction(record.get("layers"), record.get("pipeline"))
-        model = RegisteredModel(manifest, path, local, layers, pipeline)
+        model = RegisteredModel(manifest, path, local, layers, pipeline, record.get("origin"))
+        manifest.source = _label(model.origin, str(path))
+        model.layout_checked = record.get("layout_checked") == await asyncio.to_thread(
+            manifest.content_sha256)
         self._models[manifest.repo] = model
         self.refused.pop(manifest.repo, None)
         return model
 
     async def register(self, manifest_bytes: bytes, source: str, local_dir: str | None,
-                       layers: Any = None, pipeline: Any = None) -> RegisteredModel:
+                       layers: Any = None, pipeline: Any = None,
+                       origin: str | None = None) -> RegisteredModel:
         """Register (or re-register, replacing the last registration of that repo) a model;
         ``layers`` ``[start, end)`` restricts the experts served, ``pipeline`` ``[rank, size]``
-        says which pipeline rank those layers are."""
+        says which pipeline rank those layers are; ``origin`` where the caller got it."""
         layers, pipeline = check_restriction(layers, pipeline)
-        manifest = await asyncio.to_thread(Manifest.from_bytes, manifest_bytes, source)
-        await self._check_on_use(manifest)
+        manifest = await asyncio.to_thread(Manifest.from_bytes, manifest_bytes,
+                                           _label(origin, source))
+        content = await asyncio.to_thread(manifest.content_sha256)
+        before = self._store.get_model(manifest.repo) or {}
+        checked = await self._check_on_use(manifest, before.get("layout_checked") == content)
         self._dir.mkdir(parents=True, exist_ok=True)
         name = f"{manifest.repo.replace('/', '--')}--{manifest.revision}.manifest"
         path = self._dir / name
@@ -194,32 +240,81 @@ class Registry:
             "local_dir": local_dir,
             "layers": list(layers) if layers else None,
             "pipeline": list(pipeline) if pipeline else None,
+            "origin": origin,
+            "layout_checked": content if checked else None,
         }
         self._store.put_model(manifest.repo, record)
         model = RegisteredModel(manifest, path, Path(local_dir) if local_dir else None, layers,
-                                pipeline)
+                                pipeline, origin, checked)
         self._models[manifest.repo] = model
         self.refused.pop(manifest.repo, None)
-        log.info("model registered repo=%s revision=%s experts=%d layers=%s", manifest.repo,
-                 manifest.revision, manifest.n_experts, model.scope().replace(" ", "_"))
+        log.info("model registered repo=%s revision=%s experts=%d layers=%s layout_checked=%s",
+                 manifest.repo, manifest.revision, manifest.n_experts,
+                 model.scope().replace(" ", "_"), checked)
         return model
 
-    async def _check_on_use(self, manifest: Manifest) -> None:
-        """A manifest the Hub's metadata contradicts is refused (``ManifestMismatch``). One that
-        cannot be checked now (offline, an endpoint without the metadata API, a network error)
-        is registered with a warning: the upstream still compares each file's size and sha256
-        with the Hub's when it first resolves the file."""
+    async def _check_on_use(self, manifest: Manifest, layout_known: bool) -> bool:
+        """A manifest the Hub's metadata or the shards' headers contradict is refused
+        (``ManifestMismatch``). Metadata that cannot be asked now (offline, an endpoint without
+        the metadata API, a network error) is a warning: the upstream still compares each file's
+        size and sha256 with the Hub's when it first resolves the file. Whether the layout
+        passed (``layout_known``: it did for this content before): False when it could not be
+        checked now, so no expert flows until it has."""
         why = "offline (HF_HUB_OFFLINE)"
         if self._check is not None:
             try:
                 await asyncio.to_thread(self._check, manifest)
-                return
+                why = ""
             except ManifestMismatch:
                 raise
             except CachecdError as exc:
                 why = exc.message
-        log.warning("manifest_unchecked repo=%s revision=%s reason=%s", manifest.repo,
-                    manifest.revision, why)
+        if why:
+            log.warning("manifest_unchecked repo=%s revision=%s reason=%s", manifest.repo,
+                        manifest.revision, why)
+        if layout_known or self._layout is None:
+            return layout_known
+        try:
+            await asyncio.to_thread(self._layout, manifest)
+            return True
+        except ManifestMismatch:
+            raise
+        except CachecdError as exc:
+            log.warning("layout_unchecked repo=%s revision=%s reason=%s", manifest.repo,
+                        manifest.revision, exc.message)
+            return False
+
+    async def check_layout(self, model: RegisteredModel) -> None:
+        """Before the first expert of a model whose layout is not checked yet: check it now.
+        A mismatch refuses the model (``ManifestMismatch``); a check that cannot run raises
+        ``ManifestUnchecked`` (retryable) and nothing is served."""
+        m = model.manifest
+        lock = self._layout_locks.setdefault(m.repo, asyncio.Lock())
+        async with lock:
+            if model.layout_checked:
+                return
+            try:
+                if self._layout is None:
+                    raise CachecdError("no layout check is configured")
+                await asyncio.to_thread(self._layout, m)
+            except ManifestMismatch as exc:
+                if self._models.get(m.repo) is model:
+                    del self._models[m.repo]
+                self.refused[m.repo] = exc.message
+                log.error("model refused repo=%s reason=%s", m.repo, exc.message)
+                raise
+            except CachecdError as exc:
+                raise ManifestUnchecked(
+                    f"{m.key}: its manifest's expert layout has not been checked against the "
+                    f"shards' safetensors headers at that commit ({exc.message}); no expert of "
+                    f"it is served until it is: let the daemon reach its endpoint once, or run "
+                    f"`cachecd setup --stream {m.key}` online (the headers are kept)") from exc
+            model.layout_checked = True
+            record = self._store.get_model(m.repo)
+            if record is not None and record.get("manifest") == str(model.manifest_path):
+                self._store.put_model(m.repo, {**record,
+                                               "layout_checked": m.content_sha256()})
+            log.info("layout_checked repo=%s revision=%s", m.repo, m.revision)
 
     async def unregister(self, repo: str) -> tuple[RegisteredModel | None, dict[str, Any]]:
         """Forget ``repo``'s registration, in memory and durably in the index (a restart does not

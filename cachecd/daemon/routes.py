@@ -144,10 +144,13 @@ async def register_model(request: web.Request) -> web.Response:
             raise InvalidRequest(f"cannot read manifest {path}: {exc.strerror}") from None
         source, local_dir = path, body.get("local_dir")
         layers, pipeline = body.get("layers"), body.get("pipeline")
+        origin = body.get("origin")
+        if origin is not None and (not isinstance(origin, str) or len(origin) > 1000):
+            raise InvalidRequest("origin must be a string (where the manifest came from)")
     else:
         data, source, local_dir = await request.read(), "<upload>", request.query.get("local_dir")
-        layers = pipeline = None
-    model = await d.registry.register(data, source, local_dir, layers, pipeline)
+        layers = pipeline = origin = None
+    model = await d.registry.register(data, source, local_dir, layers, pipeline, origin)
     return web.json_response(model.describe(), status=201)
 
 
@@ -212,6 +215,7 @@ async def expert_batch(request: web.Request) -> web.StreamResponse:
 
 async def prefetch(request: web.Request) -> web.Response:
     body = await _json_body(request)
+    await request.app[DAEMON].serving(_repo(request))
     queued = request.app[DAEMON].prefetch(_repo(request), body.get("layer"), list(body.get("ids") or []))
     return web.json_response({"queued": queued}, status=202)
 
@@ -240,7 +244,7 @@ async def warm(request: web.Request) -> web.Response:
     """Fetch experts into the cache without counting them as used (warming is not workload)."""
     d = request.app[DAEMON]
     body = await _json_body(request)
-    model = d.model(_repo(request))
+    model = await d.serving(_repo(request))
     entries = d.entries(model, body.get("layer"), list(body.get("ids") or []))
     missing = d.fetcher.missing(entries)
     await d.fetcher.ensure(model, missing)
@@ -261,7 +265,7 @@ async def unpin(request: web.Request) -> web.Response:
 async def _pin(request: web.Request, on: bool) -> web.Response:
     d = request.app[DAEMON]
     body = await _json_body(request)
-    model = d.model(_repo(request))
+    model = await d.serving(_repo(request)) if on else d.model(_repo(request))
     entries = d.entries(model, body.get("layer"), list(body.get("ids") or []))
     if on:
         await d.ensure(model, entries)

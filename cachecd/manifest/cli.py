@@ -128,8 +128,9 @@ def _verify(args: argparse.Namespace) -> int:
     if len(found) > MAX_SHOWN:
         print(f"... and {len(found) - MAX_SHOWN} more")
     print(
-        f"ok: manifest valid and matches {endpoint}: its files, and every expert's byte ranges "
-        "against the shards' safetensors headers"
+        f"ok: manifest valid and matches the endpoint ({endpoint}): its files' sizes and "
+        "sha256, the config's hash, and every expert's byte ranges against the shards' "
+        "safetensors headers"
         if not found
         else f"FAILED: {len(found)} disagreement(s) with {endpoint} at {manifest.revision}"
     )

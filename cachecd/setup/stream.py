@@ -81,13 +81,15 @@ def resolve_commit(repo: str, rev: str, endpoint: str, offline: bool) -> str:
 
 
 def choose_manifest(args: argparse.Namespace, repo: str, commit: str,
-                    settings: Settings) -> tuple[Path, Any]:
+                    settings: Settings) -> tuple[Path, Any, str]:
     """The manifest file to use: --manifest FILE or hf://..., the shipped one, or one built now;
-    it must pin ``repo@commit`` and agree with the Hub's metadata of that commit."""
+    it must pin ``repo@commit`` and agree with the Hub's metadata and the shards' headers at that
+    commit. With it, where it came from: ``built``, ``shipped`` or what --manifest named."""
     from cachecd.manifest import published
     from cachecd.manifest.manifest import Manifest, shipped_manifest
 
     path: Path | None
+    origin = args.manifest or "shipped"
     if args.manifest and published.is_published(args.manifest):
         from huggingface_hub import get_token
 
@@ -95,6 +97,7 @@ def choose_manifest(args: argparse.Namespace, repo: str, commit: str,
         print(f"manifest {args.manifest}" + (f" (its repo at {at})" if at else ""))
     elif args.manifest:
         path = Path(args.manifest)
+        origin = str(path.resolve())
     else:
         path = shipped_manifest(repo)
         if path is not None and Manifest.load(path).revision != commit:
@@ -105,6 +108,7 @@ def choose_manifest(args: argparse.Namespace, repo: str, commit: str,
                                   "--build-manifest (reads the whole revision once)")
         path = settings.models_dir / "manifests" / f"{repo.replace('/', '--')}--{commit}.manifest"
         _build_manifest(repo, commit, settings.endpoint, path)
+        origin = "built"
     manifest = Manifest.load(path)
     if args.manifest:
         manifest.source = args.manifest  # messages name what the user gave (a hf:// URL)
@@ -113,7 +117,7 @@ def choose_manifest(args: argparse.Namespace, repo: str, commit: str,
                               f"{repo}@{commit}; pass --stream {manifest.repo}@{manifest.revision} "
                               f"to install the revision it pins, or a manifest of {commit}")
     check_on_use(manifest, settings)
-    return path, manifest
+    return path, manifest, origin
 
 
 def check_on_use(manifest: Any, settings: Settings) -> None:
@@ -319,7 +323,11 @@ def run(args: argparse.Namespace) -> int:
     repo, rev = parse_spec(args.stream)
     rank = pipeline.parse_rank(args.pipeline) if getattr(args, "pipeline", None) else None
     commit = resolve_commit(repo, rev, settings.endpoint, settings.offline)
-    manifest_path, manifest = choose_manifest(args, repo, commit, settings)
+    manifest_path, manifest, origin = choose_manifest(args, repo, commit, settings)
+    if origin not in ("built", "shipped"):
+        print(f"its hashes are its maker's word ({manifest.made or 'how it was made is not recorded'}"
+              f"): a wrong one makes the daemon refuse that expert's bytes (checksum_mismatch), "
+              f"never serve them; --build-manifest makes them your own")
     local = settings.models_dir / repo / commit
     if rank is not None:
         local = pipeline.rank_dir(local, *rank)
@@ -336,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
     client = ensure_daemon(settings, args)
     with client:
         client.register(manifest_path, local, layers=layers and (layers.start, layers.end),
-                        pipeline=rank)
+                        pipeline=rank, origin=origin)
     used = sum(f.stat().st_size for f in local.rglob("*") if f.is_file())
     full = sum(f.size for f in manifest.files.values())
     print(f"installed {local} ({format_size(used)} on disk, fetched {format_size(small + resident)} "

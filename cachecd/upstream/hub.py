@@ -287,8 +287,13 @@ class Upstream(HubClient):
                 )
                 last = exc
         raise errors.ChecksumMismatch(
-            f"{last.message} ({self.checksum_refetches + 1} downloads, all wrong); "
-            "the upstream or something between it and us is corrupting data"
+            f"{last.message} ({self.checksum_refetches + 1} downloads, all wrong; nothing stored "
+            f"or served). The bytes {self.endpoint} serves for them at {manifest.revision} do not "
+            f"hash to what the manifest ({getattr(manifest, 'source', manifest.repo)}) says: "
+            "either the endpoint, or something between it and us, serves other bytes, or the "
+            "manifest's hashes are wrong (a manifest you did not build is its maker's word: "
+            f"`cachecd setup --stream {manifest.repo}@{manifest.revision} --build-manifest` makes "
+            "your own)"
         )
 
     async def _fetch_alone(self, manifest: Any, entry: EntryLike) -> memoryview:
