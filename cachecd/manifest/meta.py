@@ -66,12 +66,25 @@ META_TYPES: dict[str, type | tuple[type, ...]] = {
 }
 
 
+_EXPERT_FIELD = re.compile(r"experts\[(\d+)\]")
+
+
 class Ctx:
     def __init__(self, source: str, meta: dict[str, Any]) -> None:
         self.source, self.meta = source, meta
+        self.rows: tuple[Any, Any] | None = None  # (layer, expert) columns, once checked
 
     def fail(self, field: str, msg: str) -> errors.ManifestInvalid:
-        return errors.ManifestInvalid(f"{self.source}: {field}: {msg}")
+        """The error naming the file and the field, and the expert a row field is about."""
+        return errors.ManifestInvalid(f"{self.source}: {self.named(field)}: {msg}")
+
+    def named(self, field: str) -> str:
+        """``experts[12].ranges[0]`` as ``experts[12].ranges[0] (layer 1 expert 5)``."""
+        m = _EXPERT_FIELD.match(field)
+        if m and self.rows is not None and int(m[1]) < len(self.rows[0]):
+            row = int(m[1])
+            return f"{field} (layer {self.rows[0][row]} expert {self.rows[1][row]})"
+        return field
 
     def expert_field(self, row: int, field: str) -> str:
         return f"experts[{row}].{field}"

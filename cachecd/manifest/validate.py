@@ -51,6 +51,7 @@ def check_archive(meta: Any, arrays: dict[str, np.ndarray], source: str) -> Chec
     ctx = Ctx(source, meta)
     check_meta(ctx, meta)
     a = _check_columns(ctx, arrays)
+    ctx.rows = (a["exp_layer"], a["exp_expert"])
     t_ptr, r_ptr = _check_rows(ctx, a)
     _check_references(ctx, a)
     _check_tensor_sizes(ctx, a, t_ptr)
@@ -303,7 +304,8 @@ def _check_overlaps(ctx: Ctx, a: dict[str, np.ndarray], r_ptr: np.ndarray) -> No
     name = files[f[i]][0]
     raise ctx.fail(
         _what(ctx, i, r_ptr, n),
-        f"{name} {s[i] - base[f[i]]}..{e[i] - base[f[i]]} overlaps {_what(ctx, j, r_ptr, n)} "
+        f"{name} {s[i] - base[f[i]]}..{e[i] - base[f[i]]} overlaps "
+        f"{ctx.named(_what(ctx, j, r_ptr, n))} "
         f"{s[j] - base[f[j]]}..{e[j] - base[f[j]]}",
     )
 

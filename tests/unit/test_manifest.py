@@ -281,7 +281,8 @@ def test_range_past_the_end_of_its_file(saved: Path, manifest: Manifest) -> None
     msg = invalid(saved, edit)
     assert (
         msg
-        == f"x.manifest: experts[{row}].ranges[0]: end {size + 10} past the end of {file} (size {size})"
+        == f"x.manifest: experts[{row}].ranges[0] (layer {manifest.entry(row).layer} expert "
+        f"{manifest.entry(row).expert}): end {size + 10} past the end of {file} (size {size})"
     )
 
 
@@ -321,7 +322,8 @@ def test_tensor_size_disagrees_with_dtype_and_shape(saved: Path, manifest: Manif
     t = int(manifest._t_ptr[2]) + 1
     msg = invalid(saved, lambda m, a: a["t_nbytes"].__setitem__(t, a["t_nbytes"][t] + 1))
     assert (
-        msg.startswith("x.manifest: experts[2].tensors[1].nbytes: ") and "disagrees with U8" in msg
+        msg.startswith("x.manifest: experts[2].tensors[1].nbytes (layer 1 expert 2): ")
+        and "disagrees with U8" in msg
     )
 
     def resident(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
@@ -332,7 +334,8 @@ def test_tensor_size_disagrees_with_dtype_and_shape(saved: Path, manifest: Manif
 
 def test_expert_nbytes_must_equal_its_ranges(saved: Path) -> None:
     msg = invalid(saved, lambda m, a: a["exp_nbytes"].__setitem__(3, a["exp_nbytes"][3] + 1))
-    assert msg.startswith("x.manifest: experts[3].nbytes: ") and "the sum of its ranges" in msg
+    assert msg.startswith("x.manifest: experts[3].nbytes (layer 1 expert 3): ")
+    assert "the sum of its ranges" in msg
 
 
 def test_tensors_must_tile_their_ranges(saved: Path, manifest: Manifest) -> None:
