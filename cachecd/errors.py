@@ -94,6 +94,14 @@ class ManifestUnchecked(CachecdError):
     code, http_status, retryable = "manifest_unchecked", 503, True
 
 
+class RemoteCodeMismatch(ManifestInvalid):
+    """A code file a trusted model would run (in its install dir, or the copy transformers
+    imports from its modules cache) differs from the sha256 the manifest pins: nothing of it
+    runs. The message names the file, both hashes and what to do."""
+
+    code = "remote_code_mismatch"
+
+
 class Offline(CachecdError):
     """A miss while HF_HUB_OFFLINE is set."""
 

@@ -2,15 +2,21 @@
 user trusts it and only as the manifest pins it.
 
 Kimi repositories ship no tokenizer.json: ``tiktoken.model`` plus ``tokenization_kimi.py``, which
-``tokenizer_config.json``'s ``auto_map`` names; transformers imports and runs that file.
+``tokenizer_config.json``'s ``auto_map`` names; transformers imports and runs that file. Loading
+it, transformers first builds the config, and a Kimi or DeepSeek ``config.json`` names its own
+``configuration_*.py`` in ``auto_map``: with trust, that file runs too.
 
 Invariants:
 - Remote code runs only with trust: ``trust_remote_code=True`` (``--trust-remote-code``), or
-  ``tokenizer_config={"trust_remote_code": True}`` as mlx-lm takes it. Without it the load stops
-  with a one-line error naming every code file and the sha256 the manifest pins for it.
-- What runs is what the manifest pins: the module ``auto_map`` names and the files it imports
-  relatively must have the manifest's sha256, checked before transformers imports anything;
-  code named in another repo (``org/name--module.Class``) is refused.
+  ``tokenizer_config={"trust_remote_code": True}`` as mlx-lm takes it. A tokenizer that needs
+  code stops without it, with a one-line error naming every code file and the sha256 the
+  manifest pins for it.
+- What runs is what the manifest pins: every module any ``*config.json``'s ``auto_map`` names
+  (config, tokenizer, processor, ...) and the files each imports relatively must have the
+  manifest's sha256 in the install dir, checked before transformers imports anything, and again
+  in the copy transformers imports from its modules cache, right before that import
+  (``remote_code``); code named in another repo (``org/name--module.Class``) is refused. With
+  trust, the files are listed on stderr as they are about to run.
 - Code written for transformers 4 that imports ``bytes_to_unicode`` from transformers' gpt2
   tokenizer module (Kimi's does) finds it there again: transformers 5 moved the function to
   ``convert_slow_tokenizer``, and the same function is put back where the code looks. Nothing
@@ -21,32 +27,33 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cachecd.errors import ManifestInvalid, NotStreamable, RemoteCodeNotTrusted
+from cachecd.errors import (
+    ManifestInvalid,
+    NotStreamable,
+    RemoteCodeMismatch,
+    RemoteCodeNotTrusted,
+)
+from cachecd_engine.remote_code import guard
 
 TRUST_HINT = ("pass --trust-remote-code (cachecd run, warm, openai, setup --stream) or "
               "trust_remote_code=True (cachecd_engine.load)")
 
 
 def remote_code_files(model_dir: Path) -> list[str]:
-    """The code files transformers would run to build the tokenizer: the module
-    ``tokenizer_config.json``'s ``auto_map`` names for ``AutoTokenizer`` and the files it imports
+    """Every code file transformers could run for ``model_dir``: each module an ``auto_map`` of
+    its ``*config.json`` files names (config.json's for AutoConfig and the models,
+    tokenizer_config.json's for AutoTokenizer, a processor's, ...) and the files each imports
     relatively (transformers' own rule); none without such an entry."""
-    try:
-        config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []
-    auto = config.get("auto_map") if isinstance(config, dict) else None
-    entry = auto.get("AutoTokenizer") if isinstance(auto, dict) else auto
-    refs = [r for r in (entry if isinstance(entry, list | tuple) else [entry]) if r]
     files: set[str] = set()
-    for ref in refs:
-        if not isinstance(ref, str) or "--" in ref:
+    for ref in _auto_map_refs(model_dir):
+        if "--" in ref:
             raise NotStreamable(
-                f"{model_dir}'s tokenizer names code in another repo ({ref!r}); cachecd runs only "
+                f"{model_dir}'s config names code in another repo ({ref!r}); cachecd runs only "
                 f"code its manifest pins")
         module = ref.rsplit(".", 1)[0].replace(".", "/") + ".py"
         files.add(module)
@@ -58,6 +65,33 @@ def remote_code_files(model_dir: Path) -> list[str]:
     return sorted(files)
 
 
+def tokenizer_runs_code(model_dir: Path) -> bool:
+    """Whether the tokenizer itself is remote code (tokenizer_config.json names AutoTokenizer)."""
+    auto = _read_json(model_dir / "tokenizer_config.json").get("auto_map")
+    return bool(auto.get("AutoTokenizer") if isinstance(auto, dict) else auto)
+
+
+def _auto_map_refs(model_dir: Path) -> list[str]:
+    refs: list[str] = []
+    for path in sorted(model_dir.glob("*config.json")):
+        auto = _read_json(path).get("auto_map")
+        values = auto.values() if isinstance(auto, dict) else [auto] if auto else []
+        for v in values:
+            refs += [r for r in (v if isinstance(v, list | tuple) else [v]) if r]
+    bad = [r for r in refs if not isinstance(r, str)]
+    if bad:
+        raise NotStreamable(f"{model_dir}: an auto_map names {bad[0]!r}, not a module.Class")
+    return refs
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def describe(files: list[str], pins: Mapping[str, str]) -> str:
     """``tokenization_kimi.py (sha256 ...)``, for each file, as the manifest pins it."""
     return ", ".join(f"{f} (sha256 {pins.get(f, 'not pinned')})" for f in files)
@@ -66,14 +100,14 @@ def describe(files: list[str], pins: Mapping[str, str]) -> str:
 def check_pinned(model_dir: Path, files: list[str], pins: Mapping[str, str]) -> None:
     for name in files:
         if not (model_dir / name).is_file():
-            raise ManifestInvalid(f"{model_dir} has no {name}, which its tokenizer names; run "
+            raise ManifestInvalid(f"{model_dir} has no {name}, which its config names; run "
                                   f"`cachecd setup --stream` again")
         digest = hashlib.sha256((model_dir / name).read_bytes()).hexdigest()
         if pins.get(name) != digest:
-            raise ManifestInvalid(
+            raise RemoteCodeMismatch(
                 f"{model_dir / name} has sha256 {digest}, not the {pins.get(name, 'no')} sha256 "
-                f"the manifest pins: it was not installed by setup or has changed since; run "
-                f"`cachecd setup --stream` again")
+                f"the manifest pins: it was not installed by setup or has changed since, and "
+                f"nothing of it ran; run `cachecd setup --stream` again")
 
 
 def provide_transformers4_names() -> None:
@@ -97,12 +131,19 @@ def tokenizer_options(model_dir: Path, tokenizer_config: dict[str, Any] | None, 
     if not files:
         return tokenizer_config
     pinned = dict(pins or {})
-    if not (trust_remote_code or extra.get("trust_remote_code")):
+    trusted = trust_remote_code or bool(extra.get("trust_remote_code"))
+    if not trusted and tokenizer_runs_code(model_dir):
         raise RemoteCodeNotTrusted(
             f"{repo or model_dir}'s tokenizer runs code from its repo: "
             f"{describe(files, pinned)}, pinned by the manifest; if you trust it, {TRUST_HINT}")
+    guard(model_dir, pinned)  # whatever else happens, nothing unpinned imports from it
+    if not trusted:
+        # Said outright: with None, transformers would ask on stdin whether to run it.
+        return {**extra, "trust_remote_code": False}
     check_pinned(model_dir, files, pinned)
     provide_transformers4_names()
+    print(f"remote code of {repo or model_dir}, trusted, each file checked against the sha256 "
+          f"the manifest pins before it is imported: {describe(files, pinned)}", file=sys.stderr)
     extra["trust_remote_code"] = True
     return extra
 

@@ -194,25 +194,32 @@ def _sha256(path: Path) -> str:
 
 
 def check_tokenizer(manifest: Any, local: Path, trust: bool) -> bool:
-    """Say which code the tokenizer would run, with the sha256 the manifest pins; with trust, run
-    it once now (under the installed transformers), before the resident weights come. True if
-    the tokenizer has remote code."""
-    from cachecd_engine.tokenizer import describe, load_tokenizer, remote_code_files
+    """Say which code files the repo has transformers run (every module an ``auto_map`` names),
+    with the sha256 the manifest pins; with trust, load the tokenizer once now (under the installed
+    transformers), before the resident weights come. True if the tokenizer needs that code."""
+    from cachecd_engine.tokenizer import (
+        describe,
+        load_tokenizer,
+        remote_code_files,
+        tokenizer_runs_code,
+    )
 
     files = remote_code_files(local)
     if not files:
         return False
     pins = {f.name: f.sha256 for f in manifest.files.values()}
+    needed = tokenizer_runs_code(local)
     if not trust:
-        print(f"the tokenizer runs code from the repo: {describe(files, pins)}, pinned by the "
-              f"manifest; if you trust it, pass --trust-remote-code to cachecd run, warm and "
-              f"openai (trust_remote_code=True to cachecd_engine.load)")
-        return True
+        who = "the tokenizer runs" if needed else "transformers runs, with trust,"
+        print(f"{who} code from the repo: {describe(files, pins)}, pinned by the manifest; if you "
+              f"trust it, pass --trust-remote-code to cachecd run, warm and openai "
+              f"(trust_remote_code=True to cachecd_engine.load)")
+        return needed
     tokenizer = load_tokenizer(local, None, trust_remote_code=True, pins=pins, repo=manifest.repo)
     print(f"tokenizer: ran {describe(files, pins)}: {tokenizer.vocab_size} ids, chat template "
           f"{'yes' if tokenizer.has_chat_template else 'no'}; cachecd run, warm and openai need "
           f"--trust-remote-code too")
-    return True
+    return needed
 
 
 def text_model_tensors(manifest: Any, local: Path) -> set[str]:
