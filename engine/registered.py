@@ -9,6 +9,11 @@ Invariants:
   ``load_tokenizer`` and ``load_adapters`` do the work), or is refused with ``NotStreamable`` where
   streamed experts cannot honour it: a revision other than the pinned one, an adapter with
   expert weights, a config naming a custom ``model_file``.
+- ``trust_remote_code`` does not mean what it means to mlx-lm. There it lets ``load_model``
+  import and run the config's ``model_file`` (a custom architecture); here it lets transformers
+  run the code the repo's configs name for the config and tokenizer (Kimi's
+  ``tokenization_kimi.py``, a ``configuration_*.py``), each file pinned by the manifest's sha256
+  and checked before it is imported. A ``model_file`` is refused whatever it says.
 - Under ``mlx.launch`` (more than one rank) the model is split as mlx-lm's ``pipeline(group)``
   splits it and each rank reads its experts from its own daemon (``{rank}`` in ``socket``); a
   daemon registered for one rank's layers serves only that rank.
@@ -50,12 +55,19 @@ def load(
     and ``mlx_lm.server`` work unchanged on the result.
 
     ``path_or_hf_repo`` is an ORG/NAME installed with ``cachecd setup --stream``; ``revision``, if
-    given, must be the commit setup pinned. ``trust_remote_code=True`` lets the tokenizer run the
-    code its repo ships (Kimi's ``tokenization_kimi.py``), as
-    ``tokenizer_config={"trust_remote_code": True}`` does in mlx-lm, once each code file has the
-    sha256 the manifest pins; a config's custom ``model_file`` is refused whatever it says (its
-    classes cannot be streamed). An adapter may change resident weights only (``mlx_lm.tuner``'s
-    ``load_adapters``).
+    given, must be the commit setup pinned. An adapter may change resident weights only
+    (``mlx_lm.tuner``'s ``load_adapters``).
+
+    ``trust_remote_code=True`` trusts other code than mlx-lm's does. In ``mlx_lm.load`` it lets
+    ``load_model`` import and run the Python file a config names in ``model_file`` to build a
+    custom architecture. Here it lets transformers run the code the repo's configs name in
+    ``auto_map`` while the tokenizer loads (Kimi's ``tokenization_kimi.py``, and the
+    ``configuration_*.py`` transformers builds the config with first), as
+    ``tokenizer_config={"trust_remote_code": True}`` does in mlx-lm, each file only if it has the
+    sha256 the manifest pins, in the install dir and in transformers' modules-cache copy it
+    imports. A config's ``model_file`` is refused with or without it (``NotStreamable``): the
+    engine streams experts by replacing the expert banks of mlx-lm's own model classes, which a
+    custom file's classes do not have, and the file would run with nothing to check it against.
 
     Keyword-only, the engine's own: ``socket`` (the daemon's), ``ram_bytes`` (RAM tier of hot
     experts), ``expert_memory`` (bound on a layer's expert buffers), ``stats`` (an
@@ -78,6 +90,7 @@ def load(
         trace = rank_path(trace, group.rank())
     source, local_dir = DaemonSource.connect(repo, socket)
     try:
+        check_model_file(repo, local_dir, model_config, trust_remote_code)
         check_revision(repo, source.manifest.revision, revision)
         check_rank(repo, source.info, group, source.client.socket)
         check_split(repo, source.info, group, local_dir, model_config)
@@ -113,6 +126,25 @@ def check_name(path_or_hf_repo: str | Path) -> str:
     raise NotStreamable(
         f"{name!r} is not a Hugging Face repo id (ORG/NAME); install one with "
         f"`cachecd setup --stream ORG/NAME` and load that name")
+
+
+def check_model_file(repo: str, local_dir: Path, model_config: dict[str, Any] | None,
+                     trust_remote_code: bool) -> None:
+    """Refuse a config naming a custom ``model_file``, saying why (trusted or not)."""
+    import json
+
+    config = {**json.loads((Path(local_dir) / "config.json").read_text()), **(model_config or {})}
+    model_file = config.get("model_file")
+    if not model_file:
+        return
+    said = ("trust_remote_code=True here trusts the tokenizer's and config's pinned code, not "
+            "that file; " if trust_remote_code else "")
+    raise NotStreamable(
+        f"{repo}'s config names a custom model_file ({model_file!r}), which mlx_lm.load would "
+        f"import and run with trust_remote_code=True to build the model; {said}cachecd streams "
+        f"experts only into mlx-lm's own model classes, whose expert banks it replaces, so it "
+        f"does not run that file: load a full local checkpoint with mlx_lm.load(..., "
+        f"trust_remote_code=True) if you trust it")
 
 
 def check_revision(repo: str, pinned: str, asked: str | None) -> None:

@@ -73,6 +73,28 @@ def test_what_is_not_streamed_is_refused(installed_module: Installed, tiny_dir: 
         load("nobody/nothing", socket=socket)
 
 
+def test_a_model_file_is_refused_with_or_without_trust(installed_module: Installed) -> None:
+    """mlx-lm's trust_remote_code runs the config's model_file; cachecd's never does, and says
+    why, whichever way it is asked (the config, or model_config as mlx_lm.load takes it)."""
+    from cachecd_engine import load
+
+    local = next((installed_module.base / "models" / TINY_REPO).iterdir())
+    marker = local / "custom-ran"
+    code = local / "custom_model.py"
+    code.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
+    try:
+        for trust in (False, True):
+            with pytest.raises(NotStreamable) as info:
+                load(TINY_REPO, model_config={"model_file": "custom_model.py"},
+                     trust_remote_code=trust, socket=installed_module.socket)
+            message = info.value.message
+            assert "'custom_model.py'" in message and "mlx_lm.load would import and run" in message
+            assert ("not that file" in message) is trust and "\n" not in message
+        assert not marker.exists()
+    finally:
+        code.unlink()
+
+
 def write_adapter(tiny_dir: Path, keys: list[str]) -> Path:
     """A LoRA adapter as mlx_lm.lora saves one, trained on nothing: random B so it changes logits."""
     import mlx.core as mx
