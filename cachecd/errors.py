@@ -188,6 +188,15 @@ class RemoteCodeNotTrusted(CachecdError):
     code, http_status = "remote_code_not_trusted", 403
 
 
+class DispatchUnmodelled(CachecdError):
+    """The engine cannot keep a streamed call on the kernel the resident call takes: an MLX
+    whose dispatch it has not modelled (on Metal), a setting that makes the choice depend on what
+    its plans do not see, or a call no flag or dummy rows bring to that kernel. Nothing is
+    computed with another kernel; the message says what to change."""
+
+    code, http_status = "dispatch_unmodelled", 422
+
+
 class ExpertSizeMismatch(CachecdError):
     """An expert buffer's length differs from its manifest entry: the bytes are not used."""
 

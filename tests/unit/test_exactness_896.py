@@ -5,8 +5,9 @@ one token, one token repeated 60 times (960 rows over 16 experts; resident B / E
 16-expert stack 60), two tokens alternating, and 250 random tokens (nearly every expert). Each
 runs with the stack buffer big enough for any call, and with one that holds 40 experts, so the
 long prompts run in groups; the plans are made for this machine's backend and, on this CPU,
-for Metal's and CUDA's dispatch too (their flags and dummy rows must not move a logit here, as
-the CPU computes each row alike; on those GPUs they are what keeps each row's kernel).
+for Metal's (with and without neural accelerators) and CUDA's dispatch too (their flags and
+dummy rows must not move a logit here, as the CPU computes each row alike; on those GPUs they
+are what keeps each row's kernel).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def reference() -> dict[str, tuple[list[np.ndarray], list[int]]]:
 
 
 @pytest.mark.parametrize(
-    ("backend", "stack_experts"), [("cpu", EXPERTS), ("cpu", 40), ("metal", 40), ("cuda", 40)]
+    ("backend", "stack_experts"),
+    [("cpu", EXPERTS), ("cpu", 40), ("metal", 40), ("metal-nax", 40), ("cuda", 40)],
 )
 def test_streamed_896_experts_bitwise(blobs, reference, backend: str, stack_experts: int) -> None:  # type: ignore[no-untyped-def]
     if current_backend() not in ("cpu", backend):

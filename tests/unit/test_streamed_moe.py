@@ -209,7 +209,7 @@ def test_read_ahead_copies_from_the_ram_tier_and_never_asks_the_source(resident)
     assert s.staged > 0 and 0 < s.staged_hits <= s.staged and s.ram_hits == s.experts_routed
 
 
-@pytest.mark.parametrize("backend", ["cpu", "metal", "cuda"])
+@pytest.mark.parametrize("backend", ["cpu", "metal", "metal-nax", "cuda"])
 def test_calls_split_by_the_memory_bound_stay_exact(resident, backend: str) -> None:
     """Stack buffers of 3 experts: the prefill (up to 32 experts a layer) runs in groups, decode
     (4 experts) in two. With the Metal and CUDA dispatch models some groups get dummy rows and
