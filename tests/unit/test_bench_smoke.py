@@ -158,3 +158,16 @@ def test_k3_decode_script_ends_with_ratio(capsys: pytest.CaptureFixture[str]) ->
 def test_index_start_script_ends_with_the_crash_open_time(capsys: pytest.CaptureFixture[str]) -> None:
     _load("index_start").main(["--experts", "300", "--rounds", "1"])
     assert re.fullmatch(r"crash_open_s=\d+\.\d{3}", _last_line(capsys))
+
+
+def test_layout_check_core(tmp_path: Path) -> None:
+    from cachecd.manifest.build import build_manifest
+    from cachecd.manifest.source import LocalSource
+    from cachecd.testbed.tiny_model import write_tiny_model
+
+    write_tiny_model(tmp_path / "m")
+    m = build_manifest(LocalSource(tmp_path / "m", "bench/smoke", "ab" * 20), progress=False)
+    bench = _load("layout_check")
+    heads = bench.headers_of(m)
+    assert sorted(heads) == sorted(m.shards)
+    _finite_positive(*bench.measure(m, heads, runs=1))
