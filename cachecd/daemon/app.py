@@ -37,8 +37,8 @@ from cachecd.daemon.registry import (
     hub_checker,
     layout_checker,
 )
-from cachecd.manifest.headers import keep_dir
 from cachecd.errors import ExpertNotFound, InvalidRequest
+from cachecd.manifest.headers import keep_dir
 from cachecd.report.coverage import HitHistory
 from cachecd.store.scrub import Scrubber
 from cachecd.store.store import Store

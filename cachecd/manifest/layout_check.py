@@ -24,7 +24,6 @@ from cachecd.manifest.manifest import Manifest, parse_expert_name
 from cachecd.manifest.safetensors_header import HeaderColumns, parse_header_columns
 
 
-
 def check_layout(manifest: Manifest, headers: Mapping[str, bytes]) -> None:
     """Raise ``ManifestMismatch`` naming the first wrong expert (or tensor) and what to do."""
     found = layout_problems(manifest, headers)
