@@ -153,7 +153,7 @@ async def _register_or_refuse(daemon: Any, path: Path) -> None:
 
     try:
         model = await daemon.registry.register(await asyncio.to_thread(path.read_bytes),
-                                               str(path), None)
+                                               str(path), None, origin=str(path.resolve()))
         daemon.registry.at_start.add(model.repo)
     except (CachecdError, OSError) as exc:
         reason = exc.message if isinstance(exc, CachecdError) else f"cannot read {path}: {exc}"
