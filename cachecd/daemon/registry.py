@@ -75,8 +75,9 @@ def hub_checker(endpoint: str) -> Callable[[Manifest], None]:
 
 
 def layout_checker(endpoint: str, keep: Path, offline: bool) -> Callable[[Manifest], None]:
-    """The layout check: headers kept in ``keep``, else fetched from ``endpoint`` (at once: a
-    failure is retried at the first request instead)."""
+    """The layout check: headers kept in ``keep``, else fetched from ``endpoint`` one at a time
+    (huggingface_hub's client would keep more connections open for the daemon's life), with no
+    retry (a failure is retried at the first request instead)."""
 
     def check(manifest: Manifest) -> None:
         from huggingface_hub import get_token
@@ -84,7 +85,7 @@ def layout_checker(endpoint: str, keep: Path, offline: bool) -> Callable[[Manife
         from cachecd.manifest.hub_check import check_layout_at
 
         check_layout_at(manifest, endpoint=endpoint, token=None if offline else get_token(),
-                        keep=keep, offline=offline, retry=False)
+                        keep=keep, offline=offline, retry=False, parallel=1)
 
     return check
 

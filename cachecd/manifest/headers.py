@@ -6,19 +6,26 @@ the manifest's is a ``ManifestMismatch``), then the first 8 + N bytes by one Ran
 with the exact Content-Range), which must parse as a header whose tensors tile the data section
 up to the file's size. The headers are a few MB for K3 (96 shards, under 1 MiB each).
 
-Kept under ``keep`` as ``<sha256>.header``: addressed by the content of the shard they came
-from, as the endpoint vouched for it (X-Linked-Etag), so a kept header is the same for every
-repo, revision and mirror holding that shard, and a later check (another registration, a daemon
-offline) needs no network. A kept header is parsed and checked against the size again when read;
-one that fails is fetched again.
+A header whose transfer failed, or whose bytes are not a header of a file of that size, is
+asked for again (``ATTEMPTS``). Headers that refute a manifest are read a second time first
+(``confirm_fresh``): bytes that change between reads are the endpoint's fault, not the
+manifest's.
+
+Kept under ``keep`` as ``<sha256>.header``, once the check they served has passed: addressed by
+the content of the shard they came from, as the endpoint vouched for it (X-Linked-Etag), so a
+kept header is the same for every repo, revision and mirror holding that shard, and a later
+check (another registration, a daemon offline) needs no network. A kept header is parsed and
+checked against the size again when read; one that fails is fetched again.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +33,15 @@ from cachecd import errors
 from cachecd.durable import write_atomic
 from cachecd.manifest.entries import FileInfo
 from cachecd.manifest.manifest import Manifest
-from cachecd.manifest.safetensors_header import header_length, parse_header
+from cachecd.manifest.safetensors_header import header_length, parse_header_columns
 from cachecd.manifest.source import hub_errors, read_first_bytes, request_headers
 
 log = logging.getLogger(__name__)
 
 PROBE_BYTES = 1024 * 1024  # one Range request covers a K3 shard's header (< 1 MiB)
 PARALLEL = 8
+ATTEMPTS = 5  # per header, on a transfer that failed or bytes that are not a header
+BACKOFF_S = 0.2
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -41,29 +50,59 @@ def keep_dir(models_dir: Path) -> Path:
     return models_dir / "manifests" / "headers"
 
 
+@dataclass
+class Headers:
+    """Every shard's header bytes, and which of them were fetched now (not kept), each with
+    whether the endpoint vouched for its shard's sha256 (only those may be kept)."""
+
+    of: dict[str, bytes]
+    fresh: dict[str, bool] = field(default_factory=dict)
+
+
 def shard_headers(manifest: Manifest, *, endpoint: str, token: str | None = None,
-                  keep: Path | None = None, offline: bool = False,
-                  retry: bool = True) -> dict[str, bytes]:
-    """Every shard's header bytes, kept ones first; the rest fetched (``Offline`` when
-    ``offline`` and some are not kept; ``retry``: huggingface_hub retries a HEAD that failed
-    on the network or a 5xx)."""
-    out = {name: head for name in manifest.shards
-           if (head := kept(keep, manifest.files[name])) is not None}
-    missing = [manifest.files[name] for name in manifest.shards if name not in out]
-    if not missing:
-        return out
-    if offline:
+                  keep: Path | None = None, offline: bool = False, retry: bool = True,
+                  parallel: int = PARALLEL) -> Headers:
+    """Every shard's header bytes, kept ones first; the rest fetched, ``parallel`` at a time
+    (``Offline`` when ``offline`` and some are not kept; ``retry``: huggingface_hub retries a
+    HEAD that failed on the network or a 5xx). huggingface_hub's one HTTP client keeps its
+    connections open afterwards: a long-running process asks for 1. Nothing is kept here: the
+    caller keeps fresh headers once the check they served has passed (``keep_fresh``)."""
+    out = Headers({name: head for name in manifest.shards
+                   if (head := kept(keep, manifest.files[name])) is not None})
+    missing = [manifest.files[name] for name in manifest.shards if name not in out.of]
+    if missing and offline:
         raise errors.Offline(
             f"{manifest.key}: the safetensors headers of {len(missing)} shards "
             f"({missing[0].name}, ...) are not kept here and HF_HUB_OFFLINE is set, so its "
             f"manifest's expert layout cannot be checked; unset HF_HUB_OFFLINE once")
-    fetched = _fetch_all(manifest, missing, endpoint.rstrip("/"), token, retry)
-    for f in missing:
-        head, vouched = fetched[f.name]
-        out[f.name] = head
-        if keep is not None and vouched:
-            _keep(keep, f, head)
+    if missing:
+        fetched = _fetch_all(manifest, missing, endpoint.rstrip("/"), token, retry, parallel)
+        for name, (head, vouched) in fetched.items():
+            out.of[name], out.fresh[name] = head, vouched
     return out
+
+
+def confirm_fresh(manifest: Manifest, headers: Headers, *, endpoint: str,
+                  token: str | None = None, parallel: int = PARALLEL) -> None:
+    """Before fresh headers are taken to refute a manifest: read them again, and raise
+    ``BadUpstreamRange`` if any came back otherwise (the endpoint, or something between, changed
+    bytes: a fault, not the manifest's)."""
+    files = [manifest.files[name] for name in headers.fresh]
+    again = _fetch_all(manifest, files, endpoint.rstrip("/"), token, True, parallel)
+    differ = [name for name, (head, _) in again.items() if head != headers.of[name]]
+    if differ:
+        raise errors.BadUpstreamRange(
+            f"{manifest.key}/{differ[0]}: {endpoint} served two different safetensors headers "
+            f"for it; try again, or another endpoint")
+
+
+def keep_fresh(keep: Path | None, manifest: Manifest, headers: Headers) -> None:
+    """Keep the fresh headers the endpoint vouched for, by their shard's sha256."""
+    if keep is None:
+        return
+    for name, vouched in headers.fresh.items():
+        if vouched:
+            _keep(keep, manifest.files[name], headers.of[name])
 
 
 def kept(keep: Path | None, f: FileInfo) -> bytes | None:
@@ -72,7 +111,7 @@ def kept(keep: Path | None, f: FileInfo) -> bytes | None:
         return None
     try:
         head = (keep / f"{f.sha256}.header").read_bytes()
-        parse_header(head, f.size, f.name)
+        parse_header_columns(head, f.size, f.name)
     except (OSError, errors.ManifestInvalid):
         return None
     return head
@@ -87,13 +126,13 @@ def _keep(keep: Path, f: FileInfo, head: bytes) -> None:
 
 
 def _fetch_all(manifest: Manifest, files: Iterable[FileInfo], endpoint: str,
-               token: str | None, retry: bool) -> dict[str, tuple[bytes, bool]]:
+               token: str | None, retry: bool, parallel: int) -> dict[str, tuple[bytes, bool]]:
     from huggingface_hub import get_session
     from huggingface_hub.utils import build_hf_headers
 
     session, hf = get_session(), build_hf_headers(token=token)
     files = list(files)
-    with ThreadPoolExecutor(min(PARALLEL, len(files))) as pool:
+    with ThreadPoolExecutor(max(1, min(parallel, len(files)))) as pool:
         results = pool.map(lambda f: _fetch(manifest, f, endpoint, token, retry, session, hf),
                            files)
         return dict(zip((f.name for f in files), results, strict=True))
@@ -101,7 +140,21 @@ def _fetch_all(manifest: Manifest, files: Iterable[FileInfo], endpoint: str,
 
 def _fetch(manifest: Manifest, f: FileInfo, endpoint: str, token: str | None, retry: bool,
            session: Any, hf: dict[str, str]) -> tuple[bytes, bool]:
-    """(header bytes, whether the endpoint vouched for the shard's sha256)."""
+    """(header bytes, whether the endpoint vouched for the shard's sha256), asked again a few
+    times when the transfer failed or the bytes are not a header of a file of its size."""
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return _fetch_once(manifest, f, endpoint, token, retry, session, hf)
+        except (errors.UpstreamError, errors.BadUpstreamRange) as exc:
+            if attempt == ATTEMPTS:
+                raise
+            log.info("header_retry file=%s attempt=%d err=%s", f.name, attempt, exc.message)
+            time.sleep(BACKOFF_S * attempt)
+    raise AssertionError("unreachable")
+
+
+def _fetch_once(manifest: Manifest, f: FileInfo, endpoint: str, token: str | None, retry: bool,
+                session: Any, hf: dict[str, str]) -> tuple[bytes, bool]:
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
     what = f"{manifest.repo}@{manifest.revision}/{f.name}"
@@ -117,7 +170,7 @@ def _fetch(manifest: Manifest, f: FileInfo, endpoint: str, token: str | None, re
         head = read_first_bytes(session, location, headers, 8 + n, f.size, what)
     head = head[: 8 + n]
     try:
-        parse_header(head, f.size, what)
+        parse_header_columns(head, f.size, what)
     except errors.ManifestInvalid as exc:
         raise errors.BadUpstreamRange(
             f"{what}: {endpoint} served a header that does not describe a file of {f.size} "

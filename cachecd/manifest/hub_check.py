@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from cachecd import constants, errors
-from cachecd.manifest.headers import shard_headers
-from cachecd.manifest.layout_check import check_layout, layout_problems
+from cachecd.manifest.headers import PARALLEL, confirm_fresh, keep_fresh, shard_headers
+from cachecd.manifest.layout_check import layout_problems, mismatch
 from cachecd.manifest.manifest import Manifest
 from cachecd.manifest.source import hub_errors
 
@@ -82,16 +82,32 @@ def check_metadata(manifest: Manifest, *, endpoint: str, token: str | None = Non
 
 
 def check_layout_at(manifest: Manifest, *, endpoint: str, token: str | None = None,
-                    keep: Path | None = None, offline: bool = False, retry: bool = True) -> None:
-    """The layout check alone, against headers kept in ``keep`` or fetched from ``endpoint``
-    (``Offline`` when they are not kept and ``offline``)."""
+                    keep: Path | None = None, offline: bool = False, retry: bool = True,
+                    parallel: int = PARALLEL) -> None:
+    """The layout check alone, against headers kept in ``keep`` or fetched from ``endpoint``,
+    ``parallel`` at a time (``Offline`` when they are not kept and ``offline``)."""
     endpoint = endpoint.rstrip("/")
     key = _memo("layout", "", manifest)  # headers are addressed by content: any endpoint's do
     if _remembered(key):
         return
-    check_layout(manifest, shard_headers(manifest, endpoint=endpoint, token=token, keep=keep,
-                                         offline=offline, retry=retry))
+    found = _layout(manifest, endpoint, token, keep, offline, retry, parallel)
+    if found:
+        raise mismatch(manifest, found)
     _remember(key)
+
+
+def _layout(manifest: Manifest, endpoint: str, token: str | None, keep: Path | None,
+            offline: bool, retry: bool, parallel: int) -> list[str]:
+    """The layout's problems; fresh headers that find some are read again first, and are kept
+    only once they find none."""
+    heads = shard_headers(manifest, endpoint=endpoint, token=token, keep=keep, offline=offline,
+                          retry=retry, parallel=parallel)
+    found = layout_problems(manifest, heads.of)
+    if found and heads.fresh:
+        confirm_fresh(manifest, heads, endpoint=endpoint, token=token, parallel=parallel)
+    if not found:
+        keep_fresh(keep, manifest, heads)
+    return found
 
 
 def problems(manifest: Manifest, *, endpoint: str, token: str | None = None,
@@ -101,8 +117,7 @@ def problems(manifest: Manifest, *, endpoint: str, token: str | None = None,
     found = metadata_problems(manifest, endpoint=endpoint, token=token)
     if found:
         return found
-    headers = shard_headers(manifest, endpoint=endpoint.rstrip("/"), token=token, keep=keep)
-    return layout_problems(manifest, headers)
+    return _layout(manifest, endpoint.rstrip("/"), token, keep, False, True, PARALLEL)
 
 
 def metadata_problems(manifest: Manifest, *, endpoint: str,

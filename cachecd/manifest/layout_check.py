@@ -28,12 +28,17 @@ def check_layout(manifest: Manifest, headers: Mapping[str, bytes]) -> None:
     """Raise ``ManifestMismatch`` naming the first wrong expert (or tensor) and what to do."""
     found = layout_problems(manifest, headers)
     if found:
-        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        raise errors.ManifestMismatch(
-            f"{manifest.source}: {found[0]}{more}. Its byte ranges are not the tensors the "
-            f"shards' own headers at {manifest.revision} name: it would serve other bytes than "
-            f"the experts it names; do not use it; build one (cachecd manifest build "
-            f"{manifest.key}) or get it again from its publisher")
+        raise mismatch(manifest, found)
+
+
+def mismatch(manifest: Manifest, found: list[str]) -> errors.ManifestMismatch:
+    """The one-line error for ``layout_problems``' findings (not empty)."""
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return errors.ManifestMismatch(
+        f"{manifest.source}: {found[0]}{more}. Its byte ranges are not the tensors the shards' "
+        f"own headers at {manifest.revision} name: it would serve other bytes than the experts "
+        f"it names; do not use it; build one (cachecd manifest build {manifest.key}) or get it "
+        "again from its publisher")
 
 
 def layout_problems(manifest: Manifest, headers: Mapping[str, bytes]) -> list[str]:

@@ -98,6 +98,7 @@ def test_a_tampered_manifest_is_refused_everywhere_naming_the_first_wrong_expert
     line = one_line(proc, code)
     assert FIRST in line and ("cachecd manifest build" in line or code == "manifest_invalid")
     assert not (models / TINY_REPO).exists()
+    assert not list((models / "manifests").rglob("*.header"))  # kept only after a pass
     # the daemon's registration: refused, the good model still served
     d = DaemonProcess(proc_hub.url, [tiny_manifest_path]).start()
     try:

@@ -131,3 +131,35 @@ def test_a_kept_header_is_used_only_while_it_checks(
     assert kept(tmp_path, other) is None
     (tmp_path / f"{f.sha256}.header").write_bytes(headers[f.name][:-3])
     assert kept(tmp_path, f) is None
+
+
+def test_headers_that_change_between_reads_are_the_endpoints_fault(
+        tiny: tuple[Path, Path, dict[str, bytes]], tmp_path: Path) -> None:
+    """A first read of a shard's header (its first Range GET) comes from a copy whose header
+    names one tensor otherwise: the manifest is not blamed, since a second read differs, and the
+    next check reads clean headers and passes. An endpoint that says the other thing every time
+    refutes the manifest."""
+    import shutil
+
+    from cachecd.manifest import hub_check
+    from tests.fakes.fake_hub import FakeHubThread, Faults
+
+    repo_dir, good, headers = tiny
+    manifest = Manifest.load(good)
+    shard = manifest.shards[0]
+    other = tmp_path / "other"
+    shutil.copytree(repo_dir, other)
+    raw = (other / shard).read_bytes()
+    name = parse_header(headers[shard], manifest.files[shard].size, shard)[1][0].name.encode()
+    (other / shard).write_bytes(raw.replace(name, name[:-1] + b"X", 1))
+    hub_check._agreed.clear()
+    with FakeHubThread(repo_dir, repo=REPO, revision=REV) as hub:
+        hub.faults = Faults(serve_from=other, times=1)
+        with pytest.raises(errors.BadUpstreamRange, match="two different safetensors headers"):
+            hub_check.check_layout_at(manifest, endpoint=hub.url, parallel=1)
+        hub_check.check_layout_at(manifest, endpoint=hub.url, parallel=1)
+        hub.faults = Faults(serve_from=other)  # every read: the endpoint says the other thing
+        hub_check._agreed.clear()
+        with pytest.raises(errors.ManifestMismatch, match="in no shard's header"):
+            hub_check.check_layout_at(manifest, endpoint=hub.url, parallel=1)
+    hub_check._agreed.clear()
