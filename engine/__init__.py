@@ -10,7 +10,8 @@ stack buffers experts are read into), ``dispatch`` (the kernel each call reaches
 (expert bytes -> the kernel's arrays), ``ram_tier`` (hot experts in memory), ``memory`` (default
 sizes), ``prefetch`` (next-layer read-ahead), ``local_source`` (experts read from a local
 checkpoint), ``daemon_source`` (experts through the daemon), ``tokenizer`` (the tokenizer, a
-repo's remote code only trusted and pinned), ``sanitize_keep`` (the resident tensors mlx-lm's
+repo's remote code only trusted and pinned), ``remote_code`` (those pins checked where
+transformers imports the code), ``sanitize_keep`` (the resident tensors mlx-lm's
 model keeps), ``pipeline`` (a rank's layers over several machines), ``run`` (``cachecd run``),
 ``openai_server`` (``cachecd openai``), ``request_view`` (the cache's view of one request).
 See docs/architecture.md.
