@@ -69,25 +69,34 @@ def check_import(cache: Path, module_path: Path) -> None:
     imports) is pinned, byte for byte, by a guarded model of that folder name."""
     parts = module_path.parts
     with _lock:
-        guards = list(_guarded.get(parts[1], ())) if len(parts) >= 4 else []
+        guards = list(_guarded.get(parts[1], ())) if len(parts) >= 3 else []
     if not guards:
         return
     from transformers.dynamic_module_utils import get_relative_import_files
 
-    root = cache.joinpath(*parts[:3])
     module = cache / module_path
     files = [module, *(Path(f) for f in get_relative_import_files(str(module)))]
-    problems = [_first_problem(root, files, pins) for _, pins in guards]
+    problems = [_first_problem(_root(cache, parts, pins), files, pins) for _, pins in guards]
     if all(problems):
         raise RemoteCodeMismatch(
             f"{problems[0]}; transformers would import that copy, so nothing of it ran. Delete "
-            f"{root} (transformers copies the installed files again), and if the install's own "
-            f"file changed too, run `cachecd setup --stream` again")
+            f"{cache.joinpath(*parts[:2])} (transformers copies the installed files again), and "
+            f"if the install's own file changed too, run `cachecd setup --stream` again")
+
+
+def _root(cache: Path, parts: tuple[str, ...], pins: Mapping[str, str]) -> Path:
+    """The folder the module's repo-relative name starts in: transformers puts a local model's
+    code in ``transformers_modules/<folder name>/<hash>/`` (the hash level is matched, not
+    assumed, so another layout is checked too)."""
+    for k in range(2, len(parts)):
+        if "/".join(parts[k:]) in pins:
+            return cache.joinpath(*parts[:k])
+    return cache.joinpath(*parts[:min(3, len(parts) - 1)])
 
 
 def _first_problem(root: Path, files: list[Path], pins: Mapping[str, str]) -> str | None:
     for f in files:
-        name = f.relative_to(root).as_posix()
+        name = f.relative_to(root).as_posix() if f.is_relative_to(root) else str(f)
         digest = hashlib.sha256(f.read_bytes()).hexdigest()
         if pins.get(name) != digest:
             return (f"{f} (the modules-cache copy of {name}) has sha256 {digest}, not the "

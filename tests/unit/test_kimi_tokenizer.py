@@ -179,3 +179,35 @@ def test_the_code_that_runs_is_the_named_module_and_its_relative_imports(
     with pytest.raises(errors.NotStreamable, match="another repo"):
         load_tokenizer(d, None, trust_remote_code=True, pins=good)
     assert remote_code_files(tmp_path) == []  # no tokenizer_config.json: nothing to run
+
+
+@pytest.mark.parametrize("hash_level", [True, False])
+def test_the_modules_cache_copy_is_checked_where_it_is_imported(tmp_path: Path,
+                                                                hash_level: bool) -> None:
+    """``remote_code.check_import`` on a modules cache laid out as transformers lays out a local
+    model's code (``transformers_modules/<folder>/<hash>/``), or without the hash level: the
+    module and what it imports relatively must have their pins; other folders pass."""
+    import uuid
+
+    from cachecd_engine.remote_code import check_import, guard, module_dir_name
+
+    model = tmp_path / f"m{uuid.uuid4().hex}"
+    model.mkdir()
+    code = {"configuration_x.py": "from .helpers_x import Y\n", "helpers_x.py": "Y = 1\n"}
+    for name, text in code.items():
+        (model / name).write_text(text)
+    guard(model, pins(model))
+    folder = tmp_path / "mods" / "transformers_modules" / module_dir_name(model)
+    copy = folder / "0123abcd" if hash_level else folder
+    copy.mkdir(parents=True)
+    for name, text in code.items():
+        (copy / name).write_text(text)
+    module = (copy / "configuration_x.py").relative_to(tmp_path / "mods")
+    check_import(tmp_path / "mods", module)
+    (copy / "helpers_x.py").write_text("Y = 2\n")  # imported relatively: checked too
+    with pytest.raises(errors.RemoteCodeMismatch, match="helpers_x.py.*nothing of it ran"):
+        check_import(tmp_path / "mods", module)
+    other = tmp_path / "mods" / "transformers_modules" / "someone_else" / "h" / "x.py"
+    other.parent.mkdir(parents=True)
+    other.write_text("anything\n")
+    check_import(tmp_path / "mods", other.relative_to(tmp_path / "mods"))
