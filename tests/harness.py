@@ -207,6 +207,22 @@ class DaemonProcess:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
+def keep_headers(models_dir: Path, manifest: Any, repo_dir: Path) -> None:
+    """What `cachecd setup --stream` leaves for the daemon it registers a model with: each
+    shard's safetensors header, kept by the shard's sha256 (read here from the checkpoint), so
+    the daemon's layout check needs no request of the hub."""
+    from cachecd.manifest.headers import keep_dir
+
+    keep = keep_dir(models_dir)
+    keep.mkdir(parents=True, exist_ok=True)
+    for name in manifest.shards:
+        with open(repo_dir / name, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            f.seek(0)
+            head = f.read(8 + n)
+        (keep / f"{manifest.files[name].sha256}.header").write_bytes(head)
+
+
 def expert_bytes_from_files(repo_dir: Path, entry: Any) -> bytes:
     """An expert's bytes read straight from the checkpoint, independently of the daemon."""
     out = bytearray()

@@ -29,14 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 from cachecd import constants
 from cachecd.config import Settings
+from cachecd.daemon.layout_gate import layout_checker
 from cachecd.daemon.misses import Fetcher
-from cachecd.daemon.registry import (
-    RegisteredModel,
-    Registry,
-    check_repo,
-    hub_checker,
-    layout_checker,
-)
+from cachecd.daemon.registry import RegisteredModel, Registry, check_repo, hub_checker
 from cachecd.errors import ExpertNotFound, InvalidRequest
 from cachecd.manifest.headers import keep_dir
 from cachecd.report.coverage import HitHistory
@@ -184,7 +179,8 @@ class Daemon:
         self.registry = Registry(
             store, settings.models_dir,
             None if settings.offline else hub_checker(settings.endpoint),
-            layout_checker(settings.endpoint, keep_dir(settings.models_dir), settings.offline))
+            layout_checker(settings.endpoint, keep_dir(settings.models_dir), settings.offline,
+                           settings.total_timeout))
         self.fetcher = Fetcher(store, upstream)
         self.counters: Counter[str] = Counter()
         self.history = HitHistory()

@@ -35,13 +35,13 @@ from typing import Any
 
 import numpy as np
 
+from cachecd.daemon.layout_gate import LayoutGate, in_thread
 from cachecd.durable import write_atomic
 from cachecd.errors import (
     CachecdError,
     InvalidRequest,
     LayerNotServed,
     ManifestMismatch,
-    ManifestUnchecked,
     RepoNotAllowed,
 )
 from cachecd.manifest.manifest import Manifest
@@ -70,22 +70,6 @@ def hub_checker(endpoint: str) -> Callable[[Manifest], None]:
         from cachecd.manifest.hub_check import check_metadata
 
         check_metadata(manifest, endpoint=endpoint, token=get_token())
-
-    return check
-
-
-def layout_checker(endpoint: str, keep: Path, offline: bool) -> Callable[[Manifest], None]:
-    """The layout check: headers kept in ``keep``, else fetched from ``endpoint`` one at a time
-    (huggingface_hub's client would keep more connections open for the daemon's life), with no
-    retry (a failure is retried at the first request instead)."""
-
-    def check(manifest: Manifest) -> None:
-        from huggingface_hub import get_token
-
-        from cachecd.manifest.hub_check import check_layout_at
-
-        check_layout_at(manifest, endpoint=endpoint, token=None if offline else get_token(),
-                        keep=keep, offline=offline, retry=False, parallel=1)
 
     return check
 
@@ -193,7 +177,7 @@ class Registry:
         self._models: dict[str, RegisteredModel] = {}
         self._check = check
         self._layout = layout
-        self._layout_locks: dict[str, asyncio.Lock] = {}
+        self._gate = LayoutGate(layout)
         self.refused: dict[str, str] = {}
         self.at_start: set[str] = set()  # repos `serve --manifest` registers at every start
 
@@ -264,7 +248,7 @@ class Registry:
         why = "offline (HF_HUB_OFFLINE)"
         if self._check is not None:
             try:
-                await asyncio.to_thread(self._check, manifest)
+                await in_thread(self._check, manifest)
                 why = ""
             except ManifestMismatch:
                 raise
@@ -276,7 +260,7 @@ class Registry:
         if layout_known or self._layout is None:
             return layout_known
         try:
-            await asyncio.to_thread(self._layout, manifest)
+            await in_thread(self._layout, manifest)
             return True
         except ManifestMismatch:
             raise
@@ -286,36 +270,20 @@ class Registry:
             return False
 
     async def check_layout(self, model: RegisteredModel) -> None:
-        """Before the first expert of a model whose layout is not checked yet: check it now.
-        A mismatch refuses the model (``ManifestMismatch``); a check that cannot run raises
-        ``ManifestUnchecked`` (retryable) and nothing is served."""
+        """Before the first expert of a model whose layout is not checked yet (``LayoutGate``):
+        a mismatch refuses the model; a pass is recorded with its registration."""
         m = model.manifest
-        lock = self._layout_locks.setdefault(m.repo, asyncio.Lock())
-        async with lock:
-            if model.layout_checked:
-                return
-            try:
-                if self._layout is None:
-                    raise CachecdError("no layout check is configured")
-                await asyncio.to_thread(self._layout, m)
-            except ManifestMismatch as exc:
-                if self._models.get(m.repo) is model:
-                    del self._models[m.repo]
-                self.refused[m.repo] = exc.message
-                log.error("model refused repo=%s reason=%s", m.repo, exc.message)
-                raise
-            except CachecdError as exc:
-                raise ManifestUnchecked(
-                    f"{m.key}: its manifest's expert layout has not been checked against the "
-                    f"shards' safetensors headers at that commit ({exc.message}); no expert of "
-                    f"it is served until it is: let the daemon reach its endpoint once, or run "
-                    f"`cachecd setup --stream {m.key}` online (the headers are kept)") from exc
-            model.layout_checked = True
-            record = self._store.get_model(m.repo)
-            if record is not None and record.get("manifest") == str(model.manifest_path):
-                self._store.put_model(m.repo, {**record,
-                                               "layout_checked": m.content_sha256()})
-            log.info("layout_checked repo=%s revision=%s", m.repo, m.revision)
+        try:
+            await self._gate.ensure(model)
+        except ManifestMismatch as exc:
+            if self._models.get(m.repo) is model:
+                del self._models[m.repo]
+            self.refused[m.repo] = exc.message
+            log.error("model refused repo=%s reason=%s", m.repo, exc.message)
+            raise
+        record = self._store.get_model(m.repo)
+        if record is not None and record.get("manifest") == str(model.manifest_path):
+            self._store.put_model(m.repo, {**record, "layout_checked": m.content_sha256()})
 
     async def unregister(self, repo: str) -> tuple[RegisteredModel | None, dict[str, Any]]:
         """Forget ``repo``'s registration, in memory and durably in the index (a restart does not

@@ -1,10 +1,12 @@
 """The safetensors headers of a manifest's shards at its pinned commit: fetched by range, kept.
 
-What the layout check (``layout_check``) compares a manifest with. Per shard: one HEAD at the
-pinned commit (the Hub's size, sha256 and signed location; a commit, size or sha256 that is not
-the manifest's is a ``ManifestMismatch``), then the first 8 + N bytes by one Range request (206
-with the exact Content-Range), which must parse as a header whose tensors tile the data section
-up to the file's size. The headers are a few MB for K3 (96 shards, under 1 MiB each).
+What the layout check (``layout_check``) compares a manifest with. Per shard: one HEAD of its
+``/resolve`` at the pinned commit, redirects not followed (the Hub's size, sha256 and signed
+location; a commit, size or sha256 that is not the manifest's is a ``ManifestMismatch``), then
+the first 8 + N bytes by one Range request (206 with the exact Content-Range) to that location,
+without the token when it is elsewhere (as the daemon's own fetches: the token goes to
+``/resolve`` only), which must parse as a header whose tensors tile the data section
+up to the file's size. For K3: 96 shards, each header under 1 MiB.
 
 A header whose transfer failed, or whose bytes are not a header of a file of that size, is
 asked for again (``ATTEMPTS``). Headers that refute a manifest are read a second time first
@@ -28,13 +30,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urljoin
 
-from cachecd import errors
+from cachecd import constants, errors
 from cachecd.durable import write_atomic
 from cachecd.manifest.entries import FileInfo
 from cachecd.manifest.manifest import Manifest
 from cachecd.manifest.safetensors_header import header_length, parse_header_columns
-from cachecd.manifest.source import hub_errors, read_first_bytes, request_headers
+from cachecd.manifest.source import hub_errors, read_first_bytes
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,7 @@ PROBE_BYTES = 1024 * 1024  # one Range request covers a K3 shard's header (< 1 M
 PARALLEL = 8
 ATTEMPTS = 5  # per header, on a transfer that failed or bytes that are not a header
 BACKOFF_S = 0.2
+_REDIRECTS = (301, 302, 303, 307, 308)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -61,11 +65,12 @@ class Headers:
 
 def shard_headers(manifest: Manifest, *, endpoint: str, token: str | None = None,
                   keep: Path | None = None, offline: bool = False, retry: bool = True,
-                  parallel: int = PARALLEL) -> Headers:
+                  parallel: int = PARALLEL, deadline_s: float | None = None) -> Headers:
     """Every shard's header bytes, kept ones first; the rest fetched, ``parallel`` at a time
-    (``Offline`` when ``offline`` and some are not kept; ``retry``: huggingface_hub retries a
-    HEAD that failed on the network or a 5xx). huggingface_hub's one HTTP client keeps its
-    connections open afterwards: a long-running process asks for 1. Nothing is kept here: the
+    (``Offline`` when ``offline`` and some are not kept; without ``retry`` a failed read is
+    asked again once, not ``ATTEMPTS - 1`` times; ``UpstreamTimeout`` past ``deadline_s``).
+    huggingface_hub's one HTTP client keeps its connections open afterwards: a long-running
+    process asks for 1. Nothing is kept here: the
     caller keeps fresh headers once the check they served has passed (``keep_fresh``)."""
     out = Headers({name: head for name in manifest.shards
                    if (head := kept(keep, manifest.files[name])) is not None})
@@ -76,19 +81,21 @@ def shard_headers(manifest: Manifest, *, endpoint: str, token: str | None = None
             f"({missing[0].name}, ...) are not kept here and HF_HUB_OFFLINE is set, so its "
             f"manifest's expert layout cannot be checked; unset HF_HUB_OFFLINE once")
     if missing:
-        fetched = _fetch_all(manifest, missing, endpoint.rstrip("/"), token, retry, parallel)
+        fetched = _fetch_all(manifest, missing, endpoint.rstrip("/"), token, retry, parallel,
+                             deadline_s)
         for name, (head, vouched) in fetched.items():
             out.of[name], out.fresh[name] = head, vouched
     return out
 
 
 def confirm_fresh(manifest: Manifest, headers: Headers, *, endpoint: str,
-                  token: str | None = None, parallel: int = PARALLEL) -> None:
+                  token: str | None = None, parallel: int = PARALLEL,
+                  deadline_s: float | None = None) -> None:
     """Before fresh headers are taken to refute a manifest: read them again, and raise
     ``BadUpstreamRange`` if any came back otherwise (the endpoint, or something between, changed
     bytes: a fault, not the manifest's)."""
     files = [manifest.files[name] for name in headers.fresh]
-    again = _fetch_all(manifest, files, endpoint.rstrip("/"), token, True, parallel)
+    again = _fetch_all(manifest, files, endpoint.rstrip("/"), token, True, parallel, deadline_s)
     differ = [name for name, (head, _) in again.items() if head != headers.of[name]]
     if differ:
         raise errors.BadUpstreamRange(
@@ -125,45 +132,52 @@ def _keep(keep: Path, f: FileInfo, head: bytes) -> None:
         log.warning("header_not_kept file=%s dir=%s err=%s", f.name, keep, exc)
 
 
-def _fetch_all(manifest: Manifest, files: Iterable[FileInfo], endpoint: str,
-               token: str | None, retry: bool, parallel: int) -> dict[str, tuple[bytes, bool]]:
+def _fetch_all(manifest: Manifest, files: Iterable[FileInfo], endpoint: str, token: str | None,
+               retry: bool, parallel: int, deadline_s: float | None = None
+               ) -> dict[str, tuple[bytes, bool]]:
     from huggingface_hub import get_session
     from huggingface_hub.utils import build_hf_headers
 
     session, hf = get_session(), build_hf_headers(token=token)
+    deadline = None if deadline_s is None else time.monotonic() + deadline_s
+    attempts = ATTEMPTS if retry else 2
     files = list(files)
     with ThreadPoolExecutor(max(1, min(parallel, len(files)))) as pool:
-        results = pool.map(lambda f: _fetch(manifest, f, endpoint, token, retry, session, hf),
-                           files)
+        results = pool.map(
+            lambda f: _fetch(manifest, f, endpoint, session, hf, attempts, deadline), files)
         return dict(zip((f.name for f in files), results, strict=True))
 
 
-def _fetch(manifest: Manifest, f: FileInfo, endpoint: str, token: str | None, retry: bool,
-           session: Any, hf: dict[str, str]) -> tuple[bytes, bool]:
-    """(header bytes, whether the endpoint vouched for the shard's sha256), asked again a few
-    times when the transfer failed or the bytes are not a header of a file of its size."""
-    for attempt in range(1, ATTEMPTS + 1):
+def _fetch(manifest: Manifest, f: FileInfo, endpoint: str, session: Any, hf: dict[str, str],
+           attempts: int, deadline: float | None) -> tuple[bytes, bool]:
+    """(header bytes, whether the endpoint vouched for the shard's sha256), asked again when
+    the transfer failed or the bytes are not a header of a file of its size."""
+    for attempt in range(1, attempts + 1):
+        if deadline is not None and time.monotonic() > deadline:
+            raise errors.UpstreamTimeout(
+                f"{manifest.key}/{f.name}: its safetensors header was not read in time; try "
+                f"again later")
         try:
-            return _fetch_once(manifest, f, endpoint, token, retry, session, hf)
+            return _fetch_once(manifest, f, endpoint, session, hf)
         except (errors.UpstreamError, errors.BadUpstreamRange) as exc:
-            if attempt == ATTEMPTS:
+            if attempt == attempts:
                 raise
             log.info("header_retry file=%s attempt=%d err=%s", f.name, attempt, exc.message)
             time.sleep(BACKOFF_S * attempt)
     raise AssertionError("unreachable")
 
 
-def _fetch_once(manifest: Manifest, f: FileInfo, endpoint: str, token: str | None, retry: bool,
-                session: Any, hf: dict[str, str]) -> tuple[bytes, bool]:
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+def _fetch_once(manifest: Manifest, f: FileInfo, endpoint: str, session: Any,
+                hf: dict[str, str]) -> tuple[bytes, bool]:
+    from huggingface_hub import hf_hub_url
 
     what = f"{manifest.repo}@{manifest.revision}/{f.name}"
     url = hf_hub_url(manifest.repo, f.name, revision=manifest.revision, endpoint=endpoint)
-    meta = hub_errors(what, lambda: get_hf_file_metadata(url, token=token, endpoint=endpoint,
-                                                          retry_on_errors=retry))
-    vouched = _check_identity(manifest, f, meta, endpoint)
-    location = meta.location or url
-    headers = request_headers(location, endpoint, hf, {})
+    location, redirected, said = _resolve(session, url, hf, what)
+    vouched = _check_identity(manifest, f, said, endpoint)
+    # The token goes to the endpoint's /resolve only, never where it redirects (a CDN host).
+    plain = {k: v for k, v in hf.items() if k.lower() != "authorization"}
+    headers = {"Accept-Encoding": "identity", **(plain if redirected else hf)}
     head = read_first_bytes(session, location, headers, min(f.size, PROBE_BYTES), f.size, what)
     n = header_length(head, what)
     if 8 + n > len(head):
@@ -178,18 +192,43 @@ def _fetch_once(manifest: Manifest, f: FileInfo, endpoint: str, token: str | Non
     return head, vouched
 
 
-def _check_identity(manifest: Manifest, f: FileInfo, meta: Any, endpoint: str) -> bool:
+def _resolve(session: Any, url: str, hf: dict[str, str],
+             what: str) -> tuple[str, bool, dict[str, str]]:
+    """One HEAD of ``/resolve``, redirects not followed (the daemon's rule): where the bytes
+    are, whether that is elsewhere, and what the endpoint says of the file (commit, size, etag)."""
+    from huggingface_hub.utils import hf_raise_for_status
+
+    def head() -> Any:
+        resp = session.head(url, headers={**hf, "Accept-Encoding": "identity"},
+                            follow_redirects=False, timeout=constants.READ_TIMEOUT_S)
+        if resp.status_code not in _REDIRECTS:
+            hf_raise_for_status(resp)
+        return resp
+
+    resp = hub_errors(what, head)
+    h = resp.headers
+    said = {"commit": h.get("X-Repo-Commit") or "",
+            "size": h.get("X-Linked-Size") or ("" if resp.status_code in _REDIRECTS
+                                               else h.get("Content-Length") or ""),
+            "etag": (h.get("X-Linked-Etag") or h.get("ETag") or "").removeprefix("W/")
+            .strip('"').lower()}
+    if resp.status_code in _REDIRECTS and h.get("Location"):
+        return urljoin(url, h["Location"]), True, said
+    return url, False, said
+
+
+def _check_identity(manifest: Manifest, f: FileInfo, said: dict[str, str], endpoint: str) -> bool:
     """The HEAD's commit, size and sha256 must be the manifest's; True if it gave a sha256."""
     where = f"{f.name} at {manifest.revision} on {endpoint}"
-    if meta.commit_hash and meta.commit_hash != manifest.revision:
+    if said["commit"] and said["commit"] != manifest.revision:
         raise errors.ManifestMismatch(
-            f"{manifest.source}: {where} answered for commit {meta.commit_hash}: the manifest "
+            f"{manifest.source}: {where} answered for commit {said['commit']}: the manifest "
             f"pins a commit the endpoint does not serve as such")
-    if meta.size is not None and meta.size != f.size:
+    if said["size"].isdigit() and int(said["size"]) != f.size:
         raise errors.ManifestMismatch(
-            f"{manifest.source}: {f.name}: size {f.size} in the manifest, {meta.size} on "
+            f"{manifest.source}: {f.name}: size {f.size} in the manifest, {said['size']} on "
             f"{endpoint}: build one (cachecd manifest build {manifest.key}) or get it again")
-    etag = (meta.etag or "").lower()
+    etag = said["etag"]
     if _SHA256.fullmatch(etag) and etag != f.sha256:
         raise errors.ManifestMismatch(
             f"{manifest.source}: {f.name}: sha256 {f.sha256} in the manifest, {etag} on "

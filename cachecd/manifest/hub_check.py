@@ -83,28 +83,31 @@ def check_metadata(manifest: Manifest, *, endpoint: str, token: str | None = Non
 
 def check_layout_at(manifest: Manifest, *, endpoint: str, token: str | None = None,
                     keep: Path | None = None, offline: bool = False, retry: bool = True,
-                    parallel: int = PARALLEL) -> None:
+                    parallel: int = PARALLEL, deadline_s: float | None = None) -> None:
     """The layout check alone, against headers kept in ``keep`` or fetched from ``endpoint``,
-    ``parallel`` at a time (``Offline`` when they are not kept and ``offline``)."""
+    ``parallel`` at a time, within ``deadline_s`` (``Offline`` when they are not kept and
+    ``offline``)."""
     endpoint = endpoint.rstrip("/")
     key = _memo("layout", "", manifest)  # headers are addressed by content: any endpoint's do
     if _remembered(key):
         return
-    found = _layout(manifest, endpoint, token, keep, offline, retry, parallel)
+    found = _layout(manifest, endpoint, token, keep, offline, retry, parallel, deadline_s)
     if found:
         raise mismatch(manifest, found)
     _remember(key)
 
 
 def _layout(manifest: Manifest, endpoint: str, token: str | None, keep: Path | None,
-            offline: bool, retry: bool, parallel: int) -> list[str]:
+            offline: bool, retry: bool, parallel: int,
+            deadline_s: float | None = None) -> list[str]:
     """The layout's problems; fresh headers that find some are read again first, and are kept
     only once they find none."""
     heads = shard_headers(manifest, endpoint=endpoint, token=token, keep=keep, offline=offline,
-                          retry=retry, parallel=parallel)
+                          retry=retry, parallel=parallel, deadline_s=deadline_s)
     found = layout_problems(manifest, heads.of)
     if found and heads.fresh:
-        confirm_fresh(manifest, heads, endpoint=endpoint, token=token, parallel=parallel)
+        confirm_fresh(manifest, heads, endpoint=endpoint, token=token, parallel=parallel,
+                      deadline_s=deadline_s)
     if not found:
         keep_fresh(keep, manifest, heads)
     return found

@@ -29,7 +29,7 @@ from cachecd.errors import ERRORS_BY_CODE, CachecdError
 from cachecd.manifest.entries import ExpertEntry
 from cachecd.manifest.manifest import Manifest
 from tests.faults.figures import FIGURES
-from tests.harness import DaemonProcess, short_tmp
+from tests.harness import DaemonProcess, keep_headers, short_tmp
 
 # A token-shaped fake: if any of it reaches a log or an error body, the grep below finds it.
 FAKE_TOKEN = "hf_" + "FaKe" * 8 + "Tk"
@@ -276,6 +276,8 @@ class FaultDaemon(DaemonProcess):
                  env: dict[str, str] | None = None, wrap: list[str] = (), **kw: Any) -> None:
         super().__init__(endpoint, [m.manifest_path for m in models], args=list(args), **kw)
         self.models = models
+        for m in models:  # as setup leaves them: the scenarios are about expert bytes
+            keep_headers(self.base / "models", m.manifest, m.folder)
         self.wrap = list(wrap)
         self.set_env(env)
         self.baseline: tuple[int, int] | None = None
