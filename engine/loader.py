@@ -29,10 +29,10 @@ from cachecd.manifest.build import quant_format_of
 from cachecd.manifest.manifest import EXPERT_RE
 from cachecd_engine.bank import EngineStats, ExpertBank, ExpertSource
 from cachecd_engine.formats import quant_spec
-from cachecd_engine.memory import default_expert_memory, default_ram_tier
+from cachecd_engine.memory import PoolSizer, default_pool_bytes
 from cachecd_engine.pipeline import barrier, weights_of_rank
 from cachecd_engine.prefetch import install_prefetch, read_ahead_by_default
-from cachecd_engine.ram_tier import DEFAULT_POLICY, RamTier
+from cachecd_engine.slots import DEFAULT_POLICY
 from cachecd_engine.streamed_moe import StreamedSwitchGLU, install_streamed_banks
 from cachecd_engine.tokenizer import tokenizer_options
 
@@ -109,9 +109,10 @@ def load(
     """(model, tokenizer) for ``mlx_lm.generate``/``stream_generate``; the bank is ``model.bank``.
 
     ``model_dir`` holds config.json, the tokenizer files and the resident weights
-    (``model*.safetensors``); expert tensors there, if any, are ignored. ``ram_bytes`` is the RAM
-    tier (default: a share of the memory left after loading), ``expert_memory`` the bound on the
-    stack buffers a layer call is read into. With ``prefetch`` each MoE layer reads ahead (or
+    (``model*.safetensors``); expert tensors there, if any, are ignored. ``ram_bytes`` is the pool
+    of expert slots every MoE layer's kernel reads (default: measured once the resident model is
+    loaded, and again while it runs, ``memory.default_pool_bytes``; 0: the smallest pool, two
+    slots), ``expert_memory`` a cap on it. With ``prefetch`` each MoE layer reads ahead (or
     hints) the next layer's likely experts (``model.prefetcher``); by default only where the model
     computes on a GPU (``read_ahead_by_default``). ``model_config``, ``tokenizer_config`` and
     ``return_config`` are ``mlx_lm.load``'s (the config is the one ``load_model`` returns).
@@ -131,16 +132,17 @@ def load(
     tokenizer_config = tokenizer_options(
         model_dir, tokenizer_config, trust_remote_code=trust_remote_code, pins=pins,
         repo=manifest.repo if manifest is not None else None)
-    bound = default_expert_memory() if expert_memory is None else expert_memory
-    tier = RamTier(ram_bytes or 0, ram_policy)
-    bank = ExpertBank(source, spec, tier, stats or EngineStats(), expert_memory=bound)
+    bank = ExpertBank(source, spec, ram_bytes or 0, stats or EngineStats(), policy=ram_policy)
     model, config = load_model(model_dir, lazy=lazy, model_config=model_config,
                                get_model_classes=streamed_classes(bank, pipeline))
-    if ram_bytes is None:
-        tier.budget = default_ram_tier()
+    if ram_bytes is None:  # measured now that the resident model takes its memory
+        bank.pool_bytes = default_pool_bytes()
+        bank.sizer = PoolSizer() if expert_memory is None else None
+    if expert_memory is not None:
+        bank.pool_bytes = min(bank.pool_bytes, expert_memory)
     moe = [glu.layer for glu in _streamed_banks(model)]
     if moe:
-        bank.prepare(moe[0])  # an expert memory bound too small for two experts fails here
+        bank.prepare(moe[0])  # allocates the pool
     object.__setattr__(model, "bank", bank)  # outside the module tree: not a parameter
     if prefetch is None:
         prefetch = read_ahead_by_default()

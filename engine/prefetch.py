@@ -2,14 +2,17 @@
 
 The hidden state changes little from one layer to the next, so layer L+1's own router applied
 to layer L's MoE input picks most of the experts L+1 will route to. In a call too small to sort
-(decode), the guessed experts are read into the stack buffer layer L+1 will use while layer L
+(decode), the guessed experts no slot holds are read into free slots of the pool while layer L
 computes; otherwise (prefill) the daemon gets a hint and fetches missing ones meanwhile.
 
 Invariants:
 - A guess never changes a token: it is computed beside the model, never fed into it, and the
   real routing of L+1 is still read back and served in full; a wrong guess costs bandwidth.
 - No extra sync: the guess is evaluated together with layer L's routing read-back.
-- Experts already in the RAM tier are copied ahead, never hinted; an empty hint is not sent.
+- Experts already in the pool are neither read nor hinted; an empty hint is not sent.
+- Read-ahead never takes a slot that queued work reads, and never delays a demanded expert: a
+  guess is read on background threads, and a call waits only for the reads of experts it
+  routes to.
 - The model's parameter tree is unchanged (the MoE modules change class, not contents).
 """
 
@@ -92,10 +95,10 @@ class Prefetcher:
         next_layer, _ = self.next_gates[layer]
         ids = np.unique(guess).tolist()
         self._guessed[next_layer] = set(ids)
-        if rows < SORT_ROWS:  # RAM-tier experts too: their copy also overlaps the compute
-            self.bank.stage(next_layer, ids, room=rows)
+        if rows < SORT_ROWS:  # read into free slots of the pool while this layer computes
+            self.bank.stage(next_layer, ids)
             return
-        ids = [e for e in ids if (next_layer, e) not in self.bank.ram]
+        ids = [e for e in ids if not self.bank.holds(next_layer, e)]
         if not ids:
             return
         self.hints += 1
