@@ -90,15 +90,19 @@ class ExpertBank:
         source: expert bytes (the daemon in production).
         spec: the quantization the resident model uses for the experts.
         pool_bytes: memory for the pool of expert slots (at least ``MIN_SLOTS`` slots).
+        cap: a hard bound on the pool's memory (``--expert-memory``): too small for
+            ``MIN_SLOTS`` slots is an error, not a bigger pool.
         experts_per_layer: experts in the resident stack of a layer (for the kernel decision).
     """
 
     def __init__(self, source: ExpertSource, spec: QuantSpec, pool_bytes: int,
-                 stats: EngineStats | None = None, *, policy: str = DEFAULT_POLICY,
-                 experts_per_layer: int = 0, readers: int = 2) -> None:
+                 stats: EngineStats | None = None, *, cap: int | None = None,
+                 policy: str = DEFAULT_POLICY, experts_per_layer: int = 0,
+                 readers: int = 2) -> None:
         self.source = source
         self.spec = spec
         self.pool_bytes = pool_bytes
+        self.cap = cap
         self.policy = policy
         self.stats = stats or EngineStats()
         self.experts_per_layer = experts_per_layer
@@ -141,7 +145,14 @@ class ExpertBank:
         return self.table.capacity if self.table is not None else 0
 
     def _slots_for(self, pool_bytes: int) -> int:
-        return max(MIN_SLOTS, pool_bytes // self.slot_nbytes)
+        one = self.slot_nbytes
+        if self.cap is not None:
+            if self.cap // one < MIN_SLOTS:
+                raise errors.InvalidRequest(
+                    f"expert memory of {self.cap} bytes cannot hold two experts of {one} bytes; "
+                    f"raise it (cachecd run --expert-memory)")
+            pool_bytes = min(pool_bytes, self.cap)
+        return max(MIN_SLOTS, pool_bytes // one)
 
     def _pool(self, layer: int, expert: int) -> tuple[PoolMemory, SlotTable]:
         if self.memory is None or self.table is None:
@@ -189,10 +200,11 @@ class ExpertBank:
         for slot in list(self._reads):
             self._finish_read(slot)
         self._derive_staged()
-        fenced = self.fenced()
-        if fenced:
-            mx.eval(fenced)
-        self.synced()
+        if self.table is not None:
+            fenced = self.table.fenced()
+            if fenced:
+                mx.eval(fenced)
+            self.table.clear_fences()
 
     def holds(self, layer: int, expert: int) -> bool:
         return self.table is not None and (layer, expert) in self.table
@@ -267,7 +279,7 @@ class ExpertBank:
         target = dispatch.resident_kernel(self.backend, self.spec.mode is not None, routed.size,
                                           self.experts_per_layer or len(ids))
         whole = len(ids) <= table.capacity
-        fit = self._fit(target, routed.size) if whole else None
+        fit = self._fit(target, routed.size, routed.size) if whole else None
         s.plan_s += time.perf_counter() - t0
         if fit is None or fit.pad:
             return self._run_groups(layer, glu, x, routed, ids, target)
@@ -281,9 +293,11 @@ class ExpertBank:
         s.plan_s += time.perf_counter() - t1
         return y
 
-    def _fit(self, target: str, rows: int) -> dispatch.Fit:
+    def _fit(self, target: str, rows: int, call_rows: int) -> dispatch.Fit:
+        """How ``rows`` rows of a call over ``call_rows`` reach ``target`` with the pool as the
+        stack (the sorted flag may be set only where mlx-lm sorts the call's rows)."""
         return dispatch.fit(self.backend, self.spec.mode is not None, target, rows,
-                            self.capacity, rows >= dispatch.SORT_ROWS)
+                            self.capacity, call_rows >= dispatch.SORT_ROWS)
 
     def acquire(self, layer: int, ids: list[int]) -> dict[int, int]:
         """Every expert of ``ids`` in a slot, bytes in place: expert -> slot. Experts not held
@@ -368,7 +382,7 @@ class ExpertBank:
             slot_of_row = _local(flat[rows], slots)
             by_slot = np.argsort(slot_of_row, kind="stable")
             rows, idx = rows[by_slot], slot_of_row[by_slot]
-            y = self._project(glu, xs, rows, idx, k, target)
+            y = self._project(glu, xs, rows, idx, k, target, routed.size)
             mx.async_eval(y)  # computes while the next group is read
             table.fence(slots.values(), y)
             outs.append(y)
@@ -380,10 +394,10 @@ class ExpertBank:
         return mx.unflatten(y, 0, routed.shape).squeeze(-2)
 
     def _project(self, glu: SwitchGLU, xs: mx.array, rows: np.ndarray, idx: np.ndarray, k: int,
-                 target: str) -> mx.array:
+                 target: str, call_rows: int) -> mx.array:
         """mlx-lm's SwitchGLU body on one group's rows (sorted by slot), padded with dummy rows
         (the last row again) where the resident kernel needs them; the dummies are dropped."""
-        fit = self._fit(target, rows.size)
+        fit = self._fit(target, rows.size, call_rows)
         if fit.pad:
             rows = np.concatenate([rows, np.full(fit.pad, rows[-1])])
             idx = np.concatenate([idx, np.full(fit.pad, idx[-1], np.uint32)])

@@ -132,14 +132,13 @@ def load(
     tokenizer_config = tokenizer_options(
         model_dir, tokenizer_config, trust_remote_code=trust_remote_code, pins=pins,
         repo=manifest.repo if manifest is not None else None)
-    bank = ExpertBank(source, spec, ram_bytes or 0, stats or EngineStats(), policy=ram_policy)
+    bank = ExpertBank(source, spec, ram_bytes or 0, stats or EngineStats(), cap=expert_memory,
+                      policy=ram_policy)
     model, config = load_model(model_dir, lazy=lazy, model_config=model_config,
                                get_model_classes=streamed_classes(bank, pipeline))
     if ram_bytes is None:  # measured now that the resident model takes its memory
         bank.pool_bytes = default_pool_bytes()
-        bank.sizer = PoolSizer() if expert_memory is None else None
-    if expert_memory is not None:
-        bank.pool_bytes = min(bank.pool_bytes, expert_memory)
+        bank.sizer = PoolSizer()
     moe = [glu.layer for glu in _streamed_banks(model)]
     if moe:
         bank.prepare(moe[0])  # allocates the pool

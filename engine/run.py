@@ -41,11 +41,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The flags that set the engine (``cachecd run`` and ``cachecd openai``)."""
     add_common_arguments(p)
     p.add_argument("--ram", default="auto",
-                   help="RAM tier for hot experts, e.g. 8GiB; 0 disables; auto (default): a quarter "
-                        "of the memory left once the model is loaded")
+                   help="the pool of expert slots every layer's kernel reads (experts kept in "
+                        "memory), e.g. 8GiB; 0: the smallest (two experts); auto (default): "
+                        "measured, what the machine holds beside the page cache, and resized "
+                        "while it runs")
     p.add_argument("--expert-memory", default="auto",
-                   help="bound on the buffers a layer's experts are read into, e.g. 2GiB; a long "
-                        "prefill runs in groups within it (auto: 4GiB, at most 1/8 of RAM)")
+                   help="a hard cap on the pool's memory, e.g. 2GiB; a call routing to more "
+                        "experts than the pool holds (a long prefill) runs in groups within it "
+                        "(auto: no cap beyond --ram)")
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="read the next layer's likely experts ahead while a layer computes "
                         "(default: on where the model computes on a GPU, off on the CPU)")
