@@ -119,6 +119,8 @@ class ExpertBank:
         self._guessed: set[Key] = set()  # experts read ahead and not used yet
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="cachecd-ahead")
         self.sizer: PoolSizer | None = None  # set when the pool's size is the measured default
+        self.min_slots = MIN_SLOTS  # the least a default-sized pool gets (the loader: 2 calls)
+        self.max_slots = 0  # if set: the experts the model has (more slots would stay empty)
 
     # the pool ---------------------------------------------------------------------------------
     def pieces(self, layer: int, expert: int) -> tuple[Piece, ...]:
@@ -152,14 +154,20 @@ class ExpertBank:
                     f"expert memory of {self.cap} bytes cannot hold two experts of {one} bytes; "
                     f"raise it (cachecd run --expert-memory)")
             pool_bytes = min(pool_bytes, self.cap)
-        return max(MIN_SLOTS, pool_bytes // one)
+            floor = MIN_SLOTS
+        else:
+            floor = self.min_slots
+        slots = pool_bytes // one
+        if self.max_slots:
+            slots = min(slots, self.max_slots)
+        return max(floor, slots)
 
     def _pool(self, layer: int, expert: int) -> tuple[PoolMemory, SlotTable]:
         if self.memory is None or self.table is None:
             self.pieces(layer, expert)
             assert self.layout is not None
             slots = self._slots_for(self.pool_bytes)
-            self.memory = PoolMemory(self.spec, self.layout, slots)
+            self.memory = PoolMemory(self.spec, self.layout, slots, self.backend)
             self.table = SlotTable(slots, self.policy)
             for glu in self._templates:
                 self._hold(glu)
@@ -190,7 +198,7 @@ class ExpertBank:
         self.settle()
         old = self.memory
         moves = self.table.resize(slots)
-        self.memory = PoolMemory(self.spec, old.layout, slots)
+        self.memory = PoolMemory(self.spec, old.layout, slots, self.backend)
         self.stats.copied_bytes += self.memory.copy_from(old, moves)
         for glu in self._templates:
             self._hold(glu)

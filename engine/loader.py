@@ -86,6 +86,15 @@ def streamed_classes(bank: ExpertBank,
     return get_classes
 
 
+def _top_k(config: dict[str, Any]) -> int:
+    """Experts a token routes to, as the model's config names it (0 if it does not)."""
+    for c in (config, config.get("text_config") or {}):
+        for key in ("num_experts_per_tok", "num_experts_per_token"):
+            if isinstance(c.get(key), int):
+                return int(c[key])
+    return 0
+
+
 def _streamed_banks(model: nn.Module) -> list[StreamedSwitchGLU]:
     return [m for _, m in model.named_modules() if isinstance(m, StreamedSwitchGLU)]
 
@@ -139,8 +148,10 @@ def load(
     if ram_bytes is None:  # measured now that the resident model takes its memory
         bank.pool_bytes = default_pool_bytes()
         bank.sizer = PoolSizer()
+        bank.min_slots = max(bank.min_slots, 2 * _top_k(config))  # two decode calls at least
     moe = [glu.layer for glu in _streamed_banks(model)]
     if moe:
+        bank.max_slots = len(moe) * bank.experts_per_layer
         bank.prepare(moe[0])  # allocates the pool
     object.__setattr__(model, "bank", bank)  # outside the module tree: not a parameter
     if prefetch is None:

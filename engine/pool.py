@@ -19,13 +19,22 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
 
-from cachecd_engine.formats import Arrays, Key, Piece, QuantSpec, StackLayout, finish
+from cachecd_engine.formats import (
+    Arrays,
+    Key,
+    Piece,
+    QuantSpec,
+    StackLayout,
+    derive_work_nbytes,
+    finish,
+)
 
 _MX_DTYPES = {
     np.dtype(np.uint8): mx.uint8,
@@ -40,19 +49,33 @@ _MX_DTYPES = {
 DERIVED = {"pack-quantized": "biases", "fp8": "weight"}
 
 ALIGN = 64  # a cache line
+DERIVE_CHUNK = 64 << 20  # memory in flight computing derived arrays, at most (one slot at least)
 
 
 def _aligned(shape: tuple[int, ...], dtype: mx.Dtype, nbytes: int) -> mx.array:
-    """A zeroed MLX array whose data starts on a cache line. The kernel's copy into user
-    memory ran 3x slower here into MLX's CPU buffers, which start 24 bytes past one (measured:
-    preadv of page-cached blobs 1.5-2.4 GiB/s there, 4.9-5.7 GiB/s 64-byte aligned)."""
-    base = mx.zeros((nbytes + ALIGN,), mx.uint8)
+    """A zeroed MLX array whose data starts on a cache line where it can be placed so. The
+    kernel's copy into user memory ran 3x slower here into MLX's CPU buffers, which start 24
+    bytes past one (measured: preadv of page-cached blobs 1.5-2.4 GiB/s there, 4.9-5.7 GiB/s
+    64-byte aligned). MLX's dimensions are 32-bit and ``as_strided`` flattens its input, so the
+    shift is made in 8-byte words, over at most 2**31 of them (16 GiB a tensor): a tensor row
+    that is not whole words, or a bigger array, keeps the allocator's start."""
+    itemsize = nbytes // math.prod(shape)
+    row = shape[-1] * itemsize
+    words = nbytes // 8 + ALIGN // 8
+    if row % 8 or words >= 2**31:
+        arr = mx.zeros(shape, dtype)
+        mx.eval(arr)
+        _huge_pages(host_bytes(arr).ctypes.data, nbytes)
+        return arr
+    base = mx.zeros((words,), mx.uint64)
     mx.eval(base)
     addr = host_bytes(base).ctypes.data
-    _huge_pages(addr, nbytes + ALIGN)
-    off = -addr % ALIGN
-    arr = base[off : off + nbytes].view(dtype).reshape(shape)  # a view: shares base's memory
-    mx.eval(arr)
+    _huge_pages(addr, words * 8)
+    word_shape = (*shape[:-1], row // 8)
+    strides = [math.prod(word_shape[i + 1 :]) for i in range(len(word_shape))]
+    off = (-addr % ALIGN) // 8  # MLX's buffers start on 8 bytes at least
+    arr = mx.as_strided(base, word_shape, strides, off).view(mx.uint8).view(dtype)
+    mx.eval(arr)  # a view: shares base's memory
     return arr
 
 
@@ -87,8 +110,9 @@ def _huge_pages(addr: int, nbytes: int) -> None:
 class PoolMemory:
     """The pool's arrays: raw slots (what reads fill), derived slots, and the kernel's view."""
 
-    def __init__(self, spec: QuantSpec, layout: StackLayout, slots: int) -> None:
+    def __init__(self, spec: QuantSpec, layout: StackLayout, slots: int, backend: str) -> None:
         self.spec, self.layout, self.slots = spec, layout, slots
+        self._chunk = max(1, DERIVE_CHUNK // max(1, derive_work_nbytes(spec, layout, backend)))
         self.raw: dict[Key, mx.array] = {}
         self._rows: dict[Key, np.ndarray] = {}  # uint8 [slots, tensor bytes] views of raw
         for s in layout.slots:
@@ -127,9 +151,16 @@ class PoolMemory:
         return [self._rows[key][slot, :n].data for _, n, key in expert_pieces]
 
     def derive(self, slots: list[int]) -> int:
-        """Compute the derived arrays of these freshly filled slots; the bytes written."""
-        if not self.derived or not slots:
+        """Compute the derived arrays of these freshly filled slots (a few at a time, so what
+        is in flight stays under ``DERIVE_CHUNK``); the bytes written."""
+        if not self.derived:
             return 0
+        written = 0
+        for i in range(0, len(slots), self._chunk):
+            written += self._derive(slots[i : i + self._chunk])
+        return written
+
+    def _derive(self, slots: list[int]) -> int:
         idx = mx.array(slots)
         sub = finish(self.spec, self.layout, {k: a[idx] for k, a in self.raw.items()})
         name = DERIVED[self.spec.fmt]
@@ -148,10 +179,8 @@ class PoolMemory:
             return 0
         old, new = list(moves), list(moves.values())
         copied = 0
-        for key, rows in self._rows.items():
-            rows[new] = other._rows[key][old]
-            copied += rows[new].nbytes
-        for proj, rows in self._derived_rows.items():
-            rows[new] = other._derived_rows[proj][old]
-            copied += rows[new].nbytes
+        for dst, src in [*((r, other._rows[k]) for k, r in self._rows.items()),
+                         *((r, other._derived_rows[p]) for p, r in self._derived_rows.items())]:
+            dst[new] = src[old]
+            copied += len(new) * dst.shape[1]
         return copied
