@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -44,8 +44,9 @@ MIN_SLOTS = 2  # one group computes while the next is read
 class ExpertSource(Protocol):
     """Where expert bytes come from (the daemon client in production)."""
 
-    def read_into(self, layer: int, ids: list[int], targets: Targets) -> None:
-        """Read each expert's bytes into its targets (thread-safe: read-ahead uses threads)."""
+    def read_into(self, layer: int, ids: list[int], targets: Targets) -> int:
+        """Read each expert's bytes into its targets (thread-safe: read-ahead uses threads);
+        the bytes written."""
         ...
 
     def entry(self, layer: int, expert: int) -> ExpertLayout:
@@ -114,11 +115,12 @@ class ExpertBank:
         self.table: SlotTable | None = None
         self._templates: list[SwitchGLU] = []
         self._pieces: dict[Key, tuple[Piece, ...]] = {}
-        self._reads: dict[int, tuple[Key, Future[None]]] = {}  # slot -> read-ahead under way
+        self._reads: dict[int, tuple[Key, Future[int]]] = {}  # slot -> read-ahead under way
         self._underived: list[int] = []  # slots filled by read-ahead, derived arrays not yet
         self._guessed: set[Key] = set()  # experts read ahead and not used yet
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="cachecd-ahead")
         self.sizer: PoolSizer | None = None  # set when the pool's size is the measured default
+        self.speculator: Any = None  # cachecd_engine.speculate.Speculator, when steps speculate
         self.min_slots = MIN_SLOTS  # the least a default-sized pool gets (the loader: 2 calls)
         self.max_slots = 0  # if set: the experts the model has (more slots would stay empty)
 
@@ -264,9 +266,8 @@ class ExpertBank:
             return False
         self.table.filled([slot])
         self._underived.append(slot)
-        nbytes = self._nbytes(*key)
-        self.stats.source_bytes += nbytes
-        self.stats.copied_bytes += nbytes
+        self.stats.source_bytes += self._nbytes(*key)
+        self.stats.copied_bytes += fut.result()
         return True
 
     def _derive_staged(self) -> None:
@@ -358,15 +359,14 @@ class ExpertBank:
         ids = list(claimed)
         targets = [self.memory.targets(claimed[e], self.pieces(layer, e)) for e in ids]
         try:
-            self.source.read_into(layer, ids, targets)
+            written = self.source.read_into(layer, ids, targets)
         except BaseException:
             self.table.forget(claimed.values())  # their bytes are not the experts'
             raise
         self.table.filled(claimed.values())
-        nbytes = sum(self._nbytes(layer, e) for e in ids)
         self.stats.source_hits += len(ids)
-        self.stats.source_bytes += nbytes
-        self.stats.copied_bytes += nbytes
+        self.stats.source_bytes += sum(self._nbytes(layer, e) for e in ids)
+        self.stats.copied_bytes += written
 
     def _run_groups(self, layer: int, glu: SwitchGLU, x: mx.array, routed: np.ndarray,
                     ids: list[int], target: str) -> mx.array:
@@ -416,6 +416,57 @@ class ExpertBank:
         y = glu.down_proj(glu.activation(up, gate), ix, sorted_indices=True)
         self.stats.groups += 1
         return y[: rows.size - fit.pad] if fit.pad else y
+
+    # a layer call on the device map (cachecd_engine.speculate) -------------------------------
+    def ready_for_device(self) -> None:
+        """Take in finished read-ahead and compute its derived arrays, so that every slot the
+        device map names ready holds its expert whole."""
+        self._sweep()
+        self._derive_staged()
+
+    def run_on_device(self, layer: int, glu: SwitchGLU, x: mx.array, indices: mx.array,
+                      slot_of: mx.array) -> mx.array:
+        """The call with its slots looked up on the device (``slot_of[expert]``): no read-back.
+        Kept only if the host later finds every routed expert ready (``settle_device_calls``)."""
+        from cachecd_engine.speculate import Missed
+
+        t0 = time.perf_counter()
+        target = dispatch.resident_kernel(self.backend, self.spec.mode is not None,
+                                          indices.size, self.experts_per_layer)
+        fit = self._fit(target, indices.size, indices.size)
+        if fit.pad:  # dummy rows need the routing on the host
+            raise Missed(f"layer {layer}: the resident kernel needs dummy rows here")
+        _allow_sorted(glu, fit.sorted)
+        y = glu(x, slot_of[indices])
+        self.stats.plan_s += time.perf_counter() - t0
+        return y
+
+    def settle_device_calls(self, calls: list[tuple[int, np.ndarray, mx.array]]) -> bool:
+        """After the read-back of a step run on the device map (which evaluated every queued
+        reader): True, with each call counted and fenced as a layer call is, if every routed
+        expert was in a ready slot; False (nothing counted) if any was not."""
+        table = self.table
+        assert table is not None
+        table.clear_fences()
+        distinct = [(layer, _distinct(routed)) for layer, routed, _ in calls]
+        for layer, ids in distinct:
+            for e in ids:
+                slot = table.slot((layer, e))
+                if slot is None or table.filling(slot):
+                    return False
+        s = self.stats
+        for (layer, routed, y), (_, ids) in zip(calls, distinct, strict=True):
+            slots = table.use(layer, ids)
+            table.fence(slots.values(), y)
+            s.layer_calls += 1
+            s.groups += 1
+            s.rows += routed.size
+            s.experts_routed += len(ids)
+            s.ram_hits += len(ids)
+            self._guessed.difference_update((layer, e) for e in ids)
+            if self.trace is not None:
+                self.trace(layer, routed)
+        return True
 
     def load_stack(self, layer: int, ids: list[int]) -> dict[str, dict[str, mx.array]]:
         """These experts in slots of the pool (read now where not held), and the pool's arrays,

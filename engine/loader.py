@@ -33,6 +33,7 @@ from cachecd_engine.memory import PoolSizer, default_pool_bytes
 from cachecd_engine.pipeline import barrier, weights_of_rank
 from cachecd_engine.prefetch import install_prefetch, read_ahead_by_default
 from cachecd_engine.slots import DEFAULT_POLICY
+from cachecd_engine.speculate import Speculator, speculate_by_default
 from cachecd_engine.streamed_moe import StreamedSwitchGLU, install_streamed_banks
 from cachecd_engine.tokenizer import tokenizer_options
 
@@ -71,6 +72,14 @@ def streamed_classes(bank: ExpertBank,
                 super().__init__(args)
                 install_streamed_banks(self, bank)
 
+            def __call__(self, inputs: mx.array, cache: Any = None, *args: Any,
+                         **kwargs: Any) -> mx.array:
+                base = super(StreamedModel, self).__call__
+                spec = bank.speculator
+                if spec is None:
+                    return base(inputs, cache, *args, **kwargs)
+                return spec.step(lambda: base(inputs, cache, *args, **kwargs), inputs, cache)
+
             def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
                 weights = super().sanitize(drop_expert_weights(weights))
                 if pipeline is None:
@@ -108,6 +117,7 @@ def load(
     stats: EngineStats | None = None,
     lazy: bool = False,
     prefetch: bool | None = None,
+    speculate: bool | None = None,
     ram_policy: str = DEFAULT_POLICY,
     model_config: dict[str, Any] | None = None,
     tokenizer_config: dict[str, Any] | None = None,
@@ -154,6 +164,10 @@ def load(
         bank.max_slots = len(moe) * bank.experts_per_layer
         bank.prepare(moe[0])  # allocates the pool
     object.__setattr__(model, "bank", bank)  # outside the module tree: not a parameter
+    if speculate is None:
+        speculate = speculate_by_default()
+    if speculate and moe and pipeline is None:  # a pipelined step is split over ranks
+        bank.speculator = Speculator(bank, moe)
     if prefetch is None:
         prefetch = read_ahead_by_default()
     pf = install_prefetch(model, bank) if prefetch else None

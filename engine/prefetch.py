@@ -74,7 +74,8 @@ class Prefetcher:
     def guess(self, layer: int, x: mx.array) -> None:
         """Record a lazy guess of the next MoE layer's experts from this layer's MoE input."""
         nxt = self.next_gates.get(layer)
-        if nxt is not None:
+        spec = self.bank.speculator
+        if nxt is not None and not (spec is not None and spec.active):
             self._pending[layer] = route(nxt[1], x)
 
     def take(self, layer: int) -> mx.array | None:

@@ -60,6 +60,7 @@ class SlotTable:
         self._filling: set[int] = set()
         self._fence: dict[int, Any] = {}  # slot -> output of the queued work that reads it
         self._free = list(range(capacity - 1, -1, -1))  # pop() hands out the lowest first
+        self.version = 0  # changes whenever which expert is where (or ready) changes
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -129,6 +130,7 @@ class SlotTable:
         return [self._slot[_key(name)] for name in names[:n]]
 
     def _evict(self, slot: int) -> Any:
+        self.version += 1
         key = self._owner[slot]
         assert key is not None
         del self._slot[key]
@@ -138,6 +140,7 @@ class SlotTable:
         return self._fence.pop(slot, None)
 
     def _insert(self, layer: int, expert: int, slot: int) -> None:
+        self.version += 1
         self._slot[(layer, expert)] = slot
         self._owner[slot] = (layer, expert)
         self._filling.add(slot)
@@ -146,6 +149,7 @@ class SlotTable:
 
     def filled(self, slots: Iterable[int]) -> None:
         """These slots' bytes are in place."""
+        self.version += 1
         self._filling.difference_update(slots)
 
     def forget(self, slots: Iterable[int]) -> None:
@@ -164,6 +168,7 @@ class SlotTable:
         if capacity < 1:
             raise ValueError(f"a slot pool needs at least one slot, got {capacity}")
         assert not self._filling, "resize while reads are under way"
+        self.version += 1
         excess = len(self._slot) - capacity
         if excess > 0:
             for slot in self._victims(excess, set(), True):

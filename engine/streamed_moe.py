@@ -73,6 +73,8 @@ class StreamedSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         bank: ExpertBank = self._bank
+        if bank.speculator is not None and bank.speculator.active:
+            return bank.speculator.layer_call(self.layer, self._glu, x, indices)
         guess = self.prefetcher.take(self.layer) if self.prefetcher is not None else None
         t0 = time.perf_counter()
         # The one read-back of this layer's routing (the next layer's guess and the queued
