@@ -33,6 +33,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from cachecd import errors
 from cachecd_engine import dispatch
 from cachecd_engine.formats import ExpertLayout, Piece, QuantSpec, StackLayout, pieces
+from cachecd_engine.cuda_memory import Hints
 from cachecd_engine.memory import PoolSizer
 from cachecd_engine.pool import PoolMemory
 from cachecd_engine.slots import DEFAULT_POLICY, Key, SlotTable
@@ -123,6 +124,7 @@ class ExpertBank:
         self.speculator: Any = None  # cachecd_engine.speculate.Speculator, when steps speculate
         self.min_slots = MIN_SLOTS  # the least a default-sized pool gets (the loader: 2 calls)
         self.max_slots = 0  # if set: the experts the model has (more slots would stay empty)
+        self.cuda_hints = True  # read-mostly pool, prefetch of filled slots (cuda_memory)
 
     # the pool ---------------------------------------------------------------------------------
     def pieces(self, layer: int, expert: int) -> tuple[Piece, ...]:
@@ -169,11 +171,15 @@ class ExpertBank:
             self.pieces(layer, expert)
             assert self.layout is not None
             slots = self._slots_for(self.pool_bytes)
-            self.memory = PoolMemory(self.spec, self.layout, slots, self.backend)
+            self.memory = PoolMemory(self.spec, self.layout, slots, self.backend,
+                                     self._hints())
             self.table = SlotTable(slots, self.policy)
             for glu in self._templates:
                 self._hold(glu)
         return self.memory, self.table
+
+    def _hints(self) -> Hints | None:
+        return Hints() if self.backend == "cuda" and self.cuda_hints else None
 
     def attach(self, glu: SwitchGLU) -> None:
         """``glu`` (a layer's template) computes from the pool's arrays."""
@@ -200,7 +206,7 @@ class ExpertBank:
         self.settle()
         old = self.memory
         moves = self.table.resize(slots)
-        self.memory = PoolMemory(self.spec, old.layout, slots, self.backend)
+        self.memory = PoolMemory(self.spec, old.layout, slots, self.backend, self._hints())
         self.stats.copied_bytes += self.memory.copy_from(old, moves)
         for glu in self._templates:
             self._hold(glu)
@@ -245,11 +251,19 @@ class ExpertBank:
         assert not claim.fences
         for e, slot in claim.slots.items():
             key = (layer, e)
-            target = [self.memory.targets(slot, self.pieces(layer, e))]  # type: ignore[union-attr]
-            fut = self._readers.submit(self.source.read_into, layer, [e], target)
+            fut = self._readers.submit(self._read_ahead, layer, e, slot)
             self._reads[slot] = (key, fut)
             self._guessed.add(key)
         self.stats.staged += len(claim.slots)
+
+    def _read_ahead(self, layer: int, expert: int, slot: int) -> int:
+        """On a reader thread: the expert's bytes into its slot, then on their way to the GPU."""
+        memory = self.memory
+        assert memory is not None
+        written = self.source.read_into(layer, [expert],
+                                        [memory.targets(slot, self.pieces(layer, expert))])
+        memory.to_device([slot])
+        return written
 
     def _sweep(self) -> None:
         """Take in read-ahead that has finished (failed ones free their slot)."""
@@ -274,6 +288,7 @@ class ExpertBank:
         if self._underived and self.memory is not None:
             slots, self._underived = self._underived, []
             self.stats.copied_bytes += self.memory.derive(slots)
+            self.memory.to_device(slots)
 
     # a layer call ----------------------------------------------------------------------------
     def run(self, layer: int, glu: SwitchGLU, x: mx.array, routed: np.ndarray) -> mx.array:
@@ -325,6 +340,7 @@ class ExpertBank:
         self._read_now(layer, claimed)
         self._derive_staged()
         self.stats.copied_bytes += memory.derive(list(claimed.values()))
+        memory.to_device(list(claimed.values()))
         self.stats.ram_hits += len(held) - len(staged)
         self.stats.staged_hits += len(staged)
         self.stats.wait_s += time.perf_counter() - t0

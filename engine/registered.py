@@ -43,6 +43,7 @@ def load(
     stats: Any = None,
     trace: str | Path | None = None,
     prefetch: bool | None = None,
+    speculate: bool | None = None,
     pipeline: Any = None,
 ) -> Any:
     """``(model, tokenizer)``, or ``(model, tokenizer, config)`` with ``return_config``, exactly as
@@ -61,6 +62,8 @@ def load(
     experts), ``expert_memory`` (bound on a layer's expert buffers), ``stats`` (an
     ``EngineStats`` to count into), ``trace`` (record the routing to this file), ``prefetch``
     (read ahead the next layer's experts; default: where the model computes on a GPU),
+    ``speculate`` (decode steps on the device's expert -> slot map, no per-layer read-back
+    when every routed expert is in the pool; default: on a GPU),
     ``pipeline`` (None: split the layers over the ranks when ``mlx.launch`` started more than
     one, as mlx-lm's ``sharded_load`` does; an ``mx.distributed`` group: split over it; False:
     run every layer). Pipelined, ``{rank}`` in ``socket`` or ``trace`` becomes this rank.
@@ -85,7 +88,7 @@ def load(
             check_adapter(Path(adapter_path))
         model, tokenizer, config = load_dir(
             local_dir, source, ram_bytes=ram_bytes, expert_memory=expert_memory, stats=stats,
-            lazy=lazy, prefetch=prefetch, model_config=model_config,
+            lazy=lazy, prefetch=prefetch, speculate=speculate, model_config=model_config,
             tokenizer_config=tokenizer_config, return_config=True,
             trust_remote_code=trust_remote_code, pipeline=group)
         if adapter_path is not None:

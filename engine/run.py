@@ -31,7 +31,8 @@ TEMP, TOP_P, TOP_K, MIN_P, PREFILL_STEP = 0.0, 1.0, 0, 0.0, 2048
 
 def load(repo: str, socket: str | Path | None = None, **engine: Any) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of a registered model (``cachecd_engine.load`` with the engine's
-    keywords: ram_bytes, expert_memory, stats, trace, prefetch, and trust_remote_code)."""
+    keywords: ram_bytes, expert_memory, stats, trace, prefetch, speculate, and
+    trust_remote_code)."""
     from cachecd_engine.registered import load as load_registered
 
     return load_registered(repo, socket=socket, **engine)
@@ -52,6 +53,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="read the next layer's likely experts ahead while a layer computes "
                         "(default: on where the model computes on a GPU, off on the CPU)")
+    p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each decode step with the expert->slot map on the device, with no "
+                        "per-layer round trip, and keep it when every expert it routed to was "
+                        "in the pool (else run it again the per-layer way; the output is the "
+                        "same either way) (default: on a GPU, off on the CPU)")
 
 
 def add_trust_flag(p: argparse.ArgumentParser) -> None:
@@ -64,7 +70,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """``cachecd_engine.load`` keywords from ``add_engine_flags``' flags."""
     return {"socket": args.socket, "ram_bytes": _size(args.ram, "--ram"),
             "expert_memory": _size(args.expert_memory, "--expert-memory"),
-            "prefetch": args.prefetch}
+            "prefetch": args.prefetch, "speculate": args.speculate}
 
 # --model of run and openai, resolved with cachecd_client.resolve_model when left out.
 MODEL_HELP = ("ORG/NAME, installed with setup --stream (default: the one model the daemon has "
