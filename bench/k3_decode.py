@@ -14,7 +14,9 @@ greedy decode (a 4-token prompt that differs every round, so the routing does to
              cache behind it, per-layer read-backs, no read-ahead;
   pc-ahead:  the same with next-layer read-ahead;
   pc-spec:   the same as pc with speculative steps (what a miss costs when one is tried);
-  pc-nohint: pc without the CUDA memory hints (``cachecd_engine.cuda_memory``; on CUDA only).
+  pc-hostwrite: pc with misses written into slots from the host, as on unified memory (on
+             CUDA the engine reads them into pinned memory and copies them to the GPU:
+             ``cachecd_engine.cuda_memory``; elsewhere pc-hostwrite is pc).
 Every case must emit the resident model's tokens. Activations are ``--dtype`` (float32 by
 default: MLX's CPU quantized matmul is ~10x slower in bf16; experts stay mxfp4 either way).
 
@@ -67,14 +69,14 @@ from cachecd.config import parse_size
 from cachecd_client.transport import parallel_preadv
 
 REPO = "bench/k3-decode"
-CASES = ("resident", "ram", "ram-spec", "pc", "pc-ahead", "pc-spec", "pc-nohint")
+CASES = ("resident", "ram", "ram-spec", "pc", "pc-ahead", "pc-spec", "pc-hostwrite")
 ENGINE = {  # pool, read-ahead, speculative steps
     "ram": ("all", False, False),
     "ram-spec": ("all", False, True),
     "pc": ("small", False, False),
     "pc-ahead": ("small", True, False),
     "pc-spec": ("small", False, True),
-    "pc-nohint": ("small", False, False),
+    "pc-hostwrite": ("small", False, False),
 }
 STATS = ("readback_s", "wait_s", "plan_s", "source_bytes", "copied_bytes", "experts_routed",
          "ram_hits", "staged_hits", "source_hits", "staged")
@@ -172,7 +174,7 @@ def load_case(name: str, served: Served, sock: Path, small: int, dtype: Any) -> 
         pool, ahead, spec = ENGINE[name]
         m = served.manifest
         size = int(m.sizes.max()) * m.n_experts + (1 << 20) if pool == "all" else small
-        cuda_memory.USE = name != "pc-nohint"
+        cuda_memory.USE = name != "pc-hostwrite"
         try:
             model, _ = load(served.repo, sock, ram_bytes=size, prefetch=ahead, speculate=spec)
         finally:

@@ -33,13 +33,14 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from cachecd import errors
 from cachecd_engine import dispatch
 from cachecd_engine.formats import ExpertLayout, Piece, QuantSpec, StackLayout, pieces
-from cachecd_engine.cuda_memory import Hints
+from cachecd_engine.cuda_memory import Copier
 from cachecd_engine.memory import PoolSizer
 from cachecd_engine.pool import PoolMemory
 from cachecd_engine.slots import DEFAULT_POLICY, Key, SlotTable
 
 Targets = Sequence[Sequence[memoryview]]  # per expert, the buffers its bytes fill in order
 MIN_SLOTS = 2  # one group computes while the next is read
+STAGING_BYTES = 512 << 20  # pinned staging for misses on CUDA: a batch of reads at most
 
 
 class ExpertSource(Protocol):
@@ -124,7 +125,8 @@ class ExpertBank:
         self.speculator: Any = None  # cachecd_engine.speculate.Speculator, when steps speculate
         self.min_slots = MIN_SLOTS  # the least a default-sized pool gets (the loader: 2 calls)
         self.max_slots = 0  # if set: the experts the model has (more slots would stay empty)
-        self.cuda_hints = True  # read-mostly pool, prefetch of filled slots (cuda_memory)
+        # On a discrete CUDA GPU misses go through pinned memory and the copy engine.
+        self.copier = Copier() if self.backend == "cuda" else None
 
     # the pool ---------------------------------------------------------------------------------
     def pieces(self, layer: int, expert: int) -> tuple[Piece, ...]:
@@ -164,22 +166,19 @@ class ExpertBank:
         slots = pool_bytes // one
         if self.max_slots:
             slots = min(slots, self.max_slots)
-        return max(floor, slots)
+        most = dispatch.max_stack(self.backend, self.spec.mode is not None)
+        return min(max(floor, slots), most or slots + floor)
 
     def _pool(self, layer: int, expert: int) -> tuple[PoolMemory, SlotTable]:
         if self.memory is None or self.table is None:
             self.pieces(layer, expert)
             assert self.layout is not None
             slots = self._slots_for(self.pool_bytes)
-            self.memory = PoolMemory(self.spec, self.layout, slots, self.backend,
-                                     self._hints())
+            self.memory = PoolMemory(self.spec, self.layout, slots, self.backend)
             self.table = SlotTable(slots, self.policy)
             for glu in self._templates:
                 self._hold(glu)
         return self.memory, self.table
-
-    def _hints(self) -> Hints | None:
-        return Hints() if self.backend == "cuda" and self.cuda_hints else None
 
     def attach(self, glu: SwitchGLU) -> None:
         """``glu`` (a layer's template) computes from the pool's arrays."""
@@ -206,7 +205,7 @@ class ExpertBank:
         self.settle()
         old = self.memory
         moves = self.table.resize(slots)
-        self.memory = PoolMemory(self.spec, old.layout, slots, self.backend, self._hints())
+        self.memory = PoolMemory(self.spec, old.layout, slots, self.backend)
         self.stats.copied_bytes += self.memory.copy_from(old, moves)
         for glu in self._templates:
             self._hold(glu)
@@ -257,13 +256,11 @@ class ExpertBank:
         self.stats.staged += len(claim.slots)
 
     def _read_ahead(self, layer: int, expert: int, slot: int) -> int:
-        """On a reader thread: the expert's bytes into its slot, then on their way to the GPU."""
+        """On a reader thread: the expert's bytes into its slot."""
         memory = self.memory
         assert memory is not None
-        written = self.source.read_into(layer, [expert],
-                                        [memory.targets(slot, self.pieces(layer, expert))])
-        memory.to_device([slot])
-        return written
+        return self.source.read_into(layer, [expert],
+                                     [memory.targets(slot, self.pieces(layer, expert))])
 
     def _sweep(self) -> None:
         """Take in read-ahead that has finished (failed ones free their slot)."""
@@ -288,7 +285,6 @@ class ExpertBank:
         if self._underived and self.memory is not None:
             slots, self._underived = self._underived, []
             self.stats.copied_bytes += self.memory.derive(slots)
-            self.memory.to_device(slots)
 
     # a layer call ----------------------------------------------------------------------------
     def run(self, layer: int, glu: SwitchGLU, x: mx.array, routed: np.ndarray) -> mx.array:
@@ -340,7 +336,6 @@ class ExpertBank:
         self._read_now(layer, claimed)
         self._derive_staged()
         self.stats.copied_bytes += memory.derive(list(claimed.values()))
-        memory.to_device(list(claimed.values()))
         self.stats.ram_hits += len(held) - len(staged)
         self.stats.staged_hits += len(staged)
         self.stats.wait_s += time.perf_counter() - t0
@@ -373,9 +368,13 @@ class ExpertBank:
             return
         assert self.memory is not None and self.table is not None
         ids = list(claimed)
-        targets = [self.memory.targets(claimed[e], self.pieces(layer, e)) for e in ids]
         try:
-            written = self.source.read_into(layer, ids, targets)
+            if self.copier is not None and self.copier.on:
+                written = sum(self._read_staged(layer, chunk, claimed)
+                              for chunk in _chunks(ids, STAGING_BYTES // self._nbytes(layer, ids[0])))
+            else:
+                targets = [self.memory.targets(claimed[e], self.pieces(layer, e)) for e in ids]
+                written = self.source.read_into(layer, ids, targets)
         except BaseException:
             self.table.forget(claimed.values())  # their bytes are not the experts'
             raise
@@ -383,6 +382,24 @@ class ExpertBank:
         self.stats.source_hits += len(ids)
         self.stats.source_bytes += sum(self._nbytes(layer, e) for e in ids)
         self.stats.copied_bytes += written
+
+    def _read_staged(self, layer: int, ids: list[int], claimed: dict[int, int]) -> int:
+        """Read into pinned staging memory, then copy each tensor to its slot on the GPU's copy
+        engine (``cuda_memory``); the bytes written, both copies counted."""
+        assert self.memory is not None and self.copier is not None
+        sizes = [self._nbytes(layer, e) for e in ids]
+        buf = self.copier.staging(sum(sizes))
+        starts = np.cumsum([0, *sizes[:-1]]).tolist()
+        written = self.source.read_into(
+            layer, ids, [[buf[a : a + n].data] for a, n in zip(starts, sizes, strict=True)])
+        base = buf.ctypes.data
+        for e, a in zip(ids, starts, strict=True):
+            for offset, n, key in self.pieces(layer, e):
+                self.copier.copy(self.memory.address(key, claimed[e]), base + a + offset, n)
+        if not self.copier.wait():  # the copier gave up: write these slots from the host
+            for e, a, n in zip(ids, starts, sizes, strict=True):
+                self.memory.fill(claimed[e], self.pieces(layer, e), buf[a : a + n])
+        return written + sum(sizes)
 
     def _run_groups(self, layer: int, glu: SwitchGLU, x: mx.array, routed: np.ndarray,
                     ids: list[int], target: str) -> mx.array:
@@ -505,6 +522,11 @@ class ExpertBank:
         for slot in list(self._reads):
             self._reads[slot][1].cancel()
         self._readers.shutdown(wait=True, cancel_futures=True)
+
+
+def _chunks(ids: list[int], size: int) -> list[list[int]]:
+    size = max(1, size)
+    return [ids[i : i + size] for i in range(0, len(ids), size)]
 
 
 def _distinct(routed: np.ndarray) -> list[int]:

@@ -1,16 +1,18 @@
-"""Hints to the CUDA driver about the pool's managed memory (MLX's CUDA buffers that the host
-writes are managed memory): a hint only, never needed for a right result.
+"""Misses into the pool on a discrete CUDA GPU: read into pinned host memory, then copied to the
+slot by the GPU's copy engine.
 
-Left alone, a page of the pool lives on the GPU once a kernel has read it; when a miss is read
-into its slot the host's write first migrates the page's old bytes back to the host, and the
-next kernel faults the new bytes over page by page. Two hints avoid both:
-- ``read_mostly``: the pool is marked read-mostly, so the GPU reads a copy of each page and a
-  host write only drops that copy (no migration back);
-- ``to_device``: after a slot is filled, its bytes are prefetched to the GPU in bulk, on the
-  calling thread's default stream (which does not wait for MLX's streams), ahead of the kernel.
+MLX's CUDA arrays that the host can see are managed memory. A host write into a slot whose
+pages a kernel has read (so they live on the GPU) first migrates those pages back to the host
+and the next kernel faults them over again page by page: measured on the H200, a pool smaller
+than the working set then ran 2.5 decode steps a second at K3's expert size, 0.45 with the
+pool marked read-mostly and filled slots prefetched. So on CUDA a miss is read into a pinned
+staging buffer (the one copy from the page cache), then ``cudaMemcpyAsync`` puts it in the slot
+where the slot's pages are, and the host waits for those copies before the call is built. The
+host never touches the pool's pages, which stay on the GPU.
 
 The CUDA runtime is loaded by name (MLX links its own copy statically; both drive the same
-device context). Any failure (no CUDA, another version, a call refused) turns the hints off.
+device). Any failure (no CUDA 13 runtime, a call refused) turns the copier off and the bank
+writes slots from the host as on unified memory.
 """
 
 from __future__ import annotations
@@ -19,24 +21,19 @@ import ctypes
 import logging
 from typing import Any
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
-_READ_MOSTLY = 1  # cudaMemAdviseSetReadMostly
-_DEVICE = 1  # cudaMemLocationTypeDevice
-_PER_THREAD_STREAM = ctypes.c_void_p(2)  # cudaStreamPerThread
-
-
-class _Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-USE = True  # a switch for side-by-side measurement (bench/k3_decode.py's pc-nohint case)
+USE = True  # a switch for side-by-side measurement (bench/k3_decode.py's pc-hostwrite case)
+_DEFAULT = 4  # cudaMemcpyDefault: the driver tells host from device by the pointers
+_PER_THREAD_STREAM = ctypes.c_void_p(2)  # cudaStreamPerThread: waits for no other stream
 _lib: Any = None
 _tried = False
 
 
 def _runtime() -> Any:
-    """libcudart with the CUDA 13 signatures of the two calls, or None."""
+    """libcudart (13 or newer: the signatures below), or None."""
     global _lib, _tried
     if _tried:
         return _lib
@@ -48,33 +45,57 @@ def _runtime() -> Any:
             continue
         version = ctypes.c_int(0)
         if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0 or version.value < 13000:
-            log.debug("cuda hints off: runtime %s version=%d", name, version.value)
+            log.debug("cuda copier off: runtime %s version=%d", name, version.value)
             return None
-        lib.cudaMemAdvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, _Location]
-        lib.cudaMemPrefetchAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, _Location,
-                                             ctypes.c_uint, ctypes.c_void_p]
+        lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                        ctypes.c_int, ctypes.c_void_p]
+        lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
         _lib = lib
         return lib
     return None
 
 
-class Hints:
-    """The hints for one device; ``on`` goes False at the first refused call."""
+class Copier:
+    """Pinned staging memory and copies from it to the pool; ``on`` goes False at the first
+    refused call (the caller then writes slots from the host)."""
 
-    def __init__(self, device: int = 0) -> None:
+    def __init__(self) -> None:
         self.on = USE and _runtime() is not None
-        self._where = _Location(_DEVICE, device)
+        self._staging: np.ndarray | None = None
+        self.copied = 0  # bytes copied to the GPU
 
-    def read_mostly(self, addr: int, nbytes: int) -> None:
+    def staging(self, nbytes: int) -> np.ndarray:
+        """A pinned, cache-line aligned host buffer of at least ``nbytes`` (grown as needed)."""
+        if self._staging is None or self._staging.size < nbytes:
+            self._release()
+            raw = np.ones(nbytes + 64, np.uint8)  # touched: no page faults in a read
+            off = -raw.ctypes.data % 64
+            buf = raw[off : off + nbytes]
+            if self.on and _lib.cudaHostRegister(buf.ctypes.data, nbytes, 0) != 0:
+                log.debug("cuda copier: staging not pinned (pageable copies are slower)")
+            self._staging = buf
+        return self._staging
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
         if self.on:
-            self._check(_lib.cudaMemAdvise(addr, nbytes, _READ_MOSTLY, self._where), "advise")
+            self._check(_lib.cudaMemcpyAsync(dst, src, nbytes, _DEFAULT, _PER_THREAD_STREAM))
+            self.copied += nbytes
 
-    def to_device(self, addr: int, nbytes: int) -> None:
+    def wait(self) -> bool:
+        """Wait for the copies; False if any failed (the caller writes from the host)."""
         if self.on:
-            self._check(_lib.cudaMemPrefetchAsync(addr, nbytes, self._where, 0,
-                                                  _PER_THREAD_STREAM), "prefetch")
+            self._check(_lib.cudaStreamSynchronize(_PER_THREAD_STREAM))
+        return self.on
 
-    def _check(self, err: int, what: str) -> None:
+    def _check(self, err: int) -> None:
         if err != 0:
-            log.debug("cuda hints off: %s returned %d", what, err)
+            log.warning("cuda copier off: a CUDA call returned %d; slots are written from the "
+                        "host from now on", err)
             self.on = False
+
+    def _release(self) -> None:
+        if self._staging is not None and _lib is not None:
+            _lib.cudaHostUnregister(self._staging.ctypes.data)
+        self._staging = None

@@ -108,3 +108,9 @@ def plan_groups(backend: str, quantized: bool, counts: list[int], capacity: int,
         groups.append(Group(start, stop, r,
                             fit(backend, quantized, target, r, stop - start, sorted_rows)))
     return groups
+
+
+def max_stack(backend: str, quantized: bool) -> int | None:
+    """The most experts a weight stack may hold for every kernel to take it: CUDA's grouped gemm
+    (float, sorted rows) refuses more than 1,024 groups (``cutlass_grouped_gemm_unaligned``)."""
+    return 1024 if backend == "cuda" and not quantized else None

@@ -26,7 +26,6 @@ from typing import Any, cast
 import mlx.core as mx
 import numpy as np
 
-from cachecd_engine.cuda_memory import Hints
 from cachecd_engine.formats import (
     Arrays,
     Key,
@@ -111,11 +110,9 @@ def _huge_pages(addr: int, nbytes: int) -> None:
 class PoolMemory:
     """The pool's arrays: raw slots (what reads fill), derived slots, and the kernel's view."""
 
-    def __init__(self, spec: QuantSpec, layout: StackLayout, slots: int, backend: str,
-                 hints: Hints | None = None) -> None:
+    def __init__(self, spec: QuantSpec, layout: StackLayout, slots: int, backend: str) -> None:
         self.spec, self.layout, self.slots = spec, layout, slots
         self._chunk = max(1, DERIVE_CHUNK // max(1, derive_work_nbytes(spec, layout, backend)))
-        self.hints = hints
         self.raw: dict[Key, mx.array] = {}
         self._rows: dict[Key, np.ndarray] = {}  # uint8 [slots, tensor bytes] views of raw
         for s in layout.slots:
@@ -133,19 +130,6 @@ class PoolMemory:
                 self.derived[proj] = arrays[name] = arr
                 self._derived_rows[proj] = host_bytes(arr).reshape(slots, -1)
         mx.eval([a for proj in self.arrays.values() for a in proj.values()])
-        if hints is not None:
-            for rows in self._all_rows():
-                hints.read_mostly(rows.ctypes.data, rows.nbytes)
-
-    def _all_rows(self) -> list[np.ndarray]:
-        return [*self._rows.values(), *self._derived_rows.values()]
-
-    def to_device(self, slots: list[int]) -> None:
-        """Move freshly written slots to the GPU ahead of the kernel (a hint; CUDA only)."""
-        if self.hints is not None and self.hints.on:
-            for rows in self._all_rows():
-                for slot in slots:
-                    self.hints.to_device(rows[slot].ctypes.data, rows.shape[1])
 
     @staticmethod
     def slot_nbytes(spec: QuantSpec, layout: StackLayout) -> int:
@@ -165,6 +149,15 @@ class PoolMemory:
     def targets(self, slot: int, expert_pieces: tuple[Piece, ...]) -> list[memoryview]:
         """Writable views, in blob order, that an expert's bytes fill to land in ``slot``."""
         return [self._rows[key][slot, :n].data for _, n, key in expert_pieces]
+
+    def address(self, key: Key, slot: int) -> int:
+        """Where ``slot`` of tensor ``key`` starts (for the GPU's copy engine)."""
+        return int(self._rows[key][slot].ctypes.data)
+
+    def fill(self, slot: int, expert_pieces: tuple[Piece, ...], blob: np.ndarray) -> None:
+        """Copy a whole expert blob held in host memory into ``slot`` from the host."""
+        for offset, n, key in expert_pieces:
+            self._rows[key][slot, :n] = blob[offset : offset + n]
 
     def derive(self, slots: list[int]) -> int:
         """Compute the derived arrays of these freshly filled slots (a few at a time, so what

@@ -28,18 +28,18 @@ from mlx import nn
 
 from cachecd import errors
 from cachecd_engine.bank import ExpertBank
-from cachecd_engine.dispatch import SORT_ROWS, current_backend
+from cachecd_engine.dispatch import SORT_ROWS
 from cachecd_engine.streamed_moe import StreamedSwitchGLU
 
 log = logging.getLogger(__name__)
 
 
 def read_ahead_by_default() -> bool:
-    """Read ahead where the model computes on a GPU. On the CPU the read-ahead's copies take
-    the cores the compute needs: bench/k3_decode.py measured 0.73-0.78x of the resident model's
-    tokens/s with it and 0.73-0.98x without (0.731 against 0.975 with every expert in RAM),
-    though it cut the exposed wait for experts by about half."""
-    return current_backend() != "cpu"
+    """Off everywhere it was measured side by side (bench/k3_decode.py, pc vs pc-ahead): on the
+    CPU the read-ahead's copies take the cores the compute needs (0.73-0.78x of the resident
+    model's tokens/s with it, 0.73-0.98x without); on the H200 (CUDA) a pool smaller than the
+    working set ran 0.39 decode steps a second with it and 0.47 without. Metal is not measured."""
+    return False
 
 
 def route(moe: nn.Module, x: mx.array) -> mx.array:

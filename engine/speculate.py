@@ -6,14 +6,16 @@ from a map the bank keeps in step with its table), and the routing of every laye
 once, at the end. If every routed expert was in a ready slot, the step is exactly the per-layer
 step (the same kernels over the same slot numbers: identical logits) and is kept. If any was
 not, the step is thrown away: the caches go back to where they were and the step runs again
-the per-layer way, which reads the missing experts; the routing just seen becomes read-ahead.
+the per-layer way, which reads the missing experts. The whole step is queued at once, as the
+resident model's is, and the host waits only for the routing before it checks.
 
 Invariants:
 - A kept step computed every row from the expert the model routed it to: the host checks every
   layer's routed experts against the table the device map was built from, which nothing
   changes while the step is built (no slot is claimed until the read-back).
-- A thrown-away step leaves no trace: the KV caches' offsets and the linear-attention states
-  are restored, nothing of it is evaluated after the read-back, and its slots are not fenced.
+- A thrown-away step leaves no trace: it is let finish (its kernels read slots) before any slot
+  is refilled, the KV caches' offsets and the linear-attention states are restored, and
+  nothing of it is kept.
 - Only what can be restored is speculated: batch 1, one token, every cache a ``KVCache`` or an
   ``ArraysCache`` without lengths or padding (other kinds always take the per-layer step).
 - A step that missed makes the next ones per-layer, twice as many after each miss in a row (up
@@ -139,22 +141,25 @@ class Speculator:
             calls = None
         finally:
             self.calls = None
-        if calls is not None and self._keep(calls, fenced):
-            self.kept += 1
-            self._backoff = 0
-            return logits
+        if calls is not None:
+            flat = mx.concatenate([i.reshape(-1) for _, i, _ in calls])
+            # The whole step runs on; the host waits only for the routing, then checks it.
+            mx.async_eval(logits, flat, *fenced)
+            if self._keep(calls, flat):
+                self.kept += 1
+                self._backoff = 0
+                return logits
+            mx.eval(logits)  # its queued kernels read slots: let them finish before refills
         self.missed += 1
         self._backoff = min(MAX_BACKOFF, max(1, 2 * self._backoff))
         self._wait = self._backoff
         restore(cache, snap)
         return forward()
 
-    def _keep(self, calls: list[tuple[int, mx.array, mx.array]], fenced: list[mx.array]) -> bool:
-        """One read-back of every layer's routing; keep the step if all were ready slots."""
+    def _keep(self, calls: list[tuple[int, mx.array, mx.array]], flat: mx.array) -> bool:
+        """The read-back of every layer's routing; keep the step if all were ready slots."""
         t0 = time.perf_counter()
-        flat = mx.concatenate([i.reshape(-1) for _, i, _ in calls])
-        mx.eval(flat, *fenced)
-        routed_all = np.array(flat)
+        routed_all = np.array(flat)  # waits for the routing only
         self.bank.stats.readback_s += time.perf_counter() - t0
         pos, routed = 0, []
         for _, i, _ in calls:

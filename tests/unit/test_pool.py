@@ -8,11 +8,14 @@ be computed from another expert's bytes and differ from the resident layer's, bi
 
 from __future__ import annotations
 
+import ctypes
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from cachecd_engine.bank import EngineStats, ExpertBank
+from cachecd_engine.cuda_memory import Copier
 from cachecd_engine.formats import QUANT_SPECS
 from cachecd_engine.slots import SlotTable
 from cachecd_engine.streamed_moe import install_streamed_banks
@@ -143,3 +146,30 @@ def test_resizing_the_pool_mid_generation_changes_no_logit(blobs) -> None:  # ty
     assert_bitwise(ref, got)
     assert not plan and bank.capacity == 3 and len(bank.table) == 3  # type: ignore[arg-type]
     assert bank.stats.ram_hits > 0
+
+
+class _HostCopier(Copier):
+    """The CUDA copier's path with the copy engine replaced by a host memmove: the staging
+    buffer, each tensor's address in its slot and the offsets are the ones a GPU would use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = True
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        ctypes.memmove(dst, src, nbytes)
+        self.copied += nbytes
+
+    def wait(self) -> bool:
+        return True
+
+
+def test_misses_through_staging_and_copies_land_whole_in_their_slots(blobs) -> None:  # type: ignore[no-untyped-def]
+    ref, toks = run_logits(build_resident(FMT), PROMPT, steps=6)
+    model, bank = _bank(blobs, slots=10)
+    bank.copier = _HostCopier()
+    got, _ = run_logits(model, PROMPT, toks, steps=6)
+    assert_bitwise(ref, got)
+    s = bank.stats
+    assert bank.copier.copied == s.source_bytes > 0  # every miss went through staging
+    assert s.copied_bytes == 2 * s.source_bytes  # into staging, then into the slot
