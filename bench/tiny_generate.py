@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
                       lambda k, v: f"{k}={v:.1f}tok/s")
             bank = streamed.bank
             spec = bank.speculator
+            calls = 2 * args.tokens  # the warm-up round and the measured one (rounds=1)
+            per = {k: v / max(1, calls) for k, v in bank.stats.snapshot().items()}
             bank.close()
             bank.source.close()
     if seen["resident"] != seen["streamed"]:
@@ -84,6 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"resident {res:.2f} s ({args.tokens / res:.1f} tok/s); streamed {ours:.2f} s "
           f"({args.tokens / ours:.1f} tok/s)"
           + (f"; speculative steps kept {spec.kept}, missed {spec.missed}" if spec else ""))
+    print(f"info: streamed per token over all rounds: read-backs {per['readback_s'] * 1e3:.2f} ms, "
+          f"expert wait {per['wait_s'] * 1e3:.2f} ms, bank host work {per['plan_s'] * 1e3:.2f} "
+          f"ms, {per['source_hits']:.1f} experts read, {per['ram_hits']:.1f} pool hits, "
+          f"{per['layer_calls']:.1f} layer calls, {per['groups']:.1f} kernel calls")
     print(f"ratio={res / ours:.3f}")
 
 

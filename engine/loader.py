@@ -74,7 +74,7 @@ def streamed_classes(bank: ExpertBank,
 
             def __call__(self, inputs: mx.array, cache: Any = None, *args: Any,
                          **kwargs: Any) -> mx.array:
-                base = super(StreamedModel, self).__call__
+                base = super().__call__
                 spec = bank.speculator
                 if spec is None:
                     return base(inputs, cache, *args, **kwargs)

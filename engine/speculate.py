@@ -33,7 +33,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from cachecd_engine import dispatch
 from cachecd_engine.bank import ExpertBank
+from cachecd_engine.calls import allow_sorted, distinct
 from cachecd_engine.dispatch import current_backend
 
 
@@ -117,9 +119,19 @@ class Speculator:
         return self.calls is not None
 
     def layer_call(self, layer: int, glu: Any, x: mx.array, indices: mx.array) -> mx.array:
-        """A layer's expert output from the device map (no read-back)."""
+        """A layer's expert output with its slots looked up on the device: no read-back. Kept
+        only if the host later finds every routed expert ready (``_settle``)."""
         assert self.calls is not None
-        y = self.bank.run_on_device(layer, glu, x, indices, self._map[self.map.row[layer]])
+        bank = self.bank
+        t0 = time.perf_counter()
+        target = dispatch.resident_kernel(bank.backend, bank.spec.mode is not None,
+                                          indices.size, bank.experts_per_layer)
+        fit = bank.fit(target, indices.size, indices.size)
+        if fit.pad:  # dummy rows need the routing on the host
+            raise Missed(f"layer {layer}: the resident kernel needs dummy rows here")
+        allow_sorted(glu, fit.sorted)
+        y = glu(x, self._map[self.map.row[layer]][indices])
+        bank.stats.plan_s += time.perf_counter() - t0
         self.calls.append((layer, indices, y))
         return y
 
@@ -129,7 +141,8 @@ class Speculator:
         if self._wait or bank.table is None or not restorable(inputs, cache):
             self._wait = max(0, self._wait - 1)
             return forward()
-        bank.ready_for_device()
+        bank.fill.sweep()  # every slot the device map names ready holds its expert whole
+        bank.fill.derive_staged()
         snap = snapshot(cache)
         fenced = bank.fenced()
         self._map = self.map.array()
@@ -165,5 +178,30 @@ class Speculator:
         for _, i, _ in calls:
             routed.append(routed_all[pos : pos + i.size].reshape(i.shape))
             pos += i.size
-        return self.bank.settle_device_calls(
-            [(layer, r, y) for (layer, _, y), r in zip(calls, routed, strict=True)])
+        return self._settle([(layer, r, y) for (layer, _, y), r in zip(calls, routed, strict=True)])
+
+    def _settle(self, calls: list[tuple[int, np.ndarray, mx.array]]) -> bool:
+        """After the read-back (every queued reader of a slot is done): True, with each call
+        counted and fenced as a layer call is, if every routed expert was in a ready slot;
+        False (nothing counted) if any was not."""
+        bank, table = self.bank, self.bank.table
+        assert table is not None
+        table.clear_fences()
+        ids_of = [(layer, distinct(routed)) for layer, routed, _ in calls]
+        for layer, ids in ids_of:
+            for e in ids:
+                slot = table.slot((layer, e))
+                if slot is None or table.filling(slot):
+                    return False
+        s = bank.stats
+        for (layer, routed, y), (_, ids) in zip(calls, ids_of, strict=True):
+            table.fence(table.use(layer, ids).values(), y)
+            s.layer_calls += 1
+            s.groups += 1
+            s.rows += routed.size
+            s.experts_routed += len(ids)
+            s.ram_hits += len(ids)
+            bank.fill.guessed.difference_update((layer, e) for e in ids)
+            if bank.trace is not None:
+                bank.trace(layer, routed)
+        return True

@@ -13,7 +13,6 @@ slower in bf16); the experts stay mxfp4 bytes.
 from __future__ import annotations
 
 import math
-
 from pathlib import Path
 from typing import Any
 

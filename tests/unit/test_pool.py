@@ -167,9 +167,9 @@ class _HostCopier(Copier):
 def test_misses_through_staging_and_copies_land_whole_in_their_slots(blobs) -> None:  # type: ignore[no-untyped-def]
     ref, toks = run_logits(build_resident(FMT), PROMPT, steps=6)
     model, bank = _bank(blobs, slots=10)
-    bank.copier = _HostCopier()
+    bank.fill.copier = _HostCopier()
     got, _ = run_logits(model, PROMPT, toks, steps=6)
     assert_bitwise(ref, got)
     s = bank.stats
-    assert bank.copier.copied == s.source_bytes > 0  # every miss went through staging
+    assert bank.fill.copier.copied == s.source_bytes > 0  # every miss went through staging
     assert s.copied_bytes == 2 * s.source_bytes  # into staging, then into the slot
