@@ -232,7 +232,7 @@ def _finish(args: argparse.Namespace, outcome: Outcome, seconds: float, label: s
         err = outcome.error
         print(f"cachecd: warm stopped: {err.code}: {err.message} (what was fetched stays "
               "cached; run the same command again to continue)", file=sys.stderr)
-        code = 1
+        code = err.exit_code
     if args.json:
         print(json.dumps({
             "model": args.model, "workload": label, "fetched": outcome.fetched,
