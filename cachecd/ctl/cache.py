@@ -82,6 +82,7 @@ def render_status(info: dict[str, Any]) -> str:
         f"socket      {info['socket']}",
         f"endpoint    {info['endpoint']}{' (offline)' if info.get('offline') else ''}",
         f"cache       {', '.join(info['cache_dirs'])}",
+        f"models      {info.get('models_dir', '?')}",
         f"disk use    {format_size(store.get('bytes', 0))} in {store.get('entries', 0)} experts"
         + (f" of a {format_size(budget)} budget" if budget else " (no budget: free space)"),
         f"hit rate    {hits / requests:.1%} of {requests} expert requests" if requests
@@ -197,7 +198,11 @@ def fsck(args: argparse.Namespace) -> int:
 
     from cachecd.store.fsck import fsck as run_fsck
 
-    dirs = load_settings({"cache_dirs": args.cache_dirs}).cache_dirs
+    try:
+        dirs = load_settings({"cache_dirs": args.cache_dirs}).cache_dirs
+    except CachecdError as exc:  # a bad config: nothing was checked
+        print(f"cachecd: {exc.code}: {exc.message}", file=sys.stderr)
+        return FSCK_UNVERIFIABLE
     missing = [str(d) for d in dirs if not d.is_dir()]
     if missing:  # checking would make an empty cache there and call it clean
         print(f"cachecd: fsck: no cache dir at {', '.join(missing)}: give the --cache-dir the "

@@ -331,6 +331,7 @@ class Daemon:
             "uptime_s": round(time.time() - self.started, 3),
             "socket": str(self.settings.socket),
             "cache_dirs": [str(d) for d in self.settings.cache_dirs],
+            "models_dir": str(self.settings.models_dir),
             "endpoint": self.settings.endpoint,
             "offline": self.settings.offline,
             "store": self.store.stats(),
