@@ -143,7 +143,8 @@ class DataServer:
         if not isinstance(ids, list) or len(ids) > protocol.MAX_FDS_PER_FRAME:
             raise InvalidRequest(f"ids must be a list of at most {protocol.MAX_FDS_PER_FRAME} experts")
         opened, uses = await self._daemon.open_unrecorded(str(req.get("model", "")),
-                                                          req.get("layer"), ids)
+                                                          req.get("layer"), ids,
+                                                          warm=req.get("warm") is True)
         fds = [o.fd for o in opened]
         try:
             frame = protocol.encode_experts([(o.expert, o.size, o.digest, o.fetched) for o in opened])
