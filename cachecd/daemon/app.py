@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from cachecd import constants
 from cachecd.config import Settings
+from cachecd.daemon.metrics import Latencies
 from cachecd.daemon.misses import Fetcher
 from cachecd.daemon.registry import RegisteredModel, Registry, check_repo, hub_checker
 from cachecd.errors import ExpertNotFound, InvalidRequest
@@ -177,6 +178,8 @@ class Daemon:
         self.registry = Registry(store, settings.models_dir,
                                  None if settings.offline else hub_checker(settings.endpoint))
         self.fetcher = Fetcher(store, upstream)
+        self.latency = Latencies()
+        upstream.observe_requests(self.latency.upstream_request)
         self.counters: Counter[str] = Counter()
         self.history = HitHistory()
         self.started = time.time()

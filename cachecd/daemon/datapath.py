@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from typing import TYPE_CHECKING, Any
 
 from cachecd import protocol
@@ -120,9 +121,11 @@ class DataServer:
     async def _answer(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, body: bytes) -> None:
         fds: list[int] = []
         uses: Uses | None = None
+        started = time.monotonic()
         try:
-            frame, fds, uses = await self._handle(protocol.decode(body))
+            frame, fds, uses, missed = await self._handle(protocol.decode(body))
             await _send_with_fds(loop, conn, frame, fds)
+            self._daemon.latency.request(time.monotonic() - started, missed)
         except CachecdError as exc:
             await _safe_send(loop, conn, {"ok": False, **exc.to_wire()})
         except (ConnectionError, OSError):
@@ -136,7 +139,7 @@ class DataServer:
             if uses is not None:  # after the answer left: the client reads meanwhile
                 self._daemon.record_uses(uses)
 
-    async def _handle(self, req: dict[str, Any]) -> tuple[bytes, list[int], Uses]:
+    async def _handle(self, req: dict[str, Any]) -> tuple[bytes, list[int], Uses, bool]:
         if req.get("op") != "experts":
             raise InvalidRequest(f"unknown op {req.get('op')!r}; the data path knows 'experts'")
         ids = req.get("ids")
@@ -152,7 +155,7 @@ class DataServer:
             for fd in fds:
                 os.close(fd)
             raise
-        return frame, fds, uses
+        return frame, fds, uses, any(o.fetched for o in opened)
 
     async def close(self) -> None:
         if self._accept_task:

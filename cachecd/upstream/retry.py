@@ -64,22 +64,26 @@ class Retrier:
         self.backoff_base, self.backoff_cap = backoff_base, backoff_cap
         self.read_timeout = read_timeout
         self.in_flight = 0
+        # Told each attempt's kind and seconds (the daemon's latency histogram), if set.
+        self.observe: Callable[[str, float], None] | None = None
         self._counters = counters
         self._sem = asyncio.Semaphore(max_parallel)
         self._not_before: dict[str, float] = {}
         self._rng = random.Random()
 
     async def run(
-        self, url: str, once: Callable[[], Awaitable[Any]], deadline: float | None = None
+        self, url: str, once: Callable[[], Awaitable[Any]], deadline: float | None = None,
+        kind: str = "range",
     ) -> Any:
-        """``once()`` under the parallel limit and the host's wait, retrying transient faults."""
+        """``once()`` under the parallel limit and the host's wait, retrying transient faults;
+        ``kind`` ("resolve", "range") names its attempts to ``observe``."""
         parts = urlsplit(url)
         host = parts.netloc
         deadline = deadline or time.monotonic() + self.total_timeout
         failure: Transient | None = None
         for attempt in range(self.max_retries + 1):
             try:
-                return await self._attempt(host, once, f"{parts.scheme}://{host}")
+                return await self._attempt(host, once, f"{parts.scheme}://{host}", kind)
             except Transient as exc:
                 failure = exc
             except DeadlinePassed:
@@ -107,7 +111,8 @@ class Retrier:
         assert failure is not None
         raise failure.error
 
-    async def _attempt(self, host: str, once: Callable[[], Awaitable[Any]], origin: str) -> Any:
+    async def _attempt(self, host: str, once: Callable[[], Awaitable[Any]], origin: str,
+                       kind: str) -> Any:
         async with self._sem:
             wait = self._not_before.get(host, 0.0) - time.monotonic()
             while wait > 0:
@@ -117,6 +122,7 @@ class Retrier:
             self._counters["peak_in_flight"] = max(
                 self._counters["peak_in_flight"], self.in_flight
             )
+            started = time.monotonic()
             try:
                 return await once()
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
@@ -142,6 +148,8 @@ class Retrier:
                 ) from exc
             finally:
                 self.in_flight -= 1
+                if self.observe is not None:
+                    self.observe(kind, time.monotonic() - started)
 
 
 def unreachable(origin: str, exc: BaseException) -> errors.UpstreamError:
