@@ -51,7 +51,8 @@ def _step(text: str) -> None:
 class _Hub:
     def __init__(self, root: Path) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "cachecd.cli", "hub", "serve", str(root),
-                                      "--port", "0"], stdout=subprocess.PIPE, text=True)
+                                      "--port", "0"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)  # its log: noise here
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if "http://" not in line:
             self.stop()

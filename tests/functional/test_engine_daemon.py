@@ -86,9 +86,10 @@ def test_demo_runs_end_to_end():
     tmp = short_tmp("cdtmp")
     out = run_cli("demo", "--max-new", "8", "--keep", env={"TMPDIR": str(tmp)},
                   timeout=600).stdout
-    kept = Path(out.strip().splitlines()[-1].removeprefix("kept "))
+    lines = [line for line in out.splitlines() if line.strip()]
+    kept = Path(lines[-1].removeprefix("kept "))
     assert kept.parent == tmp and kept.name.startswith("cachecd-demo-"), out
-    summary = json.loads(out.strip().splitlines()[-2])
+    summary = json.loads(lines[-2])
     assert 0 < summary["experts_cached"] <= summary["experts_total"]
     assert "cachecd run" in out and "what the daemon fetched" in out
     assert "weights are random numbers, so its text is gibberish" in out
