@@ -215,7 +215,7 @@ class Client:
             frame = {"op": "experts", "model": model, "layer": int(layer), "ids": chunk}
             if self.warming:
                 frame["warm"] = True
-            with self._waits.watch(f"layer {layer}: {len(chunk)} experts"):
+            with self._waits.watch(int(layer), len(chunk)):
                 answer, fds = self._data.request(frame)
             try:
                 sizes = [int(e["size"]) for e in answer["experts"]]

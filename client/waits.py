@@ -28,7 +28,7 @@ NOTICE_S, REPEAT_S = 3.0, 10.0
 class WaitWatch:
     def __init__(self, socket: Path) -> None:
         self._socket = socket
-        self._waiting: dict[int, tuple[float, str]] = {}  # id -> (start, what)
+        self._waiting: dict[int, tuple[float, int, int]] = {}  # id -> (start, layer, experts)
         self._said: dict[int, float] = {}  # id -> when its next notice is due
         self._ids = itertools.count()
         self._mu = threading.Lock()
@@ -36,9 +36,9 @@ class WaitWatch:
         self._thread: threading.Thread | None = None
 
     @contextmanager
-    def watch(self, what: str) -> Iterator[None]:
+    def watch(self, layer: int, experts: int) -> Iterator[None]:
         key = next(self._ids)
-        self._waiting[key] = (time.monotonic(), what)
+        self._waiting[key] = (time.monotonic(), layer, experts)
         if self._thread is None:
             self._start()
         try:
@@ -57,12 +57,12 @@ class WaitWatch:
     def _run(self) -> None:
         while not self._stop.wait(0.5):
             now = time.monotonic()
-            for key, (start, what) in list(self._waiting.items()):
+            for key, (start, layer, experts) in list(self._waiting.items()):
                 due = self._said.get(key, start + NOTICE_S)
                 if now >= due:
                     self._said[key] = now + REPEAT_S
-                    log.warning("still waiting for the daemon (%.0f s): %s; %s", now - start,
-                                what, self._upstream())
+                    log.warning("still waiting for the daemon (%.0f s): layer %d: %d experts; %s",
+                                now - start, layer, experts, self._upstream())
 
     def _upstream(self) -> str:
         from cachecd_client.transport import ControlTransport
