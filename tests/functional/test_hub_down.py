@@ -52,7 +52,8 @@ class Endpoint:
         self.listener = socket.socket()
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.listener.bind(("127.0.0.1", self.port))
-        self.listener.listen(64)  # the kernel accepts; nobody ever answers
+        # The kernel accepts (a backlog that every retry's connection fits in); nobody answers.
+        self.listener.listen(4096)
 
 
 @pytest.fixture(scope="module")
