@@ -140,7 +140,7 @@ def _collect(pending: dict[Future[dict[str, Any]], Batch], outcome: Outcome, bar
         if not done:
             waited.tick(time.monotonic() - quiet_since, len(pending))
             continue
-        quiet_since = time.monotonic()
+        quiet_since, waited = time.monotonic(), WaitNotice()
         for fut in done:
             batch = pending.pop(fut)
             try:
@@ -163,13 +163,13 @@ class WaitNotice:
     def __init__(self) -> None:
         self.next = WAIT_NOTICE_S
 
-    def tick(self, quiet: float, in_flight: int) -> None:
+    def tick(self, quiet: float, to_go: int) -> None:
         if quiet < self.next:
             return
         self.next = quiet + WAIT_REPEAT_S
-        print(f"still waiting for the daemon: {in_flight} requests in flight, none answered for "
-              f"{quiet:.0f} s (it is fetching from the Hub and retries its faults; its log says "
-              "more)", file=sys.stderr, flush=True)
+        print(f"still waiting for the daemon: no answer for {quiet:.0f} s, {to_go} requests to "
+              "go (it is fetching from the Hub and retries its faults; `cachecd status` and its "
+              "log say more)", file=sys.stderr, flush=True)
 
 
 def _send_with_retries(client: Any, model: str, batch: Batch) -> dict[str, Any]:
