@@ -237,21 +237,27 @@ def _generate(args: argparse.Namespace, model: Any, tokenizer: Any, stats: Any, 
     progress = PrefillProgress(stats, client, args.prefill_step_size, prefix)
     records: list[dict[str, Any]] = []
     t0, last, fetched = time.perf_counter(), None, client.upstream_fetches
-    for resp in stream_generate(model, tokenizer, _prompt(args, tokenizer), max_tokens=args.max_tokens,
-                                sampler=sampler, prefill_step_size=args.prefill_step_size,
-                                prompt_progress_callback=progress):
-        now = time.perf_counter()
-        step = {"token": int(resp.token), "text": resp.text, "s": round(now - t0, 6), **stats.snapshot(),
-                "fetched_upstream": client.upstream_fetches - fetched}
-        fetched = client.upstream_fetches
-        stats.reset()
-        t0, last = now, resp
-        records.append(step)
-        if not args.json and not quiet:
-            sys.stdout.write(resp.text)
-            sys.stdout.flush()
-        if args.stats and not args.json:
-            print(prefix + _stat_line(len(records), step), file=sys.stderr)
+    try:
+        for resp in stream_generate(model, tokenizer, _prompt(args, tokenizer),
+                                    max_tokens=args.max_tokens, sampler=sampler,
+                                    prefill_step_size=args.prefill_step_size,
+                                    prompt_progress_callback=progress):
+            now = time.perf_counter()
+            step = {"token": int(resp.token), "text": resp.text, "s": round(now - t0, 6),
+                    **stats.snapshot(), "fetched_upstream": client.upstream_fetches - fetched}
+            fetched = client.upstream_fetches
+            stats.reset()
+            t0, last = now, resp
+            records.append(step)
+            if not args.json and not quiet:
+                sys.stdout.write(resp.text)
+                sys.stdout.flush()
+            if args.stats and not args.json:
+                print(prefix + _stat_line(len(records), step), file=sys.stderr)
+    except BaseException:  # Ctrl-C or an error mid-text: the text's line ends before the error
+        if records and not args.json and not quiet:
+            print(flush=True)
+        raise
     return records, last
 
 
