@@ -58,10 +58,10 @@ def load(
     classes cannot be streamed). An adapter may change resident weights only (``mlx_lm.tuner``'s
     ``load_adapters``).
 
-    Keyword-only, the engine's own: ``socket`` (the daemon's), ``ram_bytes`` (RAM tier of hot
-    experts), ``expert_memory`` (bound on a layer's expert buffers), ``stats`` (an
+    Keyword-only, the engine's own: ``socket`` (the daemon's), ``ram_bytes`` (the pool of expert
+    slots; default: measured), ``expert_memory`` (a cap on the pool), ``stats`` (an
     ``EngineStats`` to count into), ``trace`` (record the routing to this file), ``prefetch``
-    (read ahead the next layer's experts; default: where the model computes on a GPU),
+    (read ahead the next layer's experts into free slots; default: off),
     ``speculate`` (decode steps on the device's expert -> slot map, no per-layer read-back
     when every routed expert is in the pool; default: on a GPU),
     ``pipeline`` (None: split the layers over the ranks when ``mlx.launch`` started more than
