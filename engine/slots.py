@@ -27,8 +27,8 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -100,7 +100,7 @@ def test_quarantine_stays_bounded_and_in_the_budget(hub: Any, tiny_manifest: Any
                 failures = c.stats()["scrub"]["failures"]
                 for e in ids:
                     _flip(_blob(d, m.expert(layer, e).digest_hex))
-                _until(lambda: c.stats()["scrub"]["failures"] >= failures + 8, 30, every=0.02)
+                _until(lambda f=failures: c.stats()["scrub"]["failures"] >= f + 8, 30, every=0.02)
             store = c.stats()["store"]
         kept = [p for p in (d.cache_dir / "quarantine").iterdir()]
         assert len(kept) <= constants.QUARANTINE_KEEP, len(kept)  # was 64, growing

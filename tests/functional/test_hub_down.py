@@ -5,7 +5,6 @@ text), and while a fetch waits on a stalled Hub the waiting command says so."""
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import time
