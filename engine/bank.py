@@ -71,7 +71,8 @@ class EngineStats:
     staged_hits: int = 0  # routed experts read ahead into a slot from the guess
     source_hits: int = 0  # experts read from the source on demand
     source_bytes: int = 0  # bytes read from the source (demand and read-ahead)
-    copied_bytes: int = 0  # bytes the host wrote into the pool (reads, derived arrays, resizes)
+    copied_bytes: int = 0  # bytes written: reads (into slots, or staging and the copy to the GPU),
+    #                        derived arrays, resizes; a hit writes none
     staged: int = 0  # experts read ahead
     readback_s: float = 0.0  # blocked reading back the routing (it runs what came before)
     wait_s: float = 0.0  # blocked getting experts into slots (reads, queued readers of a slot)
