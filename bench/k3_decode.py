@@ -1,31 +1,45 @@
 """Decode at K3's real expert size: the engine through a daemon vs the resident mlx-lm model,
-with each streamed token's time split up.
+with each streamed token's time split up and its bytes counted.
 
-A checkpoint with K3's real expert shapes (17,547,264 bytes an expert) and several MoE layers is
-served by ``cachecd hub serve`` and installed with ``cachecd setup --stream``; every expert is
-cached on disk (warm disk cache, page cache hot). In one process, alternating rounds, the same
-greedy decode (a short prompt, then one ``mx.eval`` per token) runs on:
-  resident: ``mlx_lm.utils.load_model(checkpoint)``, every weight in memory;
-  ahead:    ``cachecd_engine.run.load`` through the daemon, RAM tier ``--ram`` (smaller than
-            the experts the decode uses), read-ahead on (the default);
-  no-ahead: the same with read-ahead off.
-All must emit the same tokens. Activations are ``--dtype`` (float32 by default: MLX's CPU
-quantized matmul is ~10x slower in bf16; experts stay mxfp4 either way).
+A checkpoint with K3's real expert shapes (17,547,264 bytes an expert) is served by
+``cachecd hub serve`` and installed with ``cachecd setup --stream``; every expert is cached on
+disk (warm disk cache, page cache hot). In one process, in rounds whose order changes, the same
+greedy decode (a 4-token prompt that differs every round, so the routing does too, then one
+``mx.eval`` per token) runs on:
+  resident:  ``mlx_lm.utils.load_model(checkpoint)``, every weight in memory;
+  ram:       the engine with a pool of slots holding every expert (loaded before the rounds),
+             a routing read-back per MoE layer;
+  ram-spec:  the same, decode steps on the device map (no per-layer read-back when all hit);
+  pc:        a pool of ``--small`` (smaller than the experts the rounds route to), the page
+             cache behind it, per-layer read-backs, no read-ahead;
+  pc-ahead:  the same with next-layer read-ahead;
+  pc-spec:   the same as pc with speculative steps (what a miss costs when one is tried);
+  pc-hostwrite: pc with misses written into slots from the host, as on unified memory (on
+             CUDA the engine reads them into pinned memory and copies them to the GPU:
+             ``cachecd_engine.cuda_memory``; elsewhere pc-hostwrite is pc).
+Every case must emit the resident model's tokens. Activations are ``--dtype`` (float32 by
+default: MLX's CPU quantized matmul is ~10x slower in bf16; experts stay mxfp4 either way).
 
-Per streamed token it prints: blocked in routing read-backs (MLX runs the previous layer's
-experts and this layer's attention during them, so this holds the compute), waiting for experts
-(the part of getting them into the stack not hidden behind compute), remap/plan/array views, the
-rest (graph building, the final eval); bytes read and copied; the guess's recall. The exposed
-wait is compared with the raw read time of the same bytes: parallel ``preadv`` of page-cached
-blobs, measured in this process. The last line is ratio = streamed (ahead) / resident tok/s.
+Per streamed token it prints: the token's seconds; blocked in routing read-backs (which run
+the compute queued before them); expert wait (every wait for expert bytes: demand reads,
+read-ahead reads a call needs, queued readers of a slot about to be refilled, derived arrays,
+resizes); the bank's own host work; bytes read from the daemon and bytes the host wrote into
+memory (each counted where it happens: the bytes ``preadv`` returned, derived arrays, resizes;
+a hit writes none); host overhead = token - resident token - expert wait (what the engine adds
+beyond compute and I/O), as a share of the token; for the pc cases the bar of issue 25:
+token / (raw read time of the bytes read + resident token), the raw read time measured here as
+parallel ``preadv`` of page-cached blobs into touched buffers. The last line is
+ratio = (ram case the backend runs by default) / resident tok/s.
 
-    python bench/k3_decode.py [--experts 64] [--layers 6] [--tokens 8] [--rounds 3]
-                              [--ram 1GiB] [--dtype float32|bfloat16] [--dir /tmp]
+    python bench/k3_decode.py [--experts 64] [--layers 6] [--top-k 16] [--tokens 8]
+        [--rounds 3] [--small 1GiB] [--dtype float32|bfloat16] [--cases resident,ram,...]
+        [--dir /tmp]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from _common import (
     GIB,
     K3_SHAPE,
@@ -54,7 +69,17 @@ from cachecd.config import parse_size
 from cachecd_client.transport import parallel_preadv
 
 REPO = "bench/k3-decode"
-PROMPT = [11, 22, 33, 44]  # 4 tokens x top-16 = 64 rows: one sorted call per layer
+CASES = ("resident", "ram", "ram-spec", "pc", "pc-ahead", "pc-spec", "pc-hostwrite")
+ENGINE = {  # pool, read-ahead, speculative steps
+    "ram": ("all", False, False),
+    "ram-spec": ("all", False, True),
+    "pc": ("small", False, False),
+    "pc-ahead": ("small", True, False),
+    "pc-spec": ("small", False, True),
+    "pc-hostwrite": ("small", False, False),
+}
+STATS = ("readback_s", "wait_s", "plan_s", "source_bytes", "copied_bytes", "experts_routed",
+         "ram_hits", "staged_hits", "source_hits", "staged")
 
 
 @dataclass
@@ -62,13 +87,23 @@ class Case:
     model: Any
     tps: list[float] = field(default_factory=list)
     per_token: dict[str, list[float]] = field(default_factory=dict)
-    tokens: list[int] = field(default_factory=list)
+    tokens: dict[int, list[int]] = field(default_factory=dict)  # round -> tokens
+    calls: int = 0
 
 
-def decode(model: Any, n: int) -> tuple[list[float], list[int], list[dict[str, float]]]:
-    """Greedy decode of ``n`` tokens after PROMPT: per-token seconds, tokens, bank stats."""
+def vocab_size(repo_dir: Path) -> int:
+    config = json.loads((repo_dir / "config.json").read_text())
+    return int(config.get("vocab_size") or config["text_config"]["vocab_size"])
+
+
+def prompt_of(round_: int, vocab: int) -> list[int]:
+    return np.random.default_rng(1000 + round_).integers(0, vocab, size=4).tolist()
+
+
+def decode(model: Any, prompt: list[int], n: int) -> tuple[list[float], list[int], list[dict]]:
+    """Greedy decode of ``n`` tokens after ``prompt``: per-token seconds, tokens, bank stats."""
     cache = model.make_cache()
-    logits = model(mx.array(PROMPT)[None], cache=cache)
+    logits = model(mx.array(prompt)[None], cache=cache)
     mx.eval(logits)
     bank = getattr(model, "bank", None)
     times, toks, stats = [], [], []
@@ -85,17 +120,19 @@ def decode(model: Any, n: int) -> tuple[list[float], list[int], list[dict[str, f
     return times, toks, stats
 
 
-def runner(case: Case, n: int) -> Callable[[], float]:
+def runner(case: Case, n: int, vocab: int) -> Callable[[], float]:
     def run() -> float:
-        times, toks, stats = decode(case.model, n)
-        if case.tokens and toks != case.tokens:
-            raise SystemExit("the same greedy decode emitted different tokens across rounds")
-        case.tokens = toks
+        r = case.calls  # call 0 is the warm-up round
+        case.calls += 1
+        times, toks, stats = decode(case.model, prompt_of(r, vocab), n)
+        case.tokens[r] = toks
+        if r == 0:
+            return n / sum(times)
         case.tps.append(n / sum(times))
         for t, s in zip(times, stats, strict=True):
             case.per_token.setdefault("s", []).append(t)
-            for k, v in s.items():
-                case.per_token.setdefault(k, []).append(v)
+            for k in STATS:
+                case.per_token.setdefault(k, []).append(s.get(k, 0.0))
         return n / sum(times)
 
     return run
@@ -119,33 +156,66 @@ def raw_rate(served: Served, cache_dir: Path, readers: int) -> float:
     return sum(sizes) / median(times[1:])
 
 
-def report(cases: dict[str, Case], rate: float, recall: float) -> None:
-    ref = median(cases["resident"].tps)
+def fill_pool(model: Any, served: Served) -> None:
+    """Every expert into the pool, a layer at a time."""
+    m = served.manifest
+    for layer in m.moe_layers:
+        model.bank.acquire(layer, list(range(m.experts_per_layer)))
+    model.bank.settle()
+
+
+def load_case(name: str, served: Served, sock: Path, small: int, dtype: Any) -> Any:
+    from cachecd_engine import cuda_memory
+    from cachecd_engine.run import load
+
+    if name == "resident":
+        model, _ = load_model(served.repo_dir)
+    else:
+        pool, ahead, spec = ENGINE[name]
+        m = served.manifest
+        size = int(m.sizes.max()) * m.n_experts + (1 << 20) if pool == "all" else small
+        cuda_memory.USE = name != "pc-hostwrite"
+        try:
+            model, _ = load(served.repo, sock, ram_bytes=size, prefetch=ahead, speculate=spec)
+        finally:
+            cuda_memory.USE = True
+        if pool == "all":
+            fill_pool(model, served)
+    model.set_dtype(dtype)
+    return model
+
+
+def report(cases: dict[str, Case], rate: float) -> None:
+    ref = median(cases["resident"].tps) if "resident" in cases else 0.0
+    res_s = 1 / ref if ref else 0.0
     for name, c in cases.items():
-        print(f"{name:9s} tok/s={median(c.tps):.3f} (x{median(c.tps) / ref:.3f}) "
-              f"s/token={1 / median(c.tps):.3f}")
-    for name in ("ahead", "no-ahead"):
-        s = {k: median(v) for k, v in cases[name].per_token.items()}
-        other = s["s"] - s["readback_s"] - s["wait_s"] - s["plan_s"]
+        ratio = f" (x{median(c.tps) / ref:.3f})" if ref else ""
+        print(f"{name:9s} tok/s={median(c.tps):.3f}{ratio} s/token={1 / median(c.tps):.4f}")
+    for name, c in cases.items():
+        if name == "resident":
+            continue
+        s = {k: median(v) for k, v in c.per_token.items()}
         raw = s["source_bytes"] / rate
-        print(
-            f"{name:9s} per token: {s['s'] * 1e3:.0f} ms = read-backs (incl. compute) "
-            f"{s['readback_s'] * 1e3:.0f} + expert wait {s['wait_s'] * 1e3:.1f} + plan/views "
-            f"{s['plan_s'] * 1e3:.1f} + rest {other * 1e3:.0f} ms (resident token "
-            f"{1e3 / ref:.0f} ms)"
-        )
-        print(
-            f"{name:9s} experts/token: {s['experts_routed']:.0f} routed, {s['ram_hits']:.1f} RAM "
-            f"tier, {s['staged_hits']:.1f} read ahead (of {s['staged']:.1f}), "
-            f"{s['source_hits']:.1f} read on demand; read {s['source_bytes'] / 1e6:.0f} MB, "
-            f"copied {(s['source_bytes'] + s['copied_bytes']) / 1e6:.0f} MB into memory"
-        )
-        print(
-            f"{name:9s} exposed wait {s['wait_s'] * 1e3:.1f} ms vs raw read of the bytes read "
-            f"{raw * 1e3:.1f} ms (x{s['wait_s'] / raw if raw else 0:.2f})"
-        )
-    print(f"info: raw parallel preadv {rate / GIB:.2f} GiB/s; next-layer guess recall "
-          f"{recall:.2f}")
+        host = s["s"] - res_s - s["wait_s"]
+        spec = getattr(c.model.bank.speculator, "kept", None)
+        print(f"{name:9s} per token: {s['s'] * 1e3:.2f} ms = read-backs {s['readback_s'] * 1e3:.2f}"
+              f" + expert wait {s['wait_s'] * 1e3:.2f} + bank host work {s['plan_s'] * 1e3:.2f}"
+              f" + rest {(s['s'] - s['readback_s'] - s['wait_s'] - s['plan_s']) * 1e3:.2f} ms; "
+              f"resident token {res_s * 1e3:.2f} ms")
+        print(f"{name:9s} experts/token: {s['experts_routed']:.0f} routed, {s['ram_hits']:.1f} in "
+              f"the pool, {s['staged_hits']:.1f} read ahead (of {s['staged']:.1f}), "
+              f"{s['source_hits']:.1f} read on demand; read {s['source_bytes'] / 1e6:.1f} MB, "
+              f"copied {s['copied_bytes'] / 1e6:.1f} MB"
+              + (f"; speculative steps kept {spec}, missed {c.model.bank.speculator.missed}"
+                 if spec is not None else ""))
+        line = (f"{name:9s} host overhead (token - resident - expert wait) {host * 1e3:.2f} ms = "
+                f"{host / s['s']:.1%} of the token")
+        if ENGINE[name][0] == "small":
+            bar = s["s"] / (raw + res_s) if raw + res_s else 0.0
+            line += (f"; raw read of the bytes read {raw * 1e3:.2f} ms; token / (raw read + "
+                     f"resident token) = {bar:.2f} (bar <= 1.3)")
+        print(line)
+    print(f"info: raw parallel preadv {rate / GIB:.2f} GiB/s")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -154,47 +224,50 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--experts", type=int, default=64, help="experts per MoE layer")
     ap.add_argument("--layers", type=int, default=6, help="model layers (the first is dense)")
     ap.add_argument("--tokens", type=int, default=8, help="greedy decode steps a round")
-    ap.add_argument("--ram", default="1GiB", help="RAM tier of the streamed models")
+    ap.add_argument("--small", default="1GiB", help="the pool of the pc cases")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--top-k", type=int, default=16)
+    ap.add_argument("--cases", default=",".join(CASES), help="which cases, comma-separated")
     ap.add_argument("--tiny-experts", action="store_true",
                     help="the tiny model's 6.5 KB experts (for the smoke test; says nothing of K3)")
     args = ap.parse_args(argv)
-    from cachecd_engine.run import load
+    from cachecd_engine.speculate import speculate_by_default
 
+    names = [n for n in args.cases.split(",") if n]
+    if "resident" not in names or set(names) - set(CASES):
+        raise SystemExit(f"--cases: resident and any of {', '.join(CASES[1:])}")
     shape = {} if args.tiny_experts else K3_SHAPE
     opts: dict[str, Any] = dict(experts=args.experts, layers=args.layers, top_k=args.top_k,
                                 shard_bytes=4_000_000_000, **shape)
     dtype = getattr(mx, args.dtype)
+    small = parse_size(args.small, "--small")
     with served_checkpoint(args.dir, REPO, **opts) as served:
         with installed(served) as (sock, cache_dir):
             warm_disk(sock, served)
             rate = raw_rate(served, cache_dir, readers=4)
-            resident, _ = load_model(served.repo_dir)
-            ram = parse_size(args.ram, "--ram")
-            ahead, _ = load(served.repo, sock, ram_bytes=ram, prefetch=True)
-            no_ahead, _ = load(served.repo, sock, ram_bytes=ram, prefetch=False)
-            for model in (resident, ahead, no_ahead):
-                model.set_dtype(dtype)
-            cases = {"resident": Case(resident), "ahead": Case(ahead), "no-ahead": Case(no_ahead)}
-            alternate({k: runner(c, args.tokens) for k, c in cases.items()}, args.rounds,
+            vocab = vocab_size(served.repo_dir)
+            cases = {n: Case(load_case(n, served, sock, small, dtype)) for n in names}
+            alternate({k: runner(c, args.tokens, vocab) for k, c in cases.items()}, args.rounds,
                       lambda k, v: f"{k}={v:.3f}tok/s")
-            recall = ahead.prefetcher.recall
-            for m in (ahead, no_ahead):
-                m.bank.close()
-                m.bank.source.close()
-    for c in cases.values():  # drop the warm-up round
-        del c.tps[0]
-        for values in c.per_token.values():
-            del values[: args.tokens]
-    if len({tuple(c.tokens) for c in cases.values()}) != 1:
-        raise SystemExit("streamed and resident greedy decodes emitted different tokens")
+            for c in cases.values():
+                bank = getattr(c.model, "bank", None)
+                if bank is not None:
+                    bank.close()
+                    bank.source.close()
+    want = cases["resident"].tokens
+    if any(c.tokens != want for c in cases.values()):
+        raise SystemExit("a streamed decode emitted other tokens than the resident model")
+    m = served.manifest
     print(f"k3_decode: {args.layers - 1} MoE layers x {args.experts} experts of "
-          f"{int(served.manifest.sizes[0])} B, top-{args.top_k}, {args.tokens} tokens a round, "
-          f"rounds={args.rounds}, activations {args.dtype}, RAM tier {args.ram}; same tokens "
-          f"from all three")
-    report(cases, rate, recall)
-    print(f"ratio={median(cases['ahead'].tps) / median(cases['resident'].tps):.3f}")
+          f"{int(m.sizes[0])} B, top-{args.top_k}, {args.tokens} tokens a round, prompts that "
+          f"differ by round, rounds={args.rounds}, activations {args.dtype}, pc pool "
+          f"{args.small}, backend {mx.default_device()}; the same tokens from every case")
+    report(cases, rate)
+    head = "ram-spec" if speculate_by_default() else "ram"
+    if head in cases:
+        print(f"ratio={median(cases[head].tps) / median(cases['resident'].tps):.3f}")
+    else:
+        print("ratio=0.000")
 
 
 if __name__ == "__main__":

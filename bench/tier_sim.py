@@ -1,6 +1,12 @@
 """The engine's RAM tier on a routing trace: what it is asked, a replay through a policy, and
 the optimum for the same requests.
 
+This replays the tier as it was until 2026-12-04, beside the stack buffers: admission optional,
+a miss read into a stack buffer whether or not the tier keeps it. The engine now keeps one pool
+of slots (``cachecd_engine.slots.SlotTable``) where every miss needs a slot, so the pool admits
+by use counts (scratch slots for the rest); its replay is ``tests/unit/test_pool.py``'s
+``_replay``. The policy rankings here still rank the policy that orders the pool's kept part.
+
 What the tier is asked (``ExpertBank.run`` and ``_run_groups`` in engine/streamed_moe.py): a
 layer call takes ``np.unique(routed)``, so the tier sees each DISTINCT expert of a call once (the
 per-call view, ``Stream.per_call``); a prefill row that repeats an expert never reaches it. Inside

@@ -16,7 +16,8 @@ import sys
 import traceback
 
 from cachecd import __version__
-from cachecd.cli_help import Parser, group_commands
+from cachecd.cli_help import Parser, add_exit_codes, group_commands
+from cachecd.errors import EXIT_INTERRUPTED, EXIT_USAGE, exit_codes
 from cachecd.hub_errors import translate
 
 # Modules that own commands; `--help` lists the commands in cli_help's groups.
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(sub)
+    add_exit_codes(parser, exit_codes)
     group_commands(parser, sub)
     return parser
 
@@ -60,17 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    logging.basicConfig(level=log_level(args), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
     # huggingface_hub's HTTP client logs every request at INFO; that is noise on a terminal.
     for noisy in ("httpx", "httpx2", "httpcore", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if not getattr(args, "func", None):
         parser.print_help()
-        return 2
+        return EXIT_USAGE
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:  # `cachecd ... | head`: the reader left; not an error of ours
@@ -79,18 +78,28 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         typed = translate(exc)  # the Hub's and the network's errors, as cachecd's
         if typed is not None:
-            line = f"{typed.code}: {typed.message}"
+            line, code = f"{typed.code}: {typed.message}", typed.exit_code
         elif isinstance(exc, OSError) and exc.filename:  # a path the user gave that cannot be used
             name = errno.errorcode.get(exc.errno or 0, "os_error").lower()
             line = f"{name}: {exc.filename}: {exc.strerror} (cachecd -v shows where)"
+            code = 1
         else:
             raise
         if args.verbose:
             traceback.print_exception(exc)
         print(f"cachecd: {line}", file=sys.stderr)
-        return 1
+        return code
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+
+
+def log_level(args: argparse.Namespace) -> int:
+    """DEBUG with -v; INFO on a terminal; else WARNING, so that a command whose stderr goes to a
+    file or a pipe writes what went wrong there, not its progress. A command that is a server
+    (``serve``, ``hub serve``, ``openai``) sets its own level: its log is what it writes."""
+    if args.verbose:
+        return logging.DEBUG
+    return logging.INFO if sys.stderr.isatty() else logging.WARNING
 
 
 if __name__ == "__main__":

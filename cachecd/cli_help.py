@@ -1,13 +1,17 @@
-"""How ``cachecd --help`` reads: every option's default shown, the commands in groups.
+"""How ``cachecd --help`` reads: every option's default shown, the commands in groups, and each
+command's exit codes.
 
 The groups put what a user runs first (use, cache, service) and the developer tools last.
 A command no group names is still listed, under "more", so none is ever hidden.
+
+Exit codes mean one thing each (``errors.exit_codes`` has them; the README has the table).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 from typing import Any
 
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -23,6 +27,21 @@ class HelpFormatter(argparse.HelpFormatter):
     """argparse's formatter, with ``(default: X)`` after an option's help unless the help says
     its default already or there is none to show (a flag that is off, an unset option whose help
     says what happens without it)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        """Lines that start with two spaces (a table's rows) keep their place; the rest flows."""
+        import textwrap
+
+        out = []
+        for line in text.splitlines():
+            if line.startswith("  "):
+                body = line.lstrip()
+                lead = " " * (len(line) - len(body) + body.find("  ") + 2)
+                out.append(textwrap.fill(line, width, initial_indent=indent,
+                                         subsequent_indent=indent + lead))
+            else:
+                out.append(super()._fill_text(line, width, indent))
+        return "\n".join(out)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
@@ -40,6 +59,25 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+
+
+ExitTable = Callable[[str], list[tuple[int, str]]]
+
+
+def exit_epilog(rows: list[tuple[int, str]]) -> str:
+    width = max(len(str(code)) for code, _ in rows)
+    return "exit codes:\n" + "\n".join(f"  {code:>{width}}  {what}" for code, what in rows)
+
+
+def add_exit_codes(parser: argparse.ArgumentParser, table: ExitTable, path: str = "") -> None:
+    """Each command's (and subcommand's) ``--help`` ends with its exit codes, ``table(command)``
+    (``errors.exit_codes``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                command = f"{path} {name}".strip()
+                child.epilog = "\n".join(filter(None, (child.epilog, exit_epilog(table(command)))))
+                add_exit_codes(child, table, command)
 
 
 def group_commands(parser: argparse.ArgumentParser, sub: Any) -> None:

@@ -90,6 +90,26 @@ def _paths(value: Any, key: str) -> list[Path]:
     return [Path(v).expanduser() for v in value]
 
 
+def _dirs(value: Any, key: str) -> list[Path]:
+    paths = _paths(value, key)
+    for path in paths:
+        _not_a_file(path, key)
+    return paths
+
+
+def _dir(value: Any, key: str) -> Path:
+    return _not_a_file(_path(value, key), key)
+
+
+def _not_a_file(path: Path, key: str) -> Path:
+    """A directory cachecd makes if missing; a file there is refused now, with its name, rather
+    than failing later with EEXIST."""
+    if path.exists() and not path.is_dir():
+        raise ConfigInvalid(f"{key}: {path} is a file, not a directory; give a directory "
+                            "(cachecd makes it if it does not exist)")
+    return path
+
+
 def _path(value: Any, key: str) -> Path:
     if not isinstance(value, (str, Path)) or not str(value):
         raise ConfigInvalid(f"{key}: expected a path, got {value!r}")
@@ -142,8 +162,8 @@ def _text(value: Any, key: str) -> str:
 
 
 _FIELDS = {
-    "cache_dirs": _paths,
-    "models_dir": _path,
+    "cache_dirs": _dirs,
+    "models_dir": _dir,
     "socket": _path,
     "budget": lambda v, k: parse_size(v, k),
     "endpoint": _text,
@@ -160,6 +180,9 @@ _FIELDS = {
 }
 
 
+_FLAGS = {"cache_dirs": "--cache-dir", "manifests": "--manifest"}  # repeatable flags' names
+
+
 def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
     layer = {}
     for key in _FIELDS:
@@ -169,13 +192,20 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
     return layer
 
 
-def _toml_layer(path: Path | None, explicit: bool = True) -> dict[str, Any]:
+def _toml_layer(path: Path | None, explicit: bool = True, named: bool = False) -> dict[str, Any]:
+    """The file's keys; ``named``: $CACHECD_CONFIG names it, so it must be there."""
     if path is None:
         return {}
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
+        if named and path != constants.DEFAULT_CONFIG_FILE:  # a typo must not go unnoticed
+            raise ConfigInvalid(f"{path}: no such config file (named by $CACHECD_CONFIG); create "
+                                "it, or unset CACHECD_CONFIG to read "
+                                f"{constants.DEFAULT_CONFIG_FILE} if it exists") from None
         return {}
+    except IsADirectoryError:
+        raise ConfigInvalid(f"{path}: the config file is a directory; name a TOML file") from None
     except PermissionError:
         if not explicit:  # the default path under someone else's HOME: as if absent
             return {}
@@ -196,20 +226,29 @@ def load_settings(
     """Merge the layers; ``argv_values`` holds only what the user gave on the command line."""
     environ = os.environ if environ is None else environ
     explicit = config_file is not None or "CACHECD_CONFIG" in environ
+    named = config_file is None and "CACHECD_CONFIG" in environ
     if config_file is None:
         config_file = Path(environ.get("CACHECD_CONFIG", str(constants.DEFAULT_CONFIG_FILE)))
     merged: dict[str, Any] = {}
-    merged.update(_toml_layer(config_file, explicit))
+    merged.update(_toml_layer(config_file, explicit, named))
     merged.update(_env_layer(environ))
     for key, value in (argv_values or {}).items():
         if value is not None and key in _FIELDS:
-            merged[key] = (value, f"--{key.replace('_', '-')}")
+            merged[key] = (value, _FLAGS.get(key, f"--{key.replace('_', '-')}"))
     settings = Settings()
     for key, (value, origin) in merged.items():
         setattr(settings, key, _FIELDS[key](value, origin))
-    if "models_dir" not in merged and "cache_dirs" in merged:
-        settings.models_dir = settings.cache_dirs[0].parent / "models"
+    if "models_dir" not in merged and "cache_dirs" in merged:  # as MODELS_DIR_HELP says
+        settings.models_dir = _not_a_file(settings.cache_dirs[0].parent / "models", "models_dir")
     return settings
+
+
+# What --models-dir is when not given (load_settings' rule), for every command that takes it.
+MODELS_DIR_HELP = (
+    "where resident files and manifest copies go (default: CACHECD_MODELS_DIR or the config's "
+    "models_dir; else, when a cache dir is given (--cache-dir, CACHECD_CACHE_DIRS or the "
+    "config's cache_dirs), models/ beside the first one (DIR/../models); else "
+    f"{constants.DEFAULT_MODELS_DIR})")
 
 
 def add_common_arguments(parser: Any) -> None:

@@ -105,12 +105,16 @@ BLOB_FDS_SWEEP_S = 0.25
 # one in 1.4, within Ceph's weekly deep scrub; it costs 0.04% of a core here (xxh3 over pread
 # from the page cache, 0.11 CPU-s per GiB) and well under 1% of a laptop SSD's bandwidth.
 DEFAULT_SCRUB_RATE = 4 * 1024 * 1024
-# A blob costs the scrub at least this many bytes of its rate (open, fstat, close and a seek for
-# a tiny blob are not free), so a small cache is not reopened hundreds of times a second.
-SCRUB_MIN_BLOB_COST = 64 * 1024
-# While demand fetches are in flight the scrub reads at 1/this of its rate: demand comes
-# first, and a daemon that is never idle is still scrubbed.
-SCRUB_BUSY_SLOWDOWN = 4
+# A blob costs the scrub at least a page of its rate (an open and a read are not free), and no
+# more: a cache of small blobs is scrubbed at the rate asked, in the window promised.
+SCRUB_MIN_BLOB_COST = 4096
+# While demand fetches are in flight the scrub puts its next read off, by up to this many seconds
+# of its rate, and catches up afterwards: demand comes first, and a pass still ends within
+# (cache bytes / rate) plus this, however busy the daemon is.
+SCRUB_DEFER_S = 2.0
+# Files quarantine/ keeps per cache dir, for a look at what rotted; older ones are deleted. Their
+# bytes count against the budget while kept, so a failing disk cannot grow the cache past it.
+QUARANTINE_KEEP = 4
 # Reports (status, coverage, ...) wait for the commits of experts already answered; one whose
 # fetch group is still downloading is waited for this long at most.
 SETTLE_DOWNLOAD_WAIT_S = 2.0

@@ -1,7 +1,8 @@
 """Every error cachecd raises, on both sides of the socket.
 
-Each error has a stable ``code`` (the wire name), the ``http_status`` the daemon answers with
-and ``retryable``: whether asking again later can succeed. The wire form is
+Each error has a stable ``code`` (the wire name), the ``http_status`` the daemon answers with,
+``retryable``: whether asking again later can succeed, and ``exit_code``: what a command that
+ends in it exits with (``cli_help.EXIT_CODES`` has the table ``--help`` and the README show). The wire form is
 ``{"error": code, "message": ..., "retryable": bool}``; the client turns it back into the same
 type with :func:`error_from_wire`. A message says what failed and what to do next.
 """
@@ -15,6 +16,7 @@ class CachecdError(Exception):
     code: ClassVar[str] = "internal"
     http_status: ClassVar[int] = 500
     retryable: ClassVar[bool] = False
+    exit_code: ClassVar[int] = 1  # the command failed; its line on stderr says what
 
     def __init__(self, message: str = "", *, request_id: str | None = None) -> None:
         super().__init__(message or self.code)
@@ -142,6 +144,7 @@ class DaemonUnavailable(CachecdError):
     """Raised by the client only: nothing listens on the socket."""
 
     code, http_status, retryable = "daemon_unavailable", 503, True
+    exit_code = 3  # scripts can tell "start a daemon" from a failure
 
 
 class DiskFull(CachecdError):
@@ -162,6 +165,7 @@ class CacheLocked(CachecdError):
     """Another daemon holds the cache directory's lock."""
 
     code, http_status = "cache_locked", 409
+    exit_code = 6  # busy: stop that daemon, or ask it (`cachecd status`)
 
 
 class ConfigInvalid(CachecdError):
@@ -217,6 +221,50 @@ class ServiceCommandFailed(CachecdError):
 
 class Internal(CachecdError):
     code, http_status = "internal", 500
+
+
+# Exit codes: one meaning each. A code never says two things in one command, and a code several
+# commands use means the same in each; ``cachecd CMD --help`` and the README show the tables.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_DAEMON, EXIT_BUSY, EXIT_INTERRUPTED = 0, 1, 2, 3, 6, 130
+# fsck's bits (Nix's convention: 1 corrupt, 4 unverifiable; 5 both).
+FSCK_CORRUPT, FSCK_UNVERIFIABLE = 1, 4
+_COMMON = ((EXIT_OK, "done"),
+           (EXIT_FAILED, "failed: the last line on stderr names the error (cachecd: CODE: ...)"),
+           (EXIT_USAGE, "the command line is wrong (see --help)"),
+           (EXIT_INTERRUPTED, "interrupted (Ctrl-C)"))
+_NO_DAEMON = ((EXIT_NO_DAEMON, "no daemon answers on the socket: start one (cachecd serve, "
+                               "cachecd service install, or cachecd setup --stream)"),)
+_DAEMON_COMMANDS = ("status", "pin", "unpin", "evict", "remove", "coverage", "warm", "run",
+                    "openai", "setup")
+# Rows a command adds to (or, same code, says more precisely than) the common ones.
+_OWN: dict[str, tuple[tuple[int, str], ...]] = {
+    "fsck": ((EXIT_OK, "clean: every blob checked is good"),
+             (FSCK_CORRUPT, "corrupt blobs found (missing, wrong size, wrong hash); --repair "
+                            "quarantines them"),
+             (FSCK_UNVERIFIABLE, "not everything could be checked: blobs that could not be read, "
+                                 "no cache at the dir, or an error named on stderr"),
+             (FSCK_CORRUPT | FSCK_UNVERIFIABLE, "both"),
+             (EXIT_BUSY, "busy: a running daemon holds the cache; stop it first (it re-hashes "
+                         "blobs in the background: cachecd status shows its scrub)")),
+    "serve": ((EXIT_OK, "stopped cleanly (SIGTERM, SIGINT)"),
+              (EXIT_BUSY, "busy: another daemon holds the cache dir or listens on the socket")),
+    "warm": ((EXIT_FAILED, "warming stopped at an error named on stderr; what was fetched stays "
+                           "cached: run it again to go on"),
+             (EXIT_INTERRUPTED, "interrupted (Ctrl-C); what was fetched stays cached")),
+    "manifest verify": ((EXIT_FAILED, "the manifest is invalid or disagrees with the endpoint's "
+                                      "metadata (each disagreement printed)"),),
+    "service status": ((EXIT_NO_DAEMON, "not running: no daemon answers on the service's "
+                                        "socket (LSB's code, as systemctl status)"),),
+}
+
+
+def exit_codes(command: str) -> list[tuple[int, str]]:
+    """(code, meaning) of ``command`` ("fsck", "service status", ...), by code."""
+    rows = dict(_COMMON)
+    if command.split()[0] in _DAEMON_COMMANDS or command == "service status":
+        rows.update(_NO_DAEMON)
+    rows.update(_OWN.get(command, ()))
+    return sorted(rows.items())
 
 
 def _all_subclasses(cls: type[CachecdError]) -> list[type[CachecdError]]:

@@ -1,7 +1,8 @@
 """The zero-copy data path's wire format, shared by the daemon and the client.
 
 Hits must not be copied through HTTP, so expert bytes travel as open file descriptors: the
-client sends one frame ``{"op": "experts", "model": ..., "layer": L, "ids": [...]}`` and the
+client sends one frame ``{"op": "experts", "model": ..., "layer": L, "ids": [...]}`` (with
+``"warm": true`` when the reads warm the cache: counted as warm fetches, not as use) and the
 daemon answers one frame ``{"ok": true, "experts": [{"expert": E, "size": N, "digest": hex,
 "fetched": bool}]}`` (``fetched``: this request waited for an upstream fetch of that expert)
 with one fd per expert attached (SCM_RIGHTS) to the answer's first byte, in the same order. The

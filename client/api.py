@@ -21,6 +21,7 @@ from cachecd.config import data_socket_path, load_settings
 from cachecd.errors import ExpertSizeMismatch, InvalidRequest, ModelNotFound
 from cachecd.protocol import MAX_FDS_PER_FRAME
 from cachecd_client.transport import ControlTransport, DataTransport, Target, parallel_preadv
+from cachecd_client.waits import WaitWatch
 
 
 def default_socket() -> Path:
@@ -65,6 +66,10 @@ class Client:
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="cachecd-read")
         #: experts that the daemon had to fetch upstream for this client's requests, so far
         self.upstream_fetches = 0
+        #: reads are warming (``cachecd warm --prompts``): the daemon counts them as warm
+        #: fetches, not as use (no access counts, no hits or misses)
+        self.warming = False
+        self._waits = WaitWatch(self.socket)
 
     # control ---------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -210,8 +215,11 @@ class Client:
                       targets: Callable[[list[int], int], list[Target]]) -> None:
         for start in range(0, len(ids), MAX_FDS_PER_FRAME):
             chunk = ids[start:start + MAX_FDS_PER_FRAME]
-            answer, fds = self._data.request(
-                {"op": "experts", "model": model, "layer": int(layer), "ids": chunk})
+            frame = {"op": "experts", "model": model, "layer": int(layer), "ids": chunk}
+            if self.warming:
+                frame["warm"] = True
+            with self._waits.watch(int(layer), len(chunk)):
+                answer, fds = self._data.request(frame)
             try:
                 sizes = [int(e["size"]) for e in answer["experts"]]
                 self.upstream_fetches += sum(1 for e in answer["experts"] if e.get("fetched"))
@@ -225,6 +233,7 @@ class Client:
                     os.close(fd)
 
     def close(self) -> None:
+        self._waits.close()
         self._control.close()
         self._data.close()
         self._pool.shutdown(wait=False)

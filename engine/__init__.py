@@ -5,11 +5,13 @@
 
 Modules (imported on demand; importing this package does not import mlx):
 ``registered`` (``load``), ``loader`` (load a model dir with streamed banks), ``streamed_moe``
-(the ``switch_mlp`` mlx-lm calls), ``bank`` (experts into the stack, EngineStats), ``arena`` (the
-stack buffers experts are read into), ``dispatch`` (the kernel each call reaches), ``formats``
-(expert bytes -> the kernel's arrays), ``ram_tier`` (hot experts in memory), ``memory`` (default
-sizes), ``prefetch`` (next-layer read-ahead), ``local_source`` (experts read from a local
-checkpoint), ``daemon_source`` (experts through the daemon), ``tokenizer`` (the tokenizer, a
+(the ``switch_mlp`` mlx-lm calls), ``bank`` (a layer call over the pool of expert slots,
+EngineStats), ``slots`` (which expert is in which slot), ``pool`` (the slots' memory), ``fill``
+(experts into slots), ``calls`` (a call's rows as slots, groups), ``speculate`` (decode steps on
+the device's slot map), ``cuda_memory`` (misses through the GPU's copy engine), ``dispatch`` (the
+kernel each call reaches), ``formats`` (expert bytes -> the kernel's arrays), ``memory`` (the
+pool's default size), ``prefetch`` (next-layer read-ahead), ``local_source`` (experts read from
+a local checkpoint), ``daemon_source`` (experts through the daemon), ``tokenizer`` (the tokenizer, a
 repo's remote code only trusted and pinned), ``remote_code`` (those pins checked where
 transformers imports the code), ``sanitize_keep`` (the resident tensors mlx-lm's
 model keeps), ``pipeline`` (a rank's layers over several machines), ``run`` (``cachecd run``),

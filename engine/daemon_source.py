@@ -51,7 +51,9 @@ class DaemonSource:
     def entry(self, layer: int, expert: int) -> ExpertEntry:
         return self.manifest.expert(layer, expert)
 
-    def read_into(self, layer: int, ids: list[int], targets: Sequence[Sequence[memoryview]]) -> None:
+    def read_into(self, layer: int, ids: list[int], targets: Sequence[Sequence[memoryview]]) -> int:
+        """Read the experts into ``targets``; the bytes written (the transport fills exactly
+        the sizes the daemon sends, or raises)."""
         sizes = self.client.experts_into(self.repo, layer, ids, targets)
         for e, size in zip(ids, sizes, strict=True):
             if size != self.manifest.expert(layer, e).nbytes:
@@ -59,6 +61,7 @@ class DaemonSource:
                     f"daemon served {size} bytes for layer {layer} expert {e}; the manifest "
                     f"says {self.manifest.expert(layer, e).nbytes}"
                 )
+        return sum(sizes)
 
     def prefetch(self, layer: int, ids: list[int]) -> None:
         self._hints.submit(self._hint, layer, list(ids))

@@ -191,7 +191,7 @@ def fit(backend: str, quantized: bool, target: str, rows: int, experts: int,
         f"on {backend}, a call over {rows} rows of {experts} experts cannot reach {target}, the "
         f"kernel the resident model's call takes (rows only add, and more rows per expert take "
         f"another tile): it would compute with another kernel, so it is refused; a smaller "
-        f"--prefill-step-size or a larger --expert-memory changes the rows per expert")
+        f"--prefill-step-size, or a larger pool (--ram), changes the rows per expert")
 
 
 def resident_kernel(backend: str, quantized: bool, rows: int, resident_experts: int) -> str:
@@ -244,3 +244,9 @@ def check_plan(backend: str, quantized: bool, counts: list[int], groups: list[Gr
         pos = g.stop
     if pos != len(counts):
         raise DispatchUnmodelled(f"{backend}: the groups end at expert {pos} of {len(counts)}")
+
+
+def max_stack(backend: str, quantized: bool) -> int | None:
+    """The most experts a weight stack may hold for every kernel to take it: CUDA's grouped gemm
+    (float, sorted rows) refuses more than 1,024 groups (``cutlass_grouped_gemm_unaligned``)."""
+    return 1024 if backend == "cuda" and not quantized else None

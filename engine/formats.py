@@ -86,9 +86,9 @@ QUANT_SPECS = {
 }
 # mlx-lm's deepseek_v3 sanitize dequantizes fp8 in 128x128 blocks whatever weight_block_size says.
 FP8_BLOCK = 128
-# Bytes per weight element of an fp8 stack, besides its own byte, while a call computes from it:
-# finish's bf16 decode, its padded copy, the fp32 product and the bf16 result (measured: all alive
-# until the result is done, 10 bytes), and on the CPU gather_mm's fp32 copy of the weights.
+# Bytes per weight element of an fp8 stack, besides its own byte, while finish computes from it:
+# the bf16 decode, its padded copy, the fp32 product and the bf16 result (measured: all alive
+# until the result is done, 10 bytes), and on the CPU room for gather_mm's fp32 copy.
 _FP8_WORK = {"cpu": 14, "gpu": 10}
 
 
@@ -236,14 +236,16 @@ _FINISH: dict[str, Callable[[Raw, Mapping[Key, str]], Arrays]] = {
 }
 
 
-def expert_memory_nbytes(spec: QuantSpec, layout: StackLayout, backend: str) -> int:
-    """Memory one expert of a stack takes while a layer call computes from it: its bytes in the
-    stack buffer, and for fp8 the arrays ``finish`` computes from them (the other formats' arrays
-    are views of the buffer)."""
-    if spec.fmt != "fp8":
-        return layout.expert_nbytes
-    weights = sum(math.prod(s.shape) for s in layout.slots if s.key[1] == "weight")
-    return layout.expert_nbytes + weights * _FP8_WORK["cpu" if backend == "cpu" else "gpu"]
+def derive_work_nbytes(spec: QuantSpec, layout: StackLayout, backend: str) -> int:
+    """Memory in flight while ``finish`` computes one expert's derived arrays (the pool keeps
+    the result): for fp8 the bf16 decode and its way there, for int4 the biases; 0 for formats
+    whose arrays are views of the bytes."""
+    if spec.fmt == "fp8":
+        weights = sum(math.prod(s.shape) for s in layout.slots if s.key[1] == "weight")
+        return weights * _FP8_WORK["cpu" if backend == "cpu" else "gpu"]
+    if spec.fmt == "pack-quantized":
+        return 2 * sum(s.nbytes for s in layout.slots if s.key[1] == "weight_scale")
+    return 0
 
 
 def finish(spec: QuantSpec, layout: StackLayout, raw: Raw) -> Arrays:

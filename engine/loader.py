@@ -29,10 +29,11 @@ from cachecd.manifest.build import quant_format_of
 from cachecd.manifest.manifest import EXPERT_RE
 from cachecd_engine.bank import EngineStats, ExpertBank, ExpertSource
 from cachecd_engine.formats import quant_spec
-from cachecd_engine.memory import default_expert_memory, default_ram_tier
+from cachecd_engine.memory import PoolSizer, default_pool_bytes
 from cachecd_engine.pipeline import barrier, weights_of_rank
 from cachecd_engine.prefetch import install_prefetch, read_ahead_by_default
-from cachecd_engine.ram_tier import DEFAULT_POLICY, RamTier
+from cachecd_engine.slots import DEFAULT_POLICY
+from cachecd_engine.speculate import Speculator, speculate_by_default
 from cachecd_engine.streamed_moe import StreamedSwitchGLU, install_streamed_banks
 from cachecd_engine.tokenizer import tokenizer_options
 
@@ -71,6 +72,14 @@ def streamed_classes(bank: ExpertBank,
                 super().__init__(args)
                 install_streamed_banks(self, bank)
 
+            def __call__(self, inputs: mx.array, cache: Any = None, *args: Any,
+                         **kwargs: Any) -> mx.array:
+                base = super().__call__
+                spec = bank.speculator
+                if spec is None:
+                    return base(inputs, cache, *args, **kwargs)
+                return spec.step(lambda: base(inputs, cache, *args, **kwargs), inputs, cache)
+
             def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
                 weights = super().sanitize(drop_expert_weights(weights))
                 if pipeline is None:
@@ -86,6 +95,15 @@ def streamed_classes(bank: ExpertBank,
     return get_classes
 
 
+def _top_k(config: dict[str, Any]) -> int:
+    """Experts a token routes to, as the model's config names it (0 if it does not)."""
+    for c in (config, config.get("text_config") or {}):
+        for key in ("num_experts_per_tok", "num_experts_per_token"):
+            if isinstance(c.get(key), int):
+                return int(c[key])
+    return 0
+
+
 def _streamed_banks(model: nn.Module) -> list[StreamedSwitchGLU]:
     return [m for _, m in model.named_modules() if isinstance(m, StreamedSwitchGLU)]
 
@@ -99,6 +117,7 @@ def load(
     stats: EngineStats | None = None,
     lazy: bool = False,
     prefetch: bool | None = None,
+    speculate: bool | None = None,
     ram_policy: str = DEFAULT_POLICY,
     model_config: dict[str, Any] | None = None,
     tokenizer_config: dict[str, Any] | None = None,
@@ -109,9 +128,10 @@ def load(
     """(model, tokenizer) for ``mlx_lm.generate``/``stream_generate``; the bank is ``model.bank``.
 
     ``model_dir`` holds config.json, the tokenizer files and the resident weights
-    (``model*.safetensors``); expert tensors there, if any, are ignored. ``ram_bytes`` is the RAM
-    tier (default: a share of the memory left after loading), ``expert_memory`` the bound on the
-    stack buffers a layer call is read into. With ``prefetch`` each MoE layer reads ahead (or
+    (``model*.safetensors``); expert tensors there, if any, are ignored. ``ram_bytes`` is the pool
+    of expert slots every MoE layer's kernel reads (default: measured once the resident model is
+    loaded, and again while it runs, ``memory.default_pool_bytes``; 0: the smallest pool, two
+    slots), ``expert_memory`` a cap on it. With ``prefetch`` each MoE layer reads ahead (or
     hints) the next layer's likely experts (``model.prefetcher``); by default only where the model
     computes on a GPU (``read_ahead_by_default``). ``model_config``, ``tokenizer_config`` and
     ``return_config`` are ``mlx_lm.load``'s (the config is the one ``load_model`` returns).
@@ -131,17 +151,23 @@ def load(
     tokenizer_config = tokenizer_options(
         model_dir, tokenizer_config, trust_remote_code=trust_remote_code, pins=pins,
         repo=manifest.repo if manifest is not None else None)
-    bound = default_expert_memory() if expert_memory is None else expert_memory
-    tier = RamTier(ram_bytes or 0, ram_policy)
-    bank = ExpertBank(source, spec, tier, stats or EngineStats(), expert_memory=bound)
+    bank = ExpertBank(source, spec, ram_bytes or 0, stats or EngineStats(), cap=expert_memory,
+                      policy=ram_policy)
     model, config = load_model(model_dir, lazy=lazy, model_config=model_config,
                                get_model_classes=streamed_classes(bank, pipeline))
-    if ram_bytes is None:
-        tier.budget = default_ram_tier()
+    if ram_bytes is None:  # measured now that the resident model takes its memory
+        bank.pool_bytes = default_pool_bytes()
+        bank.sizer = PoolSizer()
+        bank.min_slots = max(bank.min_slots, 2 * _top_k(config))  # two decode calls at least
     moe = [glu.layer for glu in _streamed_banks(model)]
     if moe:
-        bank.prepare(moe[0])  # an expert memory bound too small for two experts fails here
+        bank.max_slots = len(moe) * bank.experts_per_layer
+        bank.prepare(moe[0])  # allocates the pool
     object.__setattr__(model, "bank", bank)  # outside the module tree: not a parameter
+    if speculate is None:
+        speculate = speculate_by_default()
+    if speculate and moe and pipeline is None:  # a pipelined step is split over ranks
+        bank.speculator = Speculator(bank, moe)
     if prefetch is None:
         prefetch = read_ahead_by_default()
     pf = install_prefetch(model, bank) if prefetch else None

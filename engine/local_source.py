@@ -55,24 +55,26 @@ class LocalSource:
     def entry(self, layer: int, expert: int) -> ExpertEntry:
         return self.manifest.expert(layer, expert)
 
-    def read_into(self, layer: int, ids: list[int], targets: Sequence[Sequence[memoryview]]) -> None:
+    def read_into(self, layer: int, ids: list[int], targets: Sequence[Sequence[memoryview]]) -> int:
         with self._lock:
             self.calls.append((layer, list(ids)))
-        for e, target in zip(ids, targets, strict=True):
-            self._read(self.entry(layer, e), list(target))
+        return sum(self._read(self.entry(layer, e), list(target))
+                   for e, target in zip(ids, targets, strict=True))
 
-    def _read(self, entry: ExpertEntry, target: list[memoryview]) -> None:
+    def _read(self, entry: ExpertEntry, target: list[memoryview]) -> int:
         views = [v.cast("B") for v in target]
         if sum(v.nbytes for v in views) != entry.nbytes:
             raise errors.ExpertSizeMismatch(
                 f"targets hold {sum(v.nbytes for v in views)} bytes; layer={entry.layer} "
                 f"expert={entry.expert} has {entry.nbytes}"
             )
+        written = 0
         for r in entry.ranges:
             part, views = _take(views, r.length)
             got = os.preadv(self._fd(r.file), part, r.start)
             if got != r.length:
                 raise errors.ExpertSizeMismatch(f"{r.file}: short read at {r.start} ({got} bytes)")
+            written += got
         if self.verify:
             h = xxhash.xxh3_128()
             for v in target:
@@ -82,6 +84,7 @@ class LocalSource:
                     f"layer={entry.layer} expert={entry.expert}: bytes on disk do not match the "
                     f"manifest"
                 )
+        return written
 
     def prefetch(self, layer: int, ids: list[int]) -> None:
         with self._lock:

@@ -1,22 +1,33 @@
-"""How much memory the engine's expert buffers and RAM tier take by default.
+"""How much memory the pool of expert slots takes by default, and when to resize it.
 
-Both are settings (``cachecd run --expert-memory/--ram``, ``load(..., expert_memory=, ram_bytes=)``);
-the defaults follow the machine: the RAM tier takes a share of the memory left once the resident
-model is loaded, the stack buffers a fixed bound (a long prefill that routes to every expert of
-a layer runs in groups within it).
+The pool is a setting (``cachecd run --ram``, ``load(..., ram_bytes=)``); by default it follows the
+machine, measured when the resident model is loaded and again while it runs: the memory
+available then, less a reserve left to the page cache and the rest of the system. A bigger pool
+is not always faster: the daemon's blobs are read through the page cache, and on Apple silicon
+a cache that starves it was measured slower (8 GB beat 32 GB in one published report, 35 GB
+beat 60 GB in another), so the reserve is a share of physical memory, not a few hundred MB.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
 
 GIB = 1 << 30
-DEFAULT_EXPERT_MEMORY = 4 * GIB  # both stack buffers together; 122 K3 experts each
-RAM_TIER_SHARE = 0.25  # of the memory available after the resident model is loaded
+RESERVE_SHARE = 0.25  # of physical memory left to the page cache and the system
+MIN_RESERVE = 2 * GIB
+POOL_CAP_SHARE = 0.5  # the default pool never takes more of physical memory than this
+GPU_CAP_SHARE = 0.5  # nor more of a discrete GPU's memory (MLX's CUDA pool is managed memory)
+RESIZE_EVERY_S = 15.0  # how often a default-sized pool is measured again
+RESIZE_STEP = 0.125  # a change smaller than this share of the pool is not worth a copy
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def available_memory() -> int:
@@ -29,15 +40,44 @@ def available_memory() -> int:
                     return int(line.split()[1]) * 1024
         except OSError:
             pass
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return max(0, total - mx.get_active_memory())
+    return max(0, physical_memory() - mx.get_active_memory())
 
 
-def default_expert_memory() -> int:
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(DEFAULT_EXPERT_MEMORY, total // 8)
+def _gpu_cap() -> int | None:
+    """A cap from a discrete GPU's memory, where MLX reports one (CUDA); None elsewhere."""
+    if mx.default_device().type != mx.DeviceType.gpu or mx.metal.is_available():
+        return None
+    size = mx.device_info().get("total_memory") or mx.device_info().get("memory_size")
+    return int(int(size) * GPU_CAP_SHARE) if size else None
 
 
-def default_ram_tier() -> int:
-    """The RAM tier's budget when none is given: a share of what is available now."""
-    return int(available_memory() * RAM_TIER_SHARE)
+def default_pool_bytes(current: int = 0) -> int:
+    """The pool's size now: what the pool holds (``current``) plus what is available beyond
+    the reserve (less, if the reserve is eaten into), within the caps."""
+    total = physical_memory()
+    reserve = max(MIN_RESERVE, int(total * RESERVE_SHARE))
+    want = current + available_memory() - reserve
+    caps = [int(total * POOL_CAP_SHARE)]
+    gpu = _gpu_cap()
+    if gpu is not None:
+        caps.append(gpu)
+    return max(0, min(want, *caps))
+
+
+class PoolSizer:
+    """Measures again every ``RESIZE_EVERY_S`` seconds and says when a default-sized pool
+    should change (by more than ``RESIZE_STEP`` of its size)."""
+
+    def __init__(self, every_s: float = RESIZE_EVERY_S) -> None:
+        self.every_s = every_s
+        self._next = time.monotonic() + every_s
+
+    def due(self) -> bool:
+        return time.monotonic() >= self._next
+
+    def target(self, current: int) -> int | None:
+        self._next = time.monotonic() + self.every_s
+        want = default_pool_bytes(current)
+        if abs(want - current) <= RESIZE_STEP * current:
+            return None
+        return want

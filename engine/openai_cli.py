@@ -1,8 +1,9 @@
 """``cachecd openai``: the command line of the OpenAI-compatible server (``openai_server``).
 
-The flags are mlx_lm.server's names and defaults for what a user of a streamed model sets; the
-rest of mlx_lm.server's settings keep its defaults (``server_args``). Importing this module does
-not import mlx: ``cachecd --help`` stays fast.
+Every mlx_lm.server flag is here, with its name and default (``tests/unit/test_openai_cli.py``
+holds them equal); the server refuses, with the reason, what cannot apply to the model it loads
+(``openai_server.refusals``). Importing this module does not import mlx: ``cachecd --help`` stays
+fast.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import sys
 from typing import Any
 
+from cachecd.config import parse_size
 from cachecd_engine.run import MODEL_HELP, add_engine_flags, add_trust_flag, engine_options
 
 
@@ -41,22 +43,55 @@ def register(sub: Any) -> None:
                    help="prompt tokens per prefill step (default 2048)")
     p.add_argument("--prompt-cache-size", type=int, default=10,
                    help="distinct KV caches kept for prompt reuse (default 10)")
+    _add_mlx_lm_server_flags(p)
     p.set_defaults(func=run)
 
 
+def _add_mlx_lm_server_flags(p: argparse.ArgumentParser) -> None:
+    """The rest of mlx_lm.server's flags, with its defaults."""
+    p.add_argument("--prompt-cache-bytes", type=lambda v: parse_size(v, "--prompt-cache-bytes"),
+                   metavar="SIZE", help="bound on the bytes of the KV caches kept for prompt "
+                   "reuse, e.g. 4GiB (default: none, as mlx_lm.server: only --prompt-cache-size)")
+    p.add_argument("--decode-concurrency", type=int, default=32,
+                   help="requests decoded together in one batch (default 32)")
+    p.add_argument("--prompt-concurrency", type=int, default=8,
+                   help="prompts prefilled together in one batch (default 8)")
+    p.add_argument("--kv-bits", type=int, default=None,
+                   help="quantize the KV cache to this many bits (4 or 8; default: none); "
+                        "refused for a model whose attention cannot read a quantized cache "
+                        "(kimi_k3's), as mlx-lm fails on it")
+    p.add_argument("--kv-group-size", type=int, default=64,
+                   help="group size of the KV cache quantization (default 64)")
+    p.add_argument("--quantized-kv-start", type=int, default=5000,
+                   help="token position where KV cache quantization starts (default 5000)")
+    p.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="the server's logging (default INFO)")
+    p.add_argument("--use-default-chat-template", action="store_true",
+                   help="use the tokenizer's default chat template when the model has none")
+    p.add_argument("--adapter-path", help="an adapter (mlx_lm.lora's) on the resident weights; "
+                   "one with routed-expert weights is refused (default: none)")
+    p.add_argument("--draft-model", help="a small model for speculative decoding (loaded with "
+                   "mlx_lm.load); refused for a model whose caches cannot be trimmed, as "
+                   "speculative decoding needs (K3's KDA layers; default: none)")
+    p.add_argument("--num-draft-tokens", type=int, default=3,
+                   help="tokens the draft model proposes a step (default 3)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="accepted for mlx_lm.server's command lines: under mlx.launch cachecd "
+                        "always pipelines the layers over the ranks, each streaming its own "
+                        "layers' experts (tensor parallelism would split every expert)")
+
+
 def server_args(args: argparse.Namespace) -> argparse.Namespace:
-    """What mlx-lm's server reads from its command line: ours where ``cachecd openai`` has the flag,
-    mlx_lm.server's defaults elsewhere (tests/unit/test_openai_cli.py holds them equal)."""
-    return argparse.Namespace(
-        model=args.model, adapter_path=None, host=args.host, port=args.port,
-        allowed_origins=args.allowed_origins, draft_model=None, num_draft_tokens=3,
-        trust_remote_code=args.trust_remote_code, log_level="INFO",
-        chat_template=args.chat_template, use_default_chat_template=False, temp=args.temp,
-        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens,
-        chat_template_args=args.chat_template_args, decode_concurrency=32, prompt_concurrency=8,
-        prefill_step_size=args.prefill_step_size, prompt_cache_size=args.prompt_cache_size,
-        prompt_cache_bytes=None, kv_bits=None, kv_group_size=64, quantized_kv_start=5000,
-        pipeline=False)
+    """What mlx-lm's server reads from its command line (tests/unit/test_openai_cli.py holds the
+    defaults equal to mlx_lm.server's)."""
+    keys = ("model", "adapter_path", "host", "port", "allowed_origins", "draft_model",
+            "num_draft_tokens", "trust_remote_code", "log_level", "chat_template",
+            "use_default_chat_template", "temp", "top_p", "top_k", "min_p", "max_tokens",
+            "chat_template_args", "decode_concurrency", "prompt_concurrency",
+            "prefill_step_size", "prompt_cache_size", "prompt_cache_bytes", "kv_bits",
+            "kv_group_size", "quantized_kv_start", "pipeline")
+    return argparse.Namespace(**{k: getattr(args, k) for k in keys})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from cachecd_engine.openai_server import serve
 
     args.model = resolve_model(args.model, args.socket)
+    logging.getLogger().setLevel(logging.DEBUG if args.verbose else args.log_level)
     serve(server_args(args), engine_options(args))
     # Once it has generated, an MLX process that ran mlx-lm's server aborts in its exit-time
     # destructors ("terminate called without an active exception", exit 134; the same with

@@ -7,6 +7,8 @@ adds the cache's view to each answer (``request_view``) and lists the daemon's m
 command is ``openai_cli``.
 
 Invariants:
+- Under ``mlx.launch`` rank 0 alone binds the address and serves; every rank loads its layers
+  (pipelined) and its generation thread follows rank 0's requests, as mlx_lm.server's ranks do.
 - Bound to 127.0.0.1 unless ``--host`` says otherwise. A browser page's request (one with an
   ``Origin`` header) is refused unless ``--allowed-origins`` names it: any page could otherwise
   make this machine fetch experts from the Hub.
@@ -30,14 +32,15 @@ from typing import Any
 from urllib.parse import unquote
 
 import mlx.core as mx
-from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache
 from mlx_lm.processors import load_processor
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, _run_http_server
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from cachecd.errors import CachecdError, ConfigInvalid, NotStreamable
+from cachecd.errors import CachecdError, ConfigInvalid
 from cachecd_client import Client
 from cachecd_engine.bank import EngineStats
+from cachecd_engine.pipeline import launched_group, rank_path
 from cachecd_engine.registered import check_name, load
 from cachecd_engine.request_view import RequestViews
 from cachecd_engine.run import cold_cost_notice
@@ -56,10 +59,8 @@ class StreamedModelProvider(ModelProvider):
 
     def _load(self, model_path: str, adapter_path: str | None = None,
               draft_model_path: str | None = None) -> None:
-        # mlx-lm's _load, through cachecd_engine.load; its distributed branch does not apply.
-        if draft_model_path is not None:
-            raise NotStreamable(f"cachecd openai serves no draft model ({draft_model_path}); "
-                                f"ask without draft_model")
+        # mlx-lm's _load, through cachecd_engine.load: under mlx.launch it pipelines the layers
+        # over the ranks itself (each rank streaming its own layers' experts).
         self.reset()
         gc.collect()
         mx.clear_cache()
@@ -67,11 +68,20 @@ class StreamedModelProvider(ModelProvider):
             model_path, tokenizer_config=self._tokenizer_config, adapter_path=adapter_path,
             return_config=True, trust_remote_code=self.cli_args.trust_remote_code,
             stats=self.stats, **self.engine)
+        try:
+            refuse_what_cannot_apply(self.cli_args, model, config, draft_model_path)
+        except BaseException:
+            _close(model)
+            raise
+        if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
+            tokenizer.chat_template = tokenizer.default_chat_template
+        draft = _load_draft(draft_model_path, tokenizer)
         with self._lock:
             self.model_key = (model_path, adapter_path, draft_model_path)  # type: ignore[assignment]
-            self.model, self.tokenizer, self.draft_model = model, tokenizer, None
+            self.model, self.tokenizer, self.draft_model = model, tokenizer, draft
         self.processor = load_processor(model, config)  # type: ignore[assignment]
-        self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+        self.is_batchable = draft is None and all(
+            hasattr(c, "merge") for c in make_prompt_cache(model))
 
     def reset(self) -> None:
         with self._lock:
@@ -80,10 +90,11 @@ class StreamedModelProvider(ModelProvider):
                 self._fetched_before += model.bank.source.client.upstream_fetches
             super().reset()
         if model is not None:
-            model.bank.close()
-            model.bank.source.close()
-            if model.bank.trace is not None:
-                model.bank.trace.close()
+            _close(model)
+
+    def daemon_socket(self) -> str | None:
+        """The daemon this process (rank 0 under mlx.launch: the one that serves) asks."""
+        return rank_path(self.engine.get("socket"), 0)
 
     def counters(self) -> dict[str, float]:
         """The engine's counters since the server started (``request_view.FIELDS``)."""
@@ -92,6 +103,48 @@ class StreamedModelProvider(ModelProvider):
             fetched = self._fetched_before + (
                 model.bank.source.client.upstream_fetches if model is not None else 0)
         return {**self.stats.snapshot(), "fetched": fetched}
+
+
+def _close(model: Any) -> None:
+    model.bank.close()
+    model.bank.source.close()
+    if model.bank.trace is not None:
+        model.bank.trace.close()
+
+
+def refuse_what_cannot_apply(cli_args: argparse.Namespace, model: Any, config: dict[str, Any],
+                             draft_model_path: str | None) -> None:
+    """mlx_lm.server's flags that cannot apply to this model, refused at load with the reason
+    (mlx-lm would fail on them at the first request that uses them)."""
+    kind = config.get("model_type")
+    if cli_args.kv_bits is not None and kind in NO_QUANTIZED_KV:
+        raise ConfigInvalid(
+            f"--kv-bits: mlx-lm's {kind} attention reads its compressed KV cache as plain "
+            "arrays, so a quantized KV cache cannot apply to it (mlx-lm fails on one at the "
+            "first request past --quantized-kv-start); leave --kv-bits out")
+    if draft_model_path is not None and not can_trim_prompt_cache(make_prompt_cache(model)):
+        raise ConfigInvalid(
+            f"--draft-model: speculative decoding takes back the tokens the model rejects by "
+            f"trimming its caches, and {kind}'s cannot be trimmed (its linear-attention layers "
+            "keep a running state), so a draft model cannot apply; leave --draft-model out")
+
+
+# Model types whose mlx-lm attention cannot read a QuantizedKVCache (tried: kimi_k3's MLA
+# indexes its cache's arrays, AttributeError on the quantized tuple).
+NO_QUANTIZED_KV = frozenset({"kimi_k3"})
+
+
+def _load_draft(path: str | None, tokenizer: Any) -> Any:
+    if path is None:
+        return None
+    from mlx_lm import load as mlx_load
+
+    draft, draft_tokenizer = mlx_load(path)[:2]
+    if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+        print(f"cachecd openai: the draft model's tokenizer ({draft_tokenizer.vocab_size} ids) "
+              f"is not the model's ({tokenizer.vocab_size}); its drafts will be rejected",
+              file=sys.stderr)
+    return draft
 
 
 class CachecdHandler(APIHandler):
@@ -145,7 +198,7 @@ class CachecdHandler(APIHandler):
         if name in ("default_model", self.provider.cli_args.model, served):
             return True
         try:
-            with Client(self.provider.engine.get("socket"), timeout=10) as client:
+            with Client(self.provider.daemon_socket(), timeout=10) as client:
                 client.model(check_name(name))
             return True
         except CachecdError as exc:
@@ -170,7 +223,7 @@ class CachecdHandler(APIHandler):
 
     def _installed(self) -> list[str]:
         try:
-            with Client(self.provider.engine.get("socket"), timeout=10) as client:
+            with Client(self.provider.daemon_socket(), timeout=10) as client:
                 return [m["repo"] for m in client.models() if m.get("local_dir")]
         except CachecdError:
             return []  # the served model is listed all the same
@@ -203,14 +256,26 @@ def serve(cli_args: argparse.Namespace, engine: dict[str, Any]) -> None:
     """mlx-lm's server on ``cli_args.host``/``port`` (mlx_lm.server's namespace), its model loaded
     through ``cachecd_engine.load`` with ``engine``'s keywords, until SIGINT or SIGTERM."""
     maybe_set_recommended_wired_limit()
-    _check_address(cli_args.host, cli_args.port)  # before a load that can take minutes
+    group = launched_group()
+    serves = group is None or group.rank() == 0  # mlx.launch: rank 0 serves, the others compute
+    prefix = f"rank {group.rank()}: " if group is not None else ""
+    if serves:
+        _check_address(cli_args.host, cli_args.port)  # before a load that can take minutes
     provider = StreamedModelProvider(cli_args, engine)
     provider.load_default()  # no daemon, an unknown model: the command's one-line error, now
     model: Any = provider.model
-    print(cold_cost_notice(model.bank.source.client, cli_args.model), file=sys.stderr)
-    generator = ResponseGenerator(provider, LRUPromptCache(cli_args.prompt_cache_size))
-    server = type("Server", (_Server,), {"banner": f"serving {cli_args.model}"})
+    print(prefix + cold_cost_notice(model.bank.source.client, cli_args.model), file=sys.stderr)
+    cache_bytes = cli_args.prompt_cache_bytes or 1 << 63  # mlx-lm's LRUPromptCache's "none"
+    generator = ResponseGenerator(provider, LRUPromptCache(cli_args.prompt_cache_size, cache_bytes))
     signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: mlx-lm's server cleans up
+    if not serves:  # this rank's generation thread follows rank 0's requests (collectives)
+        try:
+            generator.join()
+        except KeyboardInterrupt:  # its thread may wait in a collective rank 0 left: the
+            pass  # caller's os._exit ends it (joining could wait forever)
+        return
+    server = type("Server", (_Server,), {"banner": f"serving {cli_args.model}" + (
+        f" (pipelined over {group.size()} ranks)" if group is not None else "")})
     try:
         # mlx_lm.server.run drops its handler_class in 0.32; the function it calls takes it.
         _run_http_server(cli_args.host, cli_args.port, generator, server_class=server,

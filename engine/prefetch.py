@@ -2,14 +2,17 @@
 
 The hidden state changes little from one layer to the next, so layer L+1's own router applied
 to layer L's MoE input picks most of the experts L+1 will route to. In a call too small to sort
-(decode), the guessed experts are read into the stack buffer layer L+1 will use while layer L
+(decode), the guessed experts no slot holds are read into free slots of the pool while layer L
 computes; otherwise (prefill) the daemon gets a hint and fetches missing ones meanwhile.
 
 Invariants:
 - A guess never changes a token: it is computed beside the model, never fed into it, and the
   real routing of L+1 is still read back and served in full; a wrong guess costs bandwidth.
 - No extra sync: the guess is evaluated together with layer L's routing read-back.
-- Experts already in the RAM tier are copied ahead, never hinted; an empty hint is not sent.
+- Experts already in the pool are neither read nor hinted; an empty hint is not sent.
+- Read-ahead never takes a slot that queued work reads, and never delays a demanded expert: a
+  guess is read on background threads, and a call waits only for the reads of experts it
+  routes to.
 - The model's parameter tree is unchanged (the MoE modules change class, not contents).
 """
 
@@ -25,18 +28,18 @@ from mlx import nn
 
 from cachecd import errors
 from cachecd_engine.bank import ExpertBank
-from cachecd_engine.dispatch import SORT_ROWS, current_backend
+from cachecd_engine.dispatch import SORT_ROWS
 from cachecd_engine.streamed_moe import StreamedSwitchGLU
 
 log = logging.getLogger(__name__)
 
 
 def read_ahead_by_default() -> bool:
-    """Read ahead where the model computes on a GPU. On the CPU the read-ahead's copies take
-    the cores the compute needs: bench/k3_decode.py measured 0.73-0.78x of the resident model's
-    tokens/s with it and 0.73-0.98x without (0.731 against 0.975 with every expert in RAM),
-    though it cut the exposed wait for experts by about half."""
-    return current_backend() != "cpu"
+    """Off everywhere it was measured side by side (bench/k3_decode.py, pc vs pc-ahead): on the
+    CPU the read-ahead's copies take the cores the compute needs (0.73-0.78x of the resident
+    model's tokens/s with it, 0.73-0.98x without); on the H200 (CUDA) a pool smaller than the
+    working set ran 0.39 decode steps a second with it and 0.47 without. Metal is not measured."""
+    return False
 
 
 def route(moe: nn.Module, x: mx.array) -> mx.array:
@@ -71,7 +74,8 @@ class Prefetcher:
     def guess(self, layer: int, x: mx.array) -> None:
         """Record a lazy guess of the next MoE layer's experts from this layer's MoE input."""
         nxt = self.next_gates.get(layer)
-        if nxt is not None:
+        spec = self.bank.speculator
+        if nxt is not None and not (spec is not None and spec.active):
             self._pending[layer] = route(nxt[1], x)
 
     def take(self, layer: int) -> mx.array | None:
@@ -92,10 +96,10 @@ class Prefetcher:
         next_layer, _ = self.next_gates[layer]
         ids = np.unique(guess).tolist()
         self._guessed[next_layer] = set(ids)
-        if rows < SORT_ROWS:  # RAM-tier experts too: their copy also overlaps the compute
-            self.bank.stage(next_layer, ids, room=rows)
+        if rows < SORT_ROWS:  # read into free slots of the pool while this layer computes
+            self.bank.stage(next_layer, ids)
             return
-        ids = [e for e in ids if (next_layer, e) not in self.bank.ram]
+        ids = [e for e in ids if not self.bank.holds(next_layer, e)]
         if not ids:
             return
         self.hints += 1

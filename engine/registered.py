@@ -48,6 +48,7 @@ def load(
     stats: Any = None,
     trace: str | Path | None = None,
     prefetch: bool | None = None,
+    speculate: bool | None = None,
     pipeline: Any = None,
 ) -> Any:
     """``(model, tokenizer)``, or ``(model, tokenizer, config)`` with ``return_config``, exactly as
@@ -69,10 +70,12 @@ def load(
     engine streams experts by replacing the expert banks of mlx-lm's own model classes, which a
     custom file's classes do not have, and the file would run with nothing to check it against.
 
-    Keyword-only, the engine's own: ``socket`` (the daemon's), ``ram_bytes`` (RAM tier of hot
-    experts), ``expert_memory`` (bound on a layer's expert buffers), ``stats`` (an
+    Keyword-only, the engine's own: ``socket`` (the daemon's), ``ram_bytes`` (the pool of expert
+    slots; default: measured), ``expert_memory`` (a cap on the pool), ``stats`` (an
     ``EngineStats`` to count into), ``trace`` (record the routing to this file), ``prefetch``
-    (read ahead the next layer's experts; default: where the model computes on a GPU),
+    (read ahead the next layer's experts into free slots; default: off),
+    ``speculate`` (decode steps on the device's expert -> slot map, no per-layer read-back
+    when every routed expert is in the pool; default: on a GPU),
     ``pipeline`` (None: split the layers over the ranks when ``mlx.launch`` started more than
     one, as mlx-lm's ``sharded_load`` does; an ``mx.distributed`` group: split over it; False:
     run every layer). Pipelined, ``{rank}`` in ``socket`` or ``trace`` becomes this rank.
@@ -98,7 +101,7 @@ def load(
             check_adapter(Path(adapter_path))
         model, tokenizer, config = load_dir(
             local_dir, source, ram_bytes=ram_bytes, expert_memory=expert_memory, stats=stats,
-            lazy=lazy, prefetch=prefetch, model_config=model_config,
+            lazy=lazy, prefetch=prefetch, speculate=speculate, model_config=model_config,
             tokenizer_config=tokenizer_config, return_config=True,
             trust_remote_code=trust_remote_code, pipeline=group)
         if adapter_path is not None:

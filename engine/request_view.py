@@ -19,8 +19,8 @@ from dataclasses import dataclass
 FIELDS = {
     "experts_fetched": "fetched",  # read through the daemon after it fetched them from the Hub
     "experts_from_daemon": "source_hits",  # read through the daemon when the call needed them
-    "experts_read_ahead": "staged_hits",  # already read ahead (from the daemon or the RAM tier)
-    "experts_from_ram": "ram_hits",  # copied from the engine's RAM tier
+    "experts_read_ahead": "staged_hits",  # already read ahead into a slot
+    "experts_from_ram": "ram_hits",  # already in a slot of the engine's pool
     "bytes_from_daemon": "source_bytes",  # demand and read-ahead reads
     "expert_wait_s": "wait_s",  # time the model waited for experts
 }

@@ -31,7 +31,8 @@ TEMP, TOP_P, TOP_K, MIN_P, PREFILL_STEP = 0.0, 1.0, 0, 0.0, 2048
 
 def load(repo: str, socket: str | Path | None = None, **engine: Any) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of a registered model (``cachecd_engine.load`` with the engine's
-    keywords: ram_bytes, expert_memory, stats, trace, prefetch, and trust_remote_code)."""
+    keywords: ram_bytes, expert_memory, stats, trace, prefetch, speculate, and
+    trust_remote_code)."""
     from cachecd_engine.registered import load as load_registered
 
     return load_registered(repo, socket=socket, **engine)
@@ -41,14 +42,22 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The flags that set the engine (``cachecd run`` and ``cachecd openai``)."""
     add_common_arguments(p)
     p.add_argument("--ram", default="auto",
-                   help="RAM tier for hot experts, e.g. 8GiB; 0 disables; auto (default): a quarter "
-                        "of the memory left once the model is loaded")
+                   help="the pool of expert slots every layer's kernel reads (experts kept in "
+                        "memory), e.g. 8GiB; 0: the smallest (two experts); auto (default): "
+                        "measured, what the machine holds beside the page cache, and resized "
+                        "while it runs")
     p.add_argument("--expert-memory", default="auto",
-                   help="bound on the buffers a layer's experts are read into, e.g. 2GiB; a long "
-                        "prefill runs in groups within it (auto: 4GiB, at most 1/8 of RAM)")
+                   help="a hard cap on the pool's memory, e.g. 2GiB; a call routing to more "
+                        "experts than the pool holds (a long prefill) runs in groups within it "
+                        "(auto: no cap beyond --ram)")
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="read the next layer's likely experts ahead while a layer computes "
                         "(default: on where the model computes on a GPU, off on the CPU)")
+    p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each decode step with the expert->slot map on the device, with no "
+                        "per-layer round trip, and keep it when every expert it routed to was "
+                        "in the pool (else run it again the per-layer way; the output is the "
+                        "same either way) (default: on a GPU, off on the CPU)")
 
 
 def add_trust_flag(p: argparse.ArgumentParser) -> None:
@@ -61,7 +70,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """``cachecd_engine.load`` keywords from ``add_engine_flags``' flags."""
     return {"socket": args.socket, "ram_bytes": _size(args.ram, "--ram"),
             "expert_memory": _size(args.expert_memory, "--expert-memory"),
-            "prefetch": args.prefetch}
+            "prefetch": args.prefetch, "speculate": args.speculate}
 
 # --model of run and openai, resolved with cachecd_client.resolve_model when left out.
 MODEL_HELP = ("ORG/NAME, installed with setup --stream (default: the one model the daemon has "
@@ -228,21 +237,27 @@ def _generate(args: argparse.Namespace, model: Any, tokenizer: Any, stats: Any, 
     progress = PrefillProgress(stats, client, args.prefill_step_size, prefix)
     records: list[dict[str, Any]] = []
     t0, last, fetched = time.perf_counter(), None, client.upstream_fetches
-    for resp in stream_generate(model, tokenizer, _prompt(args, tokenizer), max_tokens=args.max_tokens,
-                                sampler=sampler, prefill_step_size=args.prefill_step_size,
-                                prompt_progress_callback=progress):
-        now = time.perf_counter()
-        step = {"token": int(resp.token), "text": resp.text, "s": round(now - t0, 6), **stats.snapshot(),
-                "fetched_upstream": client.upstream_fetches - fetched}
-        fetched = client.upstream_fetches
-        stats.reset()
-        t0, last = now, resp
-        records.append(step)
-        if not args.json and not quiet:
-            sys.stdout.write(resp.text)
-            sys.stdout.flush()
-        if args.stats and not args.json:
-            print(prefix + _stat_line(len(records), step), file=sys.stderr)
+    try:
+        for resp in stream_generate(model, tokenizer, _prompt(args, tokenizer),
+                                    max_tokens=args.max_tokens, sampler=sampler,
+                                    prefill_step_size=args.prefill_step_size,
+                                    prompt_progress_callback=progress):
+            now = time.perf_counter()
+            step = {"token": int(resp.token), "text": resp.text, "s": round(now - t0, 6),
+                    **stats.snapshot(), "fetched_upstream": client.upstream_fetches - fetched}
+            fetched = client.upstream_fetches
+            stats.reset()
+            t0, last = now, resp
+            records.append(step)
+            if not args.json and not quiet:
+                sys.stdout.write(resp.text)
+                sys.stdout.flush()
+            if args.stats and not args.json:
+                print(prefix + _stat_line(len(records), step), file=sys.stderr)
+    except BaseException:  # Ctrl-C or an error mid-text: the text's line ends before the error
+        if records and not args.json and not quiet:
+            print(flush=True)
+        raise
     return records, last
 
 

@@ -5,9 +5,12 @@ Invariants:
   ``nn.quantize`` never see expert weights; the template SwitchGLU (mlx-lm's own, quantized as
   the resident model is) sits outside the tree and gets each call's stack from the bank.
 - Routing is read back once per layer, together with the next layer's guess when read-ahead is
-  on; the read-back runs without the GIL, so read-ahead threads keep reading meanwhile.
-- The projections' ``sorted_indices`` is theirs to pass unless the bank clears it for a call
-  (``dispatch``: to keep the resident call's kernel).
+  on, and with the queued calls that read slots of the pool (so the bank knows no queued work
+  reads a slot any more); the read-back runs without the GIL, so read-ahead threads keep
+  reading meanwhile.
+- Every layer's template computes from the bank's one slot pool; the projections'
+  ``sorted_indices`` is theirs to pass unless the bank clears it for a call (``dispatch``: to
+  keep the resident call's kernel).
 """
 
 from __future__ import annotations
@@ -65,15 +68,21 @@ class StreamedSwitchGLU(nn.Module):
         # Kept out of the module tree: no parameter to load, nothing for nn.quantize to touch.
         object.__setattr__(self, "_glu", template)
         object.__setattr__(self, "_bank", bank)
+        bank.attach(template)
         self.prefetcher: Any = None  # set by cachecd_engine.prefetch.install_prefetch
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         bank: ExpertBank = self._bank
+        if bank.speculator is not None and bank.speculator.active:
+            return bank.speculator.layer_call(self.layer, self._glu, x, indices)
         guess = self.prefetcher.take(self.layer) if self.prefetcher is not None else None
         t0 = time.perf_counter()
-        # The one read-back of this layer's routing (and the next layer's guess with it). The
-        # eval runs without the GIL, so read-ahead threads keep reading meanwhile.
-        mx.eval(indices) if guess is None else mx.eval(indices, guess)
+        # The one read-back of this layer's routing (the next layer's guess and the queued
+        # readers of slots with it). The eval runs without the GIL, so read-ahead threads keep
+        # reading meanwhile.
+        fenced = bank.fenced()
+        mx.eval(indices, *fenced) if guess is None else mx.eval(indices, guess, *fenced)
+        bank.synced()
         routed = np.array(indices)
         bank.stats.readback_s += time.perf_counter() - t0
         if bank.trace is not None:

@@ -139,6 +139,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="how long the fault suite's soak (tests/faults/test_s17_soak.py) keeps the daemon "
              "under load; default $CACHECD_SOAK_SECONDS, else 60")
     parser.addoption(
+        "--soak", action="store_true", default=False,
+        help="run the fault suite's soak for ten minutes (its leak bound per request tightens "
+             "with the requests served); without it, 60 s")
+    parser.addoption(
         "--lowest-deps", action="store_true", default=False,
         help="run tests/install: a venv with every dependency at the lowest release "
              "pyproject.toml allows, `cachecd --help` and tests/unit in it (a few minutes)")

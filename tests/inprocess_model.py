@@ -133,8 +133,9 @@ class DictSource:
         self.calls: list[tuple[int, list[int]]] = []
         self.hints: list[tuple[int, list[int]]] = []
 
-    def read_into(self, layer: int, ids: list[int], targets) -> None:  # type: ignore[no-untyped-def]
+    def read_into(self, layer: int, ids: list[int], targets) -> int:  # type: ignore[no-untyped-def]
         self.calls.append((layer, list(ids)))
+        written = 0
         for e, target in zip(ids, targets, strict=True):
             data = self.blobs[(layer, e)][0]
             if sum(v.nbytes for v in target) != len(data):
@@ -143,6 +144,8 @@ class DictSource:
             for v in target:
                 v[:] = data[pos : pos + v.nbytes]
                 pos += v.nbytes
+                written += v.nbytes
+        return written
 
     def entry(self, layer: int, expert: int) -> ExpertEntry:
         return self.blobs[(layer, expert)][1]

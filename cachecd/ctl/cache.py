@@ -10,6 +10,7 @@ from typing import Any
 
 from cachecd.config import add_common_arguments, format_size, load_settings, parse_size
 from cachecd.ctl import MODEL_HELP
+from cachecd.errors import EXIT_BUSY, FSCK_UNVERIFIABLE, CachecdError, CacheLocked
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -48,7 +49,8 @@ def register(sub: Any) -> None:
     p.add_argument("--experts", default="",
                    help="comma-separated expert numbers to evict, e.g. 0,5,17 (default: none)")
     p.set_defaults(func=evict)
-    p = sub.add_parser("fsck", help="verify every cached blob (daemon stopped); exit 1 corrupt, 4 unverifiable")
+    p = sub.add_parser("fsck", help="verify every cached blob (daemon stopped); exit 1 corrupt, "
+                       "4 unverifiable, 6 a daemon holds the cache")
     p.add_argument("--cache-dir", dest="cache_dirs", action="append", metavar="DIR",
                    help="cache dir (repeat for each); default: the configured ones")
     p.add_argument("--fast", action="store_true", help="check sizes only")
@@ -80,6 +82,7 @@ def render_status(info: dict[str, Any]) -> str:
         f"socket      {info['socket']}",
         f"endpoint    {info['endpoint']}{' (offline)' if info.get('offline') else ''}",
         f"cache       {', '.join(info['cache_dirs'])}",
+        f"models      {info.get('models_dir', '?')}",
         f"disk use    {format_size(store.get('bytes', 0))} in {store.get('entries', 0)} experts"
         + (f" of a {format_size(budget)} budget" if budget else " (no budget: free space)"),
         f"hit rate    {hits / requests:.1%} of {requests} expert requests" if requests
@@ -213,12 +216,16 @@ def fsck(args: argparse.Namespace) -> int:
 
     from cachecd.store.fsck import fsck as run_fsck
 
-    dirs = load_settings({"cache_dirs": args.cache_dirs}).cache_dirs
+    try:
+        dirs = load_settings({"cache_dirs": args.cache_dirs}).cache_dirs
+    except CachecdError as exc:  # a bad config: nothing was checked
+        print(f"cachecd: {exc.code}: {exc.message}", file=sys.stderr)
+        return FSCK_UNVERIFIABLE
     missing = [str(d) for d in dirs if not d.is_dir()]
     if missing:  # checking would make an empty cache there and call it clean
         print(f"cachecd: fsck: no cache dir at {', '.join(missing)}: give the --cache-dir the "
               "daemon uses (cachecd status names them)", file=sys.stderr)
-        return 4
+        return FSCK_UNVERIFIABLE
     bar = tqdm(unit="blob", desc="fsck", disable=None)
 
     def progress(done: int, total: int) -> None:
@@ -229,10 +236,18 @@ def fsck(args: argparse.Namespace) -> int:
     try:
         report = run_fsck(dirs, fast=args.fast, repair=args.repair,
                           incremental=args.incremental and not args.all, progress=progress)
+    except CacheLocked as exc:  # busy, not corrupt: scripts must tell the two apart
+        print(f"cachecd: {exc.code}: {exc.message}; fsck checks a stopped daemon's cache (a "
+              "running one re-hashes its blobs in the background: cachecd status)",
+              file=sys.stderr)
+        return EXIT_BUSY
     except OSError as exc:  # the cache itself cannot be opened: nothing could be verified
         print(f"cachecd: fsck cannot open the cache ({exc.strerror}: {exc.filename}); "
               "run it as the user that owns the cache dir", file=sys.stderr)
-        return 4
+        return FSCK_UNVERIFIABLE
+    except CachecdError as exc:  # anything else that stops the check: nothing was verified
+        print(f"cachecd: {exc.code}: {exc.message}", file=sys.stderr)
+        return FSCK_UNVERIFIABLE
     finally:
         bar.close()
     for issue in report.corrupt + report.unverifiable:

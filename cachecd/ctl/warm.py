@@ -2,7 +2,7 @@
 
 Sources of the workload: ``--prompts FILE`` runs the engine (prefill and a few tokens each, each
 prompt in the model's chat template as ``cachecd run`` sends it, so warming routes as chatting
-will), so the daemon fetches exactly what routing needs and records it as use; ``--trace FILE``
+will), so the daemon fetches exactly what routing needs (its reads counted as warming, not use); ``--trace FILE``
 replays a recorded routing trace; ``--top N`` and ``--bytes SIZE`` take the most-used missing
 experts by the daemon's access counts.
 
@@ -10,8 +10,10 @@ Invariants:
 - Resumable: the plan is computed from what the daemon has cached now, so a rerun skips what an
   earlier (interrupted) run fetched; every batch the daemon finished is committed, and a batch in
   flight when Ctrl-C arrives still completes in the daemon (its fetch is shielded).
-- Warming is not use: trace, top and bytes go through the daemon's ``warm`` route, which
-  fetches without touching access counts, so warming never inflates the statistics it reads.
+- Warming is not use: trace, top and bytes go through the daemon's ``warm`` route, and the
+  engine's reads for --prompts are marked as warming, so the daemon fetches without touching
+  access counts or hit statistics (its ``warm_fetched_experts`` counts them), and warming never
+  inflates the statistics it reads.
 - A daemon registered for some layers only (``setup --pipeline``) is warmed with those layers'
   share of the workload: a trace recorded on one machine warms each rank of a pipelined set
   with its own layers, and the hit rates shown are over those layers.
@@ -23,14 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,29 +44,12 @@ from cachecd.ctl.coverage import (
     trace_access,
     trace_label,
 )
+from cachecd.ctl.warm_batches import Outcome, plan_batches, run_batches
 from cachecd.errors import CachecdError, InvalidRequest
 from cachecd.report.coverage import access_array, served_mask, trace_weighted, warm_order
 from cachecd_engine.run import add_chat_flag, add_trust_flag
 
-log = logging.getLogger(__name__)
-
-RETRIES = 3
-
-
-@dataclass
-class Batch:
-    layer: int
-    experts: list[int]
-    nbytes: int
-
-
-@dataclass
-class Outcome:
-    fetched: int = 0
-    fetched_bytes: int = 0
-    done_batches: int = 0
-    error: CachecdError | None = None
-    interrupted: bool = False
+__all__ = ["fit_room", "plan_batches", "read_prompts", "register", "warm"]
 
 
 @dataclass
@@ -79,24 +58,6 @@ class Plan:
     workload: np.ndarray  # per-row weights the hit rate is computed with
     label: str
     notes: list[str] = field(default_factory=list)
-
-
-def plan_batches(layer_ids: np.ndarray, expert_ids: np.ndarray, sizes: np.ndarray,
-                 rows: np.ndarray, max_experts: int = 16, window: int = 256) -> list[Batch]:
-    """Requests of one layer each, in priority order: rows are taken ``window`` at a time and
-    grouped by layer inside a window, so an interrupted run has fetched the most wanted."""
-    batches: list[Batch] = []
-    for start in range(0, len(rows), window):
-        chunk = rows[start:start + window]
-        by_layer: dict[int, list[int]] = {}
-        for r in chunk.tolist():
-            by_layer.setdefault(int(layer_ids[r]), []).append(r)
-        for layer, members in by_layer.items():
-            for i in range(0, len(members), max_experts):
-                part = members[i:i + max_experts]
-                batches.append(Batch(layer, [int(expert_ids[r]) for r in part],
-                                     int(sizes[part].sum())))
-    return batches
 
 
 def fit_room(sizes_in_order: np.ndarray, room: int) -> int:
@@ -158,6 +119,11 @@ def _plan(args: argparse.Namespace, snap: Snapshot) -> Plan:
     if not workload.any():
         plan.notes.append(f"no recorded workload in {label}: nothing to rank experts by "
                           "(run the model first, or warm --prompts / --trace)")
+    elif not len(order) and args.top != 0:
+        used = int((workload > 0).sum())
+        plan.notes.append(f"nothing to warm: all {used} experts {label} used are cached already, "
+                          "and the others were never used, so nothing ranks them; warm for "
+                          "another workload with --trace FILE or --prompts FILE")
     return plan
 
 
@@ -232,7 +198,7 @@ def _finish(args: argparse.Namespace, outcome: Outcome, seconds: float, label: s
         err = outcome.error
         print(f"cachecd: warm stopped: {err.code}: {err.message} (what was fetched stays "
               "cached; run the same command again to continue)", file=sys.stderr)
-        code = 1
+        code = err.exit_code
     if args.json:
         print(json.dumps({
             "model": args.model, "workload": label, "fetched": outcome.fetched,
@@ -242,91 +208,6 @@ def _finish(args: argparse.Namespace, outcome: Outcome, seconds: float, label: s
             "experts_cached": int(after.cached.sum()), "exit": code,
         }))
     return code
-
-
-@contextmanager
-def interrupt_flag() -> Iterator[threading.Event]:
-    """Ctrl-C sets a flag the batch loop reads between its waits, instead of raising inside them.
-
-    A KeyboardInterrupt that lands inside ``concurrent.futures.wait`` while it holds the futures'
-    locks leaves one held; the worker that then finishes that future waits for it forever, and the
-    interpreter, joining its workers at exit, with it."""
-    flag = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield flag
-        return
-    previous = signal.signal(signal.SIGINT, lambda _sig, _frame: flag.set())
-    try:
-        yield flag
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def run_batches(make_client: Callable[[], Any], model: str, batches: list[Batch], total: int,
-                parallel: int) -> Outcome:
-    """Send the batches to the daemon (``parallel`` in flight), with a bytes progress bar."""
-    from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
-
-    outcome = Outcome()
-    local = threading.local()
-    clients: list[Any] = []
-    lock = threading.Lock()
-
-    def send(batch: Batch) -> dict[str, Any]:
-        if not hasattr(local, "client"):
-            local.client = make_client()
-            with lock:
-                clients.append(local.client)
-        return _send_with_retries(local.client, model, batch)
-
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="warm",
-               disable=None, file=sys.stderr)
-    pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="cachecd-warm")
-    try:
-        with interrupt_flag() as interrupted:
-            pending = {pool.submit(send, b): b for b in batches}
-            _collect(pending, outcome, bar, interrupted)
-            outcome.interrupted = interrupted.is_set()
-    except KeyboardInterrupt:  # before the flag took over Ctrl-C
-        outcome.interrupted = True
-    finally:
-        pool.shutdown(wait=not outcome.interrupted, cancel_futures=True)
-        bar.close()
-        for c in clients:
-            c.close()
-    return outcome
-
-
-def _collect(pending: dict[Future[dict[str, Any]], Batch], outcome: Outcome, bar: Any,
-             interrupted: threading.Event) -> None:
-    while pending and not interrupted.is_set():
-        # A timeout so Ctrl-C is seen promptly.
-        done, _ = wait(list(pending), timeout=0.2, return_when=FIRST_COMPLETED)
-        for fut in done:
-            batch = pending.pop(fut)
-            try:
-                answer = fut.result()
-            except CachecdError as exc:
-                outcome.error = exc
-                for other in pending:
-                    other.cancel()
-                return
-            outcome.fetched += int(answer["fetched"])
-            outcome.fetched_bytes += int(answer["fetched_bytes"])
-            outcome.done_batches += 1
-            bar.update(batch.nbytes)
-
-
-def _send_with_retries(client: Any, model: str, batch: Batch) -> dict[str, Any]:
-    for attempt in range(RETRIES + 1):
-        try:
-            return client.warm(model, batch.layer, batch.experts)
-        except CachecdError as exc:
-            if not exc.retryable or attempt == RETRIES:
-                raise
-            log.info("warm batch retry layer=%d code=%s attempt=%d", batch.layer, exc.code, attempt + 1)
-            time.sleep(2 ** attempt)
-    raise AssertionError("unreachable")
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -356,6 +237,7 @@ def _warm_prompts(args: argparse.Namespace, client: Any, before: Snapshot) -> in
 
     prompts = read_prompts(args.prompts)
     model, tokenizer = load(args.model, args.socket, trust_remote_code=args.trust_remote_code)
+    model.bank.source.client.warming = True  # the daemon counts these reads as warm, not use
     recorder = TraceRecorder(args.save_trace, args.model, append=True)
     model.bank.trace = recorder
     start_bytes = client.stats()["counters"].get("fetched_bytes", 0)

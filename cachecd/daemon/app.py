@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from cachecd import constants
 from cachecd.config import Settings
 from cachecd.daemon.layout_gate import layout_checker
+from cachecd.daemon.metrics import Latencies
 from cachecd.daemon.misses import Fetcher
 from cachecd.daemon.registry import RegisteredModel, Registry, check_repo, hub_checker
 from cachecd.errors import ExpertNotFound, InvalidRequest
@@ -182,6 +183,8 @@ class Daemon:
             layout_checker(settings.endpoint, keep_dir(settings.models_dir), settings.offline,
                            settings.total_timeout))
         self.fetcher = Fetcher(store, upstream)
+        self.latency = Latencies()
+        upstream.observe_requests(self.latency.upstream_request)
         self.counters: Counter[str] = Counter()
         self.history = HitHistory()
         self.started = time.time()
@@ -213,17 +216,22 @@ class Daemon:
             raise InvalidRequest(f"at most {constants.MAX_BATCH_EXPERTS} experts per request")
         return [model.manifest.expert(layer, _int(e, "expert")) for e in ids]
 
-    async def ensure(self, model: RegisteredModel, entries: list[ExpertEntry]) -> set[str]:
-        """Make every entry local; returns the digests that were missing (fetched for this call)."""
+    async def ensure(self, model: RegisteredModel, entries: list[ExpertEntry], *,
+                     warm: bool = False) -> set[str]:
+        """Make every entry local; returns the digests that were missing (fetched for this call).
+        ``warm``: the caller is warming the cache, so it counts as warm fetches, not as use."""
         # One count per distinct expert per request, whatever the caller repeats.
         distinct = list({(e.layer, e.expert): e for e in entries}.values())
         need = self.fetcher.missing(distinct)
         # An expert verified moments ago and still being committed is local: a hit that waits.
         missing = {e.digest_hex for e in need if not self.fetcher.committing(e.digest_hex)}
-        self.counters["expert_requests"] += len(distinct)
-        self.counters["expert_misses"] += len(missing)
-        self.counters["expert_hits"] += len(distinct) - len(missing)
-        self.history.record(model.manifest.key, len(distinct) - len(missing), len(missing))
+        if warm:
+            self.counters["warm_fetched_experts"] += len(missing)
+        else:
+            self.counters["expert_requests"] += len(distinct)
+            self.counters["expert_misses"] += len(missing)
+            self.counters["expert_hits"] += len(distinct) - len(missing)
+            self.history.record(model.manifest.key, len(distinct) - len(missing), len(missing))
         if need:  # all hits: nothing can have changed since the look-up above (no await)
             await self.fetcher.ensure(model, entries)
         return missing
@@ -234,11 +242,12 @@ class Daemon:
         self.record_uses(uses)
         return opened
 
-    async def open_unrecorded(self, repo: str, layer: Any,
-                              ids: list[Any]) -> tuple[list[OpenedExpert], Uses]:
+    async def open_unrecorded(self, repo: str, layer: Any, ids: list[Any], *,
+                              warm: bool = False) -> tuple[list[OpenedExpert], Uses]:
         """``open_experts`` without recording the uses: the caller passes them to
         ``record_uses`` exactly once, after answering, so that bookkeeping overlaps the client's
-        reads instead of delaying them."""
+        reads instead of delaying them. ``warm``: the reads warm the cache (``cachecd warm
+        --prompts``): no use to record (the uses returned are empty), no hit or miss counted."""
         model = self.model(repo)
         if not model.layout_checked:
             model = await self.serving(repo)
@@ -248,7 +257,7 @@ class Daemon:
         # would otherwise evict what this one fetched, or found, before it opens them.
         self.store.ledger.hold(digests)
         try:
-            missing = await self.ensure(model, entries)
+            missing = await self.ensure(model, entries, warm=warm)
             for _ in range(3):
                 seq = self.store.quarantine_seq
                 opened = await self._open_all(model, entries, missing)
@@ -256,7 +265,8 @@ class Daemon:
                 # thread): open again, so nothing is answered from it after the verdict.
                 if seq == self.store.quarantine_seq or not self.store.quarantined_since(seq, digests):
                     # One use per distinct expert per request, whatever the caller repeats.
-                    return opened, (model.manifest.key, list({e.expert: e for e in entries}.values()))
+                    used = [] if warm else list({e.expert: e for e in entries}.values())
+                    return opened, (model.manifest.key, used)
                 for o in opened:
                     os.close(o.fd)
         finally:
@@ -346,6 +356,7 @@ class Daemon:
             "uptime_s": round(time.time() - self.started, 3),
             "socket": str(self.settings.socket),
             "cache_dirs": [str(d) for d in self.settings.cache_dirs],
+            "models_dir": str(self.settings.models_dir),
             "endpoint": self.settings.endpoint,
             "offline": self.settings.offline,
             "store": self.store.stats(),

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from typing import TYPE_CHECKING, Any
 
 from cachecd import protocol
@@ -120,9 +121,11 @@ class DataServer:
     async def _answer(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, body: bytes) -> None:
         fds: list[int] = []
         uses: Uses | None = None
+        started = time.monotonic()
         try:
-            frame, fds, uses = await self._handle(protocol.decode(body))
+            frame, fds, uses, missed = await self._handle(protocol.decode(body))
             await _send_with_fds(loop, conn, frame, fds)
+            self._daemon.latency.request(time.monotonic() - started, missed)
         except CachecdError as exc:
             await _safe_send(loop, conn, {"ok": False, **exc.to_wire()})
         except (ConnectionError, OSError):
@@ -136,14 +139,15 @@ class DataServer:
             if uses is not None:  # after the answer left: the client reads meanwhile
                 self._daemon.record_uses(uses)
 
-    async def _handle(self, req: dict[str, Any]) -> tuple[bytes, list[int], Uses]:
+    async def _handle(self, req: dict[str, Any]) -> tuple[bytes, list[int], Uses, bool]:
         if req.get("op") != "experts":
             raise InvalidRequest(f"unknown op {req.get('op')!r}; the data path knows 'experts'")
         ids = req.get("ids")
         if not isinstance(ids, list) or len(ids) > protocol.MAX_FDS_PER_FRAME:
             raise InvalidRequest(f"ids must be a list of at most {protocol.MAX_FDS_PER_FRAME} experts")
         opened, uses = await self._daemon.open_unrecorded(str(req.get("model", "")),
-                                                          req.get("layer"), ids)
+                                                          req.get("layer"), ids,
+                                                          warm=req.get("warm") is True)
         fds = [o.fd for o in opened]
         try:
             frame = protocol.encode_experts([(o.expert, o.size, o.digest, o.fetched) for o in opened])
@@ -151,7 +155,7 @@ class DataServer:
             for fd in fds:
                 os.close(fd)
             raise
-        return frame, fds, uses
+        return frame, fds, uses, any(o.fetched for o in opened)
 
     async def close(self) -> None:
         if self._accept_task:

@@ -3,6 +3,13 @@
 Each scrape reads ``Daemon.status()`` (what ``cachecd status --json`` shows) through a collector
 on the daemon's own registry, so the exposition and the status never disagree.
 
+Names follow Prometheus' conventions: the unit is the name's suffix (``_bytes``, ``_seconds``,
+``_bytes_per_second``; Unix times ``_timestamp_seconds``), counts of things name the thing
+(``_experts``, ``_blobs``). Latencies are histograms (``Latencies``): a request for experts
+answered from the cache (``cachecd_hit_latency_seconds``) or after a fetch
+(``cachecd_miss_latency_seconds``), and each request sent upstream
+(``cachecd_upstream_request_duration_seconds{kind}``).
+
 Invariants:
 - A count that only grows while the process lives is a counter, exposed as ``..._total`` (it
   restarts at 0 with the daemon, which ``rate()`` handles); a figure that can go down is a gauge.
@@ -17,7 +24,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -30,25 +43,29 @@ from prometheus_client.registry import Collector
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # status()["store"]: figures of the cache now (gauges) and counts since start (counters).
-_STORE_GAUGES = {
-    "entries": "Experts in the cache.",
-    "bytes": "Bytes of expert blobs in the cache.",
-    "budget": "The cache's byte budget (0: no budget).",
-    "reserved": "Bytes reserved for fetches under way.",
-    "pinned": "Pinned experts.",
-    "pinned_bytes": "Bytes of pinned experts.",
-    "index_map_size": "Size of the LMDB index's map in bytes.",
+_STORE_GAUGES = {  # key -> (name after cachecd_store_, HELP)
+    "entries": ("entries", "Experts in the cache."),
+    "bytes": ("bytes", "Bytes of expert blobs in the cache."),
+    "budget": ("budget_bytes", "The cache's byte budget (0: no budget)."),
+    "reserved": ("reserved_bytes", "Bytes reserved for fetches under way."),
+    "quarantine_bytes": ("quarantine_bytes", "Bytes quarantine/ keeps (counted in the budget)."),
+    "pinned": ("pinned_experts", "Pinned experts."),
+    "pinned_bytes": ("pinned_bytes", "Bytes of pinned experts."),
+    "index_map_size": ("index_map_size_bytes", "Size of the LMDB index's map."),
 }
-_STORE_COUNTERS = {
-    "hits": "Store lookups that found the expert.",
-    "misses": "Store lookups that did not find the expert.",
-    "inserts": "Experts committed to the cache.",
-    "evictions": "Experts evicted.",
-    "bytes_evicted": "Bytes evicted.",
-    "quarantined": "Blobs quarantined (failed their hash).",
-    "verified_on_open": "Blobs hashed on open that matched.",
-    "bit_rot_on_open": "Blobs hashed on open that did not match (bit rot).",
+_STORE_COUNTERS = {  # key -> (name after cachecd_store_, HELP)
+    "inserts": ("inserts", "Experts committed to the cache."),
+    "evictions": ("evictions", "Experts evicted."),
+    "bytes_evicted": ("evicted_bytes", "Bytes evicted."),
+    "quarantined": ("quarantined", "Blobs quarantined (failed their hash, or short)."),
+    "verified_on_open": ("verified_on_open", "Blobs hashed on open that matched."),
+    "bit_rot_on_open": ("bit_rot_on_open", "Blobs hashed on open that did not match (bit rot)."),
+    "missing_on_open": ("missing_on_open", "Blobs found missing, short or not a file when "
+                                           "opened (their rows dropped)."),
 }
+# The store's "hits" and "misses" are the eviction policy's uses, by whether the blob was still
+# cached when the use was recorded: not the requests' hits (cachecd_expert_hits_total).
+_POLICY_USES = {"hits": "cached", "misses": "gone"}
 # status()["counters"]: the daemon's own counts, all counters; ``fetch_error_<code>`` is labelled.
 _DAEMON_COUNTERS = {
     "expert_requests": "Distinct experts asked for, per request.",
@@ -87,15 +104,16 @@ _SCRUB_COUNTERS = {
     "yields": "Times the scrub slowed down for fetches in flight.",
 }
 _SCRUB_PASS = {  # key in status()["scrub"]["pass"] -> (metric suffix, HELP)
-    "started": ("pass_started_seconds", "Unix time the scrub pass under way started."),
+    "started": ("pass_started_timestamp_seconds", "Unix time the scrub pass under way started."),
     "blobs_total": ("pass_blobs", "Blobs in the scrub pass under way."),
     "bytes_total": ("pass_bytes", "Bytes in the scrub pass under way."),
-    "blobs_done": ("pass_blobs_done", "Blobs done in the scrub pass under way."),
-    "bytes_done": ("pass_bytes_done", "Bytes done in the scrub pass under way."),
+    "blobs_done": ("pass_done_blobs", "Blobs done in the scrub pass under way."),
+    "bytes_done": ("pass_done_bytes", "Bytes done in the scrub pass under way."),
     "failures": ("pass_failures", "Failures in the scrub pass under way."),
 }
 _SCRUB_LAST = {  # key in status()["scrub"]["last_pass"]
-    "finished": ("last_pass_finished_seconds", "Unix time the last full scrub pass finished."),
+    "finished": ("last_pass_finished_timestamp_seconds",
+                 "Unix time the last full scrub pass finished."),
     "seconds": ("last_pass_duration_seconds", "How long the last full scrub pass took."),
     "blobs": ("last_pass_blobs", "Blobs the last full scrub pass hashed."),
     "bytes": ("last_pass_bytes", "Bytes the last full scrub pass hashed."),
@@ -105,9 +123,38 @@ _MODEL_GAUGES = {
     "experts_total": ("model_experts", "Experts in the model's manifest."),
     "expert_bytes_total": ("model_expert_bytes", "Bytes of all the model's experts."),
     "resident_bytes_total": ("model_resident_bytes", "Bytes of the model's resident tensors."),
-    "experts_served": ("model_experts_served", "Experts this daemon serves (its layers)."),
-    "expert_bytes_served": ("model_expert_bytes_served", "Bytes of the experts it serves."),
+    "experts_served": ("model_served_experts", "Experts this daemon serves (its layers)."),
+    "expert_bytes_served": ("model_served_expert_bytes", "Bytes of the experts it serves."),
 }
+# Seconds: a hit is answered in tens of microseconds (fds, no copy), a miss waits for the Hub.
+_HIT_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_MISS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class Latencies:
+    """The daemon's latency histograms; registered on its own registry by ``registry_for``."""
+
+    def __init__(self) -> None:
+        disable_created_metrics()  # no *_created series: counters restart with the daemon
+        self.hit = Histogram(
+            "cachecd_hit_latency_seconds", "Seconds from a request for experts to its answer, "
+            "every expert cached.", buckets=_HIT_BUCKETS, registry=None)
+        self.miss = Histogram(
+            "cachecd_miss_latency_seconds", "Seconds from a request for experts to its answer, "
+            "some fetched from the upstream for it.", buckets=_MISS_BUCKETS, registry=None)
+        self.upstream = Histogram(
+            "cachecd_upstream_request_duration_seconds", "Seconds each request sent upstream "
+            "took (a resolve, or a range GET with its body), by kind.", ["kind"],
+            buckets=_MISS_BUCKETS, registry=None)
+
+    def request(self, seconds: float, missed: bool) -> None:
+        (self.miss if missed else self.hit).observe(seconds)
+
+    def upstream_request(self, kind: str, seconds: float) -> None:
+        self.upstream.labels(kind).observe(seconds)
+
+    def all(self) -> tuple[Histogram, ...]:
+        return self.hit, self.miss, self.upstream
 
 
 def _number(value: Any) -> bool:
@@ -150,12 +197,19 @@ def _process(s: dict[str, Any]) -> Iterator[Metric]:
 
 
 def _store(store: dict[str, Any]) -> Iterator[Metric]:
+    uses = CounterMetricFamily("cachecd_store_policy_uses", "Uses recorded for the eviction "
+                               "policy, by whether the blob was still cached then.",
+                               labels=["blob"])
     for key, value in store.items():
         if key in _STORE_GAUGES:
-            yield GaugeMetricFamily(f"cachecd_store_{key}", _STORE_GAUGES[key], value=value)
+            name, help_ = _STORE_GAUGES[key]
+            yield GaugeMetricFamily(f"cachecd_store_{name}", help_, value=value)
+        elif key in _POLICY_USES:
+            uses.add_metric([_POLICY_USES[key]], value)
         elif _number(value):  # every other number the ledger keeps is a count since start
-            help_ = _STORE_COUNTERS.get(key, f"Store count {key!r} since start.")
-            yield CounterMetricFamily(f"cachecd_store_{key}", help_, value=value)
+            name, help_ = _STORE_COUNTERS.get(key, (key, f"Store count {key!r} since start."))
+            yield CounterMetricFamily(f"cachecd_store_{name}", help_, value=value)
+    yield uses
     free = GaugeMetricFamily("cachecd_cache_dir_free_bytes",
                              "Free bytes on each cache dir's file system.", labels=["cache_dir"])
     for d in store.get("dirs", []):
@@ -189,8 +243,8 @@ def _labelled_counts(
 
 
 def _scrub(scrub: dict[str, Any]) -> Iterator[Metric]:
-    yield GaugeMetricFamily("cachecd_scrub_rate", "The scrub's pace in bytes a second (0: off).",
-                            value=scrub["rate"])
+    yield GaugeMetricFamily("cachecd_scrub_rate_bytes_per_second",
+                            "The scrub's pace (0: off).", value=scrub["rate"])
     yield GaugeMetricFamily("cachecd_scrub_running", "1 while the scrub thread runs.",
                             value=int(bool(scrub["running"])))
     for key, help_ in _SCRUB_COUNTERS.items():
@@ -202,7 +256,7 @@ def _scrub(scrub: dict[str, Any]) -> Iterator[Metric]:
                 yield GaugeMetricFamily(f"cachecd_scrub_{suffix}", help_, value=value)
     failure = scrub.get("last_failure")
     if failure is not None:
-        yield GaugeMetricFamily("cachecd_scrub_last_failure_seconds",
+        yield GaugeMetricFamily("cachecd_scrub_last_failure_timestamp_seconds",
                                 "Unix time of the scrub's last failed hash.", value=failure["at"])
 
 
@@ -227,6 +281,8 @@ def registry_for(daemon: Any) -> CollectorRegistry:
     """The daemon's own registry (never the global one): its figures and the process's."""
     registry = CollectorRegistry()
     registry.register(DaemonCollector(daemon))
+    for histogram in daemon.latency.all():
+        registry.register(histogram)
     ProcessCollector(registry=registry)  # process_cpu_seconds_total, process_open_fds, ...
     return registry
 

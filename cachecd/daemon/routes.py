@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -179,6 +180,7 @@ async def model_manifest(request: web.Request) -> web.FileResponse:
 
 async def _stream_experts(request: web.Request, layer: int, ids: list[int]) -> web.StreamResponse:
     d = request.app[DAEMON]
+    started = time.monotonic()
     opened = await d.open_experts(_repo(request), layer, ids)
     try:
         resp = web.StreamResponse(headers={
@@ -197,6 +199,7 @@ async def _stream_experts(request: web.Request, layer: int, ids: list[int]) -> w
                 await resp.write(chunk)
                 offset += len(chunk)
         await resp.write_eof()
+        d.latency.request(time.monotonic() - started, any(o.fetched for o in opened))
         return resp
     finally:
         for o in opened:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecd import constants
-from cachecd.config import Settings, load_settings, parse_size
+from cachecd.config import MODELS_DIR_HELP, Settings, load_settings, parse_size
 from cachecd.daemon.notify import notify
 
 log = logging.getLogger(__name__)
@@ -36,8 +36,7 @@ def add_daemon_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--manifest", dest="manifests", action="append", metavar="FILE",
                    help="register a model manifest at start (repeatable; default: only the "
                         "models registered before)")
-    p.add_argument("--models-dir", help="where registered models' resident files and manifests "
-                   f"live (default: {constants.DEFAULT_MODELS_DIR})")
+    p.add_argument("--models-dir", help=MODELS_DIR_HELP)
     p.add_argument("--policy", help="eviction policy: default (wlfu), wlfu, lfuda or lru")
     p.add_argument("--max-parallel", type=int, help="upstream requests in flight at once "
                    f"(default: {constants.MAX_PARALLEL_FETCHES})")

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 def build_manifest(
     source: Source,
     *,
-    progress: bool = True,
+    progress: bool | None = None,
     jobs: int = constants.MANIFEST_BUILD_JOBS,
     work_dir: Path | None = None,
     say: Callable[[str], None] | None = None,
@@ -90,7 +90,7 @@ def build_to_file(
     source: Source,
     output: Path,
     *,
-    progress: bool = True,
+    progress: bool | None = None,
     jobs: int = constants.MANIFEST_BUILD_JOBS,
     work_dir: Path | None = None,
     say: Callable[[str], None] | None = None,
@@ -116,7 +116,7 @@ def _parts(work_dir: Path | None, source: Source) -> Iterator[PartStore]:
 # -- hashing -----------------------------------------------------------------------------------
 def _hash_all(
     source: Source, plan: Plan, parts: PartStore, done: dict[str, ShardResult], jobs: int,
-    progress: bool,
+    progress: bool | None,
 ) -> dict[str, ShardResult]:
     """Every shard's result: the finished parts, and the rest hashed ``jobs`` at a time."""
     from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
@@ -127,7 +127,9 @@ def _hash_all(
     initial = sum(r.size for r in done.values())
     stop, lock = threading.Event(), threading.Lock()
     with tqdm(total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024,
-              disable=not progress, desc=f"hashing {source.repo}", leave=False) as bar:
+              # None: a bar on a terminal only (tqdm's rule), never into a file or a pipe.
+              disable=None if progress is None else not progress, desc=f"hashing {source.repo}",
+              leave=False) as bar:
 
         def advance(n: int) -> None:
             with lock:

@@ -19,8 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from cachecd import constants
-from cachecd.config import Settings, add_common_arguments, format_size, load_settings
+from cachecd.config import (
+    MODELS_DIR_HELP,
+    Settings,
+    add_common_arguments,
+    format_size,
+    load_settings,
+)
 from cachecd.errors import (
+    CachecdError,
     DaemonUnavailable,
     InvalidRequest,
     ManifestInvalid,
@@ -48,8 +55,7 @@ def register(sub: Any) -> None:
                         f"{constants.DEFAULT_CACHE_DIR})")
     p.add_argument("--budget", help="disk budget for a daemon this command starts (default: 0, "
                    "the free space)")
-    p.add_argument("--models-dir", help="where resident files are installed (default: "
-                   f"{constants.DEFAULT_MODELS_DIR})")
+    p.add_argument("--models-dir", help=MODELS_DIR_HELP)
     p.add_argument("--no-start", action="store_true", help="do not start a daemon when none runs")
     p.add_argument("--pipeline", metavar="R/N",
                    help="install rank R of N machines that pipeline the model (mlx.launch): its "
@@ -100,13 +106,14 @@ def choose_manifest(args: argparse.Namespace, repo: str, commit: str,
         origin = str(path.resolve())
     else:
         path = shipped_manifest(repo)
-        if path is not None and Manifest.load(path).revision != commit:
-            path = None if args.build_manifest else _stale(repo, commit, path)
+        stale = path if path is not None and Manifest.load(path).revision != commit else None
+        path = None if stale else path
+        # A re-run reuses what an earlier setup built or registered: never a second pass.
+        path = path or stored_manifest(settings, repo, commit)
+        if path is None and not args.build_manifest:
+            raise _no_manifest(repo, commit, stale)
     if path is None:
-        if not args.build_manifest:
-            raise ManifestInvalid(f"no manifest ships for {repo}; pass --manifest FILE or "
-                                  "--build-manifest (reads the whole revision once)")
-        path = settings.models_dir / "manifests" / f"{repo.replace('/', '--')}--{commit}.manifest"
+        path = settings.models_dir / "manifests" / manifest_name(repo, commit)
         _build_manifest(repo, commit, settings.endpoint, path)
         origin = "built"
     manifest = Manifest.load(path)
@@ -143,9 +150,40 @@ def check_on_use(manifest: Any, settings: Settings) -> None:
           f"every expert's byte ranges against the shards' safetensors headers")
 
 
-def _stale(repo: str, commit: str, path: Path) -> Path:
-    raise ManifestInvalid(f"the shipped manifest {path.name} pins another revision of {repo} than "
-                          f"{commit}; pass --manifest FILE, @<its commit>, or --build-manifest")
+def manifest_name(repo: str, commit: str) -> str:
+    """The file name setup builds to and the daemon stores its copy under (``registry``)."""
+    return f"{repo.replace('/', '--')}--{commit}.manifest"
+
+
+def stored_manifest(settings: Settings, repo: str, commit: str) -> Path | None:
+    """The manifest of ``repo@commit`` an earlier setup left: built into the models dir, or
+    registered with the daemon (which keeps its own copy). It is checked like any other."""
+    path = settings.models_dir / "manifests" / manifest_name(repo, commit)
+    if path.is_file():
+        print(f"manifest {path} (stored by an earlier setup)")
+        return path
+    from cachecd_client import Client
+
+    try:
+        with Client(settings.socket, timeout=10) as client:
+            info = client.model(repo)
+    except CachecdError:  # no daemon, or the repo is not registered with it
+        return None
+    path = Path(info.get("manifest") or "")
+    if info.get("revision") != commit or not path.is_file():
+        return None
+    print(f"manifest {path} (registered with the daemon by an earlier setup)")
+    return path
+
+
+def _no_manifest(repo: str, commit: str, stale: Path | None) -> ManifestInvalid:
+    if stale is not None:
+        return ManifestInvalid(f"the shipped manifest {stale.name} pins another revision of "
+                               f"{repo} than {commit}; pass --manifest FILE, @<its commit>, or "
+                               "--build-manifest")
+    return ManifestInvalid(f"no manifest ships for {repo} and no earlier setup stored one for "
+                           f"{commit}; pass --manifest FILE or --build-manifest (reads the whole "
+                           "revision once)")
 
 
 def _build_manifest(repo: str, commit: str, endpoint: str, out: Path) -> None:
@@ -157,7 +195,7 @@ def _build_manifest(repo: str, commit: str, endpoint: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     # Finished shards stay in OUT.parts until the manifest is written: a rerun resumes there.
     build_to_file(HubSource(repo, commit, endpoint=endpoint, token=get_token()), out,
-                  say=lambda m: print(m, file=sys.stderr))
+                  progress=sys.stderr.isatty(), say=lambda m: print(m, file=sys.stderr))
 
 
 def fetch_small_files(manifest: Any, local: Path, endpoint: str) -> int:
@@ -302,9 +340,9 @@ def service_hint(serve_args: list[str]) -> str:
 
     from cachecd.service.manager import manager_for
 
-    reason = manager_for(None).unavailable()
-    if reason:
-        return f"no service manager here ({reason}); keep `cachecd serve` running under your own supervisor"
+    if manager_for(None).unavailable():  # `cachecd service status` says why, at length
+        return ("no service manager here (cachecd service status says why): keep `cachecd "
+                "serve` running under your own supervisor")
     return f"to keep it running across reboots: cachecd service install {shlex.join(serve_args)}"
 
 

@@ -5,7 +5,8 @@ Layout of each cache dir::
     lock              flock(LOCK_EX|LOCK_NB) held for the owner's lifetime; holds the owner's pid
     blobs/XX/DIGEST   the bytes whose xxh3-128 hex digest is DIGEST (XX = its first two chars)
     tmp/              writes in progress; anything here at start is a leftover and is removed
-    quarantine/       files that failed verification, kept for inspection, never served
+    quarantine/       files that failed verification, never served; the newest
+                      ``constants.QUARANTINE_KEEP`` are kept for inspection, older ones deleted
 
 Invariants:
 - A path is only ever built from a validated digest (exactly 32 lowercase hex chars); anything
@@ -19,6 +20,10 @@ Invariants:
 - ENOSPC/EDQUOT anywhere on the write path removes the temp and raises ``DiskFull``.
 - Unlinking a blob never disturbs a reader that already holds an fd: the kernel keeps the inode
   until the last fd closes. Eviction relies on this instead of reader refcounts.
+- A fan-out dir (blobs/XX) made for a blob is made durable in blobs/ before the blob's rename,
+  so the blob's directory entry cannot outlive a crash without the dir that holds it.
+- quarantine/ holds at most ``QUARANTINE_KEEP`` files per cache dir (``quarantine_bytes``
+  counts them, for the budget).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import NamedTuple
 from cachecd import errors
 from cachecd.durable import full_fsync, sync_dir
 from cachecd.store.crash import crash_point
+from cachecd.store.quarantine import Quarantine
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +125,7 @@ class CacheDir:
         self.quarantine_dir = self.root / "quarantine"
         for d in (self.root, self.blobs, self.tmp, self.quarantine_dir):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.quarantine = Quarantine(self.quarantine_dir)
         tag_cache_dir(self.root)
         if EXCLUDE_FROM_INDEXING:
             exclude_from_indexing(self.root)
@@ -159,13 +166,10 @@ class CacheDir:
         return removed
 
     def move_to_quarantine(self, path: Path, reason: str) -> Path | None:
-        dest = self.quarantine_dir / f"{path.name}.{time.time_ns()}"
-        try:
-            os.rename(path, dest)
-        except FileNotFoundError:
-            return None
-        log.warning("event=quarantined path=%s dest=%s reason=%s", path, dest, reason)
-        return dest
+        return self.quarantine.add(path, reason)
+
+    def quarantine_bytes(self) -> int:
+        return self.quarantine.nbytes()
 
 
 def tag_cache_dir(root: Path) -> None:
@@ -317,6 +321,10 @@ class BlobDirs:
         cdir = self.dirs[dir_index]
         return cdir.move_to_quarantine(cdir.blob_path(digest_hex), reason)
 
+    def quarantine_bytes(self) -> int:
+        """Bytes quarantine/ holds in every cache dir (counted against the budget)."""
+        return sum(d.quarantine_bytes() for d in self.dirs)
+
 
 class BlobWriter:
     """One blob on its way in: a temp file written in pieces (any order, any thread), then
@@ -385,7 +393,9 @@ class BlobWriter:
             finally:
                 os.close(fd)
             final = self.cdir.blob_path(self.digest)
-            final.parent.mkdir(mode=0o700, exist_ok=True)
+            if not final.parent.is_dir():
+                final.parent.mkdir(mode=0o700, exist_ok=True)
+                sync_dir(final.parent.parent)  # the new fan-out dir's entry in blobs/
             os.rename(self.tmp, final)
             crash_point("after_rename")
             sync_dir(final.parent)

@@ -1,12 +1,13 @@
 """The byte budget, and the ledger: the in-memory view of what the cache holds.
 
-``Budget`` counts committed bytes plus reservations for writes in progress. ``Ledger`` owns the
+``Budget`` counts committed bytes plus reservations for writes in progress, plus the bytes
+quarantine/ keeps (``set_aside``: a few bad blobs kept for a look, still on the disk). ``Ledger`` owns the
 entries, the eviction policy, the pins and the budget under one lock, and hands out victims;
 the store does the I/O (rows, files) around it.
 
 Invariants (``Budget``'s caller serializes every call; ``Ledger`` holds its lock around them):
-- ``used + reserved <= limit`` after every call, when ``limit > 0`` (0 = unlimited; free space
-  still applies through ENOSPC at write time).
+- ``used + reserved + set_aside <= limit`` after every call, when ``limit > 0`` (0 = unlimited;
+  free space still applies through ENOSPC at write time).
 - A reservation is taken before any byte is written and ends exactly once: ``commit`` turns it
   into used bytes, ``release`` (a failed or abandoned write) returns it.
 - A request bigger than the whole budget fails at once with ``TooLarge``; one that could fit
@@ -82,12 +83,13 @@ class Budget:
         self.limit = limit
         self.used = 0
         self.reserved = 0
+        self.set_aside = 0  # quarantine/'s bytes: on the disk, not in the cache
 
     def overflow(self, extra: int = 0) -> int:
         """Bytes that must go for ``extra`` more to fit (<= 0: it fits)."""
         if self.limit == 0:
             return 0
-        return self.used + self.reserved + extra - self.limit
+        return self.used + self.reserved + self.set_aside + extra - self.limit
 
     def check_size(self, nbytes: int) -> None:
         if nbytes < 0:
@@ -187,7 +189,7 @@ class Ledger:
         self.unlinking: dict[str, threading.Event] = {}
         self.counters = dict.fromkeys(
             ("hits", "misses", "inserts", "evictions", "bytes_evicted", "quarantined",
-             "verified_on_open", "bit_rot_on_open"), 0
+             "verified_on_open", "bit_rot_on_open", "missing_on_open"), 0
         )
         none = (0, 0.0)
         rows = [(counts.get(d, none), d, e.size) for d, e in entries.items()]
@@ -295,6 +297,7 @@ class Ledger:
                 "bytes": self.budget.used,
                 "budget": self.budget.limit,
                 "reserved": self.budget.reserved,
+                "quarantine_bytes": self.budget.set_aside,
                 "pinned": len(self.pins),
                 "pinned_bytes": sum(self.entries[d].size for d in self.pins if d in self.entries),
                 "policy": self.policy.name,

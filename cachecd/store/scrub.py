@@ -7,13 +7,15 @@ blob that fails goes to quarantine/ and loses its row, so it is fetched again on
 
 Invariants:
 - Rate: reads are paid for from a token bucket filled at ``rate`` bytes a second, a blob at least
-  ``constants.SCRUB_MIN_BLOB_COST``. A blob is paid for before it is opened, so the scrub holds
-  a blob's fd only while it reads it (at disk speed) or yields to demand.
-- Below demand: a blob paid for while ``busy()`` says demand fetches are in flight costs
-  ``constants.SCRUB_BUSY_SLOWDOWN`` times as much, so the scrub gives way to them, and a daemon
-  that is never idle is still scrubbed (at that fraction of the rate).
+  ``constants.SCRUB_MIN_BLOB_COST`` (a page). A blob is paid for before it is opened, so the
+  scrub holds a blob's fd only while it reads it (at disk speed).
+- The window: a pass over the cache takes at most (its bytes / ``rate``) plus
+  ``constants.SCRUB_DEFER_S``, busy or not, so rot is found within one pass, as the README says.
+- Below demand: while ``busy()`` says demand fetches are in flight, the next read waits, until
+  the fetches end or the bucket is full (``SCRUB_DEFER_S`` of its rate saved up); the saved
+  tokens then pay for catching up. Demand goes first; the average stays ``rate``.
 - A verdict applies to the row the scrub read (``Store.scrub_verdict``): a blob evicted or
-  replaced meanwhile is left alone. A bad blob leaves the ledger first, under its lock, so from
+  replaced meanwhile is left alone, and not counted as missing. A bad blob leaves the ledger first, under its lock, so from
   that moment no hit is served from it (the daemon's fd cache checks the row on every hit); its
   row is deleted by the index's writer thread, the only LMDB writer.
 - Opens, reads and hashing run on the scrub's own thread, never on the event loop. The bytes
@@ -48,10 +50,19 @@ class TokenBucket:
         self._t = clock()
 
     def take(self, n: float) -> float:
-        now = self._clock()
-        self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate) - n
-        self._t = now
+        self._refill()
+        self._tokens -= n
         return max(0.0, -self._tokens / self.rate)
+
+    def full_in(self) -> float:
+        """Seconds until the bucket holds ``burst`` (0: it does)."""
+        self._refill()
+        return max(0.0, (self.burst - self._tokens) / self.rate)
+
+    def _refill(self) -> None:
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate)
+        self._t = now
 
 
 class Scrubber:
@@ -60,7 +71,9 @@ class Scrubber:
     def __init__(self, store: Store, rate: int, busy: Callable[[], bool] = lambda: False,
                  *, chunk: int = HASH_CHUNK) -> None:
         self.store, self.rate, self._busy, self._chunk = store, rate, busy, chunk
-        self._bucket = TokenBucket(rate, chunk) if rate > 0 else None
+        # The burst is what a busy daemon's deferral saves up, and pays back afterwards.
+        burst = max(chunk, rate * constants.SCRUB_DEFER_S)
+        self._bucket = TokenBucket(rate, burst) if rate > 0 else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._mu = threading.Lock()
@@ -128,17 +141,18 @@ class Scrubber:
         entry = self.store.entry(digest)
         if entry is None:
             return 0  # evicted since the pass began
-        cost = max(entry.size, constants.SCRUB_MIN_BLOB_COST)
         if self._busy():
             self._count(yields=1)
-            cost *= constants.SCRUB_BUSY_SLOWDOWN
-        self._wait(self._bucket_take(cost))
-        if self._stop.is_set():
-            return 0
+            self._defer()
+        self._wait(self._bucket_take(max(entry.size, constants.SCRUB_MIN_BLOB_COST)))
+        if self._stop.is_set() or self.store.entry(digest) is not entry:
+            return 0  # evicted or replaced while the scrub waited for its turn
+        dropped = self.store.ledger.counters["missing_on_open"]
         try:
             fd, size = self.store.open_blob(digest)
-        except errors.ExpertNotFound:  # missing or short: open_blob dropped its row
-            self._count(missing=1)
+        except errors.ExpertNotFound:  # gone: missing or short (open_blob dropped it), or evicted
+            if self.store.ledger.counters["missing_on_open"] != dropped:
+                self._count(missing=1)
             return 0
         except errors.CachecdError as exc:  # EMFILE and the like: not the blob's fault
             log.warning("event=scrub_open_failed digest=%s err=%s", digest, exc)
@@ -181,6 +195,15 @@ class Scrubber:
 
     def _bucket_take(self, n: int) -> float:
         return self._bucket.take(n) if self._bucket is not None else 0.0
+
+    def _defer(self) -> None:
+        """Wait while demand fetches are in flight, until the bucket is full: no more than
+        SCRUB_DEFER_S, and the tokens saved meanwhile pay for the reads that come after."""
+        while self._bucket is not None and not self._stop.is_set() and self._busy():
+            wait = self._bucket.full_in()
+            if wait <= 0:
+                return
+            self._stop.wait(min(wait, 0.05))
 
     def _wait(self, seconds: float) -> None:
         if seconds > 0:

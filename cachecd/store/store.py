@@ -106,6 +106,7 @@ class Store:
                 ledger = Ledger(
                     the_budget, the_policy, entries, index.load_pins(), index.load_digest_access()
                 )
+                the_budget.set_aside = blobs.quarantine_bytes()  # evicted for below, if need be
                 store = cls(blobs, index, ledger, report)
                 report.bytes_evicted = store.evict_sync()
                 report.evicted = ledger.counters["evictions"]
@@ -169,16 +170,16 @@ class Store:
         try:
             fd, size = self.blobs.open_read(entry.dir_index, digest)
         except (FileNotFoundError, IsADirectoryError) as exc:
-            self._drop(digest, entry, quarantine=False)
+            self._drop(digest, entry, quarantine=False, missing=True)
             raise errors.ExpertNotFound(f"blob {digest} vanished from the cache ({exc})") from exc
         except OSError as exc:
             if exc.errno != errno.ELOOP:  # EMFILE, EIO...: not the blob's fault, keep it
                 raise errors.Internal(f"cannot open blob {digest}: {exc}") from exc
-            self._drop(digest, entry, quarantine=True)  # a symlink planted at a blob path
+            self._drop(digest, entry, quarantine=True, missing=True)  # a symlink planted there
             raise errors.ExpertNotFound(f"blob {digest} was not a regular file") from exc
         if size != entry.size:
             os.close(fd)
-            self._drop(digest, entry, quarantine=True)
+            self._drop(digest, entry, quarantine=True, missing=True)
             raise errors.ExpertNotFound(
                 f"blob {digest} has {size} bytes on disk, expected {entry.size}; refetch it"
             )
@@ -220,8 +221,11 @@ class Store:
         return False
 
     def _drop(
-        self, digest: str, entry: Entry, *, quarantine: bool, why: str = "bad_on_open"
+        self, digest: str, entry: Entry, *, quarantine: bool, why: str = "bad_on_open",
+        missing: bool = False,
     ) -> None:
+        """Forget ``entry``'s row (and move its file to quarantine/); ``missing``: an open found
+        its file gone, short or not a file (``missing_on_open``)."""
         # Under the ledger lock so the row delete is queued before any later re-commit's put.
         with self.ledger.mu:
             if self.ledger.forget(digest, entry) is None:
@@ -230,7 +234,12 @@ class Store:
                 self.quarantine_seq += 1
                 self._quarantined[digest] = self.quarantine_seq
                 self.blobs.quarantine(entry.dir_index, digest, why)
+                # Its bytes stay on the disk: they stay in the budget until quarantine/ prunes
+                # them (less than the entry held, so nothing needs evicting for it).
+                self.ledger.budget.set_aside = self.blobs.quarantine_bytes()
                 self.ledger.counters["quarantined"] += 1
+            if missing:
+                self.ledger.counters["missing_on_open"] += 1
             fut = self.index.delete_entries([digest])
         _log_failure(fut, "drop_row")
         log.warning("event=blob_dropped digest=%s quarantined=%s", digest, quarantine)

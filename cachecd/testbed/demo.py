@@ -51,7 +51,8 @@ def _step(text: str) -> None:
 class _Hub:
     def __init__(self, root: Path) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "cachecd.cli", "hub", "serve", str(root),
-                                      "--port", "0"], stdout=subprocess.PIPE, text=True)
+                                      "--port", "0"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)  # its log: noise here
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if "http://" not in line:
             self.stop()
@@ -83,8 +84,8 @@ def _stop_daemon(socket: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     from cachecd.testbed.tiny_model import write_tiny_model
 
-    tmp = Path(tempfile.mkdtemp(prefix="cachecd-demo-", dir="/tmp"))
-    socket, hub = tmp / "run" / "cachecd.sock", None
+    tmp = Path(tempfile.mkdtemp(prefix="cachecd-demo-"))  # under $TMPDIR, as tempfile says
+    socket, hub = _socket_path(tmp), None
     try:
         _step("generating a tiny Kimi-K3 checkpoint (the embedded default model)")
         write_tiny_model(tmp / "hub" / REPO)
@@ -97,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
              str(tmp / "cache"), "--models-dir", str(tmp / "models"),
              env={"CACHECD_LOG_DIR": str(tmp / "logs")})
         _step(f"cachecd run --prompt {args.prompt!r} --max-tokens {args.max_new}")
+        print("(the tiny model's weights are random numbers, so its text is gibberish: what the "
+              "demo shows is each expert it routes to, streamed from the hub, verified, cached)",
+              flush=True)
         _cli("run", "--model", REPO, "--prompt", args.prompt, "--max-tokens", str(args.max_new), *common)
         _step("what the daemon fetched")
         _summary(socket)
@@ -104,11 +108,29 @@ def run(args: argparse.Namespace) -> int:
         _stop_daemon(socket)
         if hub is not None:
             hub.stop()
+        if socket.parent.parent != tmp:  # the short dir made for a long TMPDIR
+            shutil.rmtree(socket.parent, ignore_errors=True)
         if args.keep:
             print(f"\nkept {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+# A Unix socket's path has a length limit (104 bytes on macOS, 108 on Linux), the data socket's
+# ".data" included.
+_SOCKET_PATH_MAX = 104
+
+
+def _socket_path(tmp: Path) -> Path:
+    """The daemon's socket under ``tmp``, or in a short dir of its own under /tmp when $TMPDIR is
+    too deep for a socket's path (said on stdout)."""
+    socket = tmp / "run" / "cachecd.sock"
+    if len(os.fsencode(str(socket) + ".data")) < _SOCKET_PATH_MAX:
+        return socket
+    short = Path(tempfile.mkdtemp(prefix="cachecd-", dir="/tmp"))
+    print(f"$TMPDIR is too deep for a Unix socket's path: the daemon's socket goes in {short}")
+    return short / "cachecd.sock"
 
 
 def _summary(socket: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if not args.dir.is_dir():
         raise InvalidRequest(f"{args.dir} is not a directory: give the folder that holds org/name/")
     from cachecd.testbed.hub_server import serve_until_signal
+
+    # A server: its log is what it writes, on a terminal or not (cli quiets other commands).
+    logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
 
     return asyncio.run(serve_until_signal(args))
 

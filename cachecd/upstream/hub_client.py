@@ -108,6 +108,10 @@ class HubClient:
     def count(self, name: str, n: int = 1) -> None:
         self._counters[name] += n
 
+    def observe_requests(self, observe: Any) -> None:
+        """``observe(kind, seconds)`` after each request sent upstream ("resolve", "range")."""
+        self._retry.observe = observe
+
     def offline_error(self, what: str) -> errors.Offline:
         return errors.Offline(
             f"offline mode (HF_HUB_OFFLINE) is on and {what} is not cached; unset HF_HUB_OFFLINE "
@@ -149,11 +153,12 @@ class HubClient:
         url = hf_hub_url(manifest.repo, file, revision=manifest.revision, endpoint=self.endpoint)
         await self.auth.refresh()
         try:
-            return await self._retry.run(url, lambda: self._head(url, manifest, file))
+            return await self._retry.run(url, lambda: self._head(url, manifest, file),
+                                         kind="resolve")
         except errors.Unauthorized:
             if not await self.auth.refresh():  # a token that changed while this one was refused
                 raise
-        return await self._retry.run(url, lambda: self._head(url, manifest, file))
+        return await self._retry.run(url, lambda: self._head(url, manifest, file), kind="resolve")
 
     async def _head(self, url: str, manifest: Any, file: str) -> Location:
         self.count("requests_resolve")

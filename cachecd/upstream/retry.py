@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -41,6 +43,11 @@ class DeadlinePassed(errors.UpstreamTimeout):
     """The total deadline passed before an attempt could start."""
 
 
+# A host that refuses the connection (down, a wrong port, DNS) rarely comes back within the
+# backoff: a couple of quick tries, then the caller hears it within seconds, not minutes.
+CONNECT_RETRIES = 2
+
+
 class Retrier:
     def __init__(
         self,
@@ -57,21 +64,26 @@ class Retrier:
         self.backoff_base, self.backoff_cap = backoff_base, backoff_cap
         self.read_timeout = read_timeout
         self.in_flight = 0
+        # Told each attempt's kind and seconds (the daemon's latency histogram), if set.
+        self.observe: Callable[[str, float], None] | None = None
         self._counters = counters
         self._sem = asyncio.Semaphore(max_parallel)
         self._not_before: dict[str, float] = {}
         self._rng = random.Random()
 
     async def run(
-        self, url: str, once: Callable[[], Awaitable[Any]], deadline: float | None = None
+        self, url: str, once: Callable[[], Awaitable[Any]], deadline: float | None = None,
+        kind: str = "range",
     ) -> Any:
-        """``once()`` under the parallel limit and the host's wait, retrying transient faults."""
-        host = urlsplit(url).netloc
+        """``once()`` under the parallel limit and the host's wait, retrying transient faults;
+        ``kind`` ("resolve", "range") names its attempts to ``observe``."""
+        parts = urlsplit(url)
+        host = parts.netloc
         deadline = deadline or time.monotonic() + self.total_timeout
         failure: Transient | None = None
         for attempt in range(self.max_retries + 1):
             try:
-                return await self._attempt(host, once)
+                return await self._attempt(host, once, f"{parts.scheme}://{host}", kind)
             except Transient as exc:
                 failure = exc
             except DeadlinePassed:
@@ -87,7 +99,8 @@ class Retrier:
                 hh.backoff_delay(attempt, self.backoff_base, self.backoff_cap, self._rng),
                 failure.wait or 0.0,
             )
-            if attempt == self.max_retries or time.monotonic() + delay > deadline:
+            last = CONNECT_RETRIES if failure.fault == "connect" else self.max_retries
+            if attempt >= last or time.monotonic() + delay > deadline:
                 break
             self._counters["retries"] += 1
             log.warning(
@@ -98,7 +111,8 @@ class Retrier:
         assert failure is not None
         raise failure.error
 
-    async def _attempt(self, host: str, once: Callable[[], Awaitable[Any]]) -> Any:
+    async def _attempt(self, host: str, once: Callable[[], Awaitable[Any]], origin: str,
+                       kind: str) -> Any:
         async with self._sem:
             wait = self._not_before.get(host, 0.0) - time.monotonic()
             while wait > 0:
@@ -108,8 +122,11 @@ class Retrier:
             self._counters["peak_in_flight"] = max(
                 self._counters["peak_in_flight"], self.in_flight
             )
+            started = time.monotonic()
             try:
                 return await once()
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                raise Transient(unreachable(origin, exc), "connect") from exc
             except TimeoutError as exc:
                 raise Transient(
                     errors.UpstreamTimeout(
@@ -131,3 +148,21 @@ class Retrier:
                 ) from exc
             finally:
                 self.in_flight -= 1
+                if self.observe is not None:
+                    self.observe(kind, time.monotonic() - started)
+
+
+def unreachable(origin: str, exc: BaseException) -> errors.UpstreamError:
+    """One line for a connection that could not be made: the endpoint and the reason, not the
+    client library's exception text."""
+    os_error = getattr(exc, "os_error", None)
+    number = getattr(os_error, "errno", None)
+    if isinstance(exc, TimeoutError):
+        reason = "no connection within the connect timeout"
+    elif isinstance(number, int) and number > 0 and not isinstance(os_error, socket.gaierror):
+        reason = os.strerror(number)  # "Connection refused", not asyncio's "Connect call failed"
+    else:
+        reason = getattr(os_error, "strerror", None) or str(os_error or exc)
+    return errors.UpstreamError(
+        f"cannot reach {origin} ({reason}): the endpoint is down or unreachable; check the "
+        "network and --endpoint / HF_ENDPOINT (the next request tries again)")

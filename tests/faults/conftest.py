@@ -119,10 +119,18 @@ def _is_fault_item(nodeid: str) -> bool:
     return nodeid.replace("\\", "/").startswith("tests/faults/")
 
 
+SOAK_LONG_S = 600.0  # --soak: the opt-in soak, ten minutes
+
+
 def soak_seconds(config: pytest.Config) -> float:
-    """--soak-seconds, else $CACHECD_SOAK_SECONDS, else 60: a minute keeps the suite short."""
+    """--soak-seconds, else $CACHECD_SOAK_SECONDS, else ten minutes with --soak, else 60: a
+    minute keeps the suite short."""
     given = config.getoption("--soak-seconds", None)
-    return float(given if given is not None else os.environ.get("CACHECD_SOAK_SECONDS", "60"))
+    if given is None:
+        given = os.environ.get("CACHECD_SOAK_SECONDS")
+    if given is None:
+        given = SOAK_LONG_S if config.getoption("--soak", False) else 60.0
+    return float(given)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

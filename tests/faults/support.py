@@ -287,8 +287,9 @@ class FaultDaemon(DaemonProcess):
     def set_env(self, env: dict[str, str] | None) -> None:
         base = {k: v for k, v in os.environ.items()
                 if not k.startswith(("CACHECD_", "HF_")) and k != "PYTEST_CURRENT_TEST"}
+        (self.base / "empty.toml").touch()  # no user config reaches the daemon
         self.env = {**base, "HF_TOKEN": FAKE_TOKEN, "HF_HUB_DISABLE_TELEMETRY": "1",
-                    "CACHECD_LOG_LEVEL": "DEBUG", "CACHECD_CONFIG": str(self.base / "none.toml"),
+                    "CACHECD_LOG_LEVEL": "DEBUG", "CACHECD_CONFIG": str(self.base / "empty.toml"),
                     **(env or {})}
 
     @property

@@ -146,7 +146,8 @@ def test_write_order_under_strace(small: Model, pool) -> None:  # type: ignore[n
     d = pool.daemon(hub, [small], start=False)
     trace = d.base / "trace"
     d.wrap = [strace, "-f", "-qq", "-s", "8192", "-x", "-o", str(trace), "-e",
-              "trace=openat,fsync,fdatasync,rename,renameat,renameat2,pwrite64,pwritev,write,writev"]
+              "trace=openat,fsync,fdatasync,rename,renameat,renameat2,pwrite64,pwritev,write,writev,"
+              "mkdir,mkdirat"]
     d.start(timeout=120)
     layer, expert = small.layers[2], 11
     entry = small.entry(layer, expert)
@@ -158,6 +159,9 @@ def test_write_order_under_strace(small: Model, pool) -> None:  # type: ignore[n
     order = [events.index(w) for w in steps]
     assert order == sorted(order), events
     assert "sync:mdb" in events[order[-1]:], events  # the row's txn is synced after it is written
+    # The blob's fan-out dir was new: its entry in blobs/ was made durable before the rename.
+    made = events.index("mkdir")
+    assert made < events.index("fsync:blobs", made) < events.index("rename"), events
     synced = events.index("sync:mdb", order[-1])
     # What strace saw, in the order it saw it: the first of each step of this blob's write.
     seen = sorted([*zip(order, steps, strict=True), (synced, "sync:mdb")])
@@ -169,7 +173,8 @@ _STEP_NAMES = {"fsync:tmp": "fsync(tmp)", "rename": "rename", "fsync:dir": "fsyn
 
 
 def _write_events(text: str, digest: str) -> list[str]:
-    """fsync:tmp, rename, fsync:dir, row (an LMDB page write holding the digest), sync:mdb."""
+    """fsync:tmp, rename, fsync:dir, row (an LMDB page write holding the digest), sync:mdb;
+    mkdir (the blob's fan-out dir) and fsync:blobs (of blobs/, which holds it)."""
     raw = "".join(f"\\x{digest[i:i + 2]}" for i in range(0, 32, 2))
     kind: dict[str, str | None] = {}
     events: list[str] = []
@@ -179,7 +184,11 @@ def _write_events(text: str, digest: str) -> list[str]:
             path = bytes(m.group(1), "ascii").decode("unicode_escape")
             kind[m.group(2)] = ("tmp" if f"/tmp/{digest}" in path else
                                 "dir" if path.endswith(f"/blobs/{digest[:2]}") else
+                                "blobs" if path.endswith("/blobs") else
                                 "mdb" if path.endswith("data.mdb") else None)
+            continue
+        if re.search(r'\bmkdir(at)?\(.*/blobs/' + digest[:2] + '"', line):
+            events.append("mkdir")
             continue
         m = re.search(r"\b(fsync|fdatasync|pwrite64|pwritev|write|writev)\((\d+)", line)
         if m and kind.get(m.group(2)):

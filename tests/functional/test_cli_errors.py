@@ -7,16 +7,19 @@ Hugging Face cache. With `-v` the traceback is printed too.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cachecd.testbed.hub_server import spawn_hub
-from tests.harness import TINY_REPO, HubProcess, run_cli, short_tmp
+from tests.harness import CACHECD, TINY_REPO, HubProcess, run_cli, short_tmp
 
 TOKEN = "hf_test_token_for_the_gated_hub"
 
@@ -47,9 +50,9 @@ def setup(home: Path, spec: str, endpoint: str, *extra: str, env: dict[str, str]
                    check=False, timeout=120)
 
 
-def one_line(proc: subprocess.CompletedProcess[str], code: str) -> str:
+def one_line(proc: subprocess.CompletedProcess[str], code: str, exit_code: int = 1) -> str:
     """The single stderr line of a failed command, checked to carry ``code``."""
-    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert proc.returncode == exit_code, (proc.returncode, proc.stderr)
     assert "Traceback" not in proc.stderr, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"cachecd: {code}: "), proc.stderr
@@ -109,10 +112,69 @@ def test_verbose_adds_the_traceback(hub: HubProcess, home: Path) -> None:
     assert any(line.startswith("cachecd: not_found: nosuch/repo") for line in lines)
 
 
-def test_no_daemon_is_one_line(home: Path) -> None:
-    proc = run_cli("status", "--socket", str(home / "none.sock"), check=False)
-    line = one_line(proc, "daemon_unavailable")
-    assert "cachecd serve" in line
+def test_no_daemon_is_one_line_and_its_own_exit_code(home: Path) -> None:
+    for argv in (["status"], ["warm", "--model", TINY_REPO, "--top", "5"]):
+        proc = run_cli(*argv, "--socket", str(home / "none.sock"), check=False)
+        line = one_line(proc, "daemon_unavailable", exit_code=3)  # scripts: "start one"
+        assert "cachecd serve" in line
+
+
+def test_fsck_of_a_cache_a_daemon_holds_is_busy_not_corrupt(daemon: Any) -> None:
+    proc = run_cli("fsck", "--cache-dir", str(daemon.cache_dir), check=False)
+    assert proc.returncode == 6, (proc.returncode, proc.stderr)  # 1 is corrupt, 4 unverifiable
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("cachecd: cache_locked: ") and "cachecd status" in line, line
+    daemon.stop()
+    assert run_cli("fsck", "--cache-dir", str(daemon.cache_dir), check=False).returncode == 0
+
+
+def test_a_config_file_named_by_cachecd_config_must_be_there(tmp_path: Path) -> None:
+    gone = tmp_path / "typo.toml"
+    proc = run_cli("status", env={"CACHECD_CONFIG": str(gone)}, check=False)
+    line = one_line(proc, "config_invalid")
+    assert str(gone) in line and "CACHECD_CONFIG" in line
+
+
+def test_a_file_given_as_the_cache_dir_is_named_as_not_a_directory(tmp_path: Path) -> None:
+    a_file = tmp_path / "cache"
+    a_file.write_text("not a folder")
+    for argv in (["serve", "--socket", str(tmp_path / "s.sock")], ["fsck"]):
+        proc = run_cli(*argv, "--cache-dir", str(a_file), check=False)
+        line = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == (4 if argv == ["fsck"] else 1), proc.stderr
+        assert line.startswith("cachecd: config_invalid: --cache-dir: ") and str(a_file) in line
+        assert "is a file, not a directory" in line and "Traceback" not in proc.stderr
+
+
+def test_the_models_dir_is_where_help_says(tmp_path: Path) -> None:
+    """Given a cache dir and no models dir, the models dir is models/ beside it, as --help says
+    (and `cachecd status` shows it)."""
+    assert "models/ beside the first one (DIR/../models)" in " ".join(
+        run_cli("serve", "--help").stdout.split())
+    base = short_tmp("cdmd")
+    sock, cache = base / "run" / "s.sock", base / "ssd" / "cache"
+    proc = subprocess.Popen([*CACHECD, "serve", "--cache-dir", str(cache), "--socket", str(sock)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "CACHECD_CONFIG": str(_empty(base / "c.toml")),
+                                 "HOME": str(base / "home")})
+    try:
+        out = ""
+        for _ in range(200):
+            status = run_cli("status", "--socket", str(sock), check=False)
+            if status.returncode == 0:
+                out = status.stdout
+                break
+            time.sleep(0.1)
+        assert f"models      {base / 'ssd' / 'models'}" in out, out
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _empty(path: Path) -> Path:
+    path.touch()
+    return path
 
 
 def test_a_path_that_cannot_be_used_is_one_line(tmp_path: Path) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 from tests.exactness import assert_bitwise, run_logits
 from tests.harness import TINY_REPO, run_cli
@@ -78,7 +80,17 @@ def test_run_within_a_small_expert_memory_bound(installed):
 
 
 def test_demo_runs_end_to_end():
-    out = run_cli("demo", "--max-new", "8", timeout=600).stdout
-    summary = json.loads(out.strip().splitlines()[-1])
+    """In $TMPDIR (kept with --keep, where it says), saying that the weights are random."""
+    from tests.harness import short_tmp
+
+    tmp = short_tmp("cdtmp")
+    out = run_cli("demo", "--max-new", "8", "--keep", env={"TMPDIR": str(tmp)},
+                  timeout=600).stdout
+    lines = [line for line in out.splitlines() if line.strip()]
+    kept = Path(lines[-1].removeprefix("kept "))
+    assert kept.parent == tmp and kept.name.startswith("cachecd-demo-"), out
+    summary = json.loads(lines[-2])
     assert 0 < summary["experts_cached"] <= summary["experts_total"]
     assert "cachecd run" in out and "what the daemon fetched" in out
+    assert "weights are random numbers, so its text is gibberish" in out
+    shutil.rmtree(tmp, ignore_errors=True)

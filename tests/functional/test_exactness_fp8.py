@@ -19,10 +19,10 @@ from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import load_model
 
 from cachecd.testbed.tiny_k2 import K2Options, k2_tensor_values, tensor_defs, write_tiny_k2
-from cachecd_engine.dispatch import current_backend
-from cachecd_engine.formats import StackLayout, expert_memory_nbytes, quant_spec, stack_from_blobs
+from cachecd_engine.formats import StackLayout, quant_spec, stack_from_blobs
 from cachecd_engine.loader import load
 from cachecd_engine.local_source import LocalSource, manifest_from_dir
+from cachecd_engine.pool import PoolMemory
 from tests.exactness import assert_bitwise, make_resident_dir, run_logits
 from tests.harness import expert_bytes_from_files
 from tests.unit.test_formats import fp8_reference
@@ -98,15 +98,17 @@ def test_bitwise_cold_and_warm(checkpoint) -> None:
 
 
 def test_bitwise_in_groups_under_a_small_memory_bound(checkpoint: tuple[Path, ...]) -> None:
-    """Calls split in groups of experts: each group's bf16 stack is dequantized on its own."""
+    """A pool of 6 slots: calls split in groups of experts; each slot's bf16 weights are
+    dequantized from its fp8 bytes when it is filled, and counted in the pool's memory."""
     full, manifest, resident_dir, reference = checkpoint
     layout = StackLayout.of(manifest.expert(1, 0))
-    expert = expert_memory_nbytes(quant_spec("fp8"), layout, current_backend())
-    assert expert > 10 * layout.expert_nbytes  # the bf16 stack and its way there count
+    slot = PoolMemory.slot_nbytes(quant_spec("fp8"), layout)
+    assert slot > 2 * layout.expert_nbytes  # the bf16 weights count
     with LocalSource(manifest, full) as source:
-        model, tokenizer = load(resident_dir, source, ram_bytes=0, expert_memory=6 * expert)
+        model, tokenizer = load(resident_dir, source, ram_bytes=0, expert_memory=6 * slot)
         prompt = tokenizer.encode(PROMPT_TEXT)
         ref, toks = run_logits(reference, prompt, steps=4)
         got, _ = run_logits(model, prompt, toks, steps=4)
         assert_bitwise(ref, got)
         assert model.bank.stats.groups > model.bank.stats.layer_calls
+        assert model.bank.capacity == 2  # --ram 0: the smallest pool, within the cap

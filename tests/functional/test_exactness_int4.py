@@ -87,7 +87,8 @@ def test_bitwise_cold_and_warm(checkpoint) -> None:
         assert_bitwise(ref, cold)
         stats = model.bank.stats
         # Every expert read from the source (on demand or ahead of its call) went into the tier.
-        assert stats.source_hits > 0 and stats.source_bytes == model.bank.ram.bytes_used
+        one = manifest.expert(1, 0).nbytes
+        assert stats.source_hits > 0 and stats.source_bytes == len(model.bank.table) * one
         stats.reset()
         warm, _ = run_logits(model, prompt, toks)
         assert_bitwise(ref, warm)
@@ -98,15 +99,27 @@ def test_bitwise_cold_and_warm(checkpoint) -> None:
     assert split & fetched, "some routed expert must be one split across shards"
 
 
-def test_bitwise_without_ram_tier_from_full_dir(checkpoint: tuple[Path, ...]) -> None:
+@pytest.mark.parametrize("slots", [2, 3 * OPTS.top_k])
+def test_bitwise_with_small_pools_from_full_dir(checkpoint: tuple[Path, ...], slots: int) -> None:
+    """The smallest pool (two slots: every call in groups) and one of three decode calls'
+    experts (read-ahead has free slots to read into); the derived biases of each slot are
+    computed when it is filled."""
     full, manifest, _, reference = checkpoint
     with LocalSource(manifest, full) as source:
-        model, tokenizer = load(full, source, ram_bytes=0, prefetch=True)
+        one = manifest.expert(1, 0).nbytes
+        model, tokenizer = load(full, source, ram_bytes=slots * one, prefetch=True)
         prompt = tokenizer.encode(PROMPT_TEXT)
         ref, toks = run_logits(reference, prompt)
         got, _ = run_logits(model, prompt, toks)
         assert_bitwise(ref, got)
-        assert model.bank.stats.ram_hits == 0
+        bank = model.bank
+        # A slot holds the expert's bytes and its derived biases (int4: -8 x scales).
+        assert bank.memory.derived and bank.slot_nbytes > one
+        assert bank.capacity == max(2, slots * one // bank.slot_nbytes)
+        assert bank.table.counters.evicted > 0
+        if slots == 2:
+            assert bank.stats.groups > bank.stats.layer_calls
+            return
         # K2's gate returns (indices, scores): the next-layer guess uses it, and reads ahead.
         pf = model.prefetcher
         assert pf.routed > 0 and model.bank.stats.staged > 0

@@ -51,8 +51,9 @@ def test_bitwise_cold_and_warm_from_resident_dir(checkpoint) -> None:
         cold, _ = run_logits(model, prompt, toks)
         assert_bitwise(ref, cold)
         stats = model.bank.stats
-        # Every expert read from the source (on demand or ahead) went into the tier.
-        assert stats.source_hits > 0 and stats.source_bytes == model.bank.ram.bytes_used
+        # Every expert read from the source (on demand or ahead) stays in a slot of the pool.
+        one = manifest.expert(1, 0).nbytes
+        assert stats.source_hits > 0 and stats.source_bytes == len(model.bank.table) * one
         stats.reset()
         warm, _ = run_logits(model, prompt, toks)
         assert_bitwise(ref, warm)
@@ -62,9 +63,10 @@ def test_bitwise_cold_and_warm_from_resident_dir(checkpoint) -> None:
     assert split & fetched, "some routed expert must be one split across shards"
 
 
-def test_bitwise_without_ram_tier_from_full_dir(checkpoint) -> None:
-    """Loading from the full checkpoint dir ignores its expert tensors; every call is a miss;
-    read-ahead is on (hints in the prefill, reads into the stack buffer while decoding)."""
+def test_bitwise_with_the_smallest_pool_from_full_dir(checkpoint) -> None:
+    """Loading from the full checkpoint dir ignores its expert tensors; a pool of two slots,
+    so every call reads its experts, in groups; read-ahead is on (hints in the prefill, reads
+    into free slots while decoding)."""
     _, full, manifest, _, reference = checkpoint
     with LocalSource(manifest, full) as source:
         model, tokenizer = load(full, source, ram_bytes=0, prefetch=True)
@@ -73,12 +75,12 @@ def test_bitwise_without_ram_tier_from_full_dir(checkpoint) -> None:
         got, _ = run_logits(model, prompt, toks)
         assert_bitwise(ref, got)
         stats = model.bank.stats
-        assert stats.ram_hits == 0 and stats.layer_calls == 5 * (DECODE_STEPS + 1)
+        assert stats.layer_calls == 5 * (DECODE_STEPS + 1) < stats.groups
         # Every routed expert was read from the checkpoint: ahead of its call, or in it.
-        assert stats.source_hits + stats.staged_hits == stats.experts_routed
-        assert stats.staged_hits > 0
-        asked = sum(len(ids) for _, ids in source.calls)  # read-ahead cancelled unstarted: not
-        assert stats.source_hits + stats.staged_hits <= asked <= stats.source_hits + stats.staged
+        assert stats.source_hits + stats.staged_hits + stats.ram_hits == stats.experts_routed
+        assert stats.ram_hits < stats.experts_routed / 10
+        asked = sum(len(ids) for _, ids in source.calls)
+        assert asked == stats.source_hits + stats.staged
         # The prefill's hints went out for layers 2.. (and, being hints, changed no logit).
         assert len(source.prefetched) == model.prefetcher.hints == 4
         assert {layer for layer, _ in source.prefetched} == set(manifest.moe_layers[1:])

@@ -4,6 +4,7 @@ and its greedy text is mlx-lm's on the fully resident checkpoint."""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -79,24 +80,28 @@ def test_chat_equals_resident_mlx_lm_streamed_and_not(client: Any, tiny_resident
 
 
 def test_two_requests_at_once(client: Any, tiny_resident: Any) -> None:
+    """The second request is sent once the first has streamed its first token and while it has
+    many more to go, so the two overlap for certain: each must see the other in flight (the test
+    fails if they never overlap), and each answer is still mlx-lm's."""
     prompts = [PROMPT, "A second prompt, routed to other experts at the same time."]
-    start = threading.Barrier(len(prompts))
-    got: dict[int, Any] = {}
-
-    def ask(i: int) -> None:
-        start.wait()
-        got[i] = client.completions.create(model=TINY_REPO, prompt=prompts[i], max_tokens=N,
-                                           temperature=0)
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert [got[i].choices[0].text for i in range(2)] == [resident_text(tiny_resident, p) for p in prompts]
-    # Overlap is mutual: either both saw the other in flight (their counts are shared) or neither.
-    others = [got[i].usage.model_extra["cachecd"]["other_requests"] for i in range(2)]
-    assert others in ([0, 0], [1, 1])
+    long = 160
+    first = client.completions.create(model=TINY_REPO, prompt=prompts[0], max_tokens=long,
+                                      temperature=0, stream=True,
+                                      stream_options={"include_usage": True})
+    chunks = [next(first)]  # the first is answering: its window is open
+    got: dict[str, Any] = {}
+    second = threading.Thread(target=lambda: got.update(second=client.completions.create(
+        model=TINY_REPO, prompt=prompts[1], max_tokens=N, temperature=0)))
+    second.start()
+    chunks += list(first)
+    second.join(120)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == resident_text(tiny_resident, prompts[0], long)
+    assert got["second"].choices[0].text == resident_text(tiny_resident, prompts[1])
+    assert chunks[-1].usage.completion_tokens == long  # it was still going when the second came
+    others = [chunks[-1].usage.model_extra["cachecd"]["other_requests"],
+              got["second"].usage.model_extra["cachecd"]["other_requests"]]
+    assert others == [1, 1], others
 
 
 def test_cold_request_counts_its_hub_fetches(client: Any, installed_module: Installed) -> None:
@@ -129,3 +134,35 @@ def test_what_cannot_be_served_fails_at_start(installed_module: Installed, serve
     for proc, says in ((unknown, "cachecd setup --stream nobody/nothing"), (taken, "--port")):
         assert proc.returncode == 1 and "Traceback" not in proc.stderr
         assert says in proc.stderr.strip().splitlines()[-1]
+
+
+def test_mlx_lm_server_flags_that_cannot_apply_are_refused_with_the_reason(
+        installed_module: Installed) -> None:
+    socket = str(installed_module.socket)
+    for flags, says in ((["--kv-bits", "8"], "quantized KV cache cannot apply"),
+                        (["--draft-model", "any/draft"], "cannot be trimmed")):
+        proc = run_cli("openai", "--model", TINY_REPO, "--socket", socket, "--port", "0", *flags,
+                       check=False)
+        line = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert line.startswith(f"cachecd: config_invalid: {flags[0]}: ") and says in line, line
+
+
+def test_the_prompt_cache_keeps_to_its_byte_bound(installed_module: Installed,
+                                                 server: OpenAIServer, client: Any) -> None:
+    """--prompt-cache-bytes bounds the KV caches kept for reuse (mlx-lm logs their count at each
+    request; --log-level INFO, the default, shows it): one byte keeps none, where the unbounded
+    server keeps each prompt's."""
+    for _ in range(2):
+        client.completions.create(model=TINY_REPO, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert re.search(r"Prompt Cache: [1-9]\d* sequences", server.log()), server.log()[-3000:]
+    bound = OpenAIServer(TINY_REPO, installed_module.socket, "--prompt-cache-bytes", "1",
+                         "--log-level", "INFO")
+    try:
+        small = openai.OpenAI(base_url=bound.url, api_key="unused", max_retries=0, timeout=120)
+        for _ in range(2):
+            small.completions.create(model=TINY_REPO, prompt=PROMPT, max_tokens=2, temperature=0)
+        seen = [line for line in bound.log().splitlines() if "Prompt Cache:" in line]
+        assert seen and all("Prompt Cache: 0 sequences" in line for line in seen), seen
+    finally:
+        assert bound.stop() == 0

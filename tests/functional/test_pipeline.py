@@ -205,3 +205,47 @@ def test_a_rank_daemon_refuses_other_layers(ranks: Ranks) -> None:
         assert "serves    layers 0-2 only (pipeline rank 1 of 2)" in status
     with pytest.raises(NotStreamable, match="run it under mlx.launch with 2 ranks"):
         cachecd_engine.load(TINY_REPO, socket=ranks.socket(1))
+
+
+def test_openai_under_mlx_launch_serves_from_rank_0_alone(ranks: Ranks, tiny_resident: Any) -> None:
+    """`mlx.launch ... cachecd openai`: rank 0 binds the port and answers, rank 1 computes its
+    layers for each request (no second server, no "Address already in use"), and the greedy
+    answer is mlx-lm's."""
+    from mlx_lm import generate
+
+    openai = pytest.importorskip("openai")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    proc = subprocess.Popen(
+        [str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()),
+         "--cwd", str(ROOT), "--", sys.executable, "-m", "cachecd.cli", "openai", "--model",
+         TINY_REPO, "--socket", str(ranks.socket("{rank}")), "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+        start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        banner = proc.stdout.readline()
+        assert f"at http://127.0.0.1:{port}/v1" in banner, banner
+        assert "pipelined over 2 ranks" in banner, banner
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0, timeout=120)
+        with ranks.client(1) as c:
+            before = c.stats()["counters"].get("expert_requests", 0)
+        got = client.completions.create(model=TINY_REPO, prompt=PROMPT, max_tokens=TOKENS,
+                                        temperature=0)
+        model, tokenizer = tiny_resident
+        assert got.choices[0].text == generate(model, tokenizer, PROMPT, max_tokens=TOKENS)
+        with ranks.client(1) as c:  # rank 1 computed its layers for it, through its daemon
+            assert c.stats()["counters"]["expert_requests"] > before
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+    assert "Address already in use" not in err, err
+    assert "cachecd openai: serving" not in out, out  # one banner: rank 0's
+    assert "rank 0: cache:" in err and "rank 1: cache:" in err, err

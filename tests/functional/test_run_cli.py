@@ -82,3 +82,23 @@ def test_prompt_from_stdin_with_prefill_progress(installed_module: Installed,
     done = [int(s[0]) for s in steps]
     assert done == sorted(done) and done[0] == 32 and done[-1] == int(steps[-1][1])
     assert int(steps[-1][2]) > 0  # experts arrived through the daemon during the prefill
+
+
+def test_the_text_ends_its_line_when_interrupted(installed_module: Installed) -> None:
+    """Ctrl-C in the middle of the text: what was written ends with a newline, so the shell's
+    prompt (or the error line) does not run on after it; the exit code says interrupted."""
+    import signal
+
+    proc = subprocess.Popen([*CACHECD, "run", "--model", TINY_REPO, "--socket",
+                             str(installed_module.socket), "--prompt", PROMPT, "--max-tokens",
+                             "2000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    first = os.read(proc.stdout.fileno(), 1)  # the text has begun
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    text = (first + out).decode(errors="replace")
+    assert proc.returncode == 130, err
+    assert text and text.endswith("\n"), repr(text[-40:])
+    done = run_cli("run", "--model", TINY_REPO, "--socket", str(installed_module.socket),
+                   "--prompt", PROMPT, "--max-tokens", "3")
+    assert done.stdout.endswith("\n") and done.stdout.strip(), repr(done.stdout)

@@ -359,7 +359,7 @@ def test_round_trip_under_a_real_systemd_user_manager() -> None:
     sock = base / "run" / "s.sock"
     instance = "test-" + uuid.uuid4().hex[:8]
     env = {**os.environ, "CACHECD_SERVICE_INSTANCE": instance,
-           "CACHECD_CONFIG": str(base / "absent.toml"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+           "CACHECD_CONFIG": str(_empty(base / "empty.toml")), "HF_HUB_DISABLE_TELEMETRY": "1"}
     flags = ["--platform", "systemd", "--cache-dir", str(base / "cache"), "--socket", str(sock),
              "--endpoint", "http://127.0.0.1:9"]
     unit = f"cachecd-{instance}.service"
@@ -385,3 +385,11 @@ def test_round_trip_under_a_real_systemd_user_manager() -> None:
     finally:
         cli("service", "uninstall", "--platform", "systemd", env=env)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _empty(path: Path) -> Path:
+    """An empty config file: no user config reaches the service (a missing one named by
+    CACHECD_CONFIG is an error)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    return path

@@ -131,7 +131,7 @@ def test_round_trip_under_launchd() -> None:
     sock = base / "run" / "s.sock"
     instance = "test-" + uuid.uuid4().hex[:8]
     env = {**os.environ, "CACHECD_SERVICE_INSTANCE": instance,
-           "CACHECD_CONFIG": str(base / "absent.toml"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+           "CACHECD_CONFIG": str(_empty(base / "empty.toml")), "HF_HUB_DISABLE_TELEMETRY": "1"}
     flags = ["--platform", "launchd", "--cache-dir", str(base / "cache"), "--socket", str(sock),
              "--endpoint", "http://127.0.0.1:9"]
     target = f"gui/{os.getuid()}/{LABEL}.{instance}"
@@ -159,3 +159,11 @@ def test_round_trip_under_launchd() -> None:
     finally:
         cli("service", "uninstall", "--platform", "launchd", env=env)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _empty(path: Path) -> Path:
+    """An empty config file: no user config reaches the service (a missing one named by
+    CACHECD_CONFIG is an error)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    return path

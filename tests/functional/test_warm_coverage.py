@@ -135,8 +135,9 @@ def test_warm_top_bytes_resume_from_daemon_stats(daemon, tiny_manifest):
     assert got["fetched"] == 1 and _digest(m, m.moe_layers[0], 2) in _blobs_on_disk(daemon)
     got, _ = _warm(daemon, "--top", "100")
     assert got["fetched"] == 1 and got["hit_rate_after"] == 1.0
-    got, _ = _warm(daemon, "--top", "100")  # everything wanted is cached: nothing to do
+    got, proc = _warm(daemon, "--top", "100")  # everything wanted is cached: nothing to do
     assert got["fetched"] == 0 and got["hit_rate_before"] == 1.0
+    assert "warming 0 experts" in proc.stdout and "nothing to warm: all 5 experts" in proc.stderr
     assert len(_blobs_on_disk(daemon)) == len(counts)
 
 
@@ -260,7 +261,7 @@ def test_ctrl_c_loses_nothing_and_a_rerun_resumes(tiny_manifest, tiny_dir, tiny_
         fake.clear_records()  # the registration's header reads (the layout check) are not warm's
         try:
             argv = [*CACHECD, "warm", "--model", TINY_REPO, "--socket", str(d.socket), "--trace",
-                    str(trace), "--batch", "1", "--parallel", "1", "--json"]
+                    str(trace), "--batch", "1", "--parallel", "2", "--json"]
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     env={**os.environ})
             with d.client() as c:
@@ -268,12 +269,15 @@ def test_ctrl_c_loses_nothing_and_a_rerun_resumes(tiny_manifest, tiny_dir, tiny_
                     assert proc.poll() is None, proc.communicate()
                     time.sleep(0.02)
                 proc.send_signal(signal.SIGINT)
-                _out, err = proc.communicate(timeout=60)
+                out, err = proc.communicate(timeout=60)
                 assert proc.returncode == 130, err
                 assert "interrupted" in err
                 _wait_idle(c)
                 first = int(_detail(c, m)[0].sum())
             assert 2 <= first < 40 and len(_blobs_on_disk(d)) == first
+            # What it says it fetched is what landed, the requests in flight at Ctrl-C included.
+            said = json.loads(out.strip().splitlines()[-1])
+            assert said["fetched"] == first and said["experts_cached"] == first, (said, err)
             got, _ = _warm(d, "--trace", str(trace))
             assert got["fetched"] == 40 - first and got["hit_rate_after"] == 1.0
             with d.client() as c:
@@ -303,7 +307,7 @@ def installed(hub, tiny_manifest_path):  # type: ignore[no-untyped-def]
     inst.cleanup()
 
 
-def test_warm_prompts_records_use_and_run_trace_replays(installed, tiny_manifest, tmp_path,
+def test_warm_prompts_is_not_use_and_run_trace_replays(installed, tiny_manifest, tmp_path,
                                                        tiny_dir):
     from mlx_lm.utils import load_tokenizer
 
@@ -316,7 +320,12 @@ def test_warm_prompts_records_use_and_run_trace_replays(installed, tiny_manifest
     assert got["hit_rate_before"] == 0.0 and got["hit_rate_after"] == 1.0  # setup fetched none
     with d.client() as c:
         cached, access = _detail(c, m)
-        assert got["fetched"] == int(cached.sum()) == c.stats()["counters"]["fetched_experts"]
+        counters = c.stats()["counters"]
+        assert got["fetched"] == int(cached.sum()) == counters["fetched_experts"]
+        # Warming is not use: no access counted, no hit or miss, its fetches counted as warm.
+        assert access.sum() == 0, access.sum()
+        assert counters.get("expert_requests", 0) == counters.get("expert_misses", 0) == 0
+        assert 0 < counters["warm_fetched_experts"] <= got["fetched"]
     assert len(_blobs_on_disk(d)) == got["fetched"] > 0
     trace = read_trace(saved)
     assert {layer for layer, _ in trace.counts} == set(m.moe_layers)
@@ -327,12 +336,13 @@ def test_warm_prompts_records_use_and_run_trace_replays(installed, tiny_manifest
                                               add_generation_prompt=True)
     first = json.loads(saved.read_text().splitlines()[1])
     assert first["step"] == 0 and len(first["experts"]) + 1 == len(templated) > len(PROMPTS[0])
-    for layer, expert in trace.counts:
-        assert cached[m.row(layer, expert)] and access[m.row(layer, expert)] > 0  # use recorded
+    assert all(cached[m.row(layer, expert)] for layer, expert in trace.counts)
     flag, env = tmp_path / "run.jsonl", tmp_path / "env.jsonl"
     common = ["run", "--model", TINY_REPO, "--prompt", PROMPTS[0], "--max-new", "2",
               "--socket", str(d.socket)]
     run_cli(*common, "--trace", str(flag))
+    with d.client() as c:  # running the model is use
+        assert _detail(c, m)[1].sum() > 0 and c.stats()["counters"]["expert_requests"] > 0
     run_cli(*common, env={"CACHECD_TRACE": str(env)})
     by_flag, by_env = read_trace(flag), read_trace(env)
     assert by_flag.counts == by_env.counts and by_flag.steps >= 2 and by_flag.model == TINY_REPO

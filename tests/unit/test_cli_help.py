@@ -96,3 +96,35 @@ def test_hub_serve_help_names_the_url_lifetime_the_server_uses() -> None:
 
     out = run_cli("hub", "serve", "--help").stdout
     assert f"(default: {DEFAULT_URL_TTL_S:.0f}," in " ".join(out.split())
+
+
+def test_every_command_says_its_exit_codes_one_meaning_each() -> None:
+    from cachecd.errors import exit_codes
+
+    for path, parser in parsers(build_parser()):
+        if path == "cachecd":
+            continue
+        command = path.removeprefix("cachecd ")
+        text = parser.format_help()
+        assert "\nexit codes:\n" in text, path
+        rows = exit_codes(command)
+        codes = [code for code, _ in rows]
+        assert len(codes) == len(set(codes)) and {0, 2, 130} <= set(codes), (path, rows)
+        for code, _ in rows:
+            assert re.search(rf"^\s+{code}  \S", text.split("\nexit codes:\n")[1], re.M), (path, code)
+    assert {c for c, _ in exit_codes("fsck")} == {0, 1, 2, 4, 5, 6, 130}
+    assert 3 in {c for c, _ in exit_codes("status")} and 3 in {c for c, _ in exit_codes("warm")}
+    assert 6 in {c for c, _ in exit_codes("serve")}
+
+
+def test_readme_has_the_exit_code_table() -> None:
+    from pathlib import Path
+
+    from cachecd.errors import exit_codes
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("### Exit codes", 1)[1].split("\n#", 1)[0]
+    for command in ("setup", "status", "fsck", "serve", "warm", "run"):
+        for code, _ in exit_codes(command):
+            assert re.search(rf"^\| `?{code}`? \|", table, re.M), (command, code)
+    assert "`cachecd fsck`" in table

@@ -277,7 +277,7 @@ def test_launchctl_command_lines_for_every_state_name_the_plists_label(tmp_path:
 def test_on_darwin_available_memory_is_physical_memory_less_what_mlx_holds(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """macOS has no /proc/meminfo: the RAM tier's default share comes from sysconf and MLX."""
+    """macOS has no /proc/meminfo: the pool's default size comes from sysconf and MLX."""
     import mlx.core as mx
 
     from cachecd_engine import memory
@@ -288,4 +288,6 @@ def test_on_darwin_available_memory_is_physical_memory_less_what_mlx_holds(
     mx.eval(held)
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert memory.available_memory() == total - mx.get_active_memory()
-    assert memory.default_ram_tier() == int((total - mx.get_active_memory()) * memory.RAM_TIER_SHARE)
+    reserve = max(memory.MIN_RESERVE, int(total * memory.RESERVE_SHARE))
+    want = total - mx.get_active_memory() - reserve
+    assert memory.default_pool_bytes() == max(0, min(want, int(total * memory.POOL_CAP_SHARE)))

@@ -3,11 +3,11 @@
 The prompts are the cases where a shrunk weight stack changes what MLX's dispatch sees (B / E):
 one token, one token repeated 60 times (960 rows over 16 experts; resident B / E = 1, a
 16-expert stack 60), two tokens alternating, and 250 random tokens (nearly every expert). Each
-runs with the stack buffer big enough for any call, and with one that holds 40 experts, so the
-long prompts run in groups; the plans are made for this machine's backend and, on this CPU,
-for Metal's (with and without neural accelerators) and CUDA's dispatch too (their flags and
-dummy rows must not move a logit here, as the CPU computes each row alike; on those GPUs they
-are what keeps each row's kernel).
+runs with a pool of slots that holds every expert of both MoE layers (E = 1,792 for the kernel
+decision), and with one that holds 80, so the long prompts run in groups of 40; the plans are
+made for this machine's backend and, on this CPU, for Metal's (with and without neural
+accelerators) and CUDA's dispatch too (their flags and dummy rows must not move a logit here, as
+the CPU computes each row alike; on those GPUs they are what keeps each row's kernel).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import pytest
 from cachecd_engine.bank import EngineStats, ExpertBank
 from cachecd_engine.dispatch import current_backend
 from cachecd_engine.formats import QUANT_SPECS
-from cachecd_engine.ram_tier import RamTier
 from cachecd_engine.streamed_moe import install_streamed_banks
 from tests.exactness import assert_bitwise, run_logits
 from tests.inprocess_model import DictSource, build_resident, serialize_experts
@@ -46,17 +45,16 @@ def reference() -> dict[str, tuple[list[np.ndarray], list[int]]]:
 
 
 @pytest.mark.parametrize(
-    ("backend", "stack_experts"),
-    [("cpu", EXPERTS), ("cpu", 40), ("metal", 40), ("metal-nax", 40), ("cuda", 40)],
+    ("backend", "pool_experts"),
+    [("cpu", 2 * EXPERTS), ("cpu", 80), ("metal", 80), ("metal-nax", 80), ("cuda", 80)],
 )
-def test_streamed_896_experts_bitwise(blobs, reference, backend: str, stack_experts: int) -> None:  # type: ignore[no-untyped-def]
+def test_streamed_896_experts_bitwise(blobs, reference, backend: str, pool_experts: int) -> None:  # type: ignore[no-untyped-def]
     if current_backend() not in ("cpu", backend):
         pytest.skip("another backend's plan: on a GPU only its own plan keeps its kernels")
     model = build_resident(FMT, experts=EXPERTS, top_k=TOP_K, layers=LAYERS)
     source = DictSource(blobs)
     one = source.entry(1, 0).nbytes
-    bank = ExpertBank(source, QUANT_SPECS[FMT], RamTier(0), EngineStats(),
-                      expert_memory=2 * stack_experts * one)
+    bank = ExpertBank(source, QUANT_SPECS[FMT], pool_experts * one, EngineStats())
     bank.backend = backend
     install_streamed_banks(model, bank)
     assert bank.experts_per_layer == EXPERTS
@@ -70,5 +68,5 @@ def test_streamed_896_experts_bitwise(blobs, reference, backend: str, stack_expe
             prefill = bank.stats.experts_routed - STEPS * moe_layers * TOP_K
             assert prefill / moe_layers > 700
             split = bank.stats.groups > bank.stats.layer_calls
-            assert split == (stack_experts < EXPERTS)
-    assert bank.arena is not None and bank.arena.nbytes <= bank.expert_memory
+            assert split == (pool_experts < EXPERTS)
+    assert bank.capacity == pool_experts

@@ -24,7 +24,7 @@ def test_load_takes_mlx_lm_loads_arguments_then_engine_keywords() -> None:
         (p.name, p.default, p.kind) for p in theirs]
     extra = ours[len(theirs):]
     assert {p.name for p in extra} == {"socket", "ram_bytes", "expert_memory", "stats", "trace",
-                                       "prefetch", "pipeline"}
+                                       "prefetch", "speculate", "pipeline"}
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extra)
 
 
@@ -49,6 +49,37 @@ def test_openai_hands_mlx_lms_server_its_own_defaults(monkeypatch: pytest.Monkey
     differ = {k: (ours[k], theirs[k]) for k in theirs if ours[k] != theirs[k]}
     # The model is ours to name; browser origins are refused unless allowed (mlx-lm: "*").
     assert differ == {"model": ("org/name", None), "allowed_origins": ([], ["*"])}
+
+
+def test_openai_takes_every_mlx_lm_server_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of mlx_lm.server's options is one of `cachecd openai`'s, with the same default; what
+    cannot apply to a model is refused when it loads (openai_server.refuse_what_cannot_apply)."""
+    import mlx_lm.server
+
+    parsers: list[argparse.ArgumentParser] = []
+    parse = argparse.ArgumentParser.parse_args
+
+    def capture(self: argparse.ArgumentParser, *a: object, **k: object) -> argparse.Namespace:
+        parsers.append(self)
+        return parse(self, [])
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    monkeypatch.setattr(mlx_lm.server, "run", lambda *a, **k: None)
+    mlx_lm.server.main()
+    monkeypatch.undo()
+    theirs = {o for a in parsers[0]._actions for o in a.option_strings}
+    ours_parser = next(child for path, child in _parsers(build_parser()) if path == "openai")
+    ours = {o for a in ours_parser._actions for o in a.option_strings}
+    assert theirs - ours == set(), sorted(theirs - ours)
+
+
+def _parsers(parser: argparse.ArgumentParser, path: str = "") -> list[tuple[str, argparse.ArgumentParser]]:
+    out = [(path, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                out += _parsers(child, f"{path} {name}".strip())
+    return out
 
 
 def test_run_samples_as_mlx_lm_generate_by_default() -> None:

@@ -1,0 +1,101 @@
+"""Misses into the pool on a discrete CUDA GPU: read into pinned host memory, then copied to the
+slot by the GPU's copy engine.
+
+MLX's CUDA arrays that the host can see are managed memory. A host write into a slot whose
+pages a kernel has read (so they live on the GPU) first migrates those pages back to the host
+and the next kernel faults them over again page by page: measured on the H200, a pool smaller
+than the working set then ran 2.5 decode steps a second at K3's expert size, 0.45 with the
+pool marked read-mostly and filled slots prefetched. So on CUDA a miss is read into a pinned
+staging buffer (the one copy from the page cache), then ``cudaMemcpyAsync`` puts it in the slot
+where the slot's pages are, and the host waits for those copies before the call is built. The
+host never touches the pool's pages, which stay on the GPU.
+
+The CUDA runtime is loaded by name (MLX links its own copy statically; both drive the same
+device). Any failure (no CUDA 13 runtime, a call refused) turns the copier off and the bank
+writes slots from the host as on unified memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+USE = True  # a switch for side-by-side measurement (bench/k3_decode.py's pc-hostwrite case)
+_DEFAULT = 4  # cudaMemcpyDefault: the driver tells host from device by the pointers
+_PER_THREAD_STREAM = ctypes.c_void_p(2)  # cudaStreamPerThread: waits for no other stream
+_lib: Any = None
+_tried = False
+
+
+def _runtime() -> Any:
+    """libcudart (13 or newer: the signatures below), or None."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    for name in ("libcudart.so.13", "libcudart.so"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        version = ctypes.c_int(0)
+        if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0 or version.value < 13000:
+            log.debug("cuda copier off: runtime %s version=%d", name, version.value)
+            return None
+        lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                        ctypes.c_int, ctypes.c_void_p]
+        lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+        _lib = lib
+        return lib
+    return None
+
+
+class Copier:
+    """Pinned staging memory and copies from it to the pool; ``on`` goes False at the first
+    refused call (the caller then writes slots from the host)."""
+
+    def __init__(self) -> None:
+        self.on = USE and _runtime() is not None
+        self._staging: np.ndarray | None = None
+        self.copied = 0  # bytes copied to the GPU
+
+    def staging(self, nbytes: int) -> np.ndarray:
+        """A pinned, cache-line aligned host buffer of at least ``nbytes`` (grown as needed)."""
+        if self._staging is None or self._staging.size < nbytes:
+            self._release()
+            raw = np.ones(nbytes + 64, np.uint8)  # touched: no page faults in a read
+            off = -raw.ctypes.data % 64
+            buf = raw[off : off + nbytes]
+            if self.on and _lib.cudaHostRegister(buf.ctypes.data, nbytes, 0) != 0:
+                log.debug("cuda copier: staging not pinned (pageable copies are slower)")
+            self._staging = buf
+        return self._staging
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        if self.on:
+            self._check(_lib.cudaMemcpyAsync(dst, src, nbytes, _DEFAULT, _PER_THREAD_STREAM))
+            self.copied += nbytes
+
+    def wait(self) -> bool:
+        """Wait for the copies; False if any failed (the caller writes from the host)."""
+        if self.on:
+            self._check(_lib.cudaStreamSynchronize(_PER_THREAD_STREAM))
+        return self.on
+
+    def _check(self, err: int) -> None:
+        if err != 0:
+            log.warning("cuda copier off: a CUDA call returned %d; slots are written from the "
+                        "host from now on", err)
+            self.on = False
+
+    def _release(self) -> None:
+        if self._staging is not None and _lib is not None:
+            _lib.cudaHostUnregister(self._staging.ctypes.data)
+        self._staging = None

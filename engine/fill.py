@@ -1,0 +1,187 @@
+"""Expert bytes into slots of the pool: now (a call's misses), or ahead (a guess) on threads.
+
+Invariants:
+- A slot is written only after ``SlotTable.claim`` gave it for this expert, and only while no
+  queued work reads it: a claim takes a fenced slot only after evaluating its readers, and
+  read-ahead never takes one.
+- A read that fails frees its slots (their bytes are not the expert's); a failed read-ahead of a
+  routed expert is read again on demand.
+- Read-ahead threads only write slots claimed for them; the table and the stats are touched
+  by the model's thread alone (``sweep``/``finish`` take finished reads in).
+- On a discrete CUDA GPU a demand read goes through pinned staging memory and the copy engine
+  (``cuda_memory.Copier``); read-ahead writes slots from the host.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from cachecd import errors
+from cachecd_engine.cuda_memory import Copier
+from cachecd_engine.slots import Key
+
+# The bank is passed in as ``Any``: it imports this module, so this one may not import it back.
+ExpertBank = Any
+
+STAGING_BYTES = 512 << 20  # pinned staging for misses on CUDA: a batch of reads at most
+
+
+class Filler:
+    """Gets experts into the bank's slots; see the module docstring."""
+
+    def __init__(self, bank: ExpertBank, readers: int = 2) -> None:
+        self.bank = bank
+        self._reads: dict[int, tuple[Key, Future[int]]] = {}  # slot -> read-ahead under way
+        self._underived: list[int] = []  # slots filled by read-ahead, derived arrays not yet
+        self.guessed: set[Key] = set()  # experts read ahead and not used yet
+        self._readers = ThreadPoolExecutor(readers, thread_name_prefix="cachecd-ahead")
+        # On a discrete CUDA GPU misses go through pinned memory and the copy engine.
+        self.copier = Copier() if bank.backend == "cuda" else None
+
+    def acquire(self, layer: int, ids: list[int]) -> dict[int, int]:
+        """Every expert of ``ids`` in a slot, bytes in place: expert -> slot. Experts not held
+        are read now into free slots or the policy's victims (never one of ``ids``')."""
+        t0 = time.perf_counter()
+        memory, table = self.bank.pool(layer, ids[0])
+        stats = self.bank.stats
+        self.sweep()
+        held = table.use(layer, ids)
+        again = [e for e, slot in held.items() if slot in self._reads
+                 and not self.finish(slot)]  # read-ahead that failed: read it now
+        for e in again:
+            del held[e]
+        staged = self.guessed.intersection((layer, e) for e in held)
+        self.guessed.difference_update(staged)
+        claimed = self._claim(layer, [e for e in ids if e not in held], set(held.values()))
+        self._read_now(layer, claimed)
+        self.derive_staged()
+        stats.copied_bytes += memory.derive(list(claimed.values()))
+        stats.ram_hits += len(held) - len(staged)
+        stats.staged_hits += len(staged)
+        stats.wait_s += time.perf_counter() - t0
+        return {**held, **claimed}
+
+    def _claim(self, layer: int, ids: list[int], keep: set[int]) -> dict[int, int]:
+        """Slots for ``ids``: free or idle ones first, then ones queued work reads (that work
+        is evaluated first), then ones read-ahead is filling (after those reads land)."""
+        table = self.bank.table
+        assert table is not None
+        slots = table.claim(layer, ids, keep, take_fenced=False, use=True).slots
+        rest = [e for e in ids if e not in slots]
+        if rest:
+            more = table.claim(layer, rest, keep, use=True)
+            if more.fences:
+                mx.eval(more.fences)
+            slots.update(more.slots)
+            rest = [e for e in rest if e not in more.slots]
+        if rest:  # every other slot is being filled by read-ahead: let it land
+            self.finish_all()
+            slots.update(table.claim(layer, rest, keep, use=True).slots)
+        if len(slots) < len(ids):
+            raise errors.InvalidRequest(
+                f"{len(ids)} experts do not fit a pool of {table.capacity} slots")
+        return slots
+
+    def _read_now(self, layer: int, claimed: dict[int, int]) -> None:
+        if not claimed:
+            return
+        bank = self.bank
+        assert bank.memory is not None and bank.table is not None
+        ids = list(claimed)
+        try:
+            if self.copier is not None and self.copier.on:
+                per = max(1, STAGING_BYTES // bank.nbytes(layer, ids[0]))
+                written = sum(self._read_staged(layer, ids[i : i + per], claimed)
+                              for i in range(0, len(ids), per))
+            else:
+                targets = [bank.memory.targets(claimed[e], bank.pieces(layer, e)) for e in ids]
+                written = bank.source.read_into(layer, ids, targets)
+        except BaseException:
+            bank.table.forget(claimed.values())  # their bytes are not the experts'
+            raise
+        bank.table.filled(claimed.values())
+        bank.stats.source_hits += len(ids)
+        bank.stats.source_bytes += sum(bank.nbytes(layer, e) for e in ids)
+        bank.stats.copied_bytes += written
+
+    def _read_staged(self, layer: int, ids: list[int], claimed: dict[int, int]) -> int:
+        """Read into pinned staging memory, then copy each tensor to its slot on the GPU's copy
+        engine (``cuda_memory``); the bytes written, both copies counted."""
+        bank, copier, memory = self.bank, self.copier, self.bank.memory
+        assert memory is not None and copier is not None
+        sizes = [bank.nbytes(layer, e) for e in ids]
+        buf = copier.staging(sum(sizes))
+        starts = np.cumsum([0, *sizes[:-1]]).tolist()
+        written = bank.source.read_into(
+            layer, ids, [[buf[a : a + n].data] for a, n in zip(starts, sizes, strict=True)])
+        base = buf.ctypes.data
+        for e, a in zip(ids, starts, strict=True):
+            for offset, n, key in bank.pieces(layer, e):
+                copier.copy(memory.address(key, claimed[e]), base + a + offset, n)
+        if not copier.wait():  # the copier gave up: write these slots from the host
+            for e, a, n in zip(ids, starts, sizes, strict=True):
+                memory.fill(claimed[e], bank.pieces(layer, e), buf[a : a + n])
+        return written + sum(sizes)
+
+    def stage(self, layer: int, guess: list[int]) -> None:
+        """Start reading the guessed experts of ``layer`` that no slot holds into free slots,
+        in the background. Never takes a slot that queued work reads."""
+        if not guess:
+            return
+        _, table = self.bank.pool(layer, guess[0])
+        self.sweep()
+        claim = table.claim(layer, guess, take_fenced=False)
+        assert not claim.fences
+        for e, slot in claim.slots.items():
+            key = (layer, e)
+            fut = self._readers.submit(self._read_ahead, layer, e, slot)
+            self._reads[slot] = (key, fut)
+            self.guessed.add(key)
+        self.bank.stats.staged += len(claim.slots)
+
+    def _read_ahead(self, layer: int, expert: int, slot: int) -> int:
+        """On a reader thread: the expert's bytes into its slot."""
+        memory = self.bank.memory
+        assert memory is not None
+        return self.bank.source.read_into(layer, [expert],
+                                          [memory.targets(slot, self.bank.pieces(layer, expert))])
+
+    def sweep(self) -> None:
+        """Take in read-ahead that has finished (failed ones free their slot)."""
+        for slot in [s for s, (_, fut) in self._reads.items() if fut.done()]:
+            self.finish(slot)
+
+    def finish(self, slot: int) -> bool:
+        """Wait for the read-ahead into ``slot``; True if its bytes are in place."""
+        table = self.bank.table
+        assert table is not None
+        key, fut = self._reads.pop(slot)
+        if fut.exception() is not None:  # waits; read again on demand if it is routed
+            table.forget([slot])
+            self.guessed.discard(key)
+            return False
+        table.filled([slot])
+        self._underived.append(slot)
+        self.bank.stats.source_bytes += self.bank.nbytes(*key)
+        self.bank.stats.copied_bytes += fut.result()
+        return True
+
+    def finish_all(self) -> None:
+        for slot in list(self._reads):
+            self.finish(slot)
+
+    def derive_staged(self) -> None:
+        """Compute the derived arrays of slots read-ahead filled (on the model's thread)."""
+        if self._underived and self.bank.memory is not None:
+            slots, self._underived = self._underived, []
+            self.bank.stats.copied_bytes += self.bank.memory.derive(slots)
+
+    def close(self) -> None:
+        for slot in list(self._reads):
+            self._reads[slot][1].cancel()
+        self._readers.shutdown(wait=True, cancel_futures=True)

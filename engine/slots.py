@@ -1,0 +1,282 @@
+"""Which expert each slot of the pool holds, which slots are free, and which may be taken.
+
+The pool (``cachecd_engine.pool``) is one stack of slots shared by every MoE layer; this table
+is its bookkeeping, with no MLX in it.
+
+Invariants:
+- A slot holds at most one expert and an expert is in at most one slot. A slot is ``free``,
+  ``filling`` (bytes on their way: its read has not finished) or ``ready``.
+- A slot is given to another expert only through ``claim``, which never takes a slot of
+  ``keep`` (the call's own experts) or a filling slot. A slot read by queued work (fenced: its
+  reader's output is not known to be evaluated) is taken only if the caller asks, and then
+  the caller gets those outputs and must evaluate them before writing (``Claim.fences``). The
+  bank clears the fences at each routing read-back, whose eval includes them.
+- Every miss needs a slot (the kernel reads only the pool), so the table admits by frequency,
+  as TinyLFU does: an expert that takes a slot of a full pool joins the policy's part (the
+  kept experts, ranked by ``cachecd.store.policies`` as the daemon's store drives it) only if it
+  has been used more often than the kept expert the policy would give up first, which then
+  moves to the scratch part; otherwise the expert itself is scratch. Scratch slots are taken
+  first (oldest first), so a pool smaller than one step's experts keeps its most used ones
+  instead of cycling through all of them (a replay of flat and skewed routing at 0.7 steps'
+  worth: hit rate 0.00 for lru, lfuda and wlfu alone, 0.12 and 0.36 so, against 0.41 and 0.54
+  for Belady; at 1.5 and 2.5 steps' worth within 0.06 of wlfu alone, above it on flat routing).
+  Uses are counted per expert and halved every ``HALVE_EVERY`` x slots uses.
+- Not thread-safe: only the thread that runs the model calls it (read-ahead threads only fill
+  slots this thread claimed for them).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachecd.store.policies import EvictionPolicy, make_policy
+
+# Chosen by bench/ram_tier.py: with fewer slots than one token's experts, lru and lfuda keep
+# nothing the next token needs (0 hits on every trace), wlfu keeps 0.40-0.80 of Belady.
+DEFAULT_POLICY = "wlfu"
+
+Key = tuple[int, int]  # (layer, expert)
+HALVE_EVERY = 16  # uses counted, times the slots, between halvings of every count
+
+
+@dataclass
+class Claim:
+    slots: dict[int, int]  # expert -> slot given to it
+    # Outputs of queued work that read the slots taken (mx.arrays): evaluate before writing.
+    fences: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class TableCounters:
+    hits: int = 0
+    misses: int = 0
+    inserted: int = 0
+    evicted: int = 0
+
+
+class SlotTable:
+    def __init__(self, capacity: int, policy: str = DEFAULT_POLICY) -> None:
+        if capacity < 1:
+            raise ValueError(f"a slot pool needs at least one slot, got {capacity}")
+        self.capacity = capacity
+        self.policy_name = policy
+        self.policy: EvictionPolicy = make_policy(policy)
+        self.counters = TableCounters()
+        self._slot: dict[Key, int] = {}
+        self._owner: list[Key | None] = [None] * capacity
+        self._filling: set[int] = set()
+        self._fence: dict[int, Any] = {}  # slot -> output of the queued work that reads it
+        self._free = list(range(capacity - 1, -1, -1))  # pop() hands out the lowest first
+        self._scratch: OrderedDict[int, None] = OrderedDict()  # slots outside the policy
+        self._uses: dict[Key, int] = {}  # uses per expert, halved now and then
+        self._counted = 0
+        self.version = 0  # changes whenever which expert is where (or ready) changes
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._slot
+
+    def slot(self, key: Key) -> int | None:
+        return self._slot.get(key)
+
+    def owner(self, slot: int) -> Key | None:
+        return self._owner[slot]
+
+    def filling(self, slot: int) -> bool:
+        return slot in self._filling
+
+    def items(self) -> Iterable[tuple[Key, int]]:
+        return self._slot.items()
+
+    def use(self, layer: int, experts: Iterable[int]) -> dict[int, int]:
+        """The slots of the experts held (ready or filling), counting one use of each asked."""
+        found: dict[int, int] = {}
+        asked = 0
+        for e in experts:
+            asked += 1
+            self._count((layer, e))
+            slot = self._slot.get((layer, e))
+            if slot is None:
+                continue
+            found[e] = slot
+            if slot in self._scratch:
+                self._promote(slot, set(found.values()))
+            else:
+                self.policy.on_access(_name(layer, e))
+        self.counters.hits += len(found)
+        self.counters.misses += asked - len(found)
+        return found
+
+    def _count(self, key: Key) -> None:
+        self._uses[key] = self._uses.get(key, 0) + 1
+        self._counted += 1
+        if self._counted >= HALVE_EVERY * self.capacity:
+            self._counted = 0
+            self._uses = {k: n >> 1 for k, n in self._uses.items() if n > 1}
+
+    def _weakest(self, keep: set[int]) -> int | None:
+        """The slot of the kept expert the policy would give up first (not one of ``keep``)."""
+        excluded = {_name(*key) for s in keep | self._filling if (key := self._owner[s])}
+        names = self.policy.victims(1, excluded)
+        return self._slot[_key(names[0])] if names else None
+
+    def _promote(self, slot: int, keep: set[int]) -> None:
+        """A scratch expert used again joins the kept part if it is used more than the
+        weakest kept one, which takes its place in the scratch part."""
+        key = self._owner[slot]
+        assert key is not None
+        weak = self._weakest(keep)
+        weak_key = self._owner[weak] if weak is not None else None
+        if weak_key is not None and self._uses.get(key, 0) <= self._uses.get(weak_key, 0):
+            return
+        del self._scratch[slot]
+        self.policy.on_insert(_name(*key), 1)
+        self.policy.on_access(_name(*key))
+        if weak is not None and weak_key is not None:
+            self.policy.on_remove(_name(*weak_key))
+            self._scratch[weak] = None
+
+    def claim(self, layer: int, experts: list[int], keep: Iterable[int] = (),
+              take_fenced: bool = True, use: bool = False) -> Claim:
+        """Slots for experts not held: free ones first, then the policy's victims. Slots in
+        ``keep`` and filling slots are not taken, nor fenced ones unless ``take_fenced``;
+        fewer slots than asked may come back. ``use``: the claim is for a use (a demand read,
+        counted as the store counts the use that caused a fetch), not a guess."""
+        claim = Claim({})
+        keep = set(keep)
+        todo = [e for e in experts if (layer, e) not in self._slot]
+        placed = []  # (expert, slot, whether the slot was free)
+        while todo and self._free:
+            placed.append((todo.pop(0), self._take_free(), True))
+        if todo:
+            for slot in self._victims(len(todo), keep, take_fenced):
+                fence = self._evict(slot)
+                if fence is not None:
+                    claim.fences.append(fence)
+                placed.append((todo.pop(0), slot, False))
+        taken = keep | {slot for _, slot, _ in placed}
+        for e, slot, free in placed:
+            claim.slots[e] = slot
+            self._insert(layer, e, slot, admit=free or self._admits((layer, e), taken))
+            if use and slot not in self._scratch:
+                self.policy.on_access(_name(layer, e))
+        return claim
+
+    def _admits(self, key: Key, keep: set[int]) -> bool:
+        """A new expert in a full pool joins the kept part if it is used more often than the
+        weakest kept expert, which then moves to the scratch part."""
+        weak = self._weakest(keep)
+        weak_key = self._owner[weak] if weak is not None else None
+        if weak is None or weak_key is None:
+            return True  # no kept expert may give way: the kept part grows
+        if self._uses.get(key, 0) <= self._uses.get(weak_key, 0):
+            return False
+        self.policy.on_remove(_name(*weak_key))
+        self._scratch[weak] = None
+        return True
+
+    def _take_free(self) -> int:
+        return self._free.pop()
+
+    def _victims(self, n: int, keep: set[int], take_fenced: bool) -> list[int]:
+        """Scratch slots first, oldest first, then the policy's victims. Only the few slots in
+        use now are excluded (the call's own, reads under way, readers still queued), so this
+        stays cheap in a pool of thousands of slots."""
+        held = keep | self._filling
+        if not take_fenced:
+            held |= self._fence.keys()
+        out = [s for s in self._scratch if s not in held][:n]
+        if len(out) < n:
+            excluded = {_name(*key) for s in held if (key := self._owner[s]) is not None}
+            names = self.policy.victims(n - len(out), excluded)  # one "byte" an expert
+            out += [self._slot[_key(name)] for name in names[: n - len(out)]]
+        return out
+
+    def _evict(self, slot: int) -> Any:
+        self.version += 1
+        key = self._owner[slot]
+        assert key is not None
+        del self._slot[key]
+        self._owner[slot] = None
+        if slot in self._scratch:
+            del self._scratch[slot]
+        else:
+            self.policy.on_remove(_name(*key))
+        self.counters.evicted += 1
+        return self._fence.pop(slot, None)
+
+    def _insert(self, layer: int, expert: int, slot: int, admit: bool = True) -> None:
+        self.version += 1
+        self._slot[(layer, expert)] = slot
+        self._owner[slot] = (layer, expert)
+        self._filling.add(slot)
+        if admit:
+            self.policy.on_insert(_name(layer, expert), 1)
+        else:
+            self._scratch[slot] = None
+        self.counters.inserted += 1
+
+    def filled(self, slots: Iterable[int]) -> None:
+        """These slots' bytes are in place."""
+        self.version += 1
+        self._filling.difference_update(slots)
+
+    def forget(self, slots: Iterable[int]) -> None:
+        """Free slots whose read failed or was dropped (their bytes are not the expert's)."""
+        for slot in slots:
+            if self._owner[slot] is not None:
+                self._evict(slot)
+                self.counters.evicted -= 1  # not an eviction: the expert never arrived
+            self._filling.discard(slot)
+            self._free.append(slot)
+
+
+    def resize(self, capacity: int) -> dict[int, int]:
+        """Change the number of slots; return old slot -> new slot for the experts kept (scratch
+        experts leave first when shrinking, then the policy's victims). Every fence must be
+        settled before."""
+        if capacity < 1:
+            raise ValueError(f"a slot pool needs at least one slot, got {capacity}")
+        assert not self._filling, "resize while reads are under way"
+        self.version += 1
+        excess = len(self._slot) - capacity
+        if excess > 0:
+            for slot in self._victims(excess, set(), True):
+                self._evict(slot)
+        self._fence.clear()
+        moves = {old: new for new, old in enumerate(sorted(self._slot.values()))}
+        self._slot = {key: moves[old] for key, old in self._slot.items()}
+        self._scratch = OrderedDict((moves[s], None) for s in self._scratch)
+        self._owner = [None] * capacity
+        for key, slot in self._slot.items():
+            self._owner[slot] = key
+        self._free = [s for s in range(capacity - 1, -1, -1) if self._owner[s] is None]
+        self.capacity = capacity
+        return moves
+
+    def fence(self, slots: Iterable[int], output: Any) -> None:
+        """Queued work computing ``output`` reads these slots."""
+        for slot in slots:
+            self._fence[slot] = output
+
+    def fenced(self) -> list[Any]:
+        """The outputs of queued work that reads any slot (each once)."""
+        return list({id(o): o for o in self._fence.values()}.values())
+
+    def clear_fences(self) -> None:
+        """Every fenced output has been evaluated."""
+        self._fence.clear()
+
+
+def _name(layer: int, expert: int) -> str:
+    return f"{layer}:{expert}"
+
+
+def _key(name: str) -> Key:
+    layer, expert = name.split(":")
+    return int(layer), int(expert)

@@ -1,0 +1,204 @@
+"""The slot pool: its table (which expert in which slot, who may be evicted), its fences (no slot
+is written while queued work reads it) and its resize (outputs unchanged).
+
+The fence tests keep the first call's output queued on purpose (``mx.async_eval`` made a no-op,
+so MLX computes it only when asked): if a slot it reads were refilled first, its output would
+be computed from another expert's bytes and differ from the resident layer's, bitwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cachecd_engine.bank import EngineStats, ExpertBank
+from cachecd_engine.cuda_memory import Copier
+from cachecd_engine.formats import QUANT_SPECS
+from cachecd_engine.slots import SlotTable
+from cachecd_engine.streamed_moe import install_streamed_banks
+from tests.exactness import assert_bitwise, run_logits
+from tests.inprocess_model import DictSource, build_resident, serialize_experts
+
+FMT = "mxfp4-pack-quantized"
+PROMPT = [(7 * i + 3) % 500 for i in range(20)]
+
+
+def test_table_takes_free_slots_then_the_policys_victims() -> None:
+    t = SlotTable(3, policy="lru")
+    got = t.claim(1, [5, 6, 7], use=True)
+    assert got.slots == {5: 0, 6: 1, 7: 2} and not got.fences
+    t.filled(got.slots.values())
+    assert t.use(1, [5, 9]) == {5: 0}  # 5 is now the most recent; 9 is a miss
+    again = t.claim(1, [8], use=True)  # evicts the least recent: 6
+    assert again.slots == {8: 1} and (1, 6) not in t and (1, 5) in t
+    assert (t.counters.hits, t.counters.misses, t.counters.evicted) == (1, 1, 1)
+
+
+def test_table_never_takes_kept_filling_or_fenced_slots_unless_asked() -> None:
+    t = SlotTable(4, policy="lru")
+    t.filled(t.claim(1, [0, 1, 2, 3]).slots.values())
+    t.claim(2, [9])  # slot 0 (expert 0, least recent) is now filling for (2, 9)
+    marker = object()
+    t.fence([1], marker)  # queued work reads slot 1
+    assert t.claim(3, [1], keep={2}, take_fenced=False).slots == {1: 3}  # not 0, 1 or 2
+    t.filled([0, 3])
+    got = t.claim(3, [2], keep={0, 3})
+    assert got.slots == {2: 1} and got.fences == [marker]  # fenced: its reader comes back
+    assert t.claim(3, [3], keep={0, 1, 2, 3}).slots == {}  # nothing left to take
+
+
+def test_table_forget_frees_a_slot_and_resize_keeps_the_policys_choice() -> None:
+    t = SlotTable(4, policy="lru")
+    t.filled(t.claim(1, [0, 1, 2, 3], use=True).slots.values())
+    t.forget([t.slot((1, 1))])
+    assert (1, 1) not in t and t.claim(1, [7]).slots == {7: 1}
+    t.filled([1])
+    t.use(1, [0])
+    moves = t.resize(2)  # keeps the two most recent: 0 and 7
+    assert t.capacity == 2 and {k for k, _ in t.items()} == {(1, 0), (1, 7)}
+    assert sorted(moves.values()) == [0, 1] and sorted(moves) == [0, 1]
+    t.resize(5)
+    assert t.claim(2, [0, 1, 2]).slots == {0: 2, 1: 3, 2: 4}
+    with pytest.raises(ValueError):
+        SlotTable(0)
+
+
+def _replay(table: SlotTable, steps: int, layers: int = 5, experts: int = 64, k: int = 16,
+            seed: int = 0) -> float:
+    """Hit rate over the last two thirds of a skewed routing replayed as the bank drives the
+    table: every routed expert looked up, then the misses claimed (each needs a slot)."""
+    rng = np.random.default_rng(seed)
+    popularity = [rng.dirichlet(np.full(experts, 0.5)) for _ in range(layers)]
+    hits = asked = 0
+    for step in range(steps):
+        for layer in range(layers):
+            ids = rng.choice(experts, k, replace=False, p=popularity[layer]).tolist()
+            held = table.use(layer, ids)
+            if step >= steps // 3:
+                hits, asked = hits + len(held), asked + len(ids)
+            claim = table.claim(layer, [e for e in ids if e not in held], set(held.values()),
+                                use=True)
+            table.filled(claim.slots.values())
+            assert len(table) <= table.capacity
+    return hits / asked
+
+
+@pytest.mark.parametrize("policy", ["lru", "wlfu"])
+def test_a_pool_smaller_than_a_step_keeps_its_most_used_experts(policy: str) -> None:
+    """57 slots, 80 experts a step: every miss needs a slot, and without admission by use
+    counts each step's misses would push out everything the next step uses (hit rate 0.000
+    with either policy alone). Admitted by count, the most used stay."""
+    assert _replay(SlotTable(57, policy), steps=300) > 0.3
+    assert _replay(SlotTable(200, policy), steps=300) > 0.85  # a bigger pool still holds
+
+
+@pytest.fixture(scope="module")
+def blobs() -> dict:  # type: ignore[type-arg]
+    return serialize_experts(build_resident(FMT), FMT)
+
+
+def _bank(blobs, slots: int) -> tuple[object, ExpertBank]:  # type: ignore[no-untyped-def]
+    model = build_resident(FMT)
+    source = DictSource(blobs)
+    bank = ExpertBank(source, QUANT_SPECS[FMT], slots * source.entry(1, 0).nbytes, EngineStats())
+    install_streamed_banks(model, bank)
+    return model, bank
+
+
+def _inputs(layer_experts: list[int]) -> tuple[mx.array, np.ndarray]:
+    x = mx.random.normal((1, 1, 64), key=mx.random.key(len(layer_experts))).astype(mx.bfloat16)
+    return x, np.array([[layer_experts]], dtype=np.uint32)
+
+
+def _resident_outputs(calls: list[tuple[int, list[int]]]) -> list[np.ndarray]:
+    model = build_resident(FMT)
+    out = []
+    for layer, experts in calls:
+        x, routed = _inputs(experts)
+        y = model.layers[layer].mlp.switch_mlp(x, mx.array(routed))
+        out.append(np.array(y.astype(mx.float32)))
+    return out
+
+
+CALLS = [(1, [0, 1, 2, 3]), (2, [4, 5, 6, 7])]  # disjoint: the second needs the first's slots
+
+
+def test_a_slot_is_not_refilled_while_a_queued_call_reads_it(blobs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(mx, "async_eval", lambda *a: None)  # keep each call queued
+    model, bank = _bank(blobs, slots=4)
+    ys = []
+    for layer, experts in CALLS:
+        x, routed = _inputs(experts)
+        ys.append(bank.run(layer, model.layers[layer].mlp.switch_mlp._glu, x, routed))
+    assert bank.table is not None and {k for k, _ in bank.table.items()} == {(2, e) for e in CALLS[1][1]}
+    got = [np.array(y.astype(mx.float32)) for y in ys]
+    assert_bitwise(_resident_outputs(CALLS), got)
+
+
+def test_read_ahead_never_takes_a_slot_a_queued_call_reads(blobs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(mx, "async_eval", lambda *a: None)
+    model, bank = _bank(blobs, slots=6)
+    layer, experts = CALLS[0]
+    x, routed = _inputs(experts)
+    y = bank.run(layer, model.layers[layer].mlp.switch_mlp._glu, x, routed)
+    bank.stage(2, [8, 9, 10, 11, 12, 13])  # only the 2 free slots may take guesses
+    bank.settle()  # the reads land first, then the queued call is evaluated
+    assert bank.stats.staged == 2
+    assert_bitwise(_resident_outputs([CALLS[0]]), [np.array(y.astype(mx.float32))])
+
+
+class _Sizer:
+    """Stands in for ``memory.PoolSizer``: asks for these sizes at these layer calls."""
+
+    def __init__(self, bank: ExpertBank, plan: dict[int, int]) -> None:
+        self.bank, self.plan = bank, plan
+
+    def due(self) -> bool:
+        return self.bank.stats.layer_calls in self.plan
+
+    def target(self, current: int) -> int | None:
+        return self.plan.pop(self.bank.stats.layer_calls)
+
+
+def test_resizing_the_pool_mid_generation_changes_no_logit(blobs) -> None:  # type: ignore[no-untyped-def]
+    """The pool shrinks, grows and shrinks again between layer calls, through the bank's own
+    resize path (the sizer asks at a routing read-back); every logit stays the same."""
+    ref, toks = run_logits(build_resident(FMT), PROMPT, steps=12)
+    model, bank = _bank(blobs, slots=40)
+    one = bank.source.entry(1, 0).nbytes  # type: ignore[attr-defined]
+    plan = {12: 9 * one, 31: 64 * one, 47: 3 * one}  # mid-forward each time
+    bank.sizer = _Sizer(bank, plan)  # type: ignore[assignment]
+    got, _ = run_logits(model, PROMPT, toks, steps=12)
+    assert_bitwise(ref, got)
+    assert not plan and bank.capacity == 3 and len(bank.table) == 3  # type: ignore[arg-type]
+    assert bank.stats.ram_hits > 0
+
+
+class _HostCopier(Copier):
+    """The CUDA copier's path with the copy engine replaced by a host memmove: the staging
+    buffer, each tensor's address in its slot and the offsets are the ones a GPU would use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = True
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        ctypes.memmove(dst, src, nbytes)
+        self.copied += nbytes
+
+    def wait(self) -> bool:
+        return True
+
+
+def test_misses_through_staging_and_copies_land_whole_in_their_slots(blobs) -> None:  # type: ignore[no-untyped-def]
+    ref, toks = run_logits(build_resident(FMT), PROMPT, steps=6)
+    model, bank = _bank(blobs, slots=10)
+    bank.fill.copier = _HostCopier()
+    got, _ = run_logits(model, PROMPT, toks, steps=6)
+    assert_bitwise(ref, got)
+    s = bank.stats
+    assert bank.fill.copier.copied == s.source_bytes > 0  # every miss went through staging
+    assert s.copied_bytes == 2 * s.source_bytes  # into staging, then into the slot

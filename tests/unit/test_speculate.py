@@ -1,0 +1,76 @@
+"""Decode steps on the device map: kept when every routed expert is in the pool (no per-layer
+read-back), thrown away and run again the per-layer way when one is not; logits bitwise the
+resident model's either way.
+
+The small-pool test is the sharp one: most speculative steps there route to an expert no slot
+holds, so their rows were computed from slot 0's bytes; keeping any of them would show.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from cachecd_engine.bank import EngineStats, ExpertBank
+from cachecd_engine.formats import QUANT_SPECS
+from cachecd_engine.loader import streamed_classes
+from cachecd_engine.speculate import Speculator, restorable
+from cachecd_engine.streamed_moe import install_streamed_banks
+from tests.exactness import assert_bitwise, run_logits
+from tests.inprocess_model import DictSource, build_resident, serialize_experts
+
+FMT = "mxfp4-pack-quantized"
+PROMPT = [(7 * i + 3) % 500 for i in range(20)]
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list, list[int]]:  # type: ignore[type-arg]
+    return run_logits(build_resident(FMT), PROMPT, steps=STEPS)
+
+
+def _speculating(slots: int) -> tuple[object, ExpertBank, DictSource]:
+    model = build_resident(FMT)
+    source = DictSource(serialize_experts(model, FMT))
+    bank = ExpertBank(source, QUANT_SPECS[FMT], slots * source.entry(1, 0).nbytes, EngineStats())
+    layers = install_streamed_banks(model, bank)
+    bank.speculator = Speculator(bank, layers)
+    # The loader's model class: its __call__ runs each step through the speculator.
+    cls, _ = streamed_classes(bank)({"model_type": "kimi_k3"})
+    model.__class__ = type("Spec", (cls,), {"__init__": object.__init__})
+    return model, bank, source
+
+
+def test_a_warm_pool_keeps_every_decode_step(reference) -> None:  # type: ignore[no-untyped-def]
+    ref, toks = reference
+    model, bank, source = _speculating(slots=1000)
+    run_logits(model, PROMPT, toks, steps=STEPS)  # cold: fills the pool
+    spec = bank.speculator
+    spec.kept = spec.missed = 0
+    bank.stats.reset()
+    asked = len(source.calls)
+    got, _ = run_logits(model, PROMPT, toks, steps=STEPS)
+    assert_bitwise(ref, got)
+    assert (spec.kept, spec.missed) == (STEPS, 0)  # the prefill (20 tokens) is not speculated
+    s = bank.stats
+    assert len(source.calls) == asked and s.ram_hits == s.experts_routed and s.copied_bytes == 0
+    assert s.layer_calls == 5 * (STEPS + 1)  # every layer call counted once
+
+
+def test_steps_that_miss_are_thrown_away_without_a_trace(reference) -> None:  # type: ignore[no-untyped-def]
+    ref, toks = reference
+    model, bank, _ = _speculating(slots=8)  # far fewer than the tokens route to
+    got, _ = run_logits(model, PROMPT, toks, steps=STEPS)
+    assert_bitwise(ref, got)
+    assert bank.speculator.missed > 0
+    assert bank.stats.layer_calls == 5 * (STEPS + 1)  # a thrown-away step counts no call
+
+
+def test_only_restorable_caches_are_speculated() -> None:
+    one = mx.array([[1]])
+    assert restorable(one, [KVCache()])
+    assert not restorable(mx.array([[1, 2]]), [KVCache()])  # a prefill
+    assert not restorable(mx.array([[1], [2]]), [KVCache()])  # a batch
+    assert not restorable(one, [QuantizedKVCache()])  # --kv-bits
+    assert not restorable(one, None)
