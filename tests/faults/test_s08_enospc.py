@@ -62,6 +62,10 @@ def test_disk_full_507_then_a_fetch_succeeds_after_space_is_freed(big: Model, tm
     with d.client() as c:
         fetch_verified(c, big, layer, [0, 1])
         pid = c.health()["pid"]
+        # A miss is answered before its commit; status waits for commits under way, so the disk
+        # is filled after both blobs are durable (a commit failing on the full disk would take
+        # its blob back and free the room the next fetch is meant not to find).
+        assert c.stats()["store"]["entries"] == 2
         filler = tmpfs / "filler"
         st = os.statvfs(tmpfs)
         FIGURES.set("s08.fs_bytes", st.f_blocks * st.f_frsize)
