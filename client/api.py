@@ -184,12 +184,15 @@ class Client:
         return arrays
 
     def experts_into(self, model: str, layer: int, ids: Sequence[int],
-                     targets: Sequence[Target]) -> list[int]:
+                     targets: Sequence[Target],
+                     done: Callable[[int], None] | None = None) -> list[int]:
         """Read several experts of one layer straight into the caller's memory; their sizes.
 
         ``targets[i]`` is a writable buffer of at least the expert's size, or a list of buffers
         that the expert's bytes fill one after another (each tensor into its own array, with no
         copy in between). Misses are fetched, verified and cached by the daemon first.
+        ``done(i)``, if given, is called (on this thread, in order) as soon as expert
+        ``ids[i]`` is in its target, while the rest are still being read.
         """
         ids = [int(i) for i in ids]
         if len(targets) != len(ids):
@@ -208,11 +211,12 @@ class Client:
             sizes.extend(got)
             return chunk
 
-        self._read_experts(model, layer, ids, given)
+        self._read_experts(model, layer, ids, given, done)
         return sizes
 
     def _read_experts(self, model: str, layer: int, ids: list[int],
-                      targets: Callable[[list[int], int], list[Target]]) -> None:
+                      targets: Callable[[list[int], int], list[Target]],
+                      done: Callable[[int], None] | None = None) -> None:
         for start in range(0, len(ids), MAX_FDS_PER_FRAME):
             chunk = ids[start:start + MAX_FDS_PER_FRAME]
             frame = {"op": "experts", "model": model, "layer": int(layer), "ids": chunk}
@@ -227,7 +231,8 @@ class Client:
                     raise InvalidRequest(
                         f"daemon sent {len(fds)} descriptors and {len(sizes)} sizes for "
                         f"{len(chunk)} experts")
-                parallel_preadv(self._pool, fds, sizes, targets(sizes, start))
+                parallel_preadv(self._pool, fds, sizes, targets(sizes, start),
+                                None if done is None else lambda i, s=start: done(s + i))
             finally:
                 for fd in fds:
                     os.close(fd)

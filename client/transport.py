@@ -13,8 +13,8 @@ import json
 import os
 import queue
 import socket
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +164,7 @@ Target = memoryview | Sequence[memoryview]  # one buffer, or a list the bytes fi
 
 
 def parallel_preadv(pool: ThreadPoolExecutor, fds: Sequence[int], sizes: Sequence[int],
-                    outs: Sequence[Target]) -> None:
+                    outs: Sequence[Target], done: Callable[[int], None] | None = None) -> None:
     """Fill ``outs[i]`` with the first ``sizes[i]`` bytes of ``fds[i]``: 4 MiB windows of the
     file across the pool, small reads grouped into one job, and all of them inline when they fit
     in one job.
@@ -172,24 +172,42 @@ def parallel_preadv(pool: ThreadPoolExecutor, fds: Sequence[int], sizes: Sequenc
     An out may be a list of buffers (an iovec): the file's bytes fill them one after another, so
     one expert can land in several arrays with no copy in between. A window is one ``preadv``
     whatever the buffers it spans (fewer, aligned reads: 6% faster here than one per buffer).
+
+    ``done(i)``, if given, is called on the caller's thread, in order, as soon as ``outs[i]``
+    is filled, while later outs are still being read (a GPU copy of one can overlap the next
+    read). On an error every job still running is waited for before it is raised: no read
+    writes into the outs after this returns or raises.
     """
     jobs: list[list[tuple[int, list[memoryview], int]]] = [[]]
+    finished: list[list[int]] = [[]]  # per job, the outs whose last window it reads
     job_bytes = 0
-    for fd, size, out in zip(fds, sizes, outs, strict=False):
+    for i, (fd, size, out) in enumerate(zip(fds, sizes, outs, strict=False)):
         spans = _spans(out, size)
         for start in range(0, size, _CHUNK):
             if job_bytes >= _MIN_JOB:
                 jobs.append([])
+                finished.append([])
                 job_bytes = 0
             end = min(size, start + _CHUNK)
             jobs[-1].append((fd, _window(spans, start, end), start))
             job_bytes += end - start
+        finished[-1].append(i)
     if len(jobs) == 1:
         _read_pieces(jobs[0])
+        for i in finished[0] if done else ():
+            done(i)
         return
     futures = [pool.submit(_read_pieces, job) for job in jobs]
-    for fut in futures:
-        fut.result()
+    try:
+        for fut, outs_done in zip(futures, finished, strict=True):
+            fut.result()
+            for i in outs_done if done else ():
+                done(i)
+    except BaseException:
+        for fut in futures:
+            fut.cancel()
+        wait(futures)
+        raise
 
 
 def _window(spans: list[tuple[memoryview, int]], start: int, end: int) -> list[memoryview]:

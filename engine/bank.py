@@ -45,9 +45,11 @@ MIN_SLOTS = 2  # one group computes while the next is read
 class ExpertSource(Protocol):
     """Where expert bytes come from (the daemon client in production)."""
 
-    def read_into(self, layer: int, ids: list[int], targets: Targets) -> int:
+    def read_into(self, layer: int, ids: list[int], targets: Targets,
+                  done: Callable[[int], None] | None = None) -> int:
         """Read each expert's bytes into its targets (thread-safe: read-ahead uses threads);
-        the bytes written."""
+        the bytes written. ``done(i)``, if given, is called on the caller's thread, in order,
+        once ``ids[i]``'s bytes are in place (the rest may still be being read)."""
         ...
 
     def entry(self, layer: int, expert: int) -> ExpertLayout:

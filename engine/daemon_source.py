@@ -9,7 +9,7 @@ thread: a slow or failed hint never delays or changes a token.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -51,10 +51,11 @@ class DaemonSource:
     def entry(self, layer: int, expert: int) -> ExpertEntry:
         return self.manifest.expert(layer, expert)
 
-    def read_into(self, layer: int, ids: list[int], targets: Sequence[Sequence[memoryview]]) -> int:
+    def read_into(self, layer: int, ids: list[int], targets: Sequence[Sequence[memoryview]],
+                  done: Callable[[int], None] | None = None) -> int:
         """Read the experts into ``targets``; the bytes written (the transport fills exactly
-        the sizes the daemon sends, or raises)."""
-        sizes = self.client.experts_into(self.repo, layer, ids, targets)
+        the sizes the daemon sends, or raises). ``done(i)`` as each one lands, in order."""
+        sizes = self.client.experts_into(self.repo, layer, ids, targets, done)
         for e, size in zip(ids, sizes, strict=True):
             if size != self.manifest.expert(layer, e).nbytes:
                 raise ExpertSizeMismatch(

@@ -9,7 +9,8 @@ Invariants:
 - Read-ahead threads only write slots claimed for them; the table and the stats are touched
   by the model's thread alone (``sweep``/``finish`` take finished reads in).
 - On a discrete CUDA GPU a demand read goes through pinned staging memory and the copy engine
-  (``cuda_memory.Copier``); read-ahead writes slots from the host.
+  (``cuda_memory.Copier``), each expert's copy started as soon as its read lands, so copies
+  overlap the reads after them; read-ahead writes slots from the host.
 """
 
 from __future__ import annotations
@@ -110,20 +111,28 @@ class Filler:
         bank.stats.copied_bytes += written
 
     def _read_staged(self, layer: int, ids: list[int], claimed: dict[int, int]) -> int:
-        """Read into pinned staging memory, then copy each tensor to its slot on the GPU's copy
-        engine (``cuda_memory``); the bytes written, both copies counted."""
+        """Read into pinned staging memory; as each expert lands, copy its tensors to its slot
+        on the GPU's copy engine (``cuda_memory``) while the next ones are still read; the
+        bytes written, both copies counted."""
         bank, copier, memory = self.bank, self.copier, self.bank.memory
         assert memory is not None and copier is not None
         sizes = [bank.nbytes(layer, e) for e in ids]
         buf = copier.staging(sum(sizes))
         starts = np.cumsum([0, *sizes[:-1]]).tolist()
-        written = bank.source.read_into(
-            layer, ids, [[buf[a : a + n].data] for a, n in zip(starts, sizes, strict=True)])
         base = buf.ctypes.data
-        for e, a in zip(ids, starts, strict=True):
+
+        def landed(i: int) -> None:
+            e = ids[i]
             for offset, n, key in bank.pieces(layer, e):
-                copier.copy(memory.address(key, claimed[e]), base + a + offset, n)
-        if not copier.wait():  # the copier gave up: write these slots from the host
+                copier.copy(memory.address(key, claimed[e]), base + starts[i] + offset, n)
+
+        try:
+            written = bank.source.read_into(
+                layer, ids, [[buf[a : a + n].data] for a, n in zip(starts, sizes, strict=True)],
+                landed)
+        finally:  # no copy may still read staging or write a slot the caller frees
+            ok = copier.wait()
+        if not ok:  # the copier gave up: write these slots from the host
             for e, a, n in zip(ids, starts, sizes, strict=True):
                 memory.fill(claimed[e], bank.pieces(layer, e), buf[a : a + n])
         return written + sum(sizes)

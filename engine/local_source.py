@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -55,11 +55,16 @@ class LocalSource:
     def entry(self, layer: int, expert: int) -> ExpertEntry:
         return self.manifest.expert(layer, expert)
 
-    def read_into(self, layer: int, ids: list[int], targets: Sequence[Sequence[memoryview]]) -> int:
+    def read_into(self, layer: int, ids: list[int], targets: Sequence[Sequence[memoryview]],
+                  done: Callable[[int], None] | None = None) -> int:
         with self._lock:
             self.calls.append((layer, list(ids)))
-        return sum(self._read(self.entry(layer, e), list(target))
-                   for e, target in zip(ids, targets, strict=True))
+        written = 0
+        for i, (e, target) in enumerate(zip(ids, targets, strict=True)):
+            written += self._read(self.entry(layer, e), list(target))
+            if done is not None:
+                done(i)
+        return written
 
     def _read(self, entry: ExpertEntry, target: list[memoryview]) -> int:
         views = [v.cast("B") for v in target]

@@ -133,10 +133,10 @@ class DictSource:
         self.calls: list[tuple[int, list[int]]] = []
         self.hints: list[tuple[int, list[int]]] = []
 
-    def read_into(self, layer: int, ids: list[int], targets) -> int:  # type: ignore[no-untyped-def]
+    def read_into(self, layer: int, ids: list[int], targets, done=None) -> int:  # type: ignore[no-untyped-def]
         self.calls.append((layer, list(ids)))
         written = 0
-        for e, target in zip(ids, targets, strict=True):
+        for i, (e, target) in enumerate(zip(ids, targets, strict=True)):
             data = self.blobs[(layer, e)][0]
             if sum(v.nbytes for v in target) != len(data):
                 raise errors.ExpertSizeMismatch(f"{len(data)} bytes for {layer}/{e}")
@@ -145,6 +145,8 @@ class DictSource:
                 v[:] = data[pos : pos + v.nbytes]
                 pos += v.nbytes
                 written += v.nbytes
+            if done is not None:
+                done(i)
         return written
 
     def entry(self, layer: int, expert: int) -> ExpertEntry:

@@ -98,3 +98,68 @@ def test_buffers_too_small_for_the_file_are_refused(tmp_path: Path) -> None:
             transport.parallel_preadv(pool, fds, [100], [[memoryview(bytearray(90))]])
     finally:
         os.close(fds[0])
+
+
+@pytest.mark.parametrize("chunk,min_job", [(4 << 20, 256 << 10), (1000, 1), (4096, 10_000)])
+def test_done_sees_each_out_filled_in_order(tmp_path: Path, monkeypatch, chunk: int, min_job: int) -> None:  # type: ignore[no-untyped-def]
+    """``done(i)`` comes once per out, in order, on the caller's thread, and only when out i
+    holds all its bytes (a GPU copy started there reads them at once)."""
+    import threading
+
+    monkeypatch.setattr(transport, "_CHUNK", chunk)
+    monkeypatch.setattr(transport, "_MIN_JOB", min_job)
+    sizes = [5 << 20, 1, 300_000, 0, 6528, 3 << 20]
+    fds, datas = _files(tmp_path, sizes)
+    bufs = [np.zeros(n, np.uint8) for n in sizes]
+    seen: list[int] = []
+
+    def done(i: int) -> None:
+        assert threading.current_thread() is threading.main_thread()
+        assert bufs[i].tobytes() == datas[i], f"out {i} not filled when done({i}) came"
+        seen.append(i)
+
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            transport.parallel_preadv(pool, fds, sizes, [memoryview(b) for b in bufs], done)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert seen == list(range(len(sizes)))
+
+
+def test_an_error_waits_for_every_read_under_way(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """When one window fails, the others still running finish before the error is raised: the
+    caller frees the outs (slots) on the error, and no read may write into them afterwards."""
+    import threading
+    import time
+
+    monkeypatch.setattr(transport, "_CHUNK", 1000)
+    monkeypatch.setattr(transport, "_MIN_JOB", 1)
+    fds, _ = _files(tmp_path, [3000, 3000])
+    running = 0
+    lock = threading.Lock()
+    real = transport._read_piece
+
+    def slow_then_fail(fd: int, views: list[memoryview], offset: int) -> None:
+        nonlocal running
+        with lock:
+            running += 1
+        try:
+            if fd == fds[0] and offset == 0:
+                raise OSError("the first window fails at once")
+            time.sleep(0.05)
+            real(fd, views, offset)
+        finally:
+            with lock:
+                running -= 1
+
+    monkeypatch.setattr(transport, "_read_piece", slow_then_fail)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            with pytest.raises(OSError, match="fails at once"):
+                transport.parallel_preadv(pool, fds, [3000, 3000],
+                                          [memoryview(bytearray(3000)) for _ in fds])
+            assert running == 0
+    finally:
+        for fd in fds:
+            os.close(fd)
