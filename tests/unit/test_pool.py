@@ -202,3 +202,38 @@ def test_misses_through_staging_and_copies_land_whole_in_their_slots(blobs) -> N
     s = bank.stats
     assert bank.fill.copier.copied == s.source_bytes > 0  # every miss went through staging
     assert s.copied_bytes == 2 * s.source_bytes  # into staging, then into the slot
+
+
+def test_each_miss_is_copied_as_soon_as_its_read_lands(blobs) -> None:  # type: ignore[no-untyped-def]
+    """The copy to the GPU of one expert overlaps the reads after it: the filler starts an
+    expert's copies from the source's ``done(i)``, before expert i+1 of the batch is read."""
+    ref, toks = run_logits(build_resident(FMT), PROMPT, steps=2)
+    model, bank = _bank(blobs, slots=10)
+    events: list[str] = []
+    inner = bank.source.read_into
+
+    def read_into(layer, ids, targets, done=None):  # type: ignore[no-untyped-def]
+        events.append(f"batch {len(ids)}")
+
+        def landed(i: int) -> None:
+            events.append("landed")
+            if done is not None:
+                done(i)
+
+        return inner(layer, ids, targets, landed)
+
+    class Logged(_HostCopier):
+        def copy(self, dst: int, src: int, nbytes: int) -> None:
+            events.append("copy")
+            super().copy(dst, src, nbytes)
+
+    bank.source.read_into = read_into
+    bank.fill.copier = Logged()
+    got, _ = run_logits(model, PROMPT, toks, steps=2)
+    assert_bitwise(ref, got)
+    batches = " ".join(events).split("batch ")[1:]
+    multi = [b.split() for b in batches if int(b.split()[0]) > 1]
+    assert multi, "the test needs batches of several misses"
+    for b in multi:  # landed, its copies, landed, its copies, ...: never two landings in a row
+        words = b[1:]
+        assert words[0] == "landed" and "landed landed" not in " ".join(words), b
