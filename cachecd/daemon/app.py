@@ -29,10 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 from cachecd import constants
 from cachecd.config import Settings
-from cachecd.daemon.layout_gate import layout_checker
 from cachecd.daemon.metrics import Latencies
 from cachecd.daemon.misses import Fetcher
-from cachecd.daemon.registry import RegisteredModel, Registry, check_repo, hub_checker
+from cachecd.daemon.registry import RegisteredModel, Registry, check_repo
 from cachecd.errors import ExpertNotFound, InvalidRequest
 from cachecd.manifest.headers import keep_dir
 from cachecd.report.coverage import HitHistory
@@ -42,7 +41,7 @@ from cachecd.store.store import Store
 if TYPE_CHECKING:
     from cachecd.manifest.entries import ExpertEntry
     from cachecd.store.index import Entry
-    from cachecd.upstream.hub import Upstream
+    from cachecd.upstream.fetch import Upstream
 
 log = logging.getLogger(__name__)
 
@@ -177,11 +176,9 @@ class Daemon:
         self.settings = settings
         self.store = store
         self.upstream = upstream
-        self.registry = Registry(
-            store, settings.models_dir,
-            None if settings.offline else hub_checker(settings.endpoint),
-            layout_checker(settings.endpoint, keep_dir(settings.models_dir), settings.offline,
-                           settings.total_timeout))
+        # The checks on use are the source's: what it holds at the commit, and the layout.
+        checks = upstream.source.use_checks(keep_dir(settings.models_dir), settings.total_timeout)
+        self.registry = Registry(store, settings.models_dir, checks.metadata, checks.layout)
         self.fetcher = Fetcher(store, upstream)
         self.latency = Latencies()
         upstream.observe_requests(self.latency.upstream_request)

@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from cachecd.errors import CachecdError, Gated, ManifestMismatch, ManifestUnchecked, Unauthorized
@@ -29,24 +28,6 @@ from cachecd.manifest.manifest import Manifest
 log = logging.getLogger(__name__)
 
 RETRY_S = 2.0
-
-
-def layout_checker(endpoint: str, keep: Path, offline: bool,
-                   deadline_s: float) -> Callable[[Manifest], None]:
-    """The layout check: headers kept in ``keep``, else fetched from ``endpoint`` one at a time
-    (huggingface_hub's client would keep more connections open for the daemon's life), asked
-    again once on a failure, within ``deadline_s``."""
-
-    def check(manifest: Manifest) -> None:
-        from huggingface_hub import get_token
-
-        from cachecd.manifest.hub_check import check_layout_at
-
-        check_layout_at(manifest, endpoint=endpoint, token=None if offline else get_token(),
-                        keep=keep, offline=offline, retry=False, parallel=1,
-                        deadline_s=deadline_s)
-
-    return check
 
 
 async def in_thread(fn: Callable[[Manifest], None], manifest: Manifest) -> None:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from cachecd.daemon.registry import RegisteredModel
     from cachecd.manifest.entries import ExpertEntry
     from cachecd.store.budget import Reservation
-    from cachecd.upstream.hub import Upstream
+    from cachecd.upstream.fetch import Upstream
 
 log = logging.getLogger(__name__)
 

@@ -61,19 +61,6 @@ def check_repo(org: str, name: str) -> str:
     return f"{org}/{name}"
 
 
-def hub_checker(endpoint: str) -> Callable[[Manifest], None]:
-    """The check on use against ``endpoint``'s metadata, with the token huggingface_hub finds."""
-
-    def check(manifest: Manifest) -> None:
-        from huggingface_hub import get_token
-
-        from cachecd.manifest.hub_check import check_metadata
-
-        check_metadata(manifest, endpoint=endpoint, token=get_token())
-
-    return check
-
-
 def check_restriction(layers: Any, pipeline: Any) -> tuple[tuple[int, int] | None,
                                                          tuple[int, int] | None]:
     """``layers`` ``[start, end)`` and ``pipeline`` ``[rank, size]`` of a registration, checked."""

@@ -114,7 +114,7 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     from cachecd.daemon.peer import bind_private_socket
     from cachecd.daemon.routes import build_app
     from cachecd.store.store import Store
-    from cachecd.upstream.hub import Upstream
+    from cachecd.upstream.choose import open_upstream
 
     notify("STATUS=recovering the cache: " + ", ".join(map(str, settings.cache_dirs)))
     store = await Store.open(settings.cache_dirs, budget=settings.budget, policy=settings.policy,
@@ -122,10 +122,7 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     notify("STATUS=registering models")
     # huggingface_hub may fetch a small registry synchronously the first time it builds headers:
     # keep that off the event loop. Token None: the one huggingface_hub finds, at each resolve.
-    upstream = await asyncio.to_thread(Upstream, settings.endpoint, None,
-                                       offline=settings.offline, max_parallel=settings.max_parallel,
-                                       read_timeout=settings.read_timeout,
-                                       total_timeout=settings.total_timeout)
+    upstream = await asyncio.to_thread(open_upstream, settings)
     daemon = Daemon(settings, store, upstream)
     await daemon.registry.load_registered()
     for path in settings.manifests:

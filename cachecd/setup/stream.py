@@ -285,12 +285,12 @@ async def fetch_resident(manifest: Any, local: Path, settings: Settings,
     from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
     from cachecd.setup.resident import ResidentWriter
-    from cachecd.upstream.hub import Upstream
+    from cachecd.upstream.choose import open_upstream
 
     writer = ResidentWriter(manifest, local, keep)
     if writer.done():
         return 0
-    upstream = await asyncio.to_thread(Upstream, settings.endpoint, get_token(), offline=settings.offline)
+    upstream = await asyncio.to_thread(open_upstream, settings, get_token())
     total = writer.nbytes
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="resident weights", disable=None)
     try:

@@ -1,7 +1,7 @@
-"""One exact Range GET against a Hub, with resolve caching and timeouts; retries and waits are
-``retry.Retrier``'s.
+"""The Hub as a source of expert bytes (``source.ExpertSource``): one exact Range GET against a
+Hub endpoint, with resolve caching and timeouts; retries and waits are ``retry.Retrier``'s.
 
-Invariants (``hub.Upstream`` builds on them):
+Invariants (``fetch.Upstream`` builds on them):
 - ``get_range`` returns exactly ``end - start`` bytes taken from a 206 whose Content-Range is
   exactly ``bytes start-(end-1)/size``; anything else is a fault, retried, then an error.
 - One ``/resolve`` per (repo, revision, file) until the signed Location expires or the CDN answers
@@ -17,8 +17,10 @@ import logging
 import re
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 import aiohttp
@@ -29,6 +31,7 @@ from cachecd.upstream import hub_http as hh
 from cachecd.upstream.hub_auth import HubAuth
 from cachecd.upstream.retry import DeadlinePassed, Retrier, Transient
 from cachecd.upstream.singleflight import SingleFlight
+from cachecd.upstream.source import Consumer, UseChecks, offline_error
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +40,6 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _EXPIRY_MARGIN_S = 60.0
 # aiohttp pauses the socket when its buffer passes 2x this; 64 KiB (the default) stalls fast streams.
 READ_BUFSIZE = 1 << 20
-
-
-class Consumer(Protocol):
-    """Takes a body as it arrives instead of a buffer: ``restart`` before every attempt (a
-    retry starts over at offset 0), then ``feed`` with each chunk in order and its offset."""
-
-    async def restart(self) -> None: ...
-
-    def feed(self, chunk: bytes, pos: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -60,22 +54,30 @@ class _CdnForbidden(Exception):
 
 
 class HubClient:
+    """Ranges of a repo's files from ``endpoint`` (huggingface.co, a mirror, ``cachecd hub
+    serve``).
+
+    ``token``: a string is sent as-is; None follows huggingface_hub's ``get_token()`` (HF_TOKEN,
+    then the token file), asked again before each resolve, so ``hf auth login`` counts without a
+    restart; False sends none. Create and close it inside the event loop that uses it.
+    """
+
     def __init__(
         self,
         endpoint: str,
         token: str | bool | None,
         *,
-        offline: bool,
-        max_parallel: int,
-        connect_timeout: float,
-        read_timeout: float,
-        total_timeout: float,
-        max_retries: int,
-        backoff_base: float,
-        backoff_cap: float,
-        signed_url_ttl: float,
+        offline: bool = False,
+        max_parallel: int = constants.MAX_PARALLEL_FETCHES,
+        connect_timeout: float = constants.CONNECT_TIMEOUT_S,
+        read_timeout: float = constants.READ_TIMEOUT_S,
+        total_timeout: float = constants.TOTAL_TIMEOUT_S,
+        max_retries: int = constants.MAX_RETRIES,
+        backoff_base: float = constants.BACKOFF_BASE_S,
+        backoff_cap: float = constants.BACKOFF_CAP_S,
+        signed_url_ttl: float = constants.SIGNED_URL_TTL_S,
     ) -> None:
-        self.endpoint = endpoint.rstrip("/")
+        self.endpoint = self.where = endpoint.rstrip("/")
         self.offline = offline
         self.max_parallel = max_parallel
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
@@ -93,6 +95,38 @@ class HubClient:
             total_timeout=total_timeout,
         )
 
+    @classmethod
+    def from_settings(cls, settings: Any, token: str | bool | None = None) -> HubClient:
+        """The Hub the settings name (``endpoint``, ``offline``, the parallel limit and the
+        timeouts)."""
+        return cls(settings.endpoint, token, offline=settings.offline,
+                   max_parallel=settings.max_parallel, read_timeout=settings.read_timeout,
+                   total_timeout=settings.total_timeout)
+
+    def use_checks(self, keep: Path, deadline_s: float) -> UseChecks:
+        """The Hub's metadata for the commit (none offline), and the layout against the shards'
+        headers, kept in ``keep`` or fetched one at a time (huggingface_hub's client would keep
+        more connections open for the daemon's life), asked again once, within ``deadline_s``."""
+        endpoint, offline = self.endpoint, self.offline
+
+        def metadata(manifest: Any) -> None:
+            from huggingface_hub import get_token
+
+            from cachecd.manifest.hub_check import check_metadata
+
+            check_metadata(manifest, endpoint=endpoint, token=get_token())
+
+        def layout(manifest: Any) -> None:
+            from huggingface_hub import get_token
+
+            from cachecd.manifest.hub_check import check_layout_at
+
+            check_layout_at(manifest, endpoint=endpoint, token=None if offline else get_token(),
+                            keep=keep, offline=offline, retry=False, parallel=1,
+                            deadline_s=deadline_s)
+
+        return UseChecks(None if offline else metadata, layout)
+
     # -- lifecycle and bookkeeping -----------------------------------------------------------
     async def close(self) -> None:
         if self._session is not None:
@@ -108,15 +142,12 @@ class HubClient:
     def count(self, name: str, n: int = 1) -> None:
         self._counters[name] += n
 
-    def observe_requests(self, observe: Any) -> None:
+    def observe_requests(self, observe: Callable[[str, float], None]) -> None:
         """``observe(kind, seconds)`` after each request sent upstream ("resolve", "range")."""
         self._retry.observe = observe
 
     def offline_error(self, what: str) -> errors.Offline:
-        return errors.Offline(
-            f"offline mode (HF_HUB_OFFLINE) is on and {what} is not cached; unset HF_HUB_OFFLINE "
-            "to fetch it, or warm the cache while online (`cachecd warm`)"
-        )
+        return offline_error(what)
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:

@@ -408,3 +408,16 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+_FETCH_OPTS = ("coalesce_max_bytes", "coalesce_max_experts", "coalesce_max_gap",
+               "coalesce_target_bytes", "checksum_refetches")
+
+
+def hub_upstream(endpoint: str, token: str | bool | None = None, **opts: Any) -> Any:
+    """``fetch.Upstream`` over a ``HubClient`` of ``endpoint``: ``opts`` are either's options."""
+    from cachecd.upstream.fetch import Upstream
+    from cachecd.upstream.hub_client import HubClient
+
+    fetch = {k: opts.pop(k) for k in _FETCH_OPTS if k in opts}
+    return Upstream(HubClient(endpoint, token, **opts), **fetch)

@@ -12,8 +12,14 @@ from typing import Any
 import pytest
 
 from cachecd import errors
-from cachecd.upstream.hub import Upstream
-from tests.fakes.fake_hub import FakeHub, FakeManifest, expert_bytes_of, write_expert_shards
+from cachecd.upstream.fetch import Upstream
+from tests.fakes.fake_hub import (
+    FakeHub,
+    FakeManifest,
+    expert_bytes_of,
+    hub_upstream,
+    write_expert_shards,
+)
 
 TOKEN = "hf_" + "Zq7" * 12  # shaped like a real token, so a leak matches RELIABILITY #16's grep
 
@@ -35,7 +41,7 @@ def run(
     async def main() -> None:
         async with FakeHub(folder, manifest.repo, manifest.revision) as hub:
             opts = {"backoff_base": 0.01, "backoff_cap": 0.05, "max_parallel": 1, **kw}
-            up = Upstream(hub.url, token, **opts)
+            up = hub_upstream(hub.url, token, **opts)
             try:
                 await scenario(hub, up, manifest, folder)
             finally:

@@ -12,8 +12,15 @@ from typing import Any
 import pytest
 
 from cachecd import errors
-from cachecd.upstream.hub import Upstream
-from tests.fakes.fake_hub import FakeHub, FakeManifest, Faults, expert_bytes_of, write_expert_shards
+from cachecd.upstream.fetch import Upstream
+from tests.fakes.fake_hub import (
+    FakeHub,
+    FakeManifest,
+    Faults,
+    expert_bytes_of,
+    hub_upstream,
+    write_expert_shards,
+)
 from tests.fakes.fault_proxy import FaultProxy
 from tests.unit.test_hub import Sink, keys, layer, run
 
@@ -245,7 +252,7 @@ def via_proxy(folder: Path, m: FakeManifest, toxics: dict[str, Any], check: Any,
                 for k, v in toxics.items():
                     setattr(proxy.toxics, k, v)
                 opts = {"backoff_base": 0.01, "backoff_cap": 0.05, "max_parallel": 1, **kw}
-                up = Upstream(hub.url, None, **opts)
+                up = hub_upstream(hub.url, None, **opts)
                 sink = Sink()
                 try:
                     failures = await up.fetch_experts(m, layer(m, 0), sink)
@@ -327,7 +334,7 @@ def test_fds_and_tasks_return_to_baseline_after_faults(repo: tuple[Path, FakeMan
         async with FakeHub(folder, m.repo, m.revision) as hub:
             await asyncio.sleep(0)
             fd0, tasks0 = fds(), len(asyncio.all_tasks())
-            up = Upstream(hub.url, None, backoff_base=0.01, backoff_cap=0.02, read_timeout=0.2)
+            up = hub_upstream(hub.url, None, backoff_base=0.01, backoff_cap=0.02, read_timeout=0.2)
             for knob in ("truncate_after", "reset_after", "stall_after"):
                 hub.faults = Faults(**{knob: 5000}, times=3)
                 await up.fetch_experts(m, list(m.entries.values()), Sink())

@@ -15,9 +15,14 @@ from cachecd import errors
 from cachecd.daemon.misses import Fetcher
 from cachecd.store import blobs
 from cachecd.store.store import Store
-from cachecd.upstream.hub import Upstream
 from cachecd.upstream.hub_plan import plan_requests
-from tests.fakes.fake_hub import FakeHub, FakeManifest, expert_bytes_of, write_expert_shards
+from tests.fakes.fake_hub import (
+    FakeHub,
+    FakeManifest,
+    expert_bytes_of,
+    hub_upstream,
+    write_expert_shards,
+)
 
 
 class _R:
@@ -63,7 +68,7 @@ def fetch(
             for k, v in faults.items():
                 setattr(hub.faults, k, v)
             opts = {"backoff_base": 0.01, "backoff_cap": 0.05, "max_parallel": 2, **kw}
-            up = Upstream(hub.url, None, **opts)
+            up = hub_upstream(hub.url, None, **opts)
             store = await Store.open([Path(cache)])
             err: BaseException | None = None
             try:

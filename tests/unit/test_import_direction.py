@@ -35,7 +35,7 @@ LAYERS: dict[str, set[str]] = {
     "cachecd.cli_help": set(),
     "cachecd.manifest": _BASE | {"cachecd.durable", "cachecd.hub_errors"},
     "cachecd.store": _BASE | {"cachecd.durable"},
-    "cachecd.upstream": _BASE,
+    "cachecd.upstream": _BASE | {"cachecd.manifest"},  # a source's check on use
     "cachecd.config": _BASE | {"cachecd.store"},
     "cachecd.report": _BASE | {"cachecd.config", "cachecd.manifest"},
     "cachecd_client": _BASE | {"cachecd.config", "cachecd.protocol"},

@@ -9,9 +9,8 @@ from typing import Any
 import pytest
 
 from cachecd import errors
-from cachecd.upstream.hub import Upstream
 from cachecd.upstream.singleflight import SingleFlight
-from tests.fakes.fake_hub import FakeHub, expert_bytes_of, write_expert_shards
+from tests.fakes.fake_hub import FakeHub, expert_bytes_of, hub_upstream, write_expert_shards
 
 
 def test_64_callers_one_execution_same_result() -> None:
@@ -166,7 +165,7 @@ def test_64_callers_through_upstream_one_hub_request(repo: tuple[Path, Any]) -> 
     async def main() -> None:
         async with FakeHub(folder, manifest.repo, manifest.revision) as hub:
             hub.faults.delay = 0.5
-            up = Upstream(hub.url, None)
+            up = hub_upstream(hub.url, None)
             sf: SingleFlight[str, bytes] = SingleFlight()
 
             async def fetch() -> bytes:

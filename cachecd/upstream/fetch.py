@@ -1,16 +1,15 @@
-"""The upstream: exact, verified byte ranges of a pinned revision from a Hub endpoint.
+"""The upstream: verified experts of a pinned revision from any source of bytes (``source``).
+
+The verify-then-commit path, written once above every source: coalescing neighbouring experts
+into range requests (``hub_plan``), streaming an expert into its blob writer as it arrives
+(``hub_stream``), hashing it against the manifest and refetching bad bytes. The source only
+answers ranges (``source.ExpertSource``: the Hub, a local folder).
 
 Invariants:
 - ``on_verified`` is called only with bytes whose xxh3-128 equals the manifest's; bad bytes are
   dropped, refetched at most ``checksum_refetches`` times, then reported as ChecksumMismatch.
-- A byte range is accepted only from a 206 whose Content-Range is exactly what was asked (and the
-  manifest's file size) and whose body has exactly the asked length.
-- ``/resolve`` is asked once per (repo, revision, file); its signed Location is reused until it
-  expires or the CDN answers 403 (then resolved again, once).
-- The token goes only to the endpoint's ``/resolve``, never to the Location, and never into a
-  log line or error message.
-- No request to a host before the time that host last asked us to wait (Retry-After, RateLimit).
-- At most ``max_parallel`` range requests are open at once.
+- A range is accepted only when exactly the asked bytes came back (the source's rule; for the
+  Hub's HTTP rules, resolves and the token see ``hub_client``).
 - With a ``Spool``, an expert that is one range of its request is streamed into its blob writer
   as it arrives (hub_stream.py), never held whole in memory. ``on_verified(entry, None)`` then
   means "the spool's writer holds exactly the verified bytes": every write succeeded and the
@@ -27,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from cachecd import constants, errors
-from cachecd.upstream.hub_client import HubClient
 from cachecd.upstream.hub_plan import DEFAULT_MAX_GAP, EntryLike, RangeRequest, plan_requests
 from cachecd.upstream.hub_stream import Stream, VectorWriter
+from cachecd.upstream.source import ExpertSource
 from cachecd.upstream.verify import verify_async, verify_digest
 
 log = logging.getLogger(__name__)
@@ -74,48 +73,24 @@ class _Assembly:
         return memoryview(out)
 
 
-class Upstream(HubClient):
-    """Fetches experts' bytes from ``endpoint`` (huggingface.co, a mirror, ``cachecd hub serve``).
+class Upstream:
+    """Verified experts from ``source``: the one path from a source's bytes to a commit.
 
-    ``token``: a string is sent as-is; None follows huggingface_hub's ``get_token()`` (HF_TOKEN,
-    then the token file), asked again before each resolve, so ``hf auth login`` counts without a
-    restart; False sends none.
-    Create and close it inside the daemon's event loop.
+    It owns the source (``close`` closes both) and passes the source's counters through
+    (``stats``, ``observe_requests``). Create and close it inside the daemon's event loop.
     """
 
     def __init__(
         self,
-        endpoint: str,
-        token: str | bool | None,
+        source: ExpertSource,
         *,
-        offline: bool = False,
-        max_parallel: int = constants.MAX_PARALLEL_FETCHES,
-        connect_timeout: float = constants.CONNECT_TIMEOUT_S,
-        read_timeout: float = constants.READ_TIMEOUT_S,
-        total_timeout: float = constants.TOTAL_TIMEOUT_S,
-        max_retries: int = constants.MAX_RETRIES,
-        backoff_base: float = constants.BACKOFF_BASE_S,
-        backoff_cap: float = constants.BACKOFF_CAP_S,
         coalesce_max_bytes: int = constants.COALESCE_MAX_BYTES,
         coalesce_max_experts: int = constants.COALESCE_MAX_EXPERTS,
         coalesce_max_gap: int = DEFAULT_MAX_GAP,
         coalesce_target_bytes: int = constants.COALESCE_TARGET_BYTES,
         checksum_refetches: int = constants.CHECKSUM_REFETCHES,
-        signed_url_ttl: float = constants.SIGNED_URL_TTL_S,
     ) -> None:
-        super().__init__(
-            endpoint,
-            token,
-            offline=offline,
-            max_parallel=max_parallel,
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            total_timeout=total_timeout,
-            max_retries=max_retries,
-            backoff_base=backoff_base,
-            backoff_cap=backoff_cap,
-            signed_url_ttl=signed_url_ttl,
-        )
+        self.source = source
         self.coalesce_max_bytes = coalesce_max_bytes
         self.coalesce_max_experts = coalesce_max_experts
         self.coalesce_max_gap = coalesce_max_gap
@@ -123,8 +98,18 @@ class Upstream(HubClient):
         self.checksum_refetches = checksum_refetches
         self._spill_pool: ThreadPoolExecutor | None = None
 
+    @property
+    def offline(self) -> bool:
+        return self.source.offline
+
+    def stats(self) -> dict[str, int]:
+        return self.source.stats()
+
+    def observe_requests(self, observe: Callable[[str, float], None]) -> None:
+        self.source.observe_requests(observe)
+
     async def close(self) -> None:
-        await super().close()
+        await self.source.close()
         if self._spill_pool is not None:
             self._spill_pool.shutdown(wait=False)
             self._spill_pool = None
@@ -144,7 +129,7 @@ class Upstream(HubClient):
         are written to ``spool.begin(entry)`` as they arrive; see the module invariants.
         """
         if self.offline:
-            raise self.offline_error(f"{len(entries)} expert(s) of {manifest.key}")
+            raise self.source.offline_error(f"{len(entries)} expert(s) of {manifest.key}")
         unique = list({(e.layer, e.expert): e for e in entries}.values())
         states = [_Assembly(e) for e in unique]
         requests = plan_requests(
@@ -152,7 +137,7 @@ class Upstream(HubClient):
             max_bytes=self.coalesce_max_bytes,
             max_experts=self.coalesce_max_experts,
             max_gap=self.coalesce_max_gap,
-            parallel=self.max_parallel,
+            parallel=self.source.max_parallel,
             target_bytes=self.coalesce_target_bytes,
         )
         failures: dict[ExpertKey, errors.CachecdError] = {}
@@ -165,7 +150,7 @@ class Upstream(HubClient):
                 streams.append(stream)
             try:
                 buf: memoryview | None = memoryview(
-                    await self.get_range(manifest, req.file, req.start, req.end, stream)
+                    await self.source.get_range(manifest, req.file, req.start, req.end, stream)
                 )
             except errors.CachecdError as exc:
                 buf, err = None, exc
@@ -234,8 +219,8 @@ class Upstream(HubClient):
     async def fetch_range(self, manifest: Any, file: str, start: int, end: int) -> bytearray:
         """Exactly bytes [start, end) of ``file`` at the manifest's revision; the caller verifies."""
         if self.offline:
-            raise self.offline_error(f"{file} of {manifest.key}")
-        return await self.get_range(manifest, file, start, end)
+            raise self.source.offline_error(f"{file} of {manifest.key}")
+        return await self.source.get_range(manifest, file, start, end)
 
     async def _finish(
         self,
@@ -268,7 +253,7 @@ class Upstream(HubClient):
         data = st.joined() if st.streamed is None else None
         for attempt in range(self.checksum_refetches + 1):
             if attempt:
-                self.count("checksum_refetches")
+                self.source.count("checksum_refetches")
             try:
                 if st.streamed == "bad" and attempt == 0:
                     raise st.error_first  # type: ignore[misc]
@@ -277,7 +262,7 @@ class Upstream(HubClient):
                 await verify_async(entry, data)
                 return data
             except errors.ChecksumMismatch as exc:
-                self.count("faults_checksum")
+                self.source.count("faults_checksum")
                 log.warning(
                     "checksum mismatch repo=%s layer=%d expert=%d attempt=%d",
                     manifest.repo,
@@ -288,7 +273,7 @@ class Upstream(HubClient):
                 last = exc
         raise errors.ChecksumMismatch(
             f"{last.message} ({self.checksum_refetches + 1} downloads, all wrong; nothing stored "
-            f"or served). The bytes {self.endpoint} serves for them at {manifest.revision} do not "
+            f"or served). The bytes {self.source.where} serves for them at {manifest.revision} do not "
             f"hash to what the manifest ({getattr(manifest, 'source', manifest.repo)}) says: "
             "either the endpoint, or something between it and us, serves other bytes, or the "
             "manifest's hashes are wrong (a manifest you did not build is its maker's word: "
@@ -298,7 +283,7 @@ class Upstream(HubClient):
 
     async def _fetch_alone(self, manifest: Any, entry: EntryLike) -> memoryview:
         parts = await asyncio.gather(
-            *(self.get_range(manifest, r.file, r.start, r.end) for r in entry.ranges)
+            *(self.source.get_range(manifest, r.file, r.start, r.end) for r in entry.ranges)
         )
         if len(parts) == 1:
             return memoryview(parts[0])
