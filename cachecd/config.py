@@ -45,14 +45,6 @@ def parse_rate(text: str | int, key: str = "rate") -> int:
     return parse_size(text, key)
 
 
-def format_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 @dataclass
 class Settings:
     cache_dirs: list[Path] = field(default_factory=lambda: [constants.DEFAULT_CACHE_DIR])

@@ -62,6 +62,35 @@ def frame_length(header: bytes) -> int:
     return length
 
 
+class FrameReader:
+    """Frames out of a byte stream as it arrives: the one reader the daemon and the client share.
+    ``feed`` what a receive brought, take each whole frame's body from ``next``; ``want`` is how
+    many more bytes the frame under way needs, so one receive usually brings a whole frame."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._need = HEADER.size  # the bytes the frame under way takes, header included
+        self._length = -1  # its body's length, once its header is in
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def want(self) -> int:
+        return max(1, self._need - len(self._buf))
+
+    def next(self) -> bytes | None:
+        """The next whole frame's body (bytes after it stay for the one after); None for now."""
+        if self._length < 0 and len(self._buf) >= self._need:
+            self._length = frame_length(bytes(self._buf[: HEADER.size]))
+            self._need += self._length
+        if self._length < 0 or len(self._buf) < self._need:
+            return None
+        body = bytes(self._buf[HEADER.size : self._need])
+        del self._buf[: self._need]
+        self._need, self._length = HEADER.size, -1
+        return body
+
+
 def decode(body: bytes) -> dict[str, Any]:
     try:
         payload = json.loads(body)

@@ -97,22 +97,16 @@ class ControlTransport:
 
 def _recv_answer(sock: socket.socket, fds: list[int]) -> dict[str, Any]:
     """One answer frame, usually in a single receive (the fds come with its first byte)."""
-    buf = b""
-    need = protocol.HEADER.size
-    length = -1
-    while True:
-        msg, got_fds, _flags, _addr = socket.recv_fds(sock, max(_RECV_SIZE, need - len(buf)),
+    reader = protocol.FrameReader()
+    while (body := reader.next()) is None:
+        msg, got_fds, _flags, _addr = socket.recv_fds(sock, max(_RECV_SIZE, reader.want()),
                                                       protocol.MAX_FDS_PER_FRAME)
         fds.extend(got_fds)
         if not msg:
             raise ConnectionResetError("daemon closed the data connection")
-        buf += msg
-        if length < 0 and len(buf) >= need:
-            length = protocol.frame_length(buf[:need])
-            need += length
-        if length >= 0 and len(buf) >= need:
-            # The daemon answers one frame per request, so nothing can follow it.
-            return protocol.decode(buf[protocol.HEADER.size:need])
+        reader.feed(msg)
+    # The daemon answers one frame per request, so nothing can follow it.
+    return protocol.decode(body)
 
 
 class DataTransport:

@@ -26,23 +26,16 @@ import mlx.core as mx
 import numpy as np
 
 from cachecd import errors
+from cachecd.manifest.dtypes import DTYPES
 
 # Checkpoint projection names -> mlx-lm's SwitchGLU attribute names (kimi_k3 / deepseek_v3 sanitize).
 PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _SUFFIX_RE = re.compile(r"\.experts\.\d+\.(w[123]|gate_proj|up_proj|down_proj)\.(\w+)$")
 
-# Storage dtypes numpy can hold; bfloat16 is kept as its uint16 bits and fp8 as its bytes, each
-# reinterpreted in mx (mx.load reads F8_E4M3 as uint8 too).
-_NP_DTYPES: dict[str, type[np.generic]] = {
-    "U8": np.uint8,
-    "F8_E4M3": np.uint8,
-    "I8": np.int8,
-    "I32": np.int32,
-    "U32": np.uint32,
-    "F16": np.float16,
-    "BF16": np.uint16,
-    "F32": np.float32,
-}
+# The dtypes an expert's tensors may have; how each is held is the shared table's
+# (``cachecd.manifest.dtypes``: bfloat16 as its uint16 bits, fp8 as its bytes, each reinterpreted
+# in mx; mx.load reads F8_E4M3 as uint8 too).
+_EXPERT_DTYPES = frozenset({"U8", "F8_E4M3", "I8", "I32", "U32", "F16", "BF16", "F32"})
 
 Key = tuple[str, str]  # (projection, checkpoint suffix), e.g. ("gate_proj", "weight_packed")
 Arrays = dict[str, dict[str, mx.array]]  # projection -> {"weight"/"scales"/"biases": array}
@@ -112,7 +105,7 @@ class TensorSlot:
 
     @property
     def np_dtype(self) -> np.dtype:
-        return np.dtype(_NP_DTYPES[self.dtype])
+        return np.dtype(DTYPES[self.dtype].numpy)
 
 
 @dataclass(frozen=True)
@@ -130,7 +123,7 @@ class StackLayout:
 
 def _slot(t: TensorLayout) -> TensorSlot:
     m = _SUFFIX_RE.search(t.name)
-    if m is None or t.dtype not in _NP_DTYPES:
+    if m is None or t.dtype not in _EXPERT_DTYPES:
         raise errors.UnsupportedFormat(
             f"expert tensor {t.name!r} ({t.dtype}) is not a known expert tensor"
         )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx import nn
@@ -25,8 +25,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from cachecd import errors
-from cachecd.manifest.build import quant_format_of
-from cachecd.manifest.manifest import EXPERT_RE
+from cachecd.manifest.manifest import EXPERT_RE, Manifest
 from cachecd_engine.bank import EngineStats, ExpertBank, ExpertSource
 from cachecd_engine.formats import quant_spec
 from cachecd_engine.memory import PoolSizer, default_pool_bytes
@@ -108,9 +107,15 @@ def _streamed_banks(model: nn.Module) -> list[StreamedSwitchGLU]:
     return [m for _, m in model.named_modules() if isinstance(m, StreamedSwitchGLU)]
 
 
+class ManifestedSource(ExpertSource, Protocol):
+    """A source the loader takes: its manifest says the experts' format and the files' pins."""
+
+    manifest: Manifest
+
+
 def load(
     model_dir: Path,
-    source: ExpertSource,
+    source: ManifestedSource,
     *,
     ram_bytes: int | None = None,
     expert_memory: int | None = None,
@@ -145,12 +150,14 @@ def load(
         raise errors.NotStreamable(
             f"{model_dir}'s config names a custom model_file ({config['model_file']}); only "
             f"mlx-lm's own model classes can stream their experts")
-    spec = quant_spec(quant_format_of(config))
-    manifest = getattr(source, "manifest", None)
-    pins = {f.name: f.sha256 for f in manifest.files.values()} if manifest is not None else None
+    # The experts' format is the manifest's word (it was read from the pinned config.json when
+    # the manifest was built), not worked out again here.
+    manifest = source.manifest
+    spec = quant_spec(manifest.quant_format)
+    pins = {f.name: f.sha256 for f in manifest.files.values()}
     tokenizer_config = tokenizer_options(
         model_dir, tokenizer_config, trust_remote_code=trust_remote_code, pins=pins,
-        repo=manifest.repo if manifest is not None else None)
+        repo=manifest.repo)
     bank = ExpertBank(source, spec, ram_bytes or 0, stats or EngineStats(), cap=expert_memory,
                       policy=ram_policy)
     model, config = load_model(model_dir, lazy=lazy, model_config=model_config,

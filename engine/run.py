@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cachecd.config import add_common_arguments, format_size
+from cachecd.config import add_common_arguments
+from cachecd.sizes import format_size
 
 # mlx_lm.generate's defaults (DEFAULT_TEMP, ...): literals so `cachecd --help` needs no mlx
 # import; tests/unit/test_openai_cli.py holds them equal to mlx-lm's.

@@ -27,18 +27,12 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+from cachecd.manifest.dtypes import DTYPES
 from cachecd_engine.loader import is_expert_weight
 from cachecd_engine.pipeline import skeleton
 
 log = logging.getLogger(__name__)
 
-# What mx.load returns for each safetensors dtype (fp8 comes back as its bytes).
-_MX_DTYPES = {
-    "BOOL": mx.bool_, "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16,
-    "U32": mx.uint32, "I32": mx.int32, "U64": mx.uint64, "I64": mx.int64, "F16": mx.float16,
-    "BF16": mx.bfloat16, "F32": mx.float32, "F8_E4M3": mx.uint8, "F8_E5M2": mx.uint8,
-    "F8_E8M0": mx.uint8,
-}
 _EDGE = re.compile(r'^"(in\d+)" -> ', re.M)
 
 
@@ -52,7 +46,7 @@ def kept_names(config: dict[str, Any], tensors: Iterable[Tensor]) -> set[str]:
     """The names among ``tensors`` that mlx-lm's model for ``config`` keeps after sanitize."""
     tensors = list(tensors)
     everything = {t.name for t in tensors}
-    if any(t.dtype not in _MX_DTYPES for t in tensors):
+    if any(_mx_dtype(t.dtype) is None for t in tensors):
         return everything
     try:
         model = skeleton(config)
@@ -70,8 +64,14 @@ def kept_names(config: dict[str, Any], tensors: Iterable[Tensor]) -> set[str]:
     return kept
 
 
+def _mx_dtype(name: str) -> mx.Dtype | None:
+    """What mx.load returns for a safetensors dtype (fp8 comes back as its bytes)."""
+    d = DTYPES.get(name)
+    return getattr(mx, d.mlx) if d is not None and d.mlx is not None else None
+
+
 def _placeholder(t: Tensor) -> mx.array:
-    return mx.broadcast_to(mx.zeros((), _MX_DTYPES[t.dtype]), tuple(t.shape))
+    return mx.broadcast_to(mx.zeros((), _mx_dtype(t.dtype)), tuple(t.shape))
 
 
 def _used(holders: dict[str, mx.array], out: dict[str, mx.array]) -> set[str]:

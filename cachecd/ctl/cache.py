@@ -8,9 +8,10 @@ import sys
 import time
 from typing import Any
 
-from cachecd.config import add_common_arguments, format_size, load_settings, parse_size
+from cachecd.config import add_common_arguments, load_settings, parse_size
 from cachecd.ctl import MODEL_HELP
 from cachecd.errors import EXIT_BUSY, FSCK_UNVERIFIABLE, CachecdError, CacheLocked
+from cachecd.sizes import format_size
 
 
 def _client(args: argparse.Namespace) -> Any:

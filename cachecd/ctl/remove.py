@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cachecd.config import add_common_arguments, format_size, load_settings
+from cachecd.config import add_common_arguments, load_settings
+from cachecd.sizes import format_size
 
 
 def register(sub: Any) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from cachecd.config import add_common_arguments, format_size, parse_size
+from cachecd.config import add_common_arguments, parse_size
 from cachecd.ctl import MODEL_HELP
 from cachecd.ctl.coverage import (
     DAEMON_WORKLOAD,
@@ -47,6 +47,7 @@ from cachecd.ctl.coverage import (
 from cachecd.ctl.warm_batches import Outcome, plan_batches, run_batches
 from cachecd.errors import CachecdError, InvalidRequest
 from cachecd.report.coverage import access_array, served_mask, trace_weighted, warm_order
+from cachecd.sizes import format_size
 from cachecd_engine.run import add_chat_flag, add_trust_flag
 
 __all__ = ["fit_room", "plan_batches", "read_prompts", "register", "warm"]

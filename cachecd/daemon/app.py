@@ -31,9 +31,10 @@ from cachecd import constants
 from cachecd.config import Settings
 from cachecd.daemon.metrics import Latencies
 from cachecd.daemon.misses import Fetcher
-from cachecd.daemon.registry import RegisteredModel, Registry, check_repo
+from cachecd.daemon.registry import RegisteredModel, Registry
 from cachecd.errors import ExpertNotFound, InvalidRequest
 from cachecd.manifest.headers import keep_dir
+from cachecd.manifest.repo_ref import check_repo
 from cachecd.report.coverage import HitHistory
 from cachecd.store.scrub import Scrubber
 from cachecd.store.store import Store
@@ -57,13 +58,6 @@ class OpenedExpert:
 
 # What a request used, to record once it is answered: (model key, distinct experts).
 Uses = tuple[str, list["ExpertEntry"]]
-
-
-def parse_repo(repo: str) -> str:
-    org, sep, name = repo.partition("/")
-    if not sep:
-        raise InvalidRequest(f"model {repo!r} must be ORG/NAME")
-    return check_repo(org, name)
 
 
 def _int(value: Any, what: str, limit: int = 1 << 20) -> int:
@@ -192,12 +186,12 @@ class Daemon:
         self.scrub = Scrubber(store, settings.scrub_rate, busy=lambda: self.fetcher.inflight > 0)
 
     def model(self, repo: str) -> RegisteredModel:
-        return self.registry.get(parse_repo(repo))
+        return self.registry.get(check_repo(repo))
 
     async def serving(self, repo: str) -> RegisteredModel:
         """``model``, once its layout is checked: no expert of a model flows, hit or miss, before
         its manifest's ranges agree with the shards' headers (``Registry.check_layout``)."""
-        model = self.registry.get(parse_repo(repo))
+        model = self.registry.get(check_repo(repo))
         if not model.layout_checked:
             await self.registry.check_layout(model)
         return model

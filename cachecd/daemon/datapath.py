@@ -30,25 +30,17 @@ _RECV_SIZE = 64 * 1024
 
 
 async def _recv_frame(loop: asyncio.AbstractEventLoop, conn: socket.socket,
-                      buf: bytearray) -> bytes | None:
-    """The next frame's body; ``buf`` keeps bytes read past it. None at a clean end of stream.
+                      reader: protocol.FrameReader) -> bytes | None:
+    """The next frame's body; ``reader`` keeps bytes read past it. None at a clean end of stream.
 
     One receive usually brings the header and the body together (a client sends one frame and
     waits), so a request costs one read, not two."""
-    need = protocol.HEADER.size
-    length = -1
-    while True:
-        if length < 0 and len(buf) >= need:
-            length = protocol.frame_length(bytes(buf[:need]))
-            need += length
-        if length >= 0 and len(buf) >= need:
-            body = bytes(buf[protocol.HEADER.size:need])
-            del buf[:need]
-            return body
-        chunk = await loop.sock_recv(conn, max(_RECV_SIZE, need - len(buf)))
+    while (body := reader.next()) is None:
+        chunk = await loop.sock_recv(conn, max(_RECV_SIZE, reader.want()))
         if not chunk:
             return None
-        buf += chunk
+        reader.feed(chunk)
+    return body
 
 
 async def _send_with_fds(loop: asyncio.AbstractEventLoop, conn: socket.socket, data: bytes,
@@ -105,9 +97,9 @@ class DataServer:
                 err = Forbidden(f"uid {cred.uid} may not use this daemon (it runs as uid {os.getuid()})")
                 await loop.sock_sendall(conn, protocol.encode({"ok": False, **err.to_wire()}))
                 return
-            buf = bytearray()
+            reader = protocol.FrameReader()
             while True:
-                body = await _recv_frame(loop, conn, buf)
+                body = await _recv_frame(loop, conn, reader)
                 if body is None:
                     return
                 await self._answer(loop, conn, body)

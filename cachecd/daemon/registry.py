@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,15 +49,6 @@ from cachecd.store.store import Store
 
 log = logging.getLogger(__name__)
 
-_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
-
-
-def check_repo(org: str, name: str) -> str:
-    """``org/name`` if both parts are plain repo names; InvalidRequest otherwise (before any I/O)."""
-    for part in (org, name):
-        if not _PART.match(part) or ".." in part:
-            raise InvalidRequest(f"{part!r} is not a valid repo name part (letters, digits, . _ -)")
-    return f"{org}/{name}"
 
 
 def check_restriction(layers: Any, pipeline: Any) -> tuple[tuple[int, int] | None,

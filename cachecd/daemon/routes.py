@@ -21,10 +21,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from cachecd.daemon import metrics as prom
-from cachecd.daemon.app import parse_repo
 from cachecd.daemon.peer import peer_cred
 from cachecd.daemon.removal import remove_model
 from cachecd.errors import CachecdError, Forbidden, Internal, InvalidRequest, NotFound
+from cachecd.manifest.repo_ref import check_repo
 from cachecd.report.coverage import access_array, cached_mask, coverage_report, pack_detail
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ async def unregister_model(request: web.Request) -> web.Response:
     """``cachecd remove``: unregister, delete the resident files; ``?experts=1`` evicts the
     model's cached experts too (those another registered model shares stay)."""
     d = request.app[DAEMON]
-    repo = parse_repo(_repo(request))
+    repo = check_repo(_repo(request))
     experts = request.query.get("experts") in ("1", "true")
     return web.json_response(await remove_model(d, repo, experts))
 

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from cachecd import constants, errors
+from cachecd.manifest.repo_ref import is_commit, parse_ref
+from cachecd.sizes import format_size
 
 log = logging.getLogger(__name__)
 
-SPEC_RE = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w.-]+))?")
 
 
 def register(sub: Any) -> None:
@@ -62,14 +62,6 @@ def _jobs(text: str) -> int:
     return int(text)
 
 
-def parse_spec(spec: str) -> tuple[str, str]:
-    """``org/name[@rev]`` -> (repo, rev); rev defaults to "main"."""
-    m = SPEC_RE.fullmatch(spec)
-    if m is None or ".." in spec:
-        raise errors.InvalidRequest(f"{spec!r} is not ORG/NAME[@REV]")
-    return m.group("repo"), m.group("rev") or "main"
-
-
 def _quiet_http(args: argparse.Namespace) -> None:
     if not getattr(args, "verbose", False):  # one line per HTTP request drowns the summary
         for name in ("httpx2", "httpx", "httpcore"):
@@ -81,10 +73,10 @@ def _build(args: argparse.Namespace) -> int:
     from cachecd.manifest.build import build_to_file
     from cachecd.manifest.source import HubSource, LocalSource
 
-    repo, rev = parse_spec(args.spec)
+    repo, rev = parse_ref(args.spec)
     source: Any
     if args.from_dir is not None:
-        if not re.fullmatch(r"[0-9a-f]{40}", rev):
+        if not is_commit(rev):
             raise errors.InvalidRequest("--from-dir needs ORG/NAME@COMMIT (40 hex)")
         source = LocalSource(args.from_dir, repo, rev)
     else:
@@ -153,15 +145,6 @@ def _verify_offline(manifest: Any) -> int:
     return 0
 
 
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.1f} {unit}" if unit != "B" else f"{n} B"
-        size /= 1024
-    return f"{n} B"
-
-
 def _print_summary(m: Any) -> None:
     total = sum(f.size for f in m.files.values())
     layers = m.moe_layers
@@ -169,10 +152,10 @@ def _print_summary(m: Any) -> None:
     print(f"repo        {m.repo}")
     print(f"revision    {m.revision}")
     print(f"model_type  {m.model_type} ({m.quant_format})")
-    print(f"files       {len(m.files)} ({len(m.shards)} safetensors shards), {_human(total)}")
+    print(f"files       {len(m.files)} ({len(m.shards)} safetensors shards), {format_size(total)}")
     print(
         f"experts     {m.n_experts} = {len(layers)} MoE layers ({span}) x {m.experts_per_layer}, "
-        f"{_human(m.expert_bytes_total)}"
+        f"{format_size(m.expert_bytes_total)}"
     )
     print(f"split       {m.split_experts} experts span two shards")
-    print(f"resident    {len(m.resident)} tensors, {_human(m.resident_bytes_total)}")
+    print(f"resident    {len(m.resident)} tensors, {format_size(m.resident_bytes_total)}")

@@ -1,5 +1,5 @@
 """Manifest meta (the JSON half): the expert naming rule and the checks of files, vocabularies
-and resident tensors. The lowest manifest module: it imports nothing else of the manifest.
+and resident tensors. It imports nothing else of the manifest but the dtype table and the repo rule.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 
 from cachecd import constants, errors
+from cachecd.manifest.dtypes import DTYPE_BITS
+from cachecd.manifest.repo_ref import valid_repo
 
 # group 1 = layer, group 2 = expert; everything that does not match is resident.
 EXPERT_PATTERN = r"(?:^|\.)layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
@@ -17,30 +19,6 @@ EXPERT_RE = re.compile(EXPERT_PATTERN)
 FORMAT_NAME = "cachecd-manifest"
 HEX40 = re.compile(r"[0-9a-f]{40}")
 HEX64 = re.compile(r"[0-9a-f]{64}")
-REPO_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-# Bits per element of each safetensors dtype (sub-byte float types pack).
-DTYPE_BITS: dict[str, int] = {
-    "BOOL": 8,
-    "U8": 8,
-    "I8": 8,
-    "F8_E5M2": 8,
-    "F8_E4M3": 8,
-    "F8_E8M0": 8,
-    "I16": 16,
-    "U16": 16,
-    "F16": 16,
-    "BF16": 16,
-    "I32": 32,
-    "U32": 32,
-    "F32": 32,
-    "I64": 64,
-    "U64": 64,
-    "F64": 64,
-    "C64": 64,
-    "F4": 4,
-    "F6_E2M3": 6,
-    "F6_E3M2": 6,
-}
 # How a manifest was made (the optional meta key "made"), as shown by `manifest verify` and
 # `status`. Only a full pass makes its hashes the revision's own; whoever made it says so here,
 # so the word of a manifest you did not build is its publisher's.
@@ -107,7 +85,7 @@ def check_meta(ctx: Ctx, meta: Any) -> None:
             f"{meta['format_version']} is not supported (this cachecd reads "
             f"{constants.MANIFEST_FORMAT_VERSION}); upgrade cachecd or rebuild the manifest",
         )
-    if not REPO_RE.fullmatch(meta["repo"]) or ".." in meta["repo"]:
+    if not valid_repo(meta["repo"]):
         raise ctx.fail("repo", f"{meta['repo']!r} is not ORG/NAME")
     if not HEX40.fullmatch(meta["revision"]):
         raise ctx.fail(

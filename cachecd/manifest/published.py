@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachecd import errors
+from cachecd.manifest.repo_ref import REPO, REVISION
 from cachecd.manifest.source import hub_errors
 
 PREFIX = "hf://"
 _URL = re.compile(
     r"hf://(?:(?P<kind>datasets|models)/)?"
-    r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w.-]+))?"
-    r"/(?P<path>[^@]+?)(?:@(?P<rev2>[\w.-]+))?"
+    rf"(?P<repo>{REPO})(?:@(?P<rev>{REVISION}))?"
+    rf"/(?P<path>[^@]+?)(?:@(?P<rev2>{REVISION}))?"
 )
 
 

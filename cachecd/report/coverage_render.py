@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from cachecd.config import format_size
+from cachecd.sizes import format_size
 
 FORMATS = ("table", "json", "png", "html")
 

@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from cachecd.config import format_size
 from cachecd.errors import InvalidRequest
+from cachecd.sizes import format_size
 
 
 def parse_rank(text: str) -> tuple[int, int]:

@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import hashlib
 import logging
-import re
 import subprocess
 import sys
 import time
@@ -23,21 +22,20 @@ from cachecd.config import (
     MODELS_DIR_HELP,
     Settings,
     add_common_arguments,
-    format_size,
     load_settings,
 )
 from cachecd.errors import (
     CachecdError,
     DaemonUnavailable,
-    InvalidRequest,
     ManifestInvalid,
     ManifestMismatch,
     Offline,
 )
+from cachecd.manifest.repo_ref import is_commit, parse_ref
 from cachecd.setup import pipeline
+from cachecd.sizes import format_size
 
 log = logging.getLogger(__name__)
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
 def register(sub: Any) -> None:
@@ -67,15 +65,8 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def parse_spec(spec: str) -> tuple[str, str]:
-    repo, _, rev = spec.partition("@")
-    if repo.count("/") != 1 or not all(repo.split("/")):
-        raise InvalidRequest(f"{spec!r}: expected ORG/NAME or ORG/NAME@REVISION")
-    return repo, rev or "main"
-
-
 def resolve_commit(repo: str, rev: str, endpoint: str, offline: bool) -> str:
-    if _COMMIT.match(rev):
+    if is_commit(rev):
         return rev
     if offline:
         raise Offline(f"{repo}@{rev}: HF_HUB_OFFLINE is set, so the Hub cannot say which commit "
@@ -365,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
 
     settings = load_settings({k: getattr(args, k, None) for k in
                               ("endpoint", "socket", "cache_dirs", "budget", "models_dir")})
-    repo, rev = parse_spec(args.stream)
+    repo, rev = parse_ref(args.stream)
     rank = pipeline.parse_rank(args.pipeline) if getattr(args, "pipeline", None) else None
     commit = resolve_commit(repo, rev, settings.endpoint, settings.offline)
     manifest_path, manifest, origin = choose_manifest(args, repo, commit, settings)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cachecd.config import format_size
+from cachecd.sizes import format_size
 
 REPO = "cachecd/tiny-k3"
 DEFAULT_PROMPT = "The cache warms to the workload because"

@@ -29,6 +29,7 @@ from typing import Self
 from aiohttp import web
 
 from cachecd import constants
+from cachecd.manifest.repo_ref import valid_part
 from cachecd.testbed.hub_server_app import (
     DATASETS,
     DEFAULT_URL_TTL_S,
@@ -37,7 +38,7 @@ from cachecd.testbed.hub_server_app import (
     build_app,
 )
 from cachecd.testbed.hub_server_mirror import sidecar_path
-from cachecd.testbed.hub_server_repo import HashCache, repo_commit, snapshot, valid_repo_part
+from cachecd.testbed.hub_server_repo import HashCache, repo_commit, snapshot
 
 __all__ = ["HashCache", "HubServer", "repo_commit", "serve_in_thread", "spawn_hub", "start_hub"]
 
@@ -161,7 +162,7 @@ def spawn_hub(
 def _prehash(root: Path, hashes: HashCache) -> None:
     models = [p for p in root.glob("*/*") if p.parent.name != DATASETS]
     for repo_dir in sorted(p for p in [*models, *root.glob(f"{DATASETS}/*/*")] if p.is_dir()):
-        if not (valid_repo_part(repo_dir.parent.name) and valid_repo_part(repo_dir.name)):
+        if not (valid_part(repo_dir.parent.name) and valid_part(repo_dir.name)):
             continue  # DIR/.cache, say: no route reaches it
         repo_id = f"{repo_dir.parent.name}/{repo_dir.name}"
         key = repo_id if repo_dir.parent.parent == root else f"{DATASETS}/{repo_id}"

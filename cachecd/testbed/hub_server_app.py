@@ -42,6 +42,7 @@ from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
+from cachecd.manifest.repo_ref import valid_part
 from cachecd.testbed.hub_server_mirror import sidecar_path
 from cachecd.testbed.hub_server_repo import (
     SHARED_HASHES,
@@ -52,7 +53,6 @@ from cachecd.testbed.hub_server_repo import (
     snapshot,
     tree_json,
     valid_relpath,
-    valid_repo_part,
 )
 
 log = logging.getLogger("cachecd.testbed.hub_server")
@@ -176,7 +176,7 @@ class _Hub:
         repo_id = f"{org}/{name}"
         # DIR/datasets/ holds the dataset repos, so no model org is named "datasets" (as on HF).
         kind = request.match_info.get("kind", "")
-        if not (valid_repo_part(org) and valid_repo_part(name)) or (not kind and org == DATASETS):
+        if not (valid_part(org) and valid_part(name)) or (not kind and org == DATASETS):
             raise _hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
         if repo_id in self.gated:
             raise _hf_error(web.HTTPForbidden, "GatedRepo",

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import stat
 import threading
 import time
@@ -35,8 +34,6 @@ from cachecd.testbed.hub_server_mirror import Record, Sidecar, read_record, reco
 log = logging.getLogger(__name__)
 
 _CHUNK = 8 * 1024 * 1024
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
-_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 _MAX_PATH = 4096
 _EXCLUDED_TOP = frozenset({".cache"})
 _EXCLUDED_ANY = frozenset({".git"})
@@ -66,15 +63,6 @@ class RepoSnapshot:
 
 
 # ---------------------------------------------------------------- names and paths
-
-
-def valid_repo_part(part: str) -> bool:
-    """An org or repo name: letters, digits, ``.``, ``_``, ``-``; never ``.`` or ``..``."""
-    return bool(_NAME_RE.match(part)) and ".." not in part
-
-
-def valid_commit(rev: str) -> bool:
-    return bool(_COMMIT_RE.match(rev))
 
 
 def valid_relpath(path: str) -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from cachecd.errors import InvalidRequest
+from cachecd.manifest.dtypes import DTYPES
 from cachecd.manifest.manifest import EXPERT_RE
 from cachecd.testbed.tiny_config import TensorDef, TinyOptions, check_vocab, tokenizer_of
 from cachecd.testbed.tiny_model import _rng, _write_index, tensor_values, write_shard
@@ -327,10 +328,9 @@ def _plan(defs: list[TensorDef], shard_bytes: int) -> ShardPlan:
     # tiny_shards sizes only the dtypes tiny_model writes: plan with same-size U8 stand-ins for
     # the I32 and fp8 tensors (the cut rule depends on names and byte sizes only), then swap back.
     real = {t.name: t for t in defs}
-    width = {"I32": 4, "F8_E4M3": 1}
     stand_ins = [
-        replace(t, dtype="U8", shape=(*t.shape[:-1], t.shape[-1] * width[t.dtype]))
-        if t.dtype in width
+        replace(t, dtype="U8", shape=(*t.shape[:-1], t.shape[-1] * DTYPES[t.dtype].itemsize))
+        if t.dtype in ("I32", "F8_E4M3")
         else t
         for t in defs
     ]

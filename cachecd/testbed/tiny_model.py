@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from safetensors import TensorSpec, serialize_file
 
+from cachecd.manifest.dtypes import writer_name
 from cachecd.testbed.tiny_config import (
     TensorDef,
     TinyOptions,
@@ -41,10 +42,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 256 * 1024  # 12 shards and 4 split experts at the default size
 INDEX_NAME = "model.safetensors.index.json"
-_NP_DTYPES = {"BF16": np.uint16, "F32": np.float32, "U8": np.uint8}
-_ST_DTYPES = {
-    "BF16": "bfloat16", "F32": "float32", "U8": "uint8", "I32": "int32", "F8_E4M3": "float8_e4m3fn"
-}
 # e2m1 code -> value; codes 8..15 are the negatives of 0..7.
 _FP4_VALUES = np.array(
     [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32
@@ -133,7 +130,7 @@ def write_shard(path: Path, shard: list[Any], values: Callable[[Any], np.ndarray
     arrays = {t.name: values(t) for t in shard}
     specs = {
         t.name: TensorSpec(
-            dtype=_ST_DTYPES[t.dtype],
+            dtype=writer_name(t.dtype),
             shape=list(t.shape),
             data_ptr=arrays[t.name].ctypes.data,
             data_len=arrays[t.name].nbytes,

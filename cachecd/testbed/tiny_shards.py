@@ -14,14 +14,14 @@ import re
 from dataclasses import dataclass
 
 from cachecd.errors import InvalidRequest
+from cachecd.manifest.dtypes import DTYPES
 from cachecd.testbed.tiny_config import TensorDef
 
-_DTYPE_BYTES = {"BF16": 2, "F32": 4, "U8": 1}
 _EXPERT_RE = re.compile(r"\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")
 
 
 def tensor_bytes(t: TensorDef) -> int:
-    return _DTYPE_BYTES[t.dtype] * math.prod(t.shape)
+    return DTYPES[t.dtype].itemsize * math.prod(t.shape)
 
 
 @dataclass(frozen=True)

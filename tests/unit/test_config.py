@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from cachecd import constants
-from cachecd.config import format_size, load_settings, parse_size
+from cachecd.config import load_settings, parse_size
 from cachecd.errors import ConfigInvalid
+from cachecd.sizes import format_size
 
 
 def test_precedence_argv_env_toml_defaults(tmp_path: Path) -> None:

@@ -29,29 +29,30 @@ LAYERS: dict[str, set[str]] = {
     "cachecd.errors": set(),
     "cachecd.constants": set(),
     "cachecd.durable": set(),
+    "cachecd.sizes": set(),
     "cachecd": {"cachecd.constants"},
     "cachecd.protocol": {"cachecd.errors"},
     "cachecd.hub_errors": {"cachecd.errors"},
     "cachecd.cli_help": set(),
-    "cachecd.manifest": _BASE | {"cachecd.durable", "cachecd.hub_errors"},
+    "cachecd.manifest": _BASE | {"cachecd.durable", "cachecd.hub_errors", "cachecd.sizes"},
     "cachecd.store": _BASE | {"cachecd.durable"},
     "cachecd.upstream": _BASE | {"cachecd.manifest"},  # a source's check on use
     "cachecd.config": _BASE | {"cachecd.store"},
-    "cachecd.report": _BASE | {"cachecd.config", "cachecd.manifest"},
+    "cachecd.report": _BASE | {"cachecd.sizes", "cachecd.config", "cachecd.manifest"},
     "cachecd_client": _BASE | {"cachecd.config", "cachecd.protocol"},
-    "cachecd_engine": _BASE | {"cachecd.durable", "cachecd.config", "cachecd.manifest",
+    "cachecd_engine": _BASE | {"cachecd.durable", "cachecd.sizes", "cachecd.config", "cachecd.manifest",
                                "cachecd.store", "cachecd_client"},
     "cachecd.daemon": _BASE | {"cachecd.durable", "cachecd.config", "cachecd.protocol",
                                "cachecd.manifest", "cachecd.store", "cachecd.upstream",
                                "cachecd.report"},
-    "cachecd.ctl": _BASE | {"cachecd.config", "cachecd.manifest", "cachecd.store",
+    "cachecd.ctl": _BASE | {"cachecd.sizes", "cachecd.config", "cachecd.manifest", "cachecd.store",
                             "cachecd.report", "cachecd_client", "cachecd_engine"},
     "cachecd.service": _BASE | {"cachecd.durable", "cachecd.config", "cachecd.daemon",
                                 "cachecd.ctl", "cachecd_client"},
-    "cachecd.setup": _BASE | {"cachecd.durable", "cachecd.config", "cachecd.manifest",
+    "cachecd.setup": _BASE | {"cachecd.durable", "cachecd.sizes", "cachecd.config", "cachecd.manifest",
                               "cachecd.upstream", "cachecd.service", "cachecd_client",
                               "cachecd_engine"},
-    "cachecd.testbed": _BASE | {"cachecd.config", "cachecd.manifest", "cachecd_client"},
+    "cachecd.testbed": _BASE | {"cachecd.sizes", "cachecd.config", "cachecd.manifest", "cachecd_client"},
     "cachecd.cli": _BASE | {"cachecd", "cachecd.hub_errors", "cachecd.cli_help"},  # names its command modules as strings (importlib)
 }
 
@@ -176,7 +177,7 @@ def test_every_import_points_down_the_layer_table() -> None:
     assert len([m for m in known if m.startswith("cachecd.")]) >= 60
     assert len(edges) >= 200
     assert {layer_of(e.source, known) for e in edges} >= set(LAYERS) - {
-        "cachecd.errors", "cachecd.constants", "cachecd.durable", "cachecd.cli_help"}
+        "cachecd.errors", "cachecd.constants", "cachecd.durable", "cachecd.sizes", "cachecd.cli_help"}
     found = violations(edges, known, LAYERS)
     assert not found, "imports against the layer table (docs/architecture.md):\n" + "\n".join(found)
 
