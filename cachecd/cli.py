@@ -23,7 +23,7 @@ from cachecd.hub_errors import translate
 # Modules that own commands; `--help` lists the commands in cli_help's groups.
 _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.testbed.tiny_cli",
-    "cachecd.testbed.hub_cli",
+    "cachecd.lanhub.cli",
     "cachecd.manifest.cli",
     "cachecd.setup.stream",
     "cachecd.daemon.serve",

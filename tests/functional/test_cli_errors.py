@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from cachecd.testbed.hub_server import spawn_hub
+from cachecd.lanhub.server import spawn_hub
 from tests.harness import CACHECD, TINY_REPO, HubProcess, run_cli, short_tmp
 
 TOKEN = "hf_test_token_for_the_gated_hub"

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from huggingface_hub import HfApi, get_session, hf_hub_url, snapshot_download
 
+from cachecd.lanhub.repo import HashCache, repo_commit, snapshot
 from cachecd.manifest.manifest import Manifest
-from cachecd.testbed.hub_server_repo import HashCache, repo_commit, snapshot
 from tests.functional.test_manifest_published import TAMPERED, tamper
 from tests.harness import TINY_REPO, HubProcess, Installed, LoggedHub, run_cli, short_tmp
 

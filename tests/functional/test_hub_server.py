@@ -39,8 +39,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from cachecd.testbed.hub_server import HashCache, repo_commit, serve_in_thread, spawn_hub
-from cachecd.testbed.hub_server_repo import valid_relpath
+from cachecd.lanhub.repo import valid_relpath
+from cachecd.lanhub.server import HashCache, repo_commit, serve_in_thread, spawn_hub
 
 REPO = "acme/tiny"
 TOKEN = "hub-test-token-123"
@@ -188,7 +188,7 @@ def test_in_process_restart_does_not_hash_again(
     for i in range(3):
         (repo / f"f{i}.bin").write_bytes(bytes([i]) * 1000)
     commits = []
-    with caplog.at_level(logging.DEBUG, logger="cachecd.testbed.hub_server_repo"):
+    with caplog.at_level(logging.DEBUG, logger="cachecd.lanhub.repo"):
         for _ in range(2):
             with serve_in_thread(tmp_path) as url:
                 commits.append(HfApi(endpoint=url).model_info("acme/again").sha)

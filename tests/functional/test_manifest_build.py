@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from cachecd.lanhub.repo import repo_commit
 from cachecd.manifest.build import build_manifest
 from cachecd.manifest.manifest import EXPERT_RE, Manifest, shipped_manifest
 from cachecd.manifest.source import HubSource, LocalSource
-from cachecd.testbed.hub_server_repo import repo_commit
 from tests.harness import TINY_REPO, HubProcess, run_cli, short_tmp
 
 

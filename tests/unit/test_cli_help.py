@@ -83,7 +83,7 @@ def test_building_the_command_line_loads_no_heavy_library() -> None:
     import sys
 
     heavy = ("aiohttp", "mlx", "mlx_lm", "safetensors", "transformers", "lmdb",
-             "cachecd.testbed.tiny_k2", "cachecd.testbed.hub_server")
+             "cachecd.testbed.tiny_k2", "cachecd.lanhub.server")
     probe = ("import sys; from cachecd.cli import build_parser; build_parser(); "
              f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True,
@@ -92,7 +92,7 @@ def test_building_the_command_line_loads_no_heavy_library() -> None:
 
 
 def test_hub_serve_help_names_the_url_lifetime_the_server_uses() -> None:
-    from cachecd.testbed.hub_server_app import DEFAULT_URL_TTL_S
+    from cachecd.lanhub.app import DEFAULT_URL_TTL_S
 
     out = run_cli("hub", "serve", "--help").stdout
     assert f"(default: {DEFAULT_URL_TTL_S:.0f}," in " ".join(out.split())

@@ -52,6 +52,7 @@ LAYERS: dict[str, set[str]] = {
     "cachecd.setup": _BASE | {"cachecd.durable", "cachecd.sizes", "cachecd.config", "cachecd.manifest",
                               "cachecd.upstream", "cachecd.service", "cachecd_client",
                               "cachecd_engine"},
+    "cachecd.lanhub": _BASE | {"cachecd.manifest"},
     "cachecd.testbed": _BASE | {"cachecd.sizes", "cachecd.config", "cachecd.manifest", "cachecd_client"},
     "cachecd.cli": _BASE | {"cachecd", "cachecd.hub_errors", "cachecd.cli_help"},  # names its command modules as strings (importlib)
 }

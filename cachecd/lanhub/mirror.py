@@ -9,7 +9,7 @@ does this module, which reads the records and never writes or removes one.
 Invariants:
 - The real commit is served only when every file of the repo has a trusted record and all the
   records name one commit; otherwise the folder is not that commit, and the content-derived one
-  is served (``hub_server_repo``).
+  is served (``repo``).
 - An LFS file with a trusted record is never hashed: its record is its sha256.
 - A sha256 a server computes is kept in a sidecar file per repo, outside the repo folder
   (``DIR/.cache/cachecd/sha256/ORG--NAME.json``, a path no route reaches), under the file's path
@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger("cachecd.testbed.hub_server")
+log = logging.getLogger("cachecd.lanhub.server")
 
 RECORDS = Path(".cache", "huggingface", "download")
 SIDECARS = Path(".cache", "cachecd", "sha256")  # under the served DIR, beside the repos

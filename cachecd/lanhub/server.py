@@ -2,7 +2,7 @@
 
 DIR/{org}/{name}/... is the model repo ``org/name``, DIR/datasets/{org}/{name}/... the dataset
 repo; unmodified ``huggingface_hub`` with ``HF_ENDPOINT`` pointing here can list, resolve and
-download (``hub_server_app`` has the HTTP side and its invariants, ``hub_server_repo`` which
+download (``app`` has the HTTP side and its invariants, ``repo`` which
 files count and how the commit is made).
 
 Ways to run it: the CLI (prints ``serving DIR at http://HOST:PORT`` once listening, stops
@@ -29,16 +29,16 @@ from typing import Self
 from aiohttp import web
 
 from cachecd import constants
-from cachecd.manifest.repo_ref import valid_part
-from cachecd.testbed.hub_server_app import (
+from cachecd.lanhub.app import (
     DATASETS,
     DEFAULT_URL_TTL_S,
     HUB_KEY,
     AccessLog,
     build_app,
 )
-from cachecd.testbed.hub_server_mirror import sidecar_path
-from cachecd.testbed.hub_server_repo import HashCache, repo_commit, snapshot
+from cachecd.lanhub.mirror import sidecar_path
+from cachecd.lanhub.repo import HashCache, repo_commit, snapshot
+from cachecd.manifest.repo_ref import valid_part
 
 __all__ = ["HashCache", "HubServer", "repo_commit", "serve_in_thread", "spawn_hub", "start_hub"]
 

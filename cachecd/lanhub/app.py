@@ -42,9 +42,8 @@ from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
-from cachecd.manifest.repo_ref import valid_part
-from cachecd.testbed.hub_server_mirror import sidecar_path
-from cachecd.testbed.hub_server_repo import (
+from cachecd.lanhub.mirror import sidecar_path
+from cachecd.lanhub.repo import (
     SHARED_HASHES,
     HashCache,
     RepoFile,
@@ -54,8 +53,9 @@ from cachecd.testbed.hub_server_repo import (
     tree_json,
     valid_relpath,
 )
+from cachecd.manifest.repo_ref import valid_part
 
-log = logging.getLogger("cachecd.testbed.hub_server")
+log = logging.getLogger("cachecd.lanhub.server")
 
 DEFAULT_URL_TTL_S = 3600.0
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$", re.IGNORECASE | re.ASCII)

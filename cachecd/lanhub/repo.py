@@ -6,7 +6,7 @@ Invariants:
   (where ``hf download --local-dir`` keeps its bookkeeping). A file symlink counts only if its
   real path stays inside the repo folder. Nothing outside that set is ever listed or served.
 - A folder that is exactly an ``hf download --local-dir`` of one commit is served as that
-  commit, each file with the sha256 (or git blob id) the Hub gave (``hub_server_mirror``).
+  commit, each file with the sha256 (or git blob id) the Hub gave (``mirror``).
 - Otherwise the commit is sha1 over ``f"{relpath}\\0{sha256hex}\\n"`` for every file, sorted by
   relative posix path (Python string order): same bytes -> same commit, any change -> a new one.
 - A file's sha256 is cached by (real path, size, mtime_ns) and computed once per key even when
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cachecd.testbed.hub_server_mirror import Record, Sidecar, read_record, recorded_commit
+from cachecd.lanhub.mirror import Record, Sidecar, read_record, recorded_commit
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def snapshot(
     repo_dir: Path, repo_id: str = "", cache: HashCache | None = None, kept: Path | None = None
 ) -> RepoSnapshot:
     """The repo's files with their sha256 and its commit: the one ``hf download`` recorded when
-    the folder is exactly that download (``hub_server_mirror``), else the content-derived one.
+    the folder is exactly that download (``mirror``), else the content-derived one.
     Hashes computed are kept in the file ``kept`` too (a server's sidecar). Blocking: call in a
     thread."""
     cache = cache or SHARED_HASHES

@@ -1,4 +1,4 @@
-"""``cachecd hub serve DIR``: the command's parser and entry. ``hub_server`` (aiohttp) loads only
+"""``cachecd hub serve DIR``: the command's parser and entry. ``server`` (aiohttp) loads only
 when the command runs, so building the CLI's parser stays light."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from cachecd.errors import InvalidRequest
 def _cmd_serve(args: argparse.Namespace) -> int:
     if not args.dir.is_dir():
         raise InvalidRequest(f"{args.dir} is not a directory: give the folder that holds org/name/")
-    from cachecd.testbed.hub_server import serve_until_signal
+    from cachecd.lanhub.server import serve_until_signal
 
     # A server: its log is what it writes, on a terminal or not (cli quiets other commands).
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
