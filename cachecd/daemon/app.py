@@ -2,13 +2,13 @@
 
 Invariants:
 - Every expert handed out was verified against its manifest before it entered the store; a hit
-  is served from the store only, and a miss goes through the single-flight fetcher. A blob this
+  is served from the store only, and a miss goes through the single-flight filler. A blob this
   daemon did not commit itself is hashed on its first open, and any blob again at an open a day
   (``constants.REVERIFY_AFTER_S``) after its last hash (``Store.verify_open_blob``).
 - A hit reuses an fd the daemon already holds for that blob (``BlobFds``) only while the store
   still indexes the very same row and the file is still linked with the row's size; otherwise
   the blob is opened through ``Store.open_blob``, which drops or quarantines a bad one. An expert
-  verified moments ago whose commit is still under way is served from its temp file (``Fetcher``'s
+  verified moments ago whose commit is still under way is served from its temp file (``MissFiller``'s
   ``fresh``). Every fd
   handed out is the caller's own (a dup), so an eviction never cuts off a read in progress.
 - A blob the background scrub (``store.scrub``) or an open quarantined is never handed out
@@ -23,25 +23,25 @@ import asyncio
 import logging
 import os
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cachecd import constants
 from cachecd.config import Settings
 from cachecd.daemon.metrics import Latencies
-from cachecd.daemon.misses import Fetcher
+from cachecd.daemon.misses import MissFiller
 from cachecd.daemon.registry import RegisteredModel, Registry
 from cachecd.errors import ExpertNotFound, InvalidRequest
 from cachecd.manifest.headers import keep_dir
 from cachecd.manifest.repo_ref import check_repo
 from cachecd.report.coverage import HitHistory
+from cachecd.store.blob_fds import BlobFds
 from cachecd.store.scrub import Scrubber
 from cachecd.store.store import Store
 
 if TYPE_CHECKING:
     from cachecd.manifest.entries import ExpertEntry
-    from cachecd.store.index import Entry
     from cachecd.upstream.fetch import Upstream
 
 log = logging.getLogger(__name__)
@@ -66,105 +66,6 @@ def _int(value: Any, what: str, limit: int = 1 << 20) -> int:
     return value
 
 
-class BlobFds:
-    """An LRU of open blob fds, so a warm hit costs an fstat and a dup instead of an open.
-
-    A cached fd is handed out (as a dup) only while the store's row for the digest is the very
-    row the fd was opened under and the file is still linked with that row's size: an evicted,
-    quarantined, deleted, truncated or replaced blob falls back to ``Store.open_blob``. Stale fds
-    are closed at the next request after an eviction or quarantine and by a sweep every
-    ``BLOB_FDS_SWEEP_S``; all are closed once no hit used the cache for ``BLOB_FDS_IDLE_S``, so an
-    idle daemon holds no blob open and an evicted blob's disk space comes back promptly.
-    Used on the event loop thread only.
-    """
-
-    def __init__(self, store: Store, capacity: int = constants.BLOB_FDS) -> None:
-        self._store = store
-        self._capacity = capacity
-        self._fds: OrderedDict[str, tuple[Entry, int]] = OrderedDict()
-        self._last_use = 0.0
-        self._removals = -1
-        self._timer: asyncio.TimerHandle | None = None
-
-    def __contains__(self, digest: str) -> bool:
-        return digest in self._fds
-
-    def __len__(self) -> int:
-        return len(self._fds)
-
-    def take(self, digest: str) -> tuple[int, int] | None:
-        """(fd, size) of a still-valid cached blob, the fd the caller's own; None to open it."""
-        held = self._fds.get(digest)
-        if held is None:
-            return None
-        entry, fd = held
-        try:
-            if self._store.ledger.entries.get(digest) is entry:
-                st = os.fstat(fd)
-                if st.st_nlink and st.st_size == entry.size:
-                    mine = os.dup(fd)
-                    self._fds.move_to_end(digest)
-                    self._last_use = time.monotonic()
-                    return mine, entry.size
-        except OSError:  # EMFILE: our own fds are the ones to give back
-            self.clear()
-            return None
-        self._close(digest)
-        return None
-
-    def keep(self, digest: str, fd: int, size: int) -> None:
-        """Remember a dup of ``fd``, freshly opened by ``Store.open_blob`` for ``digest``."""
-        entry = self._store.ledger.entries.get(digest)
-        if self._capacity <= 0 or entry is None or entry.size != size or digest in self._fds:
-            return
-        try:
-            self._fds[digest] = (entry, os.dup(fd))
-        except OSError:
-            self.clear()
-            return
-        self._last_use = time.monotonic()
-        while len(self._fds) > self._capacity:
-            self._close(next(iter(self._fds)))
-        if self._timer is None:
-            self._arm()
-
-    def check(self) -> None:
-        """Close the fds of blobs evicted or quarantined since the last look (cheap when none)."""
-        counters = self._store.ledger.counters
-        removals = counters.get("evictions", 0) + counters.get("quarantined", 0)
-        if removals != self._removals:
-            self._removals = removals
-            self.sweep()
-
-    def sweep(self) -> None:
-        entries = self._store.ledger.entries
-        for digest in [d for d, (entry, _) in self._fds.items() if entries.get(d) is not entry]:
-            self._close(digest)
-
-    def clear(self) -> None:
-        for digest in list(self._fds):
-            self._close(digest)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _close(self, digest: str) -> None:
-        _, fd = self._fds.pop(digest)
-        os.close(fd)
-
-    def _arm(self) -> None:
-        self._timer = asyncio.get_running_loop().call_later(constants.BLOB_FDS_SWEEP_S, self._tick)
-
-    def _tick(self) -> None:
-        self._timer = None
-        if time.monotonic() - self._last_use >= constants.BLOB_FDS_IDLE_S:
-            self.clear()
-        else:
-            self.sweep()
-        if self._fds:
-            self._arm()
-
-
 class Daemon:
     def __init__(self, settings: Settings, store: Store, upstream: Upstream) -> None:
         self.settings = settings
@@ -173,7 +74,7 @@ class Daemon:
         # The checks on use are the source's: what it holds at the commit, and the layout.
         checks = upstream.source.use_checks(keep_dir(settings.models_dir), settings.total_timeout)
         self.registry = Registry(store, settings.models_dir, checks.metadata, checks.layout)
-        self.fetcher = Fetcher(store, upstream)
+        self.misses = MissFiller(store, upstream)
         self.latency = Latencies()
         upstream.observe_requests(self.latency.upstream_request)
         self.counters: Counter[str] = Counter()
@@ -183,7 +84,7 @@ class Daemon:
         self.blob_fds = BlobFds(store)
         self.draining = False
         # Demand fetches first: the scrub slows down while any is in flight (read from its thread).
-        self.scrub = Scrubber(store, settings.scrub_rate, busy=lambda: self.fetcher.inflight > 0)
+        self.scrub = Scrubber(store, settings.scrub_rate, busy=lambda: self.misses.inflight > 0)
 
     def model(self, repo: str) -> RegisteredModel:
         return self.registry.get(check_repo(repo))
@@ -213,9 +114,9 @@ class Daemon:
         ``warm``: the caller is warming the cache, so it counts as warm fetches, not as use."""
         # One count per distinct expert per request, whatever the caller repeats.
         distinct = list({(e.layer, e.expert): e for e in entries}.values())
-        need = self.fetcher.missing(distinct)
+        need = self.misses.missing(distinct)
         # An expert verified moments ago and still being committed is local: a hit that waits.
-        missing = {e.digest_hex for e in need if not self.fetcher.committing(e.digest_hex)}
+        missing = {e.digest_hex for e in need if not self.misses.committing(e.digest_hex)}
         if warm:
             self.counters["warm_fetched_experts"] += len(missing)
         else:
@@ -224,7 +125,7 @@ class Daemon:
             self.counters["expert_hits"] += len(distinct) - len(missing)
             self.history.record(model.manifest.key, len(distinct) - len(missing), len(missing))
         if need:  # all hits: nothing can have changed since the look-up above (no await)
-            await self.fetcher.ensure(model, entries)
+            await self.misses.ensure(model, entries)
         return missing
 
     async def open_experts(self, repo: str, layer: Any, ids: list[Any]) -> list[OpenedExpert]:
@@ -246,7 +147,7 @@ class Daemon:
         digests = [e.digest_hex for e in entries]
         # Spared from eviction until opened: under a tight budget the other requests' fetches
         # would otherwise evict what this one fetched, or found, before it opens them.
-        self.store.ledger.hold(digests)
+        self.store.hold(digests)
         try:
             missing = await self.ensure(model, entries, warm=warm)
             for _ in range(3):
@@ -261,7 +162,7 @@ class Daemon:
                 for o in opened:
                     os.close(o.fd)
         finally:
-            self.store.ledger.release_hold(digests)
+            self.store.release_hold(digests)
         raise ExpertNotFound(f"layer {entries[0].layer}: experts were quarantined three times while "
                              "being opened; check the disk (`cachecd status`)")
 
@@ -275,7 +176,7 @@ class Daemon:
                 await self._open_to_hash(model, to_hash)  # the hashes run side by side
             for entry in entries:
                 digest = entry.digest_hex
-                got = (self.blob_fds.take(digest) or self.fetcher.take_fresh(digest)
+                got = (self.blob_fds.take(digest) or self.misses.take_fresh(digest)
                        or await self._open_blob(model, entry, digest))
                 opened.append(OpenedExpert(entry.expert, got[0], got[1], digest, digest in missing))
         except BaseException:
@@ -288,13 +189,13 @@ class Daemon:
         key, entries = uses
         for e in entries:
             # A use of a blob still being committed reaches the policy once the blob is in.
-            later = self.fetcher.touch_after_commit(e.digest_hex)
+            later = self.misses.touch_after_commit(e.digest_hex)
             self.store.touch(e.digest_hex, key, e.layer, e.expert, policy=not later)
 
     def _needs_hash(self, digest: str) -> bool:
         """Whether serving ``digest`` now would go through ``_open_blob`` and hash it."""
         # Cheapest first: a warm hit's digest is in blob_fds, and this runs for every request.
-        return (digest not in self.blob_fds and not self.fetcher.committing(digest)
+        return (digest not in self.blob_fds and not self.misses.committing(digest)
                 and self.store.unverified(digest))
 
     async def _open_to_hash(self, model: RegisteredModel, todo: dict[str, ExpertEntry]) -> None:
@@ -318,7 +219,7 @@ class Daemon:
             try:
                 fd, size = self.store.open_blob(digest)
             except ExpertNotFound:
-                await self.fetcher.ensure(model, [entry])
+                await self.misses.ensure(model, [entry])
                 continue
             if self.store.unverified(digest):  # from an earlier run: hash it before serving it
                 try:
@@ -329,7 +230,7 @@ class Daemon:
                     os.close(fd)
                     if not isinstance(exc, ExpertNotFound):
                         raise
-                    await self.fetcher.ensure(model, [entry])
+                    await self.misses.ensure(model, [entry])
                     continue
             self.blob_fds.keep(digest, fd, size)
             return fd, size
@@ -338,7 +239,7 @@ class Daemon:
 
     def prefetch(self, repo: str, layer: Any, ids: list[Any]) -> int:
         model = self.model(repo)
-        return self.fetcher.prefetch(model, self.entries(model, layer, ids))
+        return self.misses.prefetch(model, self.entries(model, layer, ids))
 
     def status(self) -> dict[str, Any]:
         return {
@@ -351,8 +252,8 @@ class Daemon:
             "endpoint": self.settings.endpoint,
             "offline": self.settings.offline,
             "store": self.store.stats(),
-            "inflight": self.fetcher.inflight,
-            "counters": dict(self.counters) | dict(self.fetcher.counters),
+            "inflight": self.misses.inflight,
+            "counters": dict(self.counters) | dict(self.misses.counters),
             "upstream": self.upstream.stats(),
             "models": [m.describe() for m in self.registry.all()],
             "refused_models": dict(self.registry.refused),

@@ -31,6 +31,7 @@ from cachecd import constants
 from cachecd.errors import CachecdError, Internal
 from cachecd.store.blobs import BlobWriter
 from cachecd.store.store import Store
+from cachecd.upstream.singleflight import SingleFlight
 
 if TYPE_CHECKING:
     from cachecd.daemon.registry import RegisteredModel
@@ -69,17 +70,16 @@ class _Spool:
         self._writers.clear()
 
 
-def _swallow(fut: asyncio.Future[None]) -> None:
-    # Every waiter may be gone; the outcome must not be reported as "never retrieved".
-    if not fut.cancelled():
-        fut.exception()
+class MissFiller:
+    """Fills the store's misses: claims each missing expert once (``SingleFlight``), reserves its
+    bytes, has the upstream fetch and verify it, hands it to the waiting requests and commits it
+    (the module docstring has the rules)."""
 
-
-class Fetcher:
     def __init__(self, store: Store, upstream: Upstream, *, prefetch_parallel: int = 2) -> None:
         self._store = store
         self._upstream = upstream
-        self._inflight: dict[str, asyncio.Future[None]] = {}
+        # digest -> the future of its fetch, or of its commit once handed over
+        self._flights: SingleFlight[str, None] = SingleFlight()
         self._tasks: set[asyncio.Task[None]] = set()
         self._prefetch_slots = asyncio.Semaphore(prefetch_parallel)
         self._fresh: dict[str, tuple[int, int]] = {}  # digest -> (read-only fd of its temp, size)
@@ -90,7 +90,7 @@ class Fetcher:
 
     @property
     def inflight(self) -> int:
-        return len(self._inflight)
+        return len(self._flights)
 
     def missing(self, entries: Iterable[ExpertEntry]) -> list[ExpertEntry]:
         return [e for e in entries if not self._store.has(e.digest_hex)]
@@ -142,21 +142,18 @@ class Fetcher:
 
     def prefetch(self, model: RegisteredModel, entries: list[ExpertEntry]) -> int:
         """Queue a background fetch of the entries not cached or in flight; returns how many."""
-        wanted = [e for e in self.missing(entries) if e.digest_hex not in self._inflight]
+        wanted = [e for e in self.missing(entries) if not self._flights.in_flight(e.digest_hex)]
         if wanted:
             self._spawn(self._prefetch_group(model, wanted))
         self.counters["prefetch_hints"] += 1
         return len(wanted)
 
     def _claim(self, model: RegisteredModel, missing: list[ExpertEntry]) -> list[asyncio.Future[None]]:
-        loop = asyncio.get_running_loop()
         waits, new = [], {}
         for entry in missing:
-            fut = self._inflight.get(entry.digest_hex)
+            fut = self._flights.waiting(entry.digest_hex)
             if fut is None:
-                fut = loop.create_future()
-                fut.add_done_callback(_swallow)
-                self._inflight[entry.digest_hex] = fut
+                fut = self._flights.claim([entry.digest_hex])[entry.digest_hex]
                 new[entry.digest_hex] = (entry, fut)
             else:
                 self.counters["coalesced_waiters"] += 1
@@ -173,7 +170,8 @@ class Fetcher:
 
     async def _prefetch_group(self, model: RegisteredModel, entries: list[ExpertEntry]) -> None:
         async with self._prefetch_slots:
-            still = [e for e in self.missing(entries) if e.digest_hex not in self._inflight]
+            still = [e for e in self.missing(entries)
+                     if not self._flights.in_flight(e.digest_hex)]
             if not still:
                 return
             waits = self._claim(model, still)
@@ -250,9 +248,7 @@ class Fetcher:
         self._fresh[digest] = (fd, entry.nbytes)
         self._served(entry)
         # Requests from now on wait for the commit (``_commit_fresh`` settles this one).
-        fut = asyncio.get_running_loop().create_future()
-        fut.add_done_callback(_swallow)
-        self._inflight[digest] = fut
+        self._flights.claim([digest])
         return True
 
     async def _commit_fresh(self, digest: str, reservation: Reservation, writer: BlobWriter,
@@ -268,7 +264,7 @@ class Fetcher:
                 self._commits_started.add(task)
             await self._store.commit(digest, None, reservation, writer)
             for _ in range(self._uses_after_commit.pop(digest, 0)):
-                self._store.ledger.touch(digest)
+                self._store.policy_touch(digest)
         except CachecdError as exc:
             self.counters["commit_failed"] += 1
             log.warning("event=commit_failed digest=%s err=%s", digest, exc)
@@ -291,16 +287,10 @@ class Fetcher:
     def _settle(self, digest: str, exc: CachecdError | None,
                 own: dict[str, asyncio.Future[None]] | None = None) -> None:
         """Settle the future in flight for ``digest`` (with ``own``: only if it is the one there)."""
-        fut = self._inflight.get(digest)
-        if fut is None or (own is not None and own.get(digest) is not fut):
-            return
-        del self._inflight[digest]
-        if fut.done():
-            return
-        if exc is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(exc)
+        if own is None:
+            self._flights.settle(digest, exc)
+        elif digest in own:
+            self._flights.settle(digest, exc, own[digest])
 
     async def drain(self, timeout: float) -> None:
         """Let fetches in flight finish (up to ``timeout``), then cancel what is left."""

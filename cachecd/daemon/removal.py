@@ -134,7 +134,7 @@ async def _release_experts(daemon: Daemon, manifest: Manifest | None,
         return out
     mine, shared = await asyncio.to_thread(_split, manifest, others)
     store = daemon.store
-    await daemon.fetcher.settled()  # what was answered is committed before it is looked at
+    await daemon.misses.settled()  # what was answered is committed before it is looked at
     own = [d for d in mine - shared if store.has(d)]
     pinned = store.pins() & set(own)
     for d in pinned:

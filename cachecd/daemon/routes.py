@@ -102,7 +102,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    await d.fetcher.settled()  # what was handed out is in the store before it is reported
+    await d.misses.settled()  # what was handed out is in the store before it is reported
     info = d.status()
     await asyncio.to_thread(_add_coverage, d, info["models"])
     return web.json_response(info)
@@ -120,7 +120,7 @@ def _add_coverage(d: Any, models: list[dict[str, Any]]) -> None:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    await request.app[DAEMON].fetcher.settled()  # as status: what was handed out is counted
+    await request.app[DAEMON].misses.settled()  # as status: what was handed out is counted
     body = prom.render(request.app[METRICS])
     return web.Response(body=body, headers={"Content-Type": prom.CONTENT_TYPE})
 
@@ -229,7 +229,7 @@ async def coverage(request: web.Request) -> web.Response:
     model = d.model(_repo(request))
     m = model.manifest
     detail = request.query.get("detail") in ("1", "true")
-    await d.fetcher.settled()
+    await d.misses.settled()
 
     def build() -> dict[str, Any]:
         cached, access = cached_mask(m, d.store.has), access_array(m, d.store.access_counts(m.key))
@@ -249,9 +249,9 @@ async def warm(request: web.Request) -> web.Response:
     body = await _json_body(request)
     model = await d.serving(_repo(request))
     entries = d.entries(model, body.get("layer"), list(body.get("ids") or []))
-    missing = d.fetcher.missing(entries)
-    await d.fetcher.ensure(model, missing)
-    await d.fetcher.settled()
+    missing = d.misses.missing(entries)
+    await d.misses.ensure(model, missing)
+    await d.misses.settled()
     d.counters["warm_fetched_experts"] += len(missing)
     return web.json_response({"requested": len(entries), "fetched": len(missing),
                               "fetched_bytes": sum(e.nbytes for e in missing)})
@@ -272,7 +272,7 @@ async def _pin(request: web.Request, on: bool) -> web.Response:
     entries = d.entries(model, body.get("layer"), list(body.get("ids") or []))
     if on:
         await d.ensure(model, entries)
-        await d.fetcher.settled()
+        await d.misses.settled()
     for e in entries:
         await (d.store.pin(e.digest_hex) if on else d.store.unpin(e.digest_hex))
     return web.json_response({"pinned" if on else "unpinned": len(entries)})
@@ -290,7 +290,7 @@ async def evict(request: web.Request) -> web.Response:
     nbytes = body.get("bytes", 0)
     if not isinstance(nbytes, int) or nbytes < 0:
         raise InvalidRequest("bytes must be a whole number >= 0")
-    await d.fetcher.settled()
+    await d.misses.settled()
     freed = await d.store.evict(digests, nbytes)
     return web.json_response({"freed_bytes": freed})
 

@@ -168,10 +168,10 @@ async def serve(settings: Settings) -> int:
              settings.budget, settings.endpoint, settings.scrub_rate)
     print(f"cachecd: serving on {settings.socket}", file=sys.stderr, flush=True)
     await stop.wait()
-    log.info("draining inflight=%d timeout=%.1fs", daemon.fetcher.inflight, settings.shutdown_timeout)
+    log.info("draining inflight=%d timeout=%.1fs", daemon.misses.inflight, settings.shutdown_timeout)
     daemon.draining = True
-    notify("STOPPING=1", f"STATUS=draining {daemon.fetcher.inflight} fetches in flight")
-    await daemon.fetcher.drain(settings.shutdown_timeout)
+    notify("STOPPING=1", f"STATUS=draining {daemon.misses.inflight} fetches in flight")
+    await daemon.misses.drain(settings.shutdown_timeout)
     await runner.cleanup()
     await data_server.close()
     await daemon.upstream.close()

@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,9 +43,10 @@ from typing import Any
 
 from cachecd import constants, errors
 from cachecd.store.blobs import BlobDirs, BlobWriter, hash_fd, validate_digest
-from cachecd.store.budget import Budget, Ledger, Reservation, Victims
+from cachecd.store.budget import Budget, Reservation
 from cachecd.store.crash import crash_point
 from cachecd.store.index import INDEX_DIRNAME, Entry, Index
+from cachecd.store.ledger import Ledger, Victims
 from cachecd.store.policies import make_policy
 from cachecd.store.recovery import RecoveryReport, mark_clean, recover
 
@@ -386,6 +387,23 @@ class Store:
         if policy:
             self.ledger.touch(digest)
         self.index.record_access(digest, model_key, layer, expert, time.time())
+
+    def policy_touch(self, digest: str) -> None:
+        """Tell the policy of one use whose statistics ``touch(policy=False)`` recorded earlier."""
+        self.ledger.touch(digest)
+
+    def hold(self, digests: Iterable[str]) -> None:
+        """Spare ``digests`` from eviction (a request under way) until ``release_hold``."""
+        self.ledger.hold(digests)
+
+    def release_hold(self, digests: Iterable[str]) -> None:
+        self.ledger.release_hold(digests)
+
+    def removals(self) -> int:
+        """How many blobs eviction and quarantine have taken since start: a change means an fd
+        held for a blob may be stale."""
+        counters = self.ledger.counters
+        return counters.get("evictions", 0) + counters.get("quarantined", 0)
 
     async def pin(self, digest_hex: str) -> None:
         """Never evict this digest (it may be pinned before it is fetched)."""

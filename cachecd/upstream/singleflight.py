@@ -1,10 +1,14 @@
-"""Single-flight: at most one execution of the work for a key at a time.
+"""Single-flight: at most one execution of the work for a key at a time. The one used by the Hub
+client (one resolve per file) and by the daemon's misses (one fetch per expert).
 
 Invariants:
 - While work for a key runs, every caller of that key waits on the same future and gets the same
   result or the same exception object.
 - The work is shielded: cancelling a waiter (a client that disconnected) never cancels the work.
 - A key is forgotten the moment its work finishes, so the next call after a failure runs again.
+- ``do``/``do_many`` run the work themselves. A caller that runs its own (``claim``, then
+  ``settle`` each key it claimed) keeps the same rules: one future per key in flight, settled
+  once, and only the claimer's own future is settled when it names it.
 - The running tasks are referenced here until they finish (asyncio keeps only weak references).
 """
 
@@ -41,7 +45,7 @@ class SingleFlight(Generic[K, V]):
         """Run ``factory()`` for ``key`` unless it is already running; await its outcome."""
         fut = self._futures.get(key)
         if fut is None:
-            fut = self._claim([key])[key]
+            fut = self.claim([key])[key]
             self._start(self._run_one(key, fut, factory))
         return await asyncio.shield(fut)
 
@@ -59,7 +63,7 @@ class SingleFlight(Generic[K, V]):
         wanted = list(dict.fromkeys(keys))
         missing = [k for k in wanted if k not in self._futures]
         if missing:
-            claimed = self._claim(missing)
+            claimed = self.claim(missing)
             self._start(self._run_many(claimed, factory))
         # No await since the claim, so every wanted key has a future in the map.
         waits = [asyncio.shield(self._futures[k]) for k in wanted]
@@ -76,7 +80,13 @@ class SingleFlight(Generic[K, V]):
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    def _claim(self, keys: list[K]) -> dict[K, asyncio.Future[V]]:
+    def waiting(self, key: K) -> asyncio.Future[V] | None:
+        """The future of ``key``'s work in flight, if any."""
+        return self._futures.get(key)
+
+    def claim(self, keys: list[K]) -> dict[K, asyncio.Future[V]]:
+        """A new future for each key (none of them in flight): the caller runs the work and
+        ``settle``s every key it claimed."""
         loop = asyncio.get_running_loop()
         out: dict[K, asyncio.Future[V]] = {}
         for key in keys:
@@ -91,6 +101,14 @@ class SingleFlight(Generic[K, V]):
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def settle(self, key: K, outcome: V | BaseException,
+               fut: asyncio.Future[V] | None = None) -> None:
+        """End ``key``'s flight with a value or an exception; with ``fut``, only that future
+        (a newer flight of the same key is left alone). Nothing in flight: nothing to do."""
+        fut = fut if fut is not None else self._futures.get(key)
+        if fut is not None:
+            self._settle(key, fut, outcome)
 
     def _settle(self, key: K, fut: asyncio.Future[V], outcome: V | BaseException) -> None:
         if self._futures.get(key) is fut:

@@ -10,7 +10,7 @@ from pathlib import Path
 import xxhash
 
 from cachecd import constants
-from cachecd.daemon.app import BlobFds
+from cachecd.store.blob_fds import BlobFds
 from cachecd.store.store import Store
 
 

@@ -203,8 +203,8 @@ def test_unknown_policy() -> None:
 
 
 def test_held_entries_are_spared_until_released() -> None:
-    from cachecd.store.budget import Ledger
     from cachecd.store.index import Entry
+    from cachecd.store.ledger import Ledger
 
     entries = {d: Entry(0, 100, 0.0) for d in ("a", "b", "c")}
     ledger = Ledger(Budget(300), make_policy("lru"), dict(entries), set(), {})

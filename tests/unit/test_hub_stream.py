@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from cachecd import errors
-from cachecd.daemon.misses import Fetcher
+from cachecd.daemon.misses import MissFiller
 from cachecd.store import blobs
 from cachecd.store.store import Store
 from cachecd.upstream.hub_plan import plan_requests
@@ -59,7 +59,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, FakeManifest]:
 def fetch(
     folder: Path, m: FakeManifest, faults: dict[str, Any], **kw: Any
 ) -> tuple[dict[str, bytes], dict[str, int], list[str], BaseException | None]:
-    """Fetch layer 0 (single-range experts) cold through a Fetcher; the blobs' bytes, the
+    """Fetch layer 0 (single-range experts) cold through a MissFiller; the blobs' bytes, the
     upstream's counters, what is left in tmp/, and the error if the fetch failed."""
     cache = tempfile.mkdtemp(prefix="cd", dir="/tmp")
 
@@ -73,12 +73,12 @@ def fetch(
             err: BaseException | None = None
             try:
                 wanted = [e for k, e in sorted(m.entries.items()) if k[0] == 0]
-                fetcher = Fetcher(store, up)
+                filler = MissFiller(store, up)
                 try:
-                    await fetcher.ensure(_Model(m), wanted)  # type: ignore[arg-type]
+                    await filler.ensure(_Model(m), wanted)  # type: ignore[arg-type]
                 except errors.CachecdError as exc:
                     err = exc
-                await fetcher.settled()  # answered once verified; the commits finish after
+                await filler.settled()  # answered once verified; the commits finish after
                 got = {}
                 for e in wanted:
                     if store.has(e.digest_hex):

@@ -1,4 +1,4 @@
-"""Fetcher: a fetch group settles only its own waiters, even when the same expert is fetched
+"""MissFiller: a fetch group settles only its own waiters, even when the same expert is fetched
 again by a newer group while the first one is still busy with its other experts (an expert
 served, evicted under a tight budget and asked for again; the soak found it)."""
 
@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import xxhash
 
-from cachecd.daemon.misses import Fetcher
+from cachecd.daemon.misses import MissFiller
 from cachecd.store.store import Store
 
 
@@ -53,16 +53,16 @@ def test_an_old_group_does_not_fail_a_newer_fetch_of_the_same_expert(tmp_path: P
     async def main() -> None:
         store = await Store.open([tmp_path])
         upstream = GatedUpstream()
-        fetcher = Fetcher(store, upstream)  # type: ignore[arg-type]
+        filler = MissFiller(store, upstream)  # type: ignore[arg-type]
         a, b = _expert(1), _expert(2)
         upstream.gates = {a.digest_hex: asyncio.Event(), b.digest_hex: asyncio.Event()}
         upstream.gates[a.digest_hex].set()
-        first = asyncio.create_task(fetcher.ensure(Model(), [a, b]))  # type: ignore[arg-type]
+        first = asyncio.create_task(filler.ensure(Model(), [a, b]))  # type: ignore[arg-type]
         while not store.has(a.digest_hex):  # a is in, b still downloading
             await asyncio.sleep(0.01)
         await store.evict([a.digest_hex])
         upstream.gates[a.digest_hex] = asyncio.Event()  # the refetch of a takes a while
-        second = asyncio.create_task(fetcher.ensure(Model(), [a]))  # type: ignore[arg-type]
+        second = asyncio.create_task(filler.ensure(Model(), [a]))  # type: ignore[arg-type]
         await asyncio.sleep(0.05)
         upstream.gates[b.digest_hex].set()  # the first group ends
         await first

@@ -1,15 +1,15 @@
-"""Fetcher.settled: reports wait for commits under way, not for a stalled group's download."""
+"""MissFiller.settled: reports wait for commits under way, not for a stalled group's download."""
 
 from __future__ import annotations
 
 import asyncio
 
-from cachecd.daemon.misses import Fetcher
+from cachecd.daemon.misses import MissFiller
 
 
 def test_settled_waits_for_commits_but_not_for_a_stalled_download() -> None:
     async def main() -> None:
-        f = Fetcher(None, None)  # type: ignore[arg-type] - settled() touches neither
+        f = MissFiller(None, None)  # type: ignore[arg-type] - settled() touches neither
         stalled = asyncio.Event()
         queued = asyncio.create_task(stalled.wait())  # a commit still waiting for its group
         f._commits.add(queued)
