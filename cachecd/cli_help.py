@@ -4,7 +4,7 @@ command's exit codes.
 The groups put what a user runs first (use, cache, service) and the developer tools last.
 A command no group names is still listed, under "more", so none is ever hidden.
 
-Exit codes mean one thing each (``errors.exit_codes`` has them; the README has the table).
+Exit codes mean one thing each (``errors.exit_codes`` has them; docs/daemon.md has the table).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each error has a stable ``code`` (the wire name), the ``http_status`` the daemon answers with,
 ``retryable``: whether asking again later can succeed, and ``exit_code``: what a command that
-ends in it exits with (``cli_help.EXIT_CODES`` has the table ``--help`` and the README show). The wire form is
+ends in it exits with (``cli_help.EXIT_CODES`` has the table ``--help`` and docs/daemon.md show). The wire form is
 ``{"error": code, "message": ..., "retryable": bool}``; the client turns it back into the same
 type with :func:`error_from_wire`. A message says what failed and what to do next.
 """
@@ -224,7 +224,7 @@ class Internal(CachecdError):
 
 
 # Exit codes: one meaning each. A code never says two things in one command, and a code several
-# commands use means the same in each; ``cachecd CMD --help`` and the README show the tables.
+# commands use means the same in each; ``cachecd CMD --help`` and docs/daemon.md show the tables.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_DAEMON, EXIT_BUSY, EXIT_INTERRUPTED = 0, 1, 2, 3, 6, 130
 # fsck's bits (Nix's convention: 1 corrupt, 4 unverifiable; 5 both).
 FSCK_CORRUPT, FSCK_UNVERIFIABLE = 1, 4

@@ -188,15 +188,17 @@ def parallel_preadv(pool: ThreadPoolExecutor, fds: Sequence[int], sizes: Sequenc
         finished[-1].append(i)
     if len(jobs) == 1:
         _read_pieces(jobs[0])
-        for i in finished[0] if done else ():
-            done(i)
+        if done is not None:
+            for i in finished[0]:
+                done(i)
         return
     futures = [pool.submit(_read_pieces, job) for job in jobs]
     try:
         for fut, outs_done in zip(futures, finished, strict=True):
             fut.result()
-            for i in outs_done if done else ():
-                done(i)
+            if done is not None:
+                for i in outs_done:
+                    done(i)
     except BaseException:
         for fut in futures:
             fut.cancel()

@@ -117,7 +117,8 @@ def current_backend() -> str:
 @lru_cache(maxsize=1)
 def _metal() -> str:
     arch = str(mx.device_info().get("architecture", ""))
-    return metal_backend(mx.__version__, arch, platform.mac_ver()[0], constants.MLX_ENABLE_TF32,
+    version: str = mx.__version__  # type: ignore[attr-defined]
+    return metal_backend(version, arch, platform.mac_ver()[0], constants.MLX_ENABLE_TF32,
                          constants.ALLOW_UNMODELLED_MLX)
 
 

@@ -76,7 +76,7 @@ def skeleton(config: dict[str, Any]) -> Any:
 def rank_layers(config: dict[str, Any], rank: int, size: int) -> RankLayers:
     """The layers mlx-lm's ``pipeline`` gives rank ``rank`` of ``size`` for this model."""
     model = skeleton(config)
-    inner = getattr(model, "model", None)
+    inner: Any = getattr(model, "model", None)
     if not hasattr(inner, "pipeline"):
         raise NotStreamable(f"mlx-lm's {config.get('model_type')} model has no pipeline(group): "
                             f"it cannot be split over machines")
@@ -91,7 +91,7 @@ def rank_layers(config: dict[str, Any], rank: int, size: int) -> RankLayers:
 
 def model_layers(model: Any) -> tuple[int, int] | None:
     """``[start, end)`` of a loaded model that mlx-lm has split, or None if it runs every layer."""
-    inner = getattr(model, "model", None)
+    inner: Any = getattr(model, "model", None)
     if getattr(inner, "pipeline_size", 1) <= 1:
         return None
     return int(inner.start_idx), int(inner.end_idx)
@@ -150,5 +150,6 @@ def shared_seed(group: Any) -> int:
     import mlx.core as mx
 
     mine = int.from_bytes(os.urandom(4), "little") >> 1 if group.rank() == 0 else 0
-    return int(mx.distributed.all_sum(mx.array(mine, dtype=mx.int32), group=group,
-                                      stream=mx.cpu).item())
+    total: Any = mx.distributed.all_sum(mx.array(mine, dtype=mx.int32), group=group,
+                                        stream=mx.cpu).item()
+    return int(total)

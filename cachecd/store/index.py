@@ -131,7 +131,7 @@ class Index:
         # LMDB's MDB_FDATASYNC is fcntl(F_FULLFSYNC) (mdb.c, `#if defined(__APPLE__)`) for the
         # data pages, and from LMDB 0.9.36 (ITS#10454; py-lmdb 3.0, which pyproject asks for on
         # macOS) the meta page gets one too; before, it stopped at O_DSYNC, short of the drive's
-        # media. README, "Durability on Linux and macOS".
+        # media. docs/daemon.md, "Durability on Linux and macOS".
         self.env = lmdb.open(
             str(self.path), map_size=map_size or constants.LMDB_MAP_SIZE, max_dbs=8,
             subdir=True, sync=True, metasync=True, readahead=False, meminit=False,

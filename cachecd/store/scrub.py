@@ -10,7 +10,7 @@ Invariants:
   ``constants.SCRUB_MIN_BLOB_COST`` (a page). A blob is paid for before it is opened, so the
   scrub holds a blob's fd only while it reads it (at disk speed).
 - The window: a pass over the cache takes at most (its bytes / ``rate``) plus
-  ``constants.SCRUB_DEFER_S``, busy or not, so rot is found within one pass, as the README says.
+  ``constants.SCRUB_DEFER_S``, busy or not, so rot is found within one pass, as docs/daemon.md says.
 - Below demand: while ``busy()`` says demand fetches are in flight, the next read waits, until
   the fetches end or the bucket is full (``SCRUB_DEFER_S`` of its rate saved up); the saved
   tokens then pay for catching up. Demand goes first; the average stays ``rate``.

@@ -1,5 +1,5 @@
 """A disk that rots blobs under a running daemon, and a daemon that is never idle, as a user's
-machine has them: the background scrub finds rot within the window the README promises even
+machine has them: the background scrub finds rot within the window docs/daemon.md promises even
 while fetches are in flight, and quarantine/ stays bounded and inside the budget however often
 blobs rot. Real daemon, real files, a fake hub only to stall the upstream."""
 
@@ -52,7 +52,7 @@ def test_rot_is_found_within_one_window_while_fetches_wait(tiny_dir: Path, tiny_
             with d.client() as c:
                 c.experts(TINY_REPO, layer, list(range(32)))
                 cached = c.stats()["store"]["bytes"]
-            window = cached / SCRUB_RATE + constants.SCRUB_DEFER_S  # the README's promise
+            window = cached / SCRUB_RATE + constants.SCRUB_DEFER_S  # docs/daemon.md's promise
             fake.faults.stall_after = 1  # from now on every fetch hangs: the daemon stays busy
             waiter = threading.Thread(target=_ask, args=(d, other), daemon=True)
             waiter.start()

@@ -122,7 +122,7 @@ def test_readme_has_the_exit_code_table() -> None:
 
     from cachecd.errors import exit_codes
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "daemon.md").read_text()
     table = readme.split("### Exit codes", 1)[1].split("\n#", 1)[0]
     for command in ("setup", "status", "fsck", "serve", "warm", "run"):
         for code, _ in exit_codes(command):

@@ -148,7 +148,7 @@ def _on_clock(scrub: Scrubber, rate: int) -> Clock:
 def test_demand_comes_first_and_the_pass_keeps_its_window(tmp_path: Path) -> None:
     """While demand fetches are in flight each read waits for them, up to SCRUB_DEFER_S of the
     rate saved up, and then goes: a pass over a cache that is never idle still ends within
-    (its bytes / rate) + SCRUB_DEFER_S, as the README promises (it took 4 times as long)."""
+    (its bytes / rate) + SCRUB_DEFER_S, as docs/daemon.md promises (it took 4 times as long)."""
     sizes = [1 << 20] * 10
     store, _ = _store_with(tmp_path, sizes)
     try:
