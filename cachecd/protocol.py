@@ -3,8 +3,8 @@
 Hits must not be copied through HTTP, so expert bytes travel as open file descriptors: the
 client sends one frame ``{"op": "experts", "model": ..., "layer": L, "ids": [...]}`` (with
 ``"warm": true`` when the reads warm the cache: counted as warm fetches, not as use) and the
-daemon answers one frame ``{"ok": true, "experts": [{"expert": E, "size": N, "digest": hex,
-"fetched": bool}]}`` (``fetched``: this request waited for an upstream fetch of that expert)
+daemon answers one frame ``{"ok": true, "experts": [{"expert": E, "size": N, "fetched": bool}]}``
+(``fetched``: this request waited for an upstream fetch of that expert)
 with one fd per expert attached (SCM_RIGHTS) to the answer's first byte, in the same order. The
 client ``preadv``s each fd from offset 0 and closes it. An error answer is the wire error form
 ``{"ok": false, "error": code, "message": ..., "retryable": bool}`` with no fds.
@@ -15,7 +15,6 @@ A frame is a 4-byte big-endian length and that many bytes of UTF-8 JSON.
 from __future__ import annotations
 
 import json
-import re
 import struct
 from typing import Any
 
@@ -25,7 +24,6 @@ HEADER = struct.Struct(">I")
 MAX_FRAME = 1 << 20
 # The kernel caps fds per message (SCM_MAX_FD is 253 on Linux); batches stay under it.
 MAX_FDS_PER_FRAME = 240
-_HEX = re.compile(r"[0-9a-f]+")
 
 
 def encode(payload: dict[str, Any]) -> bytes:
@@ -35,24 +33,17 @@ def encode(payload: dict[str, Any]) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def encode_experts(experts: list[tuple[int, int, str, bool]]) -> bytes:
-    """The ``ok`` answer for (expert, size, digest hex, fetched) rows: the same bytes as
-    ``encode`` of the equivalent dict, built without the generic encoder (a hit is hot)."""
+def encode_experts(experts: list[tuple[int, int, bool]]) -> bytes:
+    """The ``ok`` answer for (expert, size, fetched) rows: the same bytes as ``encode`` of the
+    equivalent dict, built without the generic encoder (a hit is hot)."""
     rows = ",".join(
-        f'{{"expert":{int(e)},"size":{int(n)},"digest":"{_hex(d)}","fetched":{"true" if f else "false"}}}'
-        for e, n, d, f in experts
+        f'{{"expert":{int(e)},"size":{int(n)},"fetched":{"true" if f else "false"}}}'
+        for e, n, f in experts
     )
     body = f'{{"ok":true,"experts":[{rows}]}}'.encode()
     if len(body) > MAX_FRAME:
         raise InvalidRequest(f"frame of {len(body)} bytes is over the {MAX_FRAME}-byte limit")
     return HEADER.pack(len(body)) + body
-
-
-def _hex(digest: str) -> str:
-    # Digests come from verified manifests; anything else would need JSON escaping.
-    if not _HEX.fullmatch(digest):
-        raise InvalidRequest(f"digest {digest[:80]!r} is not lowercase hex")
-    return digest
 
 
 def frame_length(header: bytes) -> int:

@@ -125,7 +125,7 @@ class Daemon:
             self.counters["expert_hits"] += len(distinct) - len(missing)
             self.history.record(model.manifest.key, len(distinct) - len(missing), len(missing))
         if need:  # all hits: nothing can have changed since the look-up above (no await)
-            await self.misses.ensure(model, entries)
+            await self.misses.fill(model, need)
         return missing
 
     async def open_experts(self, repo: str, layer: Any, ids: list[Any]) -> list[OpenedExpert]:

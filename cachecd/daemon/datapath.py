@@ -142,7 +142,7 @@ class DataServer:
                                                           warm=req.get("warm") is True)
         fds = [o.fd for o in opened]
         try:
-            frame = protocol.encode_experts([(o.expert, o.size, o.digest, o.fetched) for o in opened])
+            frame = protocol.encode_experts([(o.expert, o.size, o.fetched) for o in opened])
         except BaseException:
             for fd in fds:
                 os.close(fd)

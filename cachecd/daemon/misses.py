@@ -25,7 +25,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from cachecd import constants
 from cachecd.errors import CachecdError, Internal
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from cachecd.manifest.entries import ExpertEntry
     from cachecd.store.budget import Reservation
     from cachecd.upstream.fetch import Upstream
+    from cachecd.upstream.hub_stream import VectorWriter
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,8 @@ class _Spool:
         if writer is not None:
             writer.abort()
 
-    def take(self, digest: str) -> BlobWriter | None:
-        return self._writers.pop(digest, None)
+    def take(self, entry: ExpertEntry) -> BlobWriter | None:
+        return self._writers.pop(entry.digest_hex, None)
 
     def close(self) -> None:
         for writer in self._writers.values():
@@ -131,7 +132,11 @@ class MissFiller:
 
     async def ensure(self, model: RegisteredModel, entries: list[ExpertEntry]) -> None:
         """Return once every entry is in the store; raise the first typed error otherwise."""
-        missing = self.missing(entries)
+        await self.fill(model, self.missing(entries))
+
+    async def fill(self, model: RegisteredModel, missing: list[ExpertEntry]) -> None:
+        """``ensure`` for entries the caller has just found missing (``missing``): no look-up
+        again."""
         if not missing:
             return
         waits = self._claim(model, missing)
@@ -210,10 +215,14 @@ class MissFiller:
         downloaded = asyncio.Event()
         commits: list[asyncio.Task[None]] = []
 
-        async def commit(entry: ExpertEntry, data: memoryview | None) -> None:
+        async def commit(entry: ExpertEntry, got: memoryview | VectorWriter) -> None:
+            """Called once per verified expert with its bytes, or with its writer (one of this
+            group's spool, this commit's to finish or abort from here: the spool no longer
+            holds it)."""
             digest = entry.digest_hex
-            writer = spool.take(digest)
-            if data is None and writer is not None and self._hand_over(entry, writer):
+            data = got if isinstance(got, memoryview) else None
+            writer = None if data is not None else cast(BlobWriter, got)
+            if writer is not None and self._hand_over(entry, writer):
                 task = asyncio.get_running_loop().create_task(
                     self._commit_fresh(digest, reservations[digest], writer, downloaded))
                 commits.append(task)

@@ -11,10 +11,12 @@ Invariants:
 - A range is accepted only when exactly the asked bytes came back (the source's rule; for the
   Hub's HTTP rules, resolves and the token see ``hub_client``).
 - With a ``Spool``, an expert that is one range of its request is streamed into its blob writer
-  as it arrives (hub_stream.py), never held whole in memory. ``on_verified(entry, None)`` then
-  means "the spool's writer holds exactly the verified bytes": every write succeeded and the
-  hash of the written bytes matched. Otherwise the writer is discarded (after its writes ended)
-  and the expert is fetched again into memory, verified, and handed over as bytes.
+  as it arrives (hub_stream.py), never held whole in memory. Once every write succeeded and the
+  hash of the written bytes matched, the writer is taken out of the spool and handed over
+  (``on_verified(entry, writer)``): from then on the callee owns it (it commits or aborts it).
+  Otherwise the writer is discarded (after its writes ended) and the expert is fetched again into
+  memory, verified, and handed over as bytes (``on_verified(entry, view)``). So a temp file has
+  one owner at a time: the spool while bytes arrive, then the callee, never both.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from cachecd.upstream.verify import verify_async, verify_digest
 
 log = logging.getLogger(__name__)
 
-OnVerified = Callable[[Any, memoryview | None], Awaitable[None]]
+# The verified expert: its bytes, or the spool's writer that holds exactly them (the callee's now).
+OnVerified = Callable[[Any, "memoryview | VectorWriter"], Awaitable[None]]
 ExpertKey = tuple[int, int]
 SPILL_THREADS = 4
 
@@ -44,6 +47,10 @@ class Spool(Protocol):
     def begin(self, entry: Any) -> VectorWriter: ...
 
     def discard(self, entry: Any) -> None: ...
+
+    def take(self, entry: Any) -> VectorWriter | None:
+        """The entry's writer, out of the spool: the taker owns it from then on."""
+        ...
 
 
 class _Assembly:
@@ -125,6 +132,7 @@ class Upstream:
 
         ``on_verified(entry, view)`` runs once per verified expert; ``view`` may point into a
         larger download buffer, so copy or write it before returning rather than keeping it.
+        For a streamed expert it gets the spool's writer instead, and owns it.
         An error raised by ``on_verified`` becomes that expert's error. With ``spool``, bytes
         are written to ``spool.begin(entry)`` as they arrive; see the module invariants.
         """
@@ -234,12 +242,14 @@ class Upstream:
         try:
             if st.error is not None:
                 raise st.error
-            data: memoryview | None = None
-            if st.streamed != "ok":
+            got: memoryview | VectorWriter | None = None
+            if st.streamed == "ok" and spool is not None:
+                got = spool.take(st.entry)  # on_verified owns the writer from here
+            if got is None:
                 if st.streamed is not None and spool is not None:
                     spool.discard(st.entry)
-                data = await self._verified(manifest, st)
-            await on_verified(st.entry, data)
+                got = await self._verified(manifest, st)
+            await on_verified(st.entry, got)
         except errors.CachecdError as exc:
             failures[key] = exc
         except Exception as exc:  # on_verified is someone else's code: contain its bugs
