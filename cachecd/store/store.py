@@ -330,7 +330,8 @@ class Store:
     def _write_and_index(
         self, digest: str, data: bytes | memoryview | None, nbytes: int, writer: BlobWriter | None
     ) -> Entry:
-        if writer is not None and (writer.digest != digest or writer.nbytes != nbytes):
+        # nbytes is the writer's own when it holds the bytes (commit): only its name can differ.
+        if writer is not None and writer.digest != digest:
             raise errors.Internal(f"blob writer for {writer.digest} used to commit {digest}")
         try:
             return self._write_once(digest, data, nbytes, writer)
