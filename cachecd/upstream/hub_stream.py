@@ -1,6 +1,6 @@
 """Streaming one range request straight into the blob writers of the experts it carries.
 
-Used by ``hub.Upstream.fetch_experts`` with a spool, for requests whose experts each have one
+Used by ``fetch.Upstream.fetch_experts`` with a spool, for requests whose experts each have one
 byte range (the usual layout: an expert's tensors sit side by side in one shard).
 
 Invariants:
