@@ -1,0 +1,78 @@
+"""A decode token's time from its parts: compute, plus the bytes it reads at the rate their
+source gives.
+
+    token = compute + disk bytes / disk rate + Hub bytes / Hub rate
+
+Nothing overlaps on a token's critical path in the engine as it runs by default: each MoE
+layer's routing is read back, its misses are read into slots, then its call is queued, and the
+next layer's routing needs that call's output (read-ahead, which would overlap, is off by
+default). The disk rate is the doctor's at the engine's queue depth: the page cache's for the
+share of the disk cache that fits beside the pool in memory (warm), the cold rate for the rest
+(cold: all of it). The Hub rate is the doctor's one range; the daemon runs up to
+``MAX_PARALLEL_FETCHES`` fetches at once, so this is the slow side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cachecd import constants
+from cachecd.plan.disk_probe import PAGE_CACHE_READERS
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The doctor's figures a projection uses (bytes and bytes/s)."""
+
+    total: int
+    available: int
+    gpu: int | None
+    cold_rate: float  # the SSD, page cache bypassed, at the engine's queue depth
+    page_rate: float  # the page cache
+    hub_rate: float | None  # one range from the endpoint; None: not measured
+    resolve_s: float | None
+
+    @classmethod
+    def from_doctor(cls, report: dict[str, Any], cache_dir: str | None = None) -> Machine:
+        disks = report["disks"]
+        disk = next((d for d in disks if d["path"] == cache_dir), disks[0])
+        cold = {int(k): float(v) for k, v in disk["cold"].items()}
+        qd = min(cold, key=lambda q: (abs(q - PAGE_CACHE_READERS), q))  # the client's readers
+        mem, net = report["memory"], report.get("network") or {}
+        return cls(int(mem["total_bytes"]), int(mem["available_bytes"]), mem.get("gpu_bytes"),
+                   cold[qd], float(disk["page_cache"]), net.get("range_rate"),
+                   net.get("resolve_s"))
+
+
+def read_s(nbytes: float, rate: float | None) -> float | None:
+    if nbytes <= 0:
+        return 0.0
+    return nbytes / rate if rate else None
+
+
+def token_s(compute_s: float, disk_bytes: float, hub_bytes: float, m: Machine,
+            page_share: float) -> float | None:
+    """One token's seconds; None when it needs a rate the doctor did not measure (the Hub's)."""
+    cached = read_s(disk_bytes * page_share, m.page_rate)
+    cold = read_s(disk_bytes * (1 - page_share), m.cold_rate)
+    hub = read_s(hub_bytes, m.hub_rate)
+    if cached is None or cold is None or hub is None:
+        return None
+    return compute_s + cached + cold + hub
+
+
+def page_share(m: Machine, pool_bytes: int, disk_cached: int) -> float:
+    """The share of the disk cache's bytes the page cache can hold beside the pool: the
+    memory available less the pool, over what the disk cache holds."""
+    room = max(0, m.available - pool_bytes)
+    return 1.0 if disk_cached <= room else room / disk_cached
+
+
+def first_token_s(compute_s: float, token_bytes: int, shards: int, m: Machine) -> float | None:
+    """A first token with nothing cached: every routed byte from the Hub, and one resolve per
+    shard it touches, ``MAX_PARALLEL_FETCHES`` at a time."""
+    if not m.hub_rate or m.resolve_s is None:
+        return None
+    resolves = -(-shards // constants.MAX_PARALLEL_FETCHES) * m.resolve_s
+    return compute_s + resolves + token_bytes / m.hub_rate
