@@ -22,8 +22,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cachecd import constants
+
 QUEUE_DEPTHS = (1, 2, 4, 8, 16, 32)
-K3_EXPERT_BYTES = 17_547_264  # one Kimi K3 expert (DESIGN.md), a multiple of 4096
+K3_EXPERT_BYTES = constants.K3_EXPERT_BYTES  # one Kimi K3 expert, a multiple of 4096
 ALIGN = 4096  # O_DIRECT wants offsets, sizes and buffers aligned to the logical block
 PAGE_CACHE_READERS = 4  # the client's parallel readers (cachecd_client.Client's default)
 F_NOCACHE = 48  # <sys/fcntl.h> on macOS; Python's fcntl module lacks the name

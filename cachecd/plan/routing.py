@@ -17,12 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cachecd import constants
 from cachecd.errors import InvalidRequest
 from cachecd.manifest.manifest import Manifest
 
 Call = tuple[int, list[int], bool]  # layer, distinct experts, a decode call (one token)
 # Top-k of model types whose manifests do not say it (the config does); --top-k overrides.
-TOP_K = {"kimi_k3": 16, "kimi_k2": 8, "deepseek_v3": 8}
+TOP_K = {"kimi_k3": constants.K3_EXPERTS_PER_TOKEN, "kimi_k2": 8, "deepseek_v3": 8}
 
 
 @dataclass

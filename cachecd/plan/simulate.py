@@ -11,8 +11,9 @@ them.
 - Warm: a trace is replayed ``passes`` times and the last pass counted (the cache warmed to
   the workload); flat routing first asks for every expert once, in a random order (each cache
   then holds a random set as large as it can), then ``warm_tokens`` tokens, then the counted
-  ones. Under flat routing a warm cache of C of N experts hits C/N of the time, whatever its
-  policy: the next token's experts do not depend on what is cached.
+  ones. Under flat routing a warm cache of C of N experts hits about C/N of the time: the next
+  token's experts do not depend on what is cached (a pool of a few tokens' worth hits less:
+  when a layer is called its own experts are the ones used longest ago).
 """
 
 from __future__ import annotations
