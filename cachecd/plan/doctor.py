@@ -35,7 +35,8 @@ def register(sub: Any) -> None:
     p.add_argument("--block", default=str(_block_default()),
                    help="the read size (default: one Kimi K3 expert, 17,547,264 bytes)")
     p.add_argument("--network", metavar="REPO[@REV]",
-                   help="also time a resolve and one range of this repo's largest shard")
+                   help="also time a resolve and one range of this repo's largest shard (default: no "
+                        "network figures)")
     p.add_argument("--endpoint", default=None,
                    help=f"the endpoint --network asks (default: HF_ENDPOINT, {constants.HF_ENDPOINT})")
     p.add_argument("--json", action="store_true", help="print JSON (what plan --doctor reads)")

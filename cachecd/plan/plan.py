@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cachecd import constants
 from cachecd.config import parse_size
 from cachecd.errors import InvalidRequest
 from cachecd.manifest.manifest import Manifest
@@ -35,11 +36,13 @@ def register(sub: Any) -> None:
                         "running daemon serves")
     p.add_argument("--trace", action="append", metavar="FILE",
                    help="routing traces (cachecd run --trace), repeatable (default: flat routing)")
-    p.add_argument("--budget", help="a disk budget to project too, e.g. 500GB")
+    p.add_argument("--budget", help="a disk budget to project too, e.g. 500GB (default: "
+                   "shares of the model's experts from 1%% to all)")
     p.add_argument("--pool", help="a pool size to project too (default: the engine's default)")
     p.add_argument("--doctor", metavar="FILE",
                    help="a doctor's figures (cachecd doctor --json > FILE); default: measure now")
-    p.add_argument("--cache-dir", help="the cache dir to measure or to read from --doctor")
+    p.add_argument("--cache-dir", help="the cache dir to measure, or to read from --doctor "
+                   f"(default: the doctor's first; measured: {constants.DEFAULT_CACHE_DIR})")
     p.add_argument("--compute-ms", type=float,
                    help="compute per token in ms (default: measured with one MoE layer)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -48,9 +51,11 @@ def register(sub: Any) -> None:
                    "the traces' or the model type's)")
     p.add_argument("--tokens", type=int, default=FLAT_TOKENS,
                    help="tokens of flat routing counted")
-    p.add_argument("--socket", help="the daemon's socket, for a model it serves")
+    p.add_argument("--socket", help="the daemon's socket, for a model it serves (default: "
+                   "CACHECD_SOCKET or the config's)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--png", metavar="FILE", help="write the curve of tok/s against budget")
+    p.add_argument("--png", metavar="FILE", help="write the curve of tok/s against budget "
+                   "(default: none)")
     p.set_defaults(func=plan_command)
 
 
@@ -90,8 +95,6 @@ def _doctor(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.doctor:
         return doctor.load_report(args.doctor)
-    from cachecd import constants
-
     return doctor.measure([args.cache_dir or str(constants.DEFAULT_CACHE_DIR)],
                           parse_size(doctor.DEFAULT_SIZE), doctor._block_default())
 
