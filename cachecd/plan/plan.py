@@ -135,10 +135,10 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
     inputs = Inputs(manifest, machine, compute_s, pool, _slot_bytes(manifest))
     total = manifest.expert_bytes_total
     budget_list = sorted({int(total * s) for s in BUDGET_SHARES} | set(budgets or []))
-    rows = [_row(inputs, work, pool, b, seed) for b in budget_list]
+    rows = [project_row(inputs, work, pool, b, seed) for b in budget_list]
     free = _free_bytes(doctor, cache_dir)
     best = _recommend(rows, free, min(pool, total))
-    pool_rows = [_row(inputs, work, p, best["budget"], seed) for p in
+    pool_rows = [project_row(inputs, work, p, best["budget"], seed) for p in
                  sorted({max(1, int(pool * s)) for s in POOL_SHARES} | set(pools or []))]
     token_bytes = int(rows[0]["bytes_per_token"])
     first = first_token_s(compute_s, token_bytes, len(manifest.shards), machine)
@@ -171,7 +171,7 @@ def recommended_pool(machine: Any, manifest: Manifest) -> int:
     return pool_bytes_for(machine.total, available, 0, machine.gpu)
 
 
-def _row(inp: Inputs, work: Any, pool: int, budget: int, seed: int) -> dict[str, Any]:
+def project_row(inp: Inputs, work: Any, pool: int, budget: int, seed: int) -> dict[str, Any]:
     from cachecd.plan.simulate import pool_slots, replay
     from cachecd.plan.speed import page_share, token_s
 
