@@ -69,6 +69,8 @@ def decode_tokens(model: Any, prompt: list[int], n: int, before: Any = None) -> 
     cache = model.make_cache()
     logits = model(mx.array(prompt)[None], cache=cache)
     mx.eval(logits)
+    if getattr(model, "bank", None) is not None:
+        model.bank.stats.reset()  # count the decode steps only
     times = []
     for _ in range(n):
         tok = mx.argmax(logits[:, -1], axis=-1)
@@ -97,7 +99,6 @@ def measure(served: Any, sock: Path, cache_dir: Path, pool: int, args: Any) -> M
     for r in range(args.rounds + 1):  # round 0 warms up and is not counted
         prompt = rng.integers(0, vocab, size=4).tolist()
         rt = decode_tokens(resident, prompt, args.tokens)
-        model.bank.stats.reset()
         wt = decode_tokens(model, prompt, args.tokens)
         s = model.bank.stats.snapshot()
         ct = decode_tokens(model, prompt, args.tokens, lambda: drop_page_cache(cache_dir))
@@ -118,16 +119,21 @@ def measure(served: Any, sock: Path, cache_dir: Path, pool: int, args: Any) -> M
     return Measured(warm, cold, hits / routed if routed else 0.0, median(res))
 
 
-def project(served: Any, cache_dir: Path, pool: int, top_k: int, compute_s: float,
-            size: int) -> dict[str, Any]:
+def project(served: Any, sock: Path, cache_dir: Path, pool: int, top_k: int, compute_s: float,
+            costs: Any, size: int) -> dict[str, Any]:
     from cachecd.plan.doctor import measure as doctor
     from cachecd.plan.plan import Inputs, _slot_bytes, project_row
     from cachecd.plan.routing import flat
     from cachecd.plan.speed import Machine
 
     m = served.manifest
-    report = doctor([str(cache_dir)], size, int(m.sizes[0]))
-    inputs = Inputs(m, Machine.from_doctor(report), compute_s, pool, _slot_bytes(m))
+    report = doctor([str(cache_dir)], size, int(m.sizes[0]), socket=str(sock))
+    machine = Machine.from_doctor(report)
+    print(f"  doctor: cold {machine.cold_rate / 1e9:.2f} GB/s at the client's queue depth, page "
+          f"cache {machine.page_rate / 1e9:.2f} GB/s, daemon round trip "
+          f"{machine.request_s * 1e3:.2f} ms; engine: {costs.call_s * 1e3:.2f} ms a call, "
+          f"{costs.miss_call_s * 1e3:.2f} ms more with misses", flush=True)
+    inputs = Inputs(m, machine, compute_s, pool, _slot_bytes(m), costs.call_s, costs.miss_call_s)
     work = flat(m, top_k, 64)
     return project_row(inputs, work, pool, m.expert_bytes_total, seed=0)
 
@@ -139,14 +145,15 @@ def check(name: str, args: Any) -> list[tuple[str, float, float]]:
         with installed(served) as (sock, cache_dir):
             warm_disk(sock, served)
             got = measure(served, sock, cache_dir, spec["pool"], args)
+            from cachecd.plan.probe import engine_costs
+
+            costs = engine_costs(served.manifest, spec["top_k"], args.dtype)
             if args.compute == "resident":
                 compute_s, how = got.resident_s, "the resident model's token, measured"
             else:
-                from cachecd.plan.probe import token_compute_s
-
-                compute_s = token_compute_s(served.manifest, spec["top_k"], args.dtype)
+                compute_s = costs.compute_s * len(served.manifest.moe_layers)
                 how = "the plan's one-layer probe"
-            row = project(served, cache_dir, spec["pool"], spec["top_k"], compute_s,
+            row = project(served, sock, cache_dir, spec["pool"], spec["top_k"], compute_s, costs,
                           spec["doctor"])
     warm, cold = 1 / median(got.warm_s), 1 / median(got.cold_s)
     m = served.manifest

@@ -39,6 +39,8 @@ def register(sub: Any) -> None:
                         "network figures)")
     p.add_argument("--endpoint", default=None,
                    help=f"the endpoint --network asks (default: HF_ENDPOINT, {constants.HF_ENDPOINT})")
+    p.add_argument("--socket", help="a running daemon's socket, for its round trip (default: "
+                   "CACHECD_SOCKET or the config's; none running: not measured)")
     p.add_argument("--json", action="store_true", help="print JSON (what plan --doctor reads)")
     p.set_defaults(func=doctor)
 
@@ -53,13 +55,14 @@ def doctor(args: argparse.Namespace) -> int:
     dirs = load_settings({"cache_dirs": args.cache_dir}).cache_dirs
     report = measure([str(d) for d in dirs], parse_size(args.size, "--size"),
                      parse_size(args.block, "--block"), args.network,
-                     args.endpoint or constants.HF_ENDPOINT)
+                     args.endpoint or constants.HF_ENDPOINT, args.socket)
     print(json.dumps(report, indent=1) if args.json else render_table(report))
     return 0
 
 
 def measure(dirs: list[str], size: int, block: int, network: str | None = None,
-            endpoint: str = constants.HF_ENDPOINT) -> dict[str, Any]:
+            endpoint: str = constants.HF_ENDPOINT, socket: str | None = None) -> dict[str, Any]:
+    from cachecd.plan.daemon_probe import probe_daemon
     from cachecd.plan.disk_probe import probe_dir
     from cachecd.plan.host import memory_figures, mlx_figures
 
@@ -68,7 +71,8 @@ def measure(dirs: list[str], size: int, block: int, network: str | None = None,
         "format": DOCTOR_FORMAT, "version": DOCTOR_VERSION, "created": round(time.time(), 3),
         "platform": f"{platform.system()} {platform.release()} {platform.machine()}",
         "cpus": _cpus(), "memory": memory_figures(), "mlx": mlx_figures(),
-        "disks": [probe_dir(d, size, block).to_json() for d in dirs], "network": None}
+        "disks": [probe_dir(d, size, block).to_json() for d in dirs],
+        "daemon": probe_daemon(socket), "network": None}
     if network:
         from cachecd.plan.network_probe import probe_network
 
@@ -124,6 +128,11 @@ def render_table(report: dict[str, Any]) -> str:
                   "  queue depth  " + "".join(f"{qd:>11}" for qd in d["cold"]),
                   "  cold         " + "".join(f"{_rate(v):>11}" for v in d["cold"].values()),
                   f"  page cache   {_rate(d['page_cache'])} (4 readers)"]
+    daemon = report.get("daemon")
+    lines += ["", "daemon     " + (
+        f"{daemon['socket']}: one expert of {format_size(daemon['expert_bytes'])} in "
+        f"{daemon['request_s'] * 1e3:.2f} ms" if daemon else
+        "none answered with a cached expert: its round trip is not measured")]
     net = report.get("network")
     if net:
         lines += ["", f"network    {net['endpoint']} {net['repo']}: resolve "

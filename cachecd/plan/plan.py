@@ -45,6 +45,9 @@ def register(sub: Any) -> None:
                    f"(default: the doctor's first; measured: {constants.DEFAULT_CACHE_DIR})")
     p.add_argument("--compute-ms", type=float,
                    help="compute per token in ms (default: measured with one MoE layer)")
+    p.add_argument("--call-ms", type=float, nargs=2, metavar=("CALL", "MISS"),
+                   help="the engine's own ms per MoE layer call, and what a call with misses "
+                        "adds (default: measured with the engine's streamed layer)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the activations' dtype of the compute probe")
     p.add_argument("--top-k", type=int, help="experts routed per token per layer (default: "
@@ -66,7 +69,8 @@ def plan_command(args: argparse.Namespace) -> int:
     doctor = _doctor(args)
     result = build_plan(
         manifest, doctor, traces=args.trace or [], top_k=args.top_k, tokens=args.tokens,
-        compute_ms=args.compute_ms, dtype=args.dtype, cache_dir=args.cache_dir,
+        compute_ms=args.compute_ms, call_ms=args.call_ms, dtype=args.dtype,
+        cache_dir=args.cache_dir,
         budgets=[parse_size(args.budget, "--budget")] if args.budget else [],
         pools=[parse_size(args.pool, "--pool")] if args.pool else [])
     if args.png:
@@ -96,7 +100,8 @@ def _doctor(args: argparse.Namespace) -> dict[str, Any]:
     if args.doctor:
         return doctor.load_report(args.doctor)
     return doctor.measure([args.cache_dir or str(constants.DEFAULT_CACHE_DIR)],
-                          parse_size(doctor.DEFAULT_SIZE), doctor._block_default())
+                          parse_size(doctor.DEFAULT_SIZE), doctor._block_default(),
+                          socket=args.socket)
 
 
 @dataclass
@@ -106,11 +111,14 @@ class Inputs:
     compute_s: float
     pool_bytes: int
     slot_bytes: int
+    call_s: float = 0.0
+    miss_call_s: float = 0.0
 
 
 def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
                top_k: int | None = None, tokens: int = FLAT_TOKENS,
-               compute_ms: float | None = None, dtype: str = "float32",
+               compute_ms: float | None = None, call_ms: list[float] | None = None,
+               dtype: str = "float32",
                cache_dir: str | None = None, budgets: list[int] | None = None,
                pools: list[int] | None = None, seed: int = 0) -> dict[str, Any]:
     from cachecd.plan import routing
@@ -125,14 +133,9 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
             raise InvalidRequest(f"{manifest.repo} is a {manifest.model_type}: give --top-k")
         work = routing.flat(manifest, k, tokens, seed)
     top_k = top_k or work.top_k
-    if compute_ms is None:
-        from cachecd.plan.probe import token_compute_s
-
-        compute_s, compute_src = token_compute_s(manifest, top_k, dtype), f"probe ({dtype})"
-    else:
-        compute_s, compute_src = compute_ms / 1e3, "given"
+    compute_s, call_s, miss_s, compute_src = _costs(manifest, top_k, compute_ms, call_ms, dtype)
     pool = recommended_pool(machine, manifest)
-    inputs = Inputs(manifest, machine, compute_s, pool, _slot_bytes(manifest))
+    inputs = Inputs(manifest, machine, compute_s, pool, _slot_bytes(manifest), call_s, miss_s)
     total = manifest.expert_bytes_total
     budget_list = sorted({int(total * s) for s in BUDGET_SHARES} | set(budgets or []))
     rows = [project_row(inputs, work, pool, b, seed) for b in budget_list]
@@ -151,7 +154,9 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
                   "bytes_per_token": token_bytes},
         "workload": work.source,
         "machine": {**machine.__dict__, "free_bytes": free, "doctor_created": doctor.get("created")},
-        "compute": {"ms_per_token": compute_s * 1e3, "source": compute_src},
+        "compute": {"ms_per_token": compute_s * 1e3, "call_ms": call_s * 1e3,
+                    "miss_call_ms": miss_s * 1e3, "request_ms": machine.request_s * 1e3,
+                    "source": compute_src},
         "pool": {"bytes": pool, "slot_bytes": inputs.slot_bytes,
                  "rule": "cachecd_engine.memory.pool_bytes_for (the engine's default)"},
         "budgets": rows, "pools": pool_rows,
@@ -160,6 +165,26 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
                         "tok_s_cold": best["tok_s_cold"], "tok_s_warm": best["tok_s_warm"]},
         "elapsed_s": round(time.perf_counter() - t0, 3),
     }
+
+
+def _costs(manifest: Manifest, top_k: int, compute_ms: float | None,
+           call_ms: list[float] | None, dtype: str) -> tuple[float, float, float, str]:
+    """(compute per token, engine per call, extra per call with misses, where they came from)."""
+    costs = None
+    if compute_ms is None or call_ms is None:
+        from cachecd.plan.probe import engine_costs
+
+        costs = engine_costs(manifest, top_k, dtype)
+    layers = len(manifest.moe_layers)
+    if compute_ms is None:
+        assert costs is not None
+        compute_s, src = costs.compute_s * layers, f"probe ({dtype}, the routed experts only)"
+    else:
+        compute_s, src = compute_ms / 1e3, "given"
+    if call_ms is None:
+        assert costs is not None
+        return compute_s, costs.call_s, costs.miss_call_s, src
+    return compute_s, call_ms[0] / 1e3, call_ms[1] / 1e3, src
 
 
 def recommended_pool(machine: Any, manifest: Manifest) -> int:
@@ -173,21 +198,24 @@ def recommended_pool(machine: Any, manifest: Manifest) -> int:
 
 def project_row(inp: Inputs, work: Any, pool: int, budget: int, seed: int) -> dict[str, Any]:
     from cachecd.plan.simulate import pool_slots, replay
-    from cachecd.plan.speed import page_share, token_s
+    from cachecd.plan.speed import Calls, page_share, token_s
 
     slots = pool_slots(pool, inp.slot_bytes, work.top_k, inp.manifest.n_experts)
     c = replay(inp.manifest, work, slots, budget, seed=seed)
     per = c.per_token
     disk_b, hub_b = per(c.disk_hit_bytes), per(c.hub_bytes)
     compute, m = inp.compute_s, inp.machine
+    calls = Calls(per(c.calls), per(c.miss_calls), inp.call_s, inp.miss_call_s)
     share = page_share(m, pool, min(budget, inp.manifest.expert_bytes_total))
-    cold, warm = token_s(compute, disk_b, hub_b, m, 0.0), token_s(compute, disk_b, hub_b, m, share)
+    cold = token_s(compute, disk_b, hub_b, m, 0.0, calls)
+    warm = token_s(compute, disk_b, hub_b, m, share, calls)
     return {"budget": budget, "pool_bytes": pool, "slots": slots,
             "pool_hit_rate": c.pool_hit_rate, "disk_hit_rate": c.disk_hit_rate,
             "local_rate": 1 - c.hub_bytes / c.asked_bytes if c.asked_bytes else 1.0,
             "bytes_per_token": per(c.asked_bytes), "pool_bytes_per_token": per(c.pool_hit_bytes),
             "disk_bytes_per_token": disk_b, "hub_bytes_per_token": hub_b,
-            "page_cache_share": share,
+            "page_cache_share": share, "calls_per_token": calls.calls,
+            "miss_calls_per_token": calls.miss_calls,
             "tok_s_cold": 1 / cold if cold else None, "tok_s_warm": 1 / warm if warm else None}
 
 

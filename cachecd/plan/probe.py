@@ -9,8 +9,11 @@ are left out: for a model where they matter, give the token's compute (``--compu
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from cachecd.manifest.manifest import Manifest
 
@@ -74,5 +77,133 @@ def _template(manifest: Manifest, top_k: int, dtype: str) -> object:
     return glu
 
 
-def token_compute_s(manifest: Manifest, top_k: int, dtype: str = "float32") -> float:
-    return moe_layer_s(manifest, top_k, dtype) * len(manifest.moe_layers)
+@dataclass
+class EngineCosts:
+    """A streamed MoE layer call's costs beyond its compute, measured with the engine's own
+    layer (``StreamedSwitchGLU`` over an ``ExpertBank``) reading from a local file: the host
+    work and read-back of every call (``call_s``), and a call's extra host work when its
+    experts are read (``miss_call_s``, beyond the read itself)."""
+
+    compute_s: float  # one layer's compute (mlx-lm's SwitchGLU, resident)
+    call_s: float
+    miss_call_s: float
+
+
+def engine_costs(manifest: Manifest, top_k: int, dtype: str = "float32", reps: int = 5,
+                 tmp_dir: str | None = None) -> EngineCosts:
+    import tempfile
+
+    compute = moe_layer_s(manifest, top_k, dtype, reps)
+    with tempfile.TemporaryDirectory(prefix="cachecd-probe-", dir=tmp_dir) as d:
+        path = os.path.join(d, "expert")
+        with open(path, "wb") as f:
+            f.write(_expert_bytes(manifest))
+        with _FileSource(manifest, path) as source:
+            hit, miss, raw = _streamed_calls(manifest, source, top_k, dtype, reps)
+    return EngineCosts(compute, max(0.0, hit - compute), max(0.0, miss - hit - raw))
+
+
+# One of each tensor's elements: scales of 1 and small weights, so the probe's sums stay normal
+# numbers (subnormals are many times slower on a CPU).
+_ONE = {"U8": b"\x7f", "BF16": b"\x80\x3f", "F16": b"\x00\x3c", "F32": b"\x00\x00\x80\x3f"}
+_SMALL = {"U8": b"\x11", "I8": b"\x01", "I32": b"\x11" * 4, "U32": b"\x11" * 4,
+          "F8_E4M3": b"\x30", "BF16": b"\x00\x3c", "F16": b"\x00\x20",
+          "F32": b"\x00\x00\x80\x3c"}
+
+
+def _expert_bytes(manifest: Manifest) -> bytes:
+    entry = manifest.expert(manifest.moe_layers[0], 0)
+    out = bytearray(entry.nbytes)
+    for t, offset in zip(entry.tensors, entry.blob_offsets, strict=False):
+        table = _ONE if "scale" in t.name else _SMALL
+        unit = table.get(t.dtype, b"\x00")
+        out[offset:offset + t.nbytes] = (unit * (t.nbytes // len(unit) + 1))[:t.nbytes]
+    return bytes(out)
+
+
+class _FileSource:
+    """Every expert's bytes from one local file (the engine's ``ExpertSource``)."""
+
+    def __init__(self, manifest: Manifest, path: str) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.manifest = manifest
+        self.fd = os.open(path, os.O_RDONLY)
+        self.pool = ThreadPoolExecutor(4)  # the client's readers
+
+    def __enter__(self) -> _FileSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown()
+        os.close(self.fd)
+
+    def entry(self, layer: int, expert: int) -> Any:
+        return self.manifest.expert(layer, expert)
+
+    def read_into(self, layer: int, ids: list[int], targets: Any, done: Any = None) -> int:
+        from cachecd_client.transport import parallel_preadv
+
+        sizes = [self.manifest.expert(layer, e).nbytes for e in ids]
+        parallel_preadv(self.pool, [self.fd] * len(ids), sizes, targets, done)
+        return sum(sizes)
+
+    def prefetch(self, layer: int, ids: list[int]) -> None:
+        pass
+
+
+def _streamed_calls(manifest: Manifest, source: _FileSource, top_k: int, dtype: str,
+                    reps: int) -> tuple[float, float, float]:
+    """Median seconds of a streamed layer call whose experts all hit, of one whose experts all
+    miss (a pool of ``top_k`` slots, two sets of experts in turn), and of the raw read of
+    ``top_k`` experts' bytes."""
+    import mlx.core as mx
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from cachecd_engine.bank import ExpertBank
+    from cachecd_engine.formats import quant_spec
+    from cachecd_engine.streamed_moe import StreamedSwitchGLU, as_template
+
+    spec = quant_spec(manifest.quant_format)
+    hidden, inter = expert_dims(manifest)
+    e, layer = manifest.experts_per_layer, manifest.moe_layers[0]
+    dt = getattr(mx, dtype)
+    from cachecd.plan.plan import _slot_bytes
+
+    bank = ExpertBank(source, spec, top_k * _slot_bytes(manifest), experts_per_layer=2 * top_k)
+    try:
+        template = as_template(SwitchGLU(hidden, inter, 2 * top_k), spec)
+        template.set_dtype(dt)
+        streamed = StreamedSwitchGLU(layer, template, bank)
+        x = mx.random.normal((1, 1, hidden)).astype(dt)
+        sets = [list(range(top_k)), list(range(top_k, 2 * top_k))] if 2 * top_k <= e else None
+
+        def call(ids: list[int]) -> float:
+            idx = mx.array(ids, dtype=mx.uint32).reshape(1, 1, len(ids))
+            t0 = time.perf_counter()
+            mx.eval(streamed(x, idx))
+            return time.perf_counter() - t0
+
+        hit = statistics.median([call(sets[0] if sets else list(range(top_k)))
+                                 for _ in range(reps + 2)][2:])
+        miss = hit if sets is None else statistics.median(
+            [call(sets[i % 2]) for i in range(reps + 2)][2:])
+        raw = statistics.median([_raw_read(source, layer, top_k) for _ in range(reps)])
+        return hit, miss, raw
+    finally:
+        bank.close()
+
+
+def _raw_read(source: _FileSource, layer: int, n: int) -> float:
+    import mmap
+
+    size = source.manifest.expert(layer, 0).nbytes
+    bufs = [mmap.mmap(-1, size) for _ in range(n)]
+    for b in bufs:
+        b.write(bytes(size))
+    t0 = time.perf_counter()
+    source.read_into(layer, list(range(n)), [memoryview(b) for b in bufs])
+    dt = time.perf_counter() - t0
+    for b in bufs:
+        b.close()
+    return dt

@@ -34,6 +34,8 @@ class Counted:
     """What the counted calls asked, in experts and bytes, and where it came from."""
 
     tokens: int = 0
+    calls: int = 0  # decode layer calls
+    miss_calls: int = 0  # of them, calls with an expert not in the pool (a daemon request)
     asked: int = 0
     asked_bytes: int = 0
     pool_hits: int = 0
@@ -120,6 +122,8 @@ def replay(manifest: Manifest, work: Workload, slots: int, budget: int, passes: 
         disk_hits = disk.request(layer, missed, size_of) if missed else []
         if i < counted_from or not decode:
             continue
+        out.calls += 1
+        out.miss_calls += bool(missed)
         out.asked += len(ids)
         out.asked_bytes += sum(size_of[(layer, e)] for e in ids)
         out.pool_hits += len(hits)

@@ -1,7 +1,14 @@
 """A decode token's time from its parts: compute, plus the bytes it reads at the rate their
 source gives.
 
-    token = compute + disk bytes / disk rate + Hub bytes / Hub rate
+    token = compute + calls x call + miss calls x (miss call + request)
+            + disk bytes / disk rate + Hub bytes / Hub rate
+
+``call`` is what the engine adds to each MoE layer call (the routing read-back, the bank's host
+work) and ``miss call`` what a call whose experts are read adds beyond the read (both measured
+with the engine's own layer: ``probe.engine_costs``); ``request`` is the daemon's round trip
+(the doctor's, when a daemon answered it). These matter where experts are small (the tiny
+model: most of a token); at K3's expert size the bytes dominate.
 
 Nothing overlaps on a token's critical path in the engine as it runs by default: each MoE
 layer's routing is read back, its misses are read into slots, then its call is queued, and the
@@ -32,6 +39,7 @@ class Machine:
     page_rate: float  # the page cache
     hub_rate: float | None  # one range from the endpoint; None: not measured
     resolve_s: float | None
+    request_s: float = 0.0  # the daemon's round trip for a layer call's experts; 0: not measured
 
     @classmethod
     def from_doctor(cls, report: dict[str, Any], cache_dir: str | None = None) -> Machine:
@@ -40,9 +48,12 @@ class Machine:
         cold = {int(k): float(v) for k, v in disk["cold"].items()}
         qd = min(cold, key=lambda q: (abs(q - PAGE_CACHE_READERS), q))  # the client's readers
         mem, net = report["memory"], report.get("network") or {}
+        daemon = report.get("daemon") or {}
+        page = float(disk["page_cache"])
+        # The round trip less its one expert's bytes (read from the page cache).
+        request = max(0.0, daemon.get("request_s", 0.0) - daemon.get("expert_bytes", 0) / page)
         return cls(int(mem["total_bytes"]), int(mem["available_bytes"]), mem.get("gpu_bytes"),
-                   cold[qd], float(disk["page_cache"]), net.get("range_rate"),
-                   net.get("resolve_s"))
+                   cold[qd], page, net.get("range_rate"), net.get("resolve_s"), request)
 
 
 def read_s(nbytes: float, rate: float | None) -> float | None:
@@ -51,15 +62,28 @@ def read_s(nbytes: float, rate: float | None) -> float | None:
     return nbytes / rate if rate else None
 
 
+@dataclass(frozen=True)
+class Calls:
+    """A token's MoE layer calls and the engine's costs per call (seconds)."""
+
+    calls: float = 0.0
+    miss_calls: float = 0.0
+    call_s: float = 0.0
+    miss_call_s: float = 0.0
+
+    def seconds(self, m: Machine) -> float:
+        return self.calls * self.call_s + self.miss_calls * (self.miss_call_s + m.request_s)
+
+
 def token_s(compute_s: float, disk_bytes: float, hub_bytes: float, m: Machine,
-            page_share: float) -> float | None:
+            page_share: float, calls: Calls | None = None) -> float | None:
     """One token's seconds; None when it needs a rate the doctor did not measure (the Hub's)."""
     cached = read_s(disk_bytes * page_share, m.page_rate)
     cold = read_s(disk_bytes * (1 - page_share), m.cold_rate)
     hub = read_s(hub_bytes, m.hub_rate)
     if cached is None or cold is None or hub is None:
         return None
-    return compute_s + cached + cold + hub
+    return compute_s + (calls.seconds(m) if calls else 0.0) + cached + cold + hub
 
 
 def page_share(m: Machine, pool_bytes: int, disk_cached: int) -> float:

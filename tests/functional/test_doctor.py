@@ -71,3 +71,23 @@ def test_doctor_on_a_disk_bypasses_the_page_cache(tmp_path: Path) -> None:
     assert figs.bypassed is not on_tmpfs
     assert on_tmpfs or figs.method in ("O_DIRECT", "posix_fadvise(DONTNEED)")
     assert list(figs.cold) == [1, 4] and list(tmp_path.iterdir()) == []
+
+
+def test_doctor_times_a_running_daemons_round_trip_without_counting_a_use(
+        shm_dir: Path, daemon) -> None:  # type: ignore[no-untyped-def]
+    from cachecd_client import Client
+
+    with Client(daemon.socket) as c:
+        c.experts(TINY_REPO, 1, [3])  # one expert cached
+        before = c.coverage(TINY_REPO)
+    out = run_cli("doctor", "--cache-dir", str(shm_dir), "--size", "4MiB", "--block", "1MiB",
+                  "--socket", str(daemon.socket), "--json")
+    got = json.loads(out.stdout)["daemon"]
+    assert got["model"] == TINY_REPO and got["expert_bytes"] == 6528
+    assert 0 < got["request_s"] < 1
+    with Client(daemon.socket) as c:
+        after = c.coverage(TINY_REPO)
+    assert after["accesses"] == before["accesses"]  # warming: no use counted
+    none = json.loads(run_cli("doctor", "--cache-dir", str(shm_dir), "--size", "4MiB", "--block",
+                              "1MiB", "--socket", str(shm_dir / "no.sock"), "--json").stdout)
+    assert none["daemon"] is None

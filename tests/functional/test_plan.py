@@ -29,6 +29,7 @@ def doctor_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
     report["disks"][0].update(cold={str(q): 2 * GB for q in (1, 4, 32)}, page_cache=8 * GB,
                               free_bytes=10**13)
     report["network"] = {"range_rate": 0.1 * GB, "resolve_s": 0.05}
+    report["daemon"] = {"socket": "s", "model": "m", "expert_bytes": 0, "request_s": 0.001}
     path.write_text(json.dumps(report))
     return path
 
@@ -37,13 +38,16 @@ def _plan(*args: str) -> dict:
     return json.loads(run_cli("plan", *args, "--json", timeout=120).stdout)
 
 
-def _check_rows(plan: dict, compute_s: float) -> None:
-    """Each row's tok/s is its compute plus its bytes over the doctor's rates."""
+def _check_rows(plan: dict, compute_s: float, call_s: float = 0.0, miss_s: float = 0.0) -> None:
+    """Each row's tok/s is its compute, its calls' costs (the daemon's round trip 1 ms) and its
+    bytes over the doctor's rates."""
     for r in plan["budgets"] + plan["pools"]:
-        cold = compute_s + r["disk_bytes_per_token"] / (2 * GB) + r["hub_bytes_per_token"] / (0.1 * GB)
+        compute = (compute_s + r["calls_per_token"] * call_s
+                   + r["miss_calls_per_token"] * (miss_s + 0.001))
+        cold = compute + r["disk_bytes_per_token"] / (2 * GB) + r["hub_bytes_per_token"] / (0.1 * GB)
         assert r["tok_s_cold"] == pytest.approx(1 / cold, rel=1e-9)
         share, disk = r["page_cache_share"], r["disk_bytes_per_token"]
-        warm = (compute_s + disk * share / (8 * GB) + disk * (1 - share) / (2 * GB)
+        warm = (compute + disk * share / (8 * GB) + disk * (1 - share) / (2 * GB)
                 + r["hub_bytes_per_token"] / (0.1 * GB))
         assert r["tok_s_warm"] == pytest.approx(1 / warm, rel=1e-9)
 
@@ -53,7 +57,8 @@ def test_plan_on_the_tiny_model_with_flat_routing(doctor_json: Path, tmp_path: P
 
     png = tmp_path / "curve.png"
     plan = _plan("--model", TINY_REPO, "--doctor", str(doctor_json), "--top-k", "4",
-                 "--compute-ms", "10", "--pool", "100KiB", "--png", str(png))
+                 "--compute-ms", "10", "--call-ms", "0.5", "2", "--pool", "100KiB",
+                 "--png", str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     m = plan["model"]
     assert (m["moe_layers"], m["experts_per_layer"], m["top_k"]) == (5, 32, 4)
@@ -66,7 +71,8 @@ def test_plan_on_the_tiny_model_with_flat_routing(doctor_json: Path, tmp_path: P
     small = next(r for r in plan["pools"] if r["pool_bytes"] == 100 << 10)
     assert small["slots"] == (100 << 10) // plan["pool"]["slot_bytes"] == 15
     assert small["pool_hit_rate"] == pytest.approx(15 / 160, abs=0.03)  # flat: C/N
-    _check_rows(plan, 0.010)
+    _check_rows(plan, 0.010, 0.0005, 0.002)
+    assert small["calls_per_token"] == 5 and 4 < small["miss_calls_per_token"] <= 5
     assert all(r["page_cache_share"] == 1.0 for r in plan["budgets"])  # they fit beside the pool
     assert plan["first_token_s"] == pytest.approx(  # 12 shards, 8 resolves at a time
         0.010 + 2 * 0.05 + m["bytes_per_token"] / (0.1 * GB))
@@ -79,12 +85,13 @@ def test_plan_from_a_trace_of_one_token_repeated(doctor_json: Path, tmp_path: Pa
               for s in range(6) for layer in range(1, 6)]
     trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
     plan = _plan("--model", TINY_REPO, "--doctor", str(doctor_json), "--trace", str(trace),
-                 "--compute-ms", "5", "--budget", "0")
+                 "--compute-ms", "5", "--call-ms", "1", "0", "--budget", "0")
     assert plan["model"]["top_k"] == 2 and plan["workload"].endswith("6 decode tokens")
     zero = next(r for r in plan["budgets"] if r["budget"] == 0)
     # Replayed twice: the second pass finds all 10 experts in the pool, nothing read.
     assert zero["pool_hit_rate"] == 1.0 and zero["hub_bytes_per_token"] == 0
-    assert zero["tok_s_cold"] == pytest.approx(200.0)
+    assert zero["miss_calls_per_token"] == 0  # the pool holds them: no daemon request
+    assert zero["tok_s_cold"] == pytest.approx(1 / (0.005 + 5 * 0.001))
     assert run_cli("plan", "--model", "org/other", "--doctor", str(doctor_json), "--trace",
                    str(trace), check=False).returncode != 0
 
@@ -100,6 +107,7 @@ def test_plan_on_a_k3_shaped_manifest(doctor_json: Path, tmp_path: Path,
     path = tmp_path / "k3.manifest"
     synthetic_k3().save(path)
     plan = _plan("--model", str(path), "--doctor", str(doctor_json), "--compute-ms", "100",
+                 "--call-ms", "0", "0",
                  "--pool", "4GiB", "--tokens", "32")
     m = plan["model"]
     assert m["top_k"] == 16 and m["bytes_per_token"] == 4 * 16 * constants.K3_EXPERT_BYTES

@@ -90,3 +90,11 @@ def test_the_recommended_pool_is_the_engines_default(monkeypatch: pytest.MonkeyP
                         lambda: (50 << 30) - tiny.resident_bytes_total)
     assert recommended_pool(m, tiny) == memory.default_pool_bytes()
     assert recommended_pool(m, tiny) == (50 << 30) - tiny.resident_bytes_total - (32 << 30)
+
+
+def test_the_engine_probe_measures_the_streamed_layer(tiny: Manifest) -> None:
+    from cachecd.plan.probe import engine_costs, expert_dims
+
+    assert expert_dims(tiny) == (64, 64)
+    costs = engine_costs(tiny, 4, reps=3)
+    assert 0 < costs.compute_s < 0.1 and costs.call_s >= 0 and costs.miss_call_s >= 0
