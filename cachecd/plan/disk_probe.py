@@ -54,7 +54,7 @@ def probe_dir(path: str | Path, size: int, block: int = K3_EXPERT_BYTES,
     path = Path(path)
     made = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
-    block = max(ALIGN, block // ALIGN * ALIGN)
+    block = -(-block // ALIGN) * ALIGN  # a read of a part of a page reads the whole page
     n = max(1, size // block)
     fd, tmp = tempfile.mkstemp(prefix=".cachecd-doctor-", dir=path)
     try:

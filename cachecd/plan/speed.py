@@ -21,6 +21,7 @@ share of the disk cache that fits beside the pool in memory (warm), the cold rat
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,12 @@ class Machine:
     hub_rate: float | None  # one range from the endpoint; None: not measured
     resolve_s: float | None
     request_s: float = 0.0  # the daemon's round trip for a layer call's experts; 0: not measured
+    cold_by_depth: tuple[tuple[int, float], ...] = ()  # (queue depth, bytes/s), the doctor's
+
+    def cold_at(self, depth: float) -> float:
+        """The cold rate at the deepest queue the doctor measured that is not deeper."""
+        rows = [r for q, r in self.cold_by_depth if q <= max(1.0, depth)]
+        return rows[-1] if rows else self.cold_rate
 
     @classmethod
     def from_doctor(cls, report: dict[str, Any], cache_dir: str | None = None) -> Machine:
@@ -53,7 +60,8 @@ class Machine:
         # The round trip less its one expert's bytes (read from the page cache).
         request = max(0.0, daemon.get("request_s", 0.0) - daemon.get("expert_bytes", 0) / page)
         return cls(int(mem["total_bytes"]), int(mem["available_bytes"]), mem.get("gpu_bytes"),
-                   cold[qd], page, net.get("range_rate"), net.get("resolve_s"), request)
+                   cold[qd], page, net.get("range_rate"), net.get("resolve_s"), request,
+                   tuple(sorted(cold.items())))
 
 
 def read_s(nbytes: float, rate: float | None) -> float | None:
@@ -75,11 +83,21 @@ class Calls:
         return self.calls * self.call_s + self.miss_calls * (self.miss_call_s + m.request_s)
 
 
+def queue_depth(call_bytes: float) -> int:
+    """Reads in flight for one call's misses of ``call_bytes``: the client's
+    ``parallel_preadv`` cuts them into jobs (4 MiB windows, small reads grouped until a job
+    holds 256 KiB) run by its readers."""
+    jobs = max(1, math.ceil(call_bytes / (4 << 20)), math.floor(call_bytes / (256 << 10)))
+    return min(PAGE_CACHE_READERS, jobs)
+
+
 def token_s(compute_s: float, disk_bytes: float, hub_bytes: float, m: Machine,
             page_share: float, calls: Calls | None = None) -> float | None:
-    """One token's seconds; None when it needs a rate the doctor did not measure (the Hub's)."""
+    """One token's seconds; None when it needs a rate the doctor did not measure (the Hub's).
+    Cold reads go at the doctor's rate for the queue depth a call's misses reach."""
     cached = read_s(disk_bytes * page_share, m.page_rate)
-    cold = read_s(disk_bytes * (1 - page_share), m.cold_rate)
+    per_call = disk_bytes / calls.miss_calls if calls and calls.miss_calls else disk_bytes
+    cold = read_s(disk_bytes * (1 - page_share), m.cold_at(queue_depth(per_call)))
     hub = read_s(hub_bytes, m.hub_rate)
     if cached is None or cold is None or hub is None:
         return None

@@ -98,3 +98,16 @@ def test_the_engine_probe_measures_the_streamed_layer(tiny: Manifest) -> None:
     assert expert_dims(tiny) == (64, 64)
     costs = engine_costs(tiny, 4, reps=3)
     assert 0 < costs.compute_s < 0.1 and costs.call_s >= 0 and costs.miss_call_s >= 0
+
+
+def test_cold_reads_go_at_the_queue_depth_a_calls_misses_reach() -> None:
+    from cachecd.plan.speed import Calls, queue_depth
+
+    assert queue_depth(4 * 6528) == 1  # small experts: one job, read one after another
+    assert queue_depth(10 * 17_547_264) == 4  # K3's: 4 MiB windows over the client's 4 readers
+    m = _machine(cold_by_depth=((1, 0.1 * GB), (4, 2 * GB), (32, 3 * GB)))
+    assert m.cold_at(1) == 0.1 * GB and m.cold_at(4) == 2 * GB and m.cold_at(8) == 2 * GB
+    small = Calls(calls=5, miss_calls=5)
+    assert token_s(0.0, 0.5 * GB, 0, m, 0.0, small) == pytest.approx(0.25)  # 0.1 GB a call: QD 4
+    tiny = Calls(calls=5, miss_calls=5)
+    assert token_s(0.0, 5 * 26_112, 0, m, 0.0, tiny) == pytest.approx(5 * 26_112 / (0.1 * GB))
