@@ -92,7 +92,8 @@ def measure(served: Any, sock: Path, cache_dir: Path, pool: int, args: Any) -> M
     rng = np.random.default_rng(7)
     resident, _ = load_model(served.repo_dir)
     resident.set_dtype(dtype)
-    model, _ = load(served.repo, sock, ram_bytes=pool, prefetch=False, speculate=False)
+    model, _ = load(served.repo, sock, ram_bytes=pool, prefetch=False, speculate=False,
+                    trace=served.work / "run.trace")
     model.set_dtype(dtype)
     warm, cold, res = [], [], []
     hits = routed = 0.0
@@ -120,10 +121,12 @@ def measure(served: Any, sock: Path, cache_dir: Path, pool: int, args: Any) -> M
 
 
 def project(served: Any, sock: Path, cache_dir: Path, pool: int, top_k: int, compute_s: float,
-            costs: Any, size: int) -> dict[str, Any]:
+            costs: Any, size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The plan's row for this pool and the whole model on disk: with flat routing (what a
+    user without traces gets) and with the run's own trace (the simulation checked alone)."""
     from cachecd.plan.doctor import measure as doctor
     from cachecd.plan.plan import Inputs, _slot_bytes, project_row
-    from cachecd.plan.routing import flat
+    from cachecd.plan.routing import flat, from_traces
     from cachecd.plan.speed import Machine
 
     m = served.manifest
@@ -134,8 +137,9 @@ def project(served: Any, sock: Path, cache_dir: Path, pool: int, top_k: int, com
           f"{machine.request_s * 1e3:.2f} ms; engine: {costs.call_s * 1e3:.2f} ms a call, "
           f"{costs.miss_call_s * 1e3:.2f} ms more with misses", flush=True)
     inputs = Inputs(m, machine, compute_s, pool, _slot_bytes(m), costs.call_s, costs.miss_call_s)
-    work = flat(m, top_k, 64)
-    return project_row(inputs, work, pool, m.expert_bytes_total, seed=0)
+    rows = [project_row(inputs, work, pool, m.expert_bytes_total, seed=0)
+            for work in (flat(m, top_k, 64), from_traces(m, [str(served.work / "run.trace")]))]
+    return rows[0], rows[1]
 
 
 def check(name: str, args: Any) -> list[tuple[str, float, float]]:
@@ -153,8 +157,8 @@ def check(name: str, args: Any) -> list[tuple[str, float, float]]:
             else:
                 compute_s = costs.compute_s * len(served.manifest.moe_layers)
                 how = "the plan's one-layer probe"
-            row = project(served, sock, cache_dir, spec["pool"], spec["top_k"], compute_s, costs,
-                          spec["doctor"])
+            row, traced = project(served, sock, cache_dir, spec["pool"], spec["top_k"],
+                                  compute_s, costs, spec["doctor"])
     warm, cold = 1 / median(got.warm_s), 1 / median(got.cold_s)
     m = served.manifest
     print(f"{name}: {len(m.moe_layers)} MoE layers x {m.experts_per_layer} experts of "
@@ -164,6 +168,9 @@ def check(name: str, args: Any) -> list[tuple[str, float, float]]:
           f"resident token measured {got.resident_s * 1e3:.1f} ms")
     rows = [("pool hit rate", row["pool_hit_rate"], got.pool_hits),
             ("tok/s warm", row["tok_s_warm"], warm), ("tok/s cold", row["tok_s_cold"], cold)]
+    print(f"  flat routing (the plan without a trace); from the run's own trace: pool hit rate "
+          f"{traced['pool_hit_rate']:.4f}, tok/s warm {traced['tok_s_warm']:.4f}, cold "
+          f"{traced['tok_s_cold']:.4f}")
     for what, p, g in rows:
         print(f"  {what:14s} projected {p:9.4f}  measured {g:9.4f}  measured/projected "
               f"{g / p if p else float('nan'):.3f}")
