@@ -1,5 +1,6 @@
-"""A running daemon's round trip for one expert on the data path (the request a layer call
-with misses makes), when a daemon answers and serves a model with an expert cached.
+"""A running daemon's round trip on the data path (the request a layer call with misses
+makes), for one expert and for several of one layer, when a daemon answers and serves a model
+with experts cached: a fixed cost per request and a cost per expert beyond its bytes.
 
 The requests are marked as warming, so the daemon counts no use, hit or miss for them: the
 doctor leaves the cache's statistics as they were. Nothing is fetched: only an expert the
@@ -13,6 +14,7 @@ import time
 from typing import Any
 
 REQUESTS = 20
+MANY = 8  # experts of one layer in the second request
 
 
 def probe_daemon(socket: str | None = None) -> dict[str, Any] | None:
@@ -31,8 +33,9 @@ def probe_daemon(socket: str | None = None) -> dict[str, Any] | None:
     return None
 
 
-def _cached_expert(client: Any, model: dict[str, Any]) -> tuple[int, int, int] | None:
-    """(layer, expert, bytes) of the smallest cached expert of ``model``, if any."""
+def _cached_expert(client: Any, model: dict[str, Any]) -> tuple[int, list[int], int] | None:
+    """(layer, experts, bytes of one) of up to ``MANY`` cached experts of the layer holding the
+    smallest cached expert of ``model``, if any."""
     import numpy as np
 
     from cachecd.manifest.manifest import Manifest
@@ -45,14 +48,22 @@ def _cached_expert(client: Any, model: dict[str, Any]) -> tuple[int, int, int] |
     manifest = Manifest.from_bytes(client.manifest_bytes(repo), f"daemon:{repo}")
     rows = np.flatnonzero(cached)
     row = int(rows[np.argmin(manifest.sizes[rows])])
-    return int(manifest.layer_ids[row]), int(manifest.expert_ids[row]), int(manifest.sizes[row])
+    layer = int(manifest.layer_ids[row])
+    same = rows[(manifest.layer_ids[rows] == layer) & (manifest.sizes[rows] == manifest.sizes[row])]
+    return layer, [int(e) for e in manifest.expert_ids[same][:MANY]], int(manifest.sizes[row])
 
 
-def _time(client: Any, repo: str, layer: int, expert: int, nbytes: int) -> dict[str, Any]:
-    times = []
-    for _ in range(REQUESTS + 2):
-        t0 = time.perf_counter()
-        client.experts(repo, layer, [expert])
-        times.append(time.perf_counter() - t0)
+def _time(client: Any, repo: str, layer: int, experts: list[int], nbytes: int) -> dict[str, Any]:
+    def median_s(ids: list[int]) -> float:
+        times = []
+        for _ in range(REQUESTS + 2):
+            t0 = time.perf_counter()
+            client.experts(repo, layer, ids)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[2:])
+
+    one = median_s(experts[:1])
+    many = median_s(experts) if len(experts) > 1 else one
+    per = max(0.0, (many - one) / (len(experts) - 1)) if len(experts) > 1 else 0.0
     return {"socket": str(client.socket), "model": repo, "expert_bytes": nbytes,
-            "request_s": statistics.median(times[2:])}
+            "request_s": one, "experts": len(experts), "per_expert_s": per}

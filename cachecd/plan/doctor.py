@@ -131,7 +131,8 @@ def render_table(report: dict[str, Any]) -> str:
     daemon = report.get("daemon")
     lines += ["", "daemon     " + (
         f"{daemon['socket']}: one expert of {format_size(daemon['expert_bytes'])} in "
-        f"{daemon['request_s'] * 1e3:.2f} ms" if daemon else
+        f"{daemon['request_s'] * 1e3:.2f} ms, {daemon['per_expert_s'] * 1e3:.2f} ms more "
+        "each in a request of several" if daemon else
         "none answered with a cached expert: its round trip is not measured")]
     net = report.get("network")
     if net:

@@ -205,7 +205,8 @@ def project_row(inp: Inputs, work: Any, pool: int, budget: int, seed: int) -> di
     per = c.per_token
     disk_b, hub_b = per(c.disk_hit_bytes), per(c.hub_bytes)
     compute, m = inp.compute_s, inp.machine
-    calls = Calls(per(c.calls), per(c.miss_calls), inp.call_s, inp.miss_call_s)
+    calls = Calls(per(c.calls), per(c.miss_calls), inp.call_s, inp.miss_call_s,
+                  per(c.asked - c.pool_hits))
     share = page_share(m, pool, min(budget, inp.manifest.expert_bytes_total))
     cold = token_s(compute, disk_b, hub_b, m, 0.0, calls)
     warm = token_s(compute, disk_b, hub_b, m, share, calls)

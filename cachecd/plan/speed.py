@@ -42,6 +42,7 @@ class Machine:
     resolve_s: float | None
     request_s: float = 0.0  # the daemon's round trip for a layer call's experts; 0: not measured
     cold_by_depth: tuple[tuple[int, float], ...] = ()  # (queue depth, bytes/s), the doctor's
+    per_expert_s: float = 0.0  # the daemon's cost per expert of a request beyond the first
 
     def cold_at(self, depth: float) -> float:
         """The cold rate at the deepest queue the doctor measured that is not deeper."""
@@ -58,10 +59,12 @@ class Machine:
         daemon = report.get("daemon") or {}
         page = float(disk["page_cache"])
         # The round trip less its one expert's bytes (read from the page cache).
-        request = max(0.0, daemon.get("request_s", 0.0) - daemon.get("expert_bytes", 0) / page)
+        one = daemon.get("expert_bytes", 0) / page
+        request = max(0.0, daemon.get("request_s", 0.0) - one)
+        per = max(0.0, daemon.get("per_expert_s", 0.0) - one)
         return cls(int(mem["total_bytes"]), int(mem["available_bytes"]), mem.get("gpu_bytes"),
                    cold[qd], page, net.get("range_rate"), net.get("resolve_s"), request,
-                   tuple(sorted(cold.items())))
+                   tuple(sorted(cold.items())), per)
 
 
 def read_s(nbytes: float, rate: float | None) -> float | None:
@@ -78,9 +81,12 @@ class Calls:
     miss_calls: float = 0.0
     call_s: float = 0.0
     miss_call_s: float = 0.0
+    misses: float = 0.0  # experts read a token
 
     def seconds(self, m: Machine) -> float:
-        return self.calls * self.call_s + self.miss_calls * (self.miss_call_s + m.request_s)
+        extra = max(0.0, self.misses - self.miss_calls)  # experts beyond each request's first
+        return (self.calls * self.call_s + self.miss_calls * (self.miss_call_s + m.request_s)
+                + extra * m.per_expert_s)
 
 
 def queue_depth(call_bytes: float) -> int:

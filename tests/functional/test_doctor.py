@@ -84,7 +84,7 @@ def test_doctor_times_a_running_daemons_round_trip_without_counting_a_use(
                   "--socket", str(daemon.socket), "--json")
     got = json.loads(out.stdout)["daemon"]
     assert got["model"] == TINY_REPO and got["expert_bytes"] == 6528
-    assert 0 < got["request_s"] < 1
+    assert 0 < got["request_s"] < 1 and got["experts"] == 1 and got["per_expert_s"] == 0
     with Client(daemon.socket) as c:
         after = c.coverage(TINY_REPO)
     assert after["accesses"] == before["accesses"]  # warming: no use counted
