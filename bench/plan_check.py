@@ -125,8 +125,9 @@ def project(served: Any, sock: Path, cache_dir: Path, pool: int, top_k: int, com
     """The plan's row for this pool and the whole model on disk: with flat routing (what a
     user without traces gets) and with the run's own trace (the simulation checked alone)."""
     from cachecd.plan.doctor import measure as doctor
-    from cachecd.plan.plan import Inputs, _slot_bytes, project_row
+    from cachecd.plan.plan import Inputs, project_row
     from cachecd.plan.routing import flat, from_traces
+    from cachecd.plan.simulate import slot_bytes
     from cachecd.plan.speed import Machine
 
     m = served.manifest
@@ -136,7 +137,7 @@ def project(served: Any, sock: Path, cache_dir: Path, pool: int, top_k: int, com
           f"cache {machine.page_rate / 1e9:.2f} GB/s, daemon round trip "
           f"{machine.request_s * 1e3:.2f} ms; engine: {costs.call_s * 1e3:.2f} ms a call, "
           f"{costs.miss_call_s * 1e3:.2f} ms more with misses", flush=True)
-    inputs = Inputs(m, machine, compute_s, pool, _slot_bytes(m), costs.call_s, costs.miss_call_s)
+    inputs = Inputs(m, machine, compute_s, pool, slot_bytes(m), costs.call_s, costs.miss_call_s)
     rows = [project_row(inputs, work, pool, m.expert_bytes_total, seed=0)
             for work in (flat(m, top_k, 64), from_traces(m, [str(served.work / "run.trace")]))]
     return rows[0], rows[1]

@@ -16,8 +16,9 @@ import argparse
 
 from manifest_load import synthetic_k3
 
-from cachecd.plan.plan import Inputs, _slot_bytes, project_row
+from cachecd.plan.plan import Inputs, project_row
 from cachecd.plan.routing import flat
+from cachecd.plan.simulate import slot_bytes
 from cachecd.plan.speed import Machine
 
 GB = 10**9
@@ -43,7 +44,7 @@ def main() -> None:
         pool = total // 2  # the default's cap (POOL_CAP_SHARE) when the resident model leaves room
         for n in SSDS:
             machine = Machine(total, total, None, n * rate * GB, n * rate * GB, None, None)
-            row = project_row(Inputs(m, machine, 0.0, pool, _slot_bytes(m)), work, pool,
+            row = project_row(Inputs(m, machine, 0.0, pool, slot_bytes(m)), work, pool,
                               m.expert_bytes_total, seed=0)
             print(f"| {name} | {mem} GB | {pool / GIB:.0f} GiB | {row['pool_hit_rate']:.1%} | "
                   f"{n} | {n * rate:.1f} GB/s | {row['tok_s_cold']:.2f} |", flush=True)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecd import constants
+from cachecd.durable import full_fsync
 
 QUEUE_DEPTHS = (1, 2, 4, 8, 16, 32)
 K3_EXPERT_BYTES = constants.K3_EXPERT_BYTES  # one Kimi K3 expert, a multiple of 4096
@@ -78,7 +79,7 @@ def _write(fd: int, n: int, block: int) -> None:
     data = os.urandom(1 << 20) * (block >> 20) + os.urandom(block % (1 << 20))
     for _ in range(n):
         os.write(fd, data)
-    os.fsync(fd)  # dirty pages cannot be dropped; written ones can
+    full_fsync(fd)  # dirty pages cannot be dropped; written ones can
 
 
 def _bypass_method(tmp: str, path: Path) -> tuple[str, bool]:

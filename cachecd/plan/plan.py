@@ -122,6 +122,7 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
                cache_dir: str | None = None, budgets: list[int] | None = None,
                pools: list[int] | None = None, seed: int = 0) -> dict[str, Any]:
     from cachecd.plan import routing
+    from cachecd.plan.simulate import slot_bytes
     from cachecd.plan.speed import Machine, first_token_s
     t0 = time.perf_counter()
     machine = Machine.from_doctor(doctor, cache_dir)
@@ -135,7 +136,7 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
     top_k = top_k or work.top_k
     compute_s, call_s, miss_s, compute_src = _costs(manifest, top_k, compute_ms, call_ms, dtype)
     pool = recommended_pool(machine, manifest)
-    inputs = Inputs(manifest, machine, compute_s, pool, _slot_bytes(manifest), call_s, miss_s)
+    inputs = Inputs(manifest, machine, compute_s, pool, slot_bytes(manifest), call_s, miss_s)
     total = manifest.expert_bytes_total
     budget_list = sorted({int(total * s) for s in BUDGET_SHARES} | set(budgets or []))
     rows = [project_row(inputs, work, pool, b, seed) for b in budget_list]
@@ -239,12 +240,3 @@ def _free_bytes(doctor: dict[str, Any], cache_dir: str | None) -> int | None:
     disks = doctor["disks"]
     disk = next((d for d in disks if d["path"] == cache_dir), disks[0])
     return disk.get("free_bytes")
-
-
-def _slot_bytes(manifest: Manifest) -> int:
-    """One slot's memory, by the pool's rule (``PoolMemory.slot_nbytes``)."""
-    from cachecd_engine.formats import StackLayout, quant_spec
-    from cachecd_engine.pool import PoolMemory
-
-    layout = StackLayout.of(manifest.expert(manifest.moe_layers[0], 0))
-    return PoolMemory.slot_nbytes(quant_spec(manifest.quant_format), layout)

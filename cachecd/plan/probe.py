@@ -168,9 +168,9 @@ def _streamed_calls(manifest: Manifest, source: _FileSource, top_k: int, dtype: 
     hidden, inter = expert_dims(manifest)
     e, layer = manifest.experts_per_layer, manifest.moe_layers[0]
     dt = getattr(mx, dtype)
-    from cachecd.plan.plan import _slot_bytes
+    from cachecd.plan.simulate import slot_bytes
 
-    bank = ExpertBank(source, spec, top_k * _slot_bytes(manifest), experts_per_layer=2 * top_k)
+    bank = ExpertBank(source, spec, top_k * slot_bytes(manifest), experts_per_layer=2 * top_k)
     try:
         template = as_template(SwitchGLU(hidden, inter, 2 * top_k), spec)
         template.set_dtype(dt)

@@ -92,6 +92,15 @@ class DiskSim:
         return hits
 
 
+def slot_bytes(manifest: Manifest) -> int:
+    """One slot's memory, by the pool's rule (``PoolMemory.slot_nbytes``)."""
+    from cachecd_engine.formats import StackLayout, quant_spec
+    from cachecd_engine.pool import PoolMemory
+
+    layout = StackLayout.of(manifest.expert(manifest.moe_layers[0], 0))
+    return PoolMemory.slot_nbytes(quant_spec(manifest.quant_format), layout)
+
+
 def pool_slots(pool_bytes: int, slot_bytes: int, top_k: int, experts: int) -> int:
     """The slots a default-sized pool of ``pool_bytes`` has, by the bank's and the loader's
     rule (``ExpertBank._slots_for``): at least two decode calls' worth, at most the experts the

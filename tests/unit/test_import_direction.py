@@ -51,8 +51,9 @@ LAYERS: dict[str, set[str]] = {
     "cachecd.setup": _BASE | {"cachecd.durable", "cachecd.config", "cachecd.manifest",
                               "cachecd.upstream", "cachecd.service", "cachecd_client",
                               "cachecd_engine"},
-    "cachecd.plan": _BASE | {"cachecd.config", "cachecd.manifest", "cachecd.store",
-                             "cachecd_client", "cachecd_engine"},
+    "cachecd.plan": _BASE | {"cachecd.durable", "cachecd.config", "cachecd.manifest",
+                             "cachecd.store", "cachecd.report", "cachecd_client",
+                             "cachecd_engine"},
     "cachecd.testbed": _BASE | {"cachecd.config", "cachecd.manifest", "cachecd_client"},
     "cachecd.cli": _BASE | {"cachecd", "cachecd.hub_errors", "cachecd.cli_help"},  # names its command modules as strings (importlib)
 }
