@@ -35,6 +35,8 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.testbed.demo",
     "cachecd.ctl.warm",
     "cachecd.ctl.coverage",
+    "cachecd.plan.doctor",
+    "cachecd.plan.plan",
 )
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("use", ("setup", "run", "openai", "demo")),
+    ("use", ("doctor", "plan", "setup", "run", "openai", "demo")),
     ("cache", ("status", "warm", "coverage", "pin", "unpin", "evict", "remove", "fsck")),
     ("service", ("serve", "service")),
     ("developer tools", ("manifest", "hub", "tiny-model")),

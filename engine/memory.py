@@ -43,25 +43,33 @@ def available_memory() -> int:
     return max(0, physical_memory() - mx.get_active_memory())
 
 
-def _gpu_cap() -> int | None:
-    """A cap from a discrete GPU's memory, where MLX reports one (CUDA); None elsewhere."""
+def gpu_memory() -> int | None:
+    """A discrete GPU's memory, where MLX reports one (CUDA); None elsewhere (Metal shares
+    physical memory)."""
     if mx.default_device().type != mx.DeviceType.gpu or mx.metal.is_available():
         return None
     size = mx.device_info().get("total_memory") or mx.device_info().get("memory_size")
-    return int(int(size) * GPU_CAP_SHARE) if size else None
+    return int(size) if size else None
+
+
+def pool_bytes_for(total: int, available: int, current: int = 0,
+                   gpu_total: int | None = None) -> int:
+    """The pool's size for a machine of ``total`` bytes of memory with ``available`` left (and a
+    discrete GPU of ``gpu_total``): what the pool holds (``current``) plus what is available
+    beyond the reserve (less, if the reserve is eaten into), within the caps. The one model of
+    the default: the engine applies it to what it measures, ``cachecd plan`` to the doctor's
+    figures."""
+    reserve = max(MIN_RESERVE, int(total * RESERVE_SHARE))
+    want = current + available - reserve
+    caps = [int(total * POOL_CAP_SHARE)]
+    if gpu_total is not None:
+        caps.append(int(gpu_total * GPU_CAP_SHARE))
+    return max(0, min(want, *caps))
 
 
 def default_pool_bytes(current: int = 0) -> int:
-    """The pool's size now: what the pool holds (``current``) plus what is available beyond
-    the reserve (less, if the reserve is eaten into), within the caps."""
-    total = physical_memory()
-    reserve = max(MIN_RESERVE, int(total * RESERVE_SHARE))
-    want = current + available_memory() - reserve
-    caps = [int(total * POOL_CAP_SHARE)]
-    gpu = _gpu_cap()
-    if gpu is not None:
-        caps.append(gpu)
-    return max(0, min(want, *caps))
+    """The pool's size now, from this machine's memory measured now (``pool_bytes_for``)."""
+    return pool_bytes_for(physical_memory(), available_memory(), current, gpu_memory())
 
 
 class PoolSizer:

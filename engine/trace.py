@@ -201,6 +201,37 @@ def read_trace(path: str | Path) -> Trace:
     return trace
 
 
+def read_calls(path: str | Path) -> list[tuple[int, np.ndarray]]:
+    """Every layer call of a trace file in order, as (layer, rows: tokens x routed ids), runs one
+    after another (what a replay of the workload through a cache needs; ``read_trace`` keeps
+    only the counts)."""
+    calls: list[tuple[int, np.ndarray]] = []
+    with _open_text(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip() or not line.endswith("\n") and calls and not _whole(line):
+                continue  # blank, or a last line a killed run cut short
+            record = _parse(path, number, line)
+            if number == 1 or "format" in record:
+                _check_header(path, record)
+                continue
+            try:
+                rows = np.asarray(record["experts"], dtype=np.int64)
+                calls.append((int(record["layer"]), rows.reshape(-1, rows.shape[-1] if rows.ndim
+                                                                 else 1)))
+            except (KeyError, TypeError, ValueError, IndexError):
+                raise InvalidRequest(f"{path}:{number}: a trace line needs layer and experts "
+                                     "(a list of per-token id lists)") from None
+    return calls
+
+
+def _whole(line: str) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
 def read_traces(paths: Sequence[str | Path]) -> Trace:
     """Several trace files read as one workload: their counts, steps and tokens summed. They
     must be traces of the same model."""

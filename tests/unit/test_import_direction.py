@@ -53,6 +53,9 @@ LAYERS: dict[str, set[str]] = {
                               "cachecd.upstream", "cachecd.service", "cachecd_client",
                               "cachecd_engine"},
     "cachecd.lanhub": _BASE | {"cachecd.manifest"},
+    "cachecd.plan": _BASE | {"cachecd.durable", "cachecd.sizes", "cachecd.config", "cachecd.manifest",
+                             "cachecd.store", "cachecd.report", "cachecd_client",
+                             "cachecd_engine"},
     "cachecd.testbed": _BASE | {"cachecd.sizes", "cachecd.config", "cachecd.manifest", "cachecd_client"},
     "cachecd.cli": _BASE | {"cachecd", "cachecd.hub_errors", "cachecd.cli_help"},  # names its command modules as strings (importlib)
 }

@@ -1,0 +1,14 @@
+"""Know before you run: ``cachecd doctor`` measures the machine, ``cachecd plan`` projects a
+model's speed on it.
+
+Modules: ``disk_probe`` (cold and page-cache reads of a cache dir), ``host`` (memory, swap,
+MLX), ``network_probe`` (the endpoint's resolve and one range), ``doctor`` (the command),
+``routing`` (the calls a workload makes: a trace's, or flat routing), ``simulate`` (those calls
+through the engine's slot table and the store's eviction policy), ``speed`` (the model of a
+token's time), ``probe`` (the compute of a MoE layer, measured), ``plan`` (the command),
+``render`` (table, JSON, PNG).
+
+Invariant: the figures a plan uses are the doctor's (measured now or read from its JSON) and the
+engine's own rules (``cachecd_engine.memory.pool_bytes_for``, ``SlotTable``, the store's
+policies); a projection never uses a constant tuned to a machine.
+"""

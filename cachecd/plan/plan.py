@@ -1,0 +1,242 @@
+"""``cachecd plan``: how fast a model will run here, with how much disk, before downloading it.
+
+From the manifest (bytes per expert per layer), the workload (traces, or flat routing), the
+doctor's figures (``--doctor FILE``, or measured now) and the compute per token (``probe``, or
+``--compute-ms``): hit rates against disk budget and pool size (``simulate``: the engine's slot
+table and the store's policy), tok/s cold and warm (``speed``), the first cold token's time from
+the Hub, and a recommended budget and pool. The pool recommended is the engine's default for
+the doctor's figures (``cachecd_engine.memory.pool_bytes_for``): what ``cachecd run`` takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cachecd import constants
+from cachecd.config import parse_size
+from cachecd.errors import InvalidRequest
+from cachecd.manifest.manifest import Manifest
+
+PLAN_FORMAT = "cachecd-plan"
+BUDGET_SHARES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)  # of the experts' bytes
+POOL_SHARES = (0.25, 0.5, 1.0, 2.0)  # of the recommended pool
+GOOD_ENOUGH = 0.95  # the recommended budget: the least that reaches this share of the best
+FLAT_TOKENS = 32
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("plan", help="project tok/s and the disk a model needs on this machine")
+    p.add_argument("--model", required=True,
+                   help="a manifest file, a repo whose manifest cachecd ships, or a repo the "
+                        "running daemon serves")
+    p.add_argument("--trace", action="append", metavar="FILE",
+                   help="routing traces (cachecd run --trace), repeatable (default: flat routing)")
+    p.add_argument("--budget", help="a disk budget to project too, e.g. 500GB (default: "
+                   "shares of the model's experts from 1%% to all)")
+    p.add_argument("--pool", help="a pool size to project too (default: the engine's default)")
+    p.add_argument("--doctor", metavar="FILE",
+                   help="a doctor's figures (cachecd doctor --json > FILE); default: measure now")
+    p.add_argument("--cache-dir", help="the cache dir to measure, or to read from --doctor "
+                   f"(default: the doctor's first; measured: {constants.DEFAULT_CACHE_DIR})")
+    p.add_argument("--compute-ms", type=float,
+                   help="compute per token in ms (default: measured with one MoE layer)")
+    p.add_argument("--call-ms", type=float, nargs=2, metavar=("CALL", "MISS"),
+                   help="the engine's own ms per MoE layer call, and what a call with misses "
+                        "adds (default: measured with the engine's streamed layer)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the activations' dtype of the compute probe")
+    p.add_argument("--top-k", type=int, help="experts routed per token per layer (default: "
+                   "the traces' or the model type's)")
+    p.add_argument("--tokens", type=int, default=FLAT_TOKENS,
+                   help="tokens of flat routing counted")
+    p.add_argument("--socket", help="the daemon's socket, for a model it serves (default: "
+                   "CACHECD_SOCKET or the config's)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--png", metavar="FILE", help="write the curve of tok/s against budget "
+                   "(default: none)")
+    p.set_defaults(func=plan_command)
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    from cachecd.plan.render import render_png, render_table
+
+    manifest = load_model(args.model, args.socket)
+    doctor = _doctor(args)
+    result = build_plan(
+        manifest, doctor, traces=args.trace or [], top_k=args.top_k, tokens=args.tokens,
+        compute_ms=args.compute_ms, call_ms=args.call_ms, dtype=args.dtype,
+        cache_dir=args.cache_dir,
+        budgets=[parse_size(args.budget, "--budget")] if args.budget else [],
+        pools=[parse_size(args.pool, "--pool")] if args.pool else [])
+    if args.png:
+        Path(args.png).write_bytes(render_png(result))
+    print(json.dumps(result, indent=1) if args.json else render_table(result))
+    return 0
+
+
+def load_model(model: str, socket: str | None = None) -> Manifest:
+    from cachecd.manifest.manifest import shipped_manifest
+
+    if Path(model).is_file():
+        return Manifest.load(model)
+    shipped = shipped_manifest(model)
+    if shipped is not None:
+        return Manifest.load(shipped)
+    from cachecd.config import load_settings
+    from cachecd_client import Client
+
+    with Client(load_settings({"socket": socket}).socket) as client:
+        return Manifest.from_bytes(client.manifest_bytes(model), f"daemon:{model}")
+
+
+def _doctor(args: argparse.Namespace) -> dict[str, Any]:
+    from cachecd.plan import doctor
+
+    if args.doctor:
+        return doctor.load_report(args.doctor)
+    return doctor.measure([args.cache_dir or str(constants.DEFAULT_CACHE_DIR)],
+                          parse_size(doctor.DEFAULT_SIZE), doctor._block_default(),
+                          socket=args.socket)
+
+
+@dataclass
+class Inputs:
+    manifest: Manifest
+    machine: Any  # speed.Machine
+    compute_s: float
+    pool_bytes: int
+    slot_bytes: int
+    call_s: float = 0.0
+    miss_call_s: float = 0.0
+
+
+def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
+               top_k: int | None = None, tokens: int = FLAT_TOKENS,
+               compute_ms: float | None = None, call_ms: list[float] | None = None,
+               dtype: str = "float32",
+               cache_dir: str | None = None, budgets: list[int] | None = None,
+               pools: list[int] | None = None, seed: int = 0) -> dict[str, Any]:
+    from cachecd.plan import routing
+    from cachecd.plan.simulate import slot_bytes
+    from cachecd.plan.speed import Machine, first_token_s
+    t0 = time.perf_counter()
+    machine = Machine.from_doctor(doctor, cache_dir)
+    if traces:
+        work = routing.from_traces(manifest, traces)
+    else:
+        k = top_k or routing.TOP_K.get(manifest.model_type)
+        if not k:
+            raise InvalidRequest(f"{manifest.repo} is a {manifest.model_type}: give --top-k")
+        work = routing.flat(manifest, k, tokens, seed)
+    top_k = top_k or work.top_k
+    compute_s, call_s, miss_s, compute_src = _costs(manifest, top_k, compute_ms, call_ms, dtype)
+    pool = recommended_pool(machine, manifest)
+    inputs = Inputs(manifest, machine, compute_s, pool, slot_bytes(manifest), call_s, miss_s)
+    total = manifest.expert_bytes_total
+    budget_list = sorted({int(total * s) for s in BUDGET_SHARES} | set(budgets or []))
+    rows = [project_row(inputs, work, pool, b, seed) for b in budget_list]
+    free = _free_bytes(doctor, cache_dir)
+    best = _recommend(rows, free, min(pool, total))
+    pool_rows = [project_row(inputs, work, p, best["budget"], seed) for p in
+                 sorted({max(1, int(pool * s)) for s in POOL_SHARES} | set(pools or []))]
+    token_bytes = int(rows[0]["bytes_per_token"])
+    first = first_token_s(compute_s, token_bytes, len(manifest.shards), machine)
+    return {
+        "format": PLAN_FORMAT, "version": 1,
+        "model": {"repo": manifest.repo, "revision": manifest.revision,
+                  "quant_format": manifest.quant_format, "moe_layers": len(manifest.moe_layers),
+                  "experts_per_layer": manifest.experts_per_layer, "top_k": top_k,
+                  "expert_bytes_total": total, "resident_bytes": manifest.resident_bytes_total,
+                  "bytes_per_token": token_bytes},
+        "workload": work.source,
+        "machine": {**machine.__dict__, "free_bytes": free, "doctor_created": doctor.get("created")},
+        "compute": {"ms_per_token": compute_s * 1e3, "call_ms": call_s * 1e3,
+                    "miss_call_ms": miss_s * 1e3, "request_ms": machine.request_s * 1e3,
+                    "source": compute_src},
+        "pool": {"bytes": pool, "slot_bytes": inputs.slot_bytes,
+                 "rule": "cachecd_engine.memory.pool_bytes_for (the engine's default)"},
+        "budgets": rows, "pools": pool_rows,
+        "first_token_s": first,
+        "recommended": {"budget": best["budget"], "pool_bytes": pool,
+                        "tok_s_cold": best["tok_s_cold"], "tok_s_warm": best["tok_s_warm"]},
+        "elapsed_s": round(time.perf_counter() - t0, 3),
+    }
+
+
+def _costs(manifest: Manifest, top_k: int, compute_ms: float | None,
+           call_ms: list[float] | None, dtype: str) -> tuple[float, float, float, str]:
+    """(compute per token, engine per call, extra per call with misses, where they came from)."""
+    costs = None
+    if compute_ms is None or call_ms is None:
+        from cachecd.plan.probe import engine_costs
+
+        costs = engine_costs(manifest, top_k, dtype)
+    layers = len(manifest.moe_layers)
+    if compute_ms is None:
+        assert costs is not None
+        compute_s, src = costs.compute_s * layers, f"probe ({dtype}, the routed experts only)"
+    else:
+        compute_s, src = compute_ms / 1e3, "given"
+    if call_ms is None:
+        assert costs is not None
+        return compute_s, costs.call_s, costs.miss_call_s, src
+    return compute_s, call_ms[0] / 1e3, call_ms[1] / 1e3, src
+
+
+def recommended_pool(machine: Any, manifest: Manifest) -> int:
+    """The engine's default pool (``pool_bytes_for``) for the doctor's figures, measured as the
+    loader measures it: once the resident model holds its memory."""
+    from cachecd_engine.memory import pool_bytes_for
+
+    available = max(0, machine.available - manifest.resident_bytes_total)
+    return pool_bytes_for(machine.total, available, 0, machine.gpu)
+
+
+def project_row(inp: Inputs, work: Any, pool: int, budget: int, seed: int) -> dict[str, Any]:
+    from cachecd.plan.simulate import pool_slots, replay
+    from cachecd.plan.speed import Calls, page_share, token_s
+
+    slots = pool_slots(pool, inp.slot_bytes, work.top_k, inp.manifest.n_experts)
+    c = replay(inp.manifest, work, slots, budget, seed=seed)
+    per = c.per_token
+    disk_b, hub_b = per(c.disk_hit_bytes), per(c.hub_bytes)
+    compute, m = inp.compute_s, inp.machine
+    calls = Calls(per(c.calls), per(c.miss_calls), inp.call_s, inp.miss_call_s,
+                  per(c.asked - c.pool_hits))
+    share = page_share(m, pool, min(budget, inp.manifest.expert_bytes_total))
+    cold = token_s(compute, disk_b, hub_b, m, 0.0, calls)
+    warm = token_s(compute, disk_b, hub_b, m, share, calls)
+    return {"budget": budget, "pool_bytes": pool, "slots": slots,
+            "pool_hit_rate": c.pool_hit_rate, "disk_hit_rate": c.disk_hit_rate,
+            "local_rate": 1 - c.hub_bytes / c.asked_bytes if c.asked_bytes else 1.0,
+            "bytes_per_token": per(c.asked_bytes), "pool_bytes_per_token": per(c.pool_hit_bytes),
+            "disk_bytes_per_token": disk_b, "hub_bytes_per_token": hub_b,
+            "page_cache_share": share, "calls_per_token": calls.calls,
+            "miss_calls_per_token": calls.miss_calls,
+            "tok_s_cold": 1 / cold if cold else None, "tok_s_warm": 1 / warm if warm else None}
+
+
+def _recommend(rows: list[dict[str, Any]], free: int | None, floor: int) -> dict[str, Any]:
+    """The least budget within the free space that reaches GOOD_ENOUGH of the best warm tok/s
+    there (by the share served locally where the Hub's rate is unknown), and not less than
+    ``floor`` (the pool's bytes: what the pool held comes back from disk after a restart, not
+    from the Hub) where that fits."""
+    fits = [r for r in rows if free is None or r["budget"] <= free] or rows[:1]
+    fits = [r for r in fits if r["budget"] >= floor] or fits[-1:]
+
+    def score(r: dict[str, Any]) -> float:
+        return r["tok_s_warm"] if r["tok_s_warm"] is not None else r["local_rate"]
+
+    top = max(score(r) for r in fits)
+    return next(r for r in fits if score(r) >= GOOD_ENOUGH * top)
+
+
+def _free_bytes(doctor: dict[str, Any], cache_dir: str | None) -> int | None:
+    disks = doctor["disks"]
+    disk = next((d for d in disks if d["path"] == cache_dir), disks[0])
+    return disk.get("free_bytes")

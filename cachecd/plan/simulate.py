@@ -1,0 +1,175 @@
+"""A workload's calls through the engine's pool of slots and then the daemon's disk budget,
+with their own code: ``cachecd_engine.slots.SlotTable`` (the pool's policy and admission) and
+``cachecd.store.policies`` (the store's eviction), driven as the engine and the store drive
+them.
+
+- The pool sees every call as ``Filler.acquire`` makes it: ``use`` (hits), then ``claim`` of
+  the misses with the call's held slots kept, then ``filled``.
+- The disk sees only the pool's misses (the engine asks the daemon for nothing else), as the
+  store does: the call's experts held from eviction, a hit is an ``on_access``, a miss reserves
+  its bytes (the policy's victims are removed), is inserted and then counted as used.
+- Warm: a trace is replayed ``passes`` times and the last pass counted (the cache warmed to
+  the workload); flat routing first asks for every expert once, in a random order (each cache
+  then holds a random set as large as it can), then ``warm_tokens`` tokens, then the counted
+  ones. Under flat routing a warm cache of C of N experts hits about C/N of the time: the next
+  token's experts do not depend on what is cached (a pool of a few tokens' worth hits less:
+  when a layer is called its own experts are the ones used longest ago).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cachecd.manifest.manifest import Manifest
+from cachecd.plan.routing import Call, Workload
+from cachecd.store.policies import EvictionPolicy, make_policy
+
+Key = tuple[int, int]
+
+
+@dataclass
+class Counted:
+    """What the counted calls asked, in experts and bytes, and where it came from."""
+
+    tokens: int = 0
+    calls: int = 0  # decode layer calls
+    miss_calls: int = 0  # of them, calls with an expert not in the pool (a daemon request)
+    asked: int = 0
+    asked_bytes: int = 0
+    pool_hits: int = 0
+    pool_hit_bytes: int = 0
+    disk_hits: int = 0
+    disk_hit_bytes: int = 0
+    hub_bytes: int = 0
+
+    @property
+    def pool_hit_rate(self) -> float:
+        return self.pool_hits / self.asked if self.asked else 0.0
+
+    @property
+    def disk_hit_rate(self) -> float:
+        """Of the pool's misses, the share the disk cache held."""
+        missed = self.asked - self.pool_hits
+        return self.disk_hits / missed if missed else 1.0
+
+    def per_token(self, n: int) -> float:
+        return n / self.tokens if self.tokens else 0.0
+
+
+class DiskSim:
+    """The store's budget and eviction policy, without the bytes."""
+
+    def __init__(self, budget: int, policy: str = "default") -> None:
+        self.budget = budget
+        self.used = 0
+        self.policy: EvictionPolicy = make_policy(policy)
+        self.sizes: dict[str, int] = {}
+
+    def request(self, layer: int, ids: list[int], size_of: dict[Key, int]) -> list[bool]:
+        """Whether each expert was a hit; misses are fetched and committed (if they fit)."""
+        names = [f"{layer}:{e}" for e in ids]
+        held = set(names)
+        hits = []
+        for name, e in zip(names, ids, strict=True):
+            if name in self.sizes:
+                self.policy.on_access(name)
+                hits.append(True)
+                continue
+            hits.append(False)
+            size = size_of[(layer, e)]
+            need = self.used + size - self.budget
+            if need > 0:
+                for victim in self.policy.victims(need, held):
+                    self.used -= self.sizes.pop(victim)
+                    self.policy.on_remove(victim)
+            if self.used + size <= self.budget:
+                self.sizes[name] = size
+                self.used += size
+                self.policy.on_insert(name, size)
+                self.policy.on_access(name)
+        return hits
+
+
+def slot_bytes(manifest: Manifest) -> int:
+    """One slot's memory, by the pool's rule (``PoolMemory.slot_nbytes``)."""
+    from cachecd_engine.formats import StackLayout, quant_spec
+    from cachecd_engine.pool import PoolMemory
+
+    layout = StackLayout.of(manifest.expert(manifest.moe_layers[0], 0))
+    return PoolMemory.slot_nbytes(quant_spec(manifest.quant_format), layout)
+
+
+def pool_slots(pool_bytes: int, slot_bytes: int, top_k: int, experts: int) -> int:
+    """The slots a default-sized pool of ``pool_bytes`` has, by the bank's and the loader's
+    rule (``ExpertBank._slots_for``): at least two decode calls' worth, at most the experts the
+    model has (more would stay empty)."""
+    from cachecd_engine.bank import MIN_SLOTS
+
+    return min(max(MIN_SLOTS, 2 * top_k, pool_bytes // slot_bytes), experts)
+
+
+def replay(manifest: Manifest, work: Workload, slots: int, budget: int, passes: int = 2,
+           seed: int = 0, warm_tokens: int = 2) -> Counted:
+    """The workload through a pool of ``slots`` and a disk budget of ``budget`` bytes; the
+    counts of its last pass (traces) or of its tokens after warm-up (flat routing)."""
+    from cachecd_engine.slots import SlotTable
+
+    size_of = _sizes(manifest)
+    table, disk = SlotTable(slots), DiskSim(budget)
+    if work.source.startswith("flat"):
+        calls = _every_expert(manifest, seed) + _flat_tokens(manifest, work.top_k, warm_tokens,
+                                                              seed) + work.calls
+        counted_from = len(calls) - len(work.calls)
+    else:
+        calls = work.calls * passes
+        counted_from = len(work.calls) * (passes - 1)
+    out = Counted(tokens=work.tokens)
+    for i, (layer, ids, decode) in enumerate(calls):
+        missed, hits = _through_pool(table, layer, ids)
+        disk_hits = disk.request(layer, missed, size_of) if missed else []
+        if i < counted_from or not decode:
+            continue
+        out.calls += 1
+        out.miss_calls += bool(missed)
+        out.asked += len(ids)
+        out.asked_bytes += sum(size_of[(layer, e)] for e in ids)
+        out.pool_hits += len(hits)
+        out.pool_hit_bytes += sum(size_of[(layer, e)] for e in hits)
+        for e, hit in zip(missed, disk_hits, strict=True):
+            if hit:
+                out.disk_hits += 1
+                out.disk_hit_bytes += size_of[(layer, e)]
+            else:
+                out.hub_bytes += size_of[(layer, e)]
+    return out
+
+
+def _through_pool(table: object, layer: int, ids: list[int]) -> tuple[list[int], list[int]]:
+    """One call as ``Filler.acquire`` makes it: (missed experts, hit experts)."""
+    held = table.use(layer, ids)  # type: ignore[attr-defined]
+    missed = [e for e in ids if e not in held]
+    if missed:
+        claim = table.claim(layer, missed, set(held.values()), take_fenced=False,  # type: ignore[attr-defined]
+                            use=True)
+        table.filled(claim.slots.values())  # type: ignore[attr-defined]
+    return missed, list(held)
+
+
+def _sizes(manifest: Manifest) -> dict[Key, int]:
+    return dict(zip(zip(manifest.layer_ids.tolist(), manifest.expert_ids.tolist(), strict=True),
+                    manifest.sizes.tolist(), strict=True))
+
+
+def _every_expert(manifest: Manifest, seed: int) -> list[Call]:
+    """One call per expert, every expert once, in a random order."""
+    rows = np.random.default_rng(seed + 1).permutation(manifest.n_experts)
+    layers, experts = manifest.layer_ids[rows].tolist(), manifest.expert_ids[rows].tolist()
+    return [(layer, [e], False) for layer, e in zip(layers, experts, strict=True)]
+
+
+def _flat_tokens(manifest: Manifest, top_k: int, tokens: int, seed: int) -> list[Call]:
+    from cachecd.plan.routing import flat
+
+    return flat(manifest, top_k, tokens, seed + 2).calls

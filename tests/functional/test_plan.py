@@ -1,0 +1,121 @@
+"""`cachecd plan` run as a user runs it: on the tiny model and a K3-shaped manifest, from a
+doctor's JSON, with flat routing and from a trace; the JSON's figures agree with each other and
+with the engine's default pool; the PNG is a PNG."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from cachecd import constants
+from tests.harness import run_cli
+
+TINY_REPO = "cachecd/tiny-k3"
+ROOT = Path(__file__).resolve().parents[2]
+GB = 10**9
+
+
+@pytest.fixture(scope="module")
+def doctor_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A doctor's JSON with round figures (what cachecd doctor --json writes; its shape is
+    tested in test_doctor), so the projections can be checked by hand."""
+    path = tmp_path_factory.mktemp("plan") / "doctor.json"
+    report = json.loads(run_cli("doctor", "--cache-dir", str(path.parent / "c"), "--size",
+                                "8MiB", "--block", "1MiB", "--json").stdout)
+    report["memory"].update(total_bytes=64 << 30, available_bytes=56 << 30, gpu_bytes=None)
+    report["disks"][0].update(cold={str(q): 2 * GB for q in (1, 4, 32)}, page_cache=8 * GB,
+                              free_bytes=10**13)
+    report["network"] = {"range_rate": 0.1 * GB, "resolve_s": 0.05}
+    report["daemon"] = {"socket": "s", "model": "m", "expert_bytes": 0, "request_s": 0.001}
+    path.write_text(json.dumps(report))
+    return path
+
+
+def _plan(*args: str) -> dict:
+    return json.loads(run_cli("plan", *args, "--json", timeout=120).stdout)
+
+
+def _check_rows(plan: dict, compute_s: float, call_s: float = 0.0, miss_s: float = 0.0) -> None:
+    """Each row's tok/s is its compute, its calls' costs (the daemon's round trip 1 ms) and its
+    bytes over the doctor's rates."""
+    for r in plan["budgets"] + plan["pools"]:
+        compute = (compute_s + r["calls_per_token"] * call_s
+                   + r["miss_calls_per_token"] * (miss_s + 0.001))
+        cold = compute + r["disk_bytes_per_token"] / (2 * GB) + r["hub_bytes_per_token"] / (0.1 * GB)
+        assert r["tok_s_cold"] == pytest.approx(1 / cold, rel=1e-9)
+        share, disk = r["page_cache_share"], r["disk_bytes_per_token"]
+        warm = (compute + disk * share / (8 * GB) + disk * (1 - share) / (2 * GB)
+                + r["hub_bytes_per_token"] / (0.1 * GB))
+        assert r["tok_s_warm"] == pytest.approx(1 / warm, rel=1e-9)
+
+
+def test_plan_on_the_tiny_model_with_flat_routing(doctor_json: Path, tmp_path: Path) -> None:
+    from cachecd_engine.memory import pool_bytes_for
+
+    png = tmp_path / "curve.png"
+    plan = _plan("--model", TINY_REPO, "--doctor", str(doctor_json), "--top-k", "4",
+                 "--compute-ms", "10", "--call-ms", "0.5", "2", "--pool", "100KiB",
+                 "--png", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    m = plan["model"]
+    assert (m["moe_layers"], m["experts_per_layer"], m["top_k"]) == (5, 32, 4)
+    assert m["bytes_per_token"] == 5 * 4 * 6528
+    # The engine's default pool for these figures, less the resident model it loads first.
+    want = pool_bytes_for(64 << 30, (56 << 30) - m["resident_bytes"], 0, None)
+    assert plan["pool"]["bytes"] == plan["recommended"]["pool_bytes"] == want
+    assert plan["budgets"][0]["slots"] == 160  # every expert fits: no more slots than experts
+    assert all(r["pool_hit_rate"] == 1.0 for r in plan["budgets"])
+    small = next(r for r in plan["pools"] if r["pool_bytes"] == 100 << 10)
+    assert small["slots"] == (100 << 10) // plan["pool"]["slot_bytes"] == 15
+    assert small["pool_hit_rate"] == pytest.approx(15 / 160, abs=0.03)  # flat: C/N
+    _check_rows(plan, 0.010, 0.0005, 0.002)
+    assert small["calls_per_token"] == 5 and 4 < small["miss_calls_per_token"] <= 5
+    assert all(r["page_cache_share"] == 1.0 for r in plan["budgets"])  # they fit beside the pool
+    assert plan["first_token_s"] == pytest.approx(  # 12 shards, 8 resolves at a time
+        0.010 + 2 * 0.05 + m["bytes_per_token"] / (0.1 * GB))
+
+
+def test_plan_from_a_trace_of_one_token_repeated(doctor_json: Path, tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    lines = [{"format": "cachecd-trace", "version": 1, "model": TINY_REPO, "created": 0}]
+    lines += [{"step": s, "layer": layer, "experts": [[1, 2]]}
+              for s in range(6) for layer in range(1, 6)]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    plan = _plan("--model", TINY_REPO, "--doctor", str(doctor_json), "--trace", str(trace),
+                 "--compute-ms", "5", "--call-ms", "1", "0", "--budget", "0")
+    assert plan["model"]["top_k"] == 2 and plan["workload"].endswith("6 decode tokens")
+    zero = next(r for r in plan["budgets"] if r["budget"] == 0)
+    # Replayed twice: the second pass finds all 10 experts in the pool, nothing read.
+    assert zero["pool_hit_rate"] == 1.0 and zero["hub_bytes_per_token"] == 0
+    assert zero["miss_calls_per_token"] == 0  # the pool holds them: no daemon request
+    assert zero["tok_s_cold"] == pytest.approx(1 / (0.005 + 5 * 0.001))
+    assert run_cli("plan", "--model", "org/other", "--doctor", str(doctor_json), "--trace",
+                   str(trace), check=False).returncode != 0
+
+
+def test_plan_on_a_k3_shaped_manifest(doctor_json: Path, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """K3's expert (17,547,264 bytes, mxfp4) and top-16 over 4 layers of 128 experts."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from manifest_load import synthetic_k3
+
+    monkeypatch.setattr(constants, "K3_MOE_LAYERS", 4)
+    monkeypatch.setattr(constants, "K3_EXPERTS_PER_LAYER", 128)
+    path = tmp_path / "k3.manifest"
+    synthetic_k3().save(path)
+    plan = _plan("--model", str(path), "--doctor", str(doctor_json), "--compute-ms", "100",
+                 "--call-ms", "0", "0",
+                 "--pool", "4GiB", "--tokens", "32")
+    m = plan["model"]
+    assert m["top_k"] == 16 and m["bytes_per_token"] == 4 * 16 * constants.K3_EXPERT_BYTES
+    assert plan["pool"]["slot_bytes"] == constants.K3_EXPERT_BYTES
+    gib = next(r for r in plan["pools"] if r["pool_bytes"] == 4 << 30)
+    assert gib["slots"] == 244  # about four tokens of experts
+    assert gib["pool_hit_rate"] == pytest.approx(244 / 512, abs=0.05)
+    whole = plan["budgets"][-1]
+    assert whole["budget"] == m["expert_bytes_total"] and whole["local_rate"] == 1.0
+    _check_rows(plan, 0.100)
+    assert plan["recommended"]["budget"] == whole["budget"]  # flat: every byte on disk pays
