@@ -45,6 +45,19 @@ def add_daemon_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scrub-rate", metavar="RATE",
                    help="background scrub: re-hash every cached blob in turn at RATE bytes a "
                         "second, e.g. 4MiB (the default); 0 turns it off")
+    p.add_argument("--share", metavar="HOST:PORT",
+                   help="serve this daemon's verified experts to peers over HTTP on HOST:PORT "
+                        "only (default: off; docs/sharing.md)")
+    p.add_argument("--share-token-file", metavar="FILE",
+                   help="with --share: the bearer token peers must send (a file only you can read)")
+    p.add_argument("--peer", dest="peers", action="append", metavar="URL",
+                   help="ask this peer's --share (http://HOST:PORT) for experts before the Hub "
+                        "(repeatable; asked in order)")
+    p.add_argument("--peer-token-file", metavar="FILE",
+                   help="with --peer: the token the peers' --share-token-file holds")
+    p.add_argument("--peer-deadline", metavar="S",
+                   help=f"seconds a peer may take for a batch before the Hub is asked instead "
+                        f"(default: {constants.PEER_DEADLINE_S:g})")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
