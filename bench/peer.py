@@ -80,8 +80,11 @@ def measure(served: Served, ids: list[int], rounds: int) -> dict[str, Any]:
     def rate(k: str, t: float) -> str:
         return f"{k}={len(ids) / t:.1f}experts/s"
 
-    times = alternate({"peer": lambda: fetch(peer_args, "peer"), "hub": lambda: fetch((), "hub")},
-                      rounds, rate)
+    try:
+        times = alternate({"peer": lambda: fetch(peer_args, "peer"),
+                           "hub": lambda: fetch((), "hub")}, rounds, rate)
+    finally:
+        served.drop(a)
     return {"nbytes": nbytes, "peer": len(ids) / median(times["peer"]),
             "hub": len(ids) / median(times["hub"]),
             "paired": paired_ratio(times["hub"], times["peer"])}
