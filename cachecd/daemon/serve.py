@@ -49,12 +49,14 @@ def add_daemon_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve this daemon's verified experts to peers over HTTP on HOST:PORT "
                         "only (default: off; docs/sharing.md)")
     p.add_argument("--share-token-file", metavar="FILE",
-                   help="with --share: the bearer token peers must send (a file only you can read)")
+                   help="with --share: the bearer token peers must send, in a file only you can read "
+                        "(default: none; required with --share)")
     p.add_argument("--peer", dest="peers", action="append", metavar="URL",
                    help="ask this peer's --share (http://HOST:PORT) for experts before the Hub "
-                        "(repeatable; asked in order)")
+                        "(repeatable; asked in order; default: no peers)")
     p.add_argument("--peer-token-file", metavar="FILE",
-                   help="with --peer: the token the peers' --share-token-file holds")
+                   help="with --peer: the token the peers' --share-token-file holds (default: none; "
+                        "required with --peer)")
     p.add_argument("--peer-deadline", metavar="S",
                    help=f"seconds a peer may take for a batch before the Hub is asked instead "
                         f"(default: {constants.PEER_DEADLINE_S:g})")
