@@ -305,3 +305,31 @@ def test_service_render_carries_peers_and_sharing():
     for flag in ("--share 127.0.0.1:7390", f"--share-token-file {tok}",
                  "--peer http://10.0.0.2:7390", f"--peer-token-file {tok}", "--peer-deadline 1.5"):
         assert flag in out
+
+
+def test_a_blob_from_before_a_restart_is_hashed_before_it_is_shared(logged_hub, tiny_manifest_path,
+                                                                   tiny_manifest, tiny_dir):
+    port = free_port()
+    d = DaemonProcess(logged_hub.url, [tiny_manifest_path],
+                      args=["--share", f"127.0.0.1:{port}", "--share-token-file",
+                            str(token_file()), "--scrub-rate", "0"]).start()  # the share's own hash
+    try:
+        layer = tiny_manifest.moe_layers[2]
+        good, bad = tiny_manifest.expert(layer, 0), tiny_manifest.expert(layer, 1)
+        with d.client() as c:
+            c.experts(TINY_REPO, layer, [0, 1])
+        d.stop()
+        rotten = d.cache_dir / "blobs" / bad.digest_hex[:2] / bad.digest_hex
+        data = bytearray(rotten.read_bytes())
+        data[len(data) // 2] ^= 0x01  # same size: only the hash tells
+        rotten.write_bytes(bytes(data))
+        d.start()
+        share = f"http://127.0.0.1:{port}/v1/blob/"
+        status, _, body = ask(share + good.digest_hex)
+        assert status == 200 and body == expert_bytes_from_files(tiny_dir, good)
+        assert ask(share + bad.digest_hex)[0] == 404  # rot: quarantined, never sent
+        with d.client() as c:
+            store = c.stats()["store"]
+        assert store["verified_on_open"] == 1 and store["bit_rot_on_open"] == 1
+    finally:
+        d.cleanup()
