@@ -92,7 +92,7 @@ class Peers:
                     break
         return got
 
-    async def _ask(self, url: str, batch: Sequence[EntryLike]) -> tuple[bytes, list[int]]:
+    async def _ask(self, url: str, batch: Sequence[EntryLike]) -> tuple[bytearray, list[int]]:
         if self._session is None:
             self._session = aiohttp.ClientSession(trust_env=False)
         self.counters["requests"] += 1
@@ -103,12 +103,20 @@ class Peers:
                 raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
                                                   message=resp.reason or "")
             sizes = [int(s) for s in resp.headers.get(SIZES_HEADER, "").split(",")]
-            body = await resp.read()
-        if len(sizes) != len(batch) or sum(sizes) != len(body):
-            raise ValueError(f"{len(body)} bytes and sizes {sizes[:4]}... for {len(batch)} asked")
+            if len(sizes) != len(batch) or any(s < 0 for s in sizes):
+                raise ValueError(f"sizes {sizes[:4]}... for {len(batch)} experts asked")
+            # Into one buffer of the announced size as chunks arrive: no join at the end.
+            body, pos = bytearray(sum(sizes)), 0
+            async for chunk in resp.content.iter_any():
+                if pos + len(chunk) > len(body):
+                    raise ValueError(f"more than the {len(body)} bytes announced")
+                body[pos:pos + len(chunk)] = chunk
+                pos += len(chunk)
+        if pos != len(body):
+            raise ValueError(f"{pos} bytes of the {len(body)} announced")
         return body, sizes
 
-    async def _take(self, url: str, batch: Sequence[EntryLike], body: bytes, sizes: list[int],
+    async def _take(self, url: str, batch: Sequence[EntryLike], body: bytearray, sizes: list[int],
                     got: dict[ExpertKey, memoryview]) -> bool:
         """Verify each expert the peer sent; False (and the peer skipped) if one was wrong."""
         view, pos = memoryview(body), 0
