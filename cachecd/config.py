@@ -62,6 +62,11 @@ class Settings:
     read_timeout: float = constants.READ_TIMEOUT_S
     total_timeout: float = constants.TOTAL_TIMEOUT_S
     scrub_rate: int = constants.DEFAULT_SCRUB_RATE  # bytes a second; 0: no background scrub
+    share: str = ""  # HOST:PORT to serve verified experts to peers on; "": no sharing
+    share_token_file: Path | None = None
+    peers: list[str] = field(default_factory=list)  # base URLs of peers' --share, asked first
+    peer_token_file: Path | None = None
+    peer_deadline: float = constants.PEER_DEADLINE_S
 
     @property
     def data_socket(self) -> Path:
@@ -147,6 +152,45 @@ def _choice(*allowed: str):  # type: ignore[no-untyped-def]
     return parse
 
 
+def _host_port(value: Any, key: str) -> str:
+    host, sep, port = _text(value, key).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigInvalid(f"{key}: expected HOST:PORT (e.g. 192.168.2.1:7390), got {value!r}")
+    return str(value)
+
+
+def _urls(value: Any, key: str) -> list[str]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list):
+        raise ConfigInvalid(f"{key}: expected a list of URLs, got {value!r}")
+    out = []
+    for item in items:
+        url = _text(item, key).strip().rstrip("/")
+        if not re.match(r"^https?://[^/\s]+$", url):
+            raise ConfigInvalid(f"{key}: expected a peer's URL like http://HOST:PORT, got {item!r}")
+        out.append(url)
+    return out
+
+
+def read_token_file(path: Path | None, key: str) -> str:
+    """The bearer token in ``path``: refused when missing, empty, or readable by every user."""
+    what = (f"{key}: write a long random token to a file only you can read, e.g. `python3 -c "
+            "'import secrets; print(secrets.token_hex(32))' > FILE && chmod 600 FILE`, the same "
+            "token on every host that shares or peers")
+    if path is None:
+        raise ConfigInvalid(f"{key} is required with sharing or peers; {what}")
+    try:
+        mode = path.stat().st_mode
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigInvalid(f"{key}: cannot read {path} ({exc.strerror}); {what}") from None
+    if mode & 0o004:
+        raise ConfigInvalid(f"{key}: {path} is readable by every user; `chmod 600 {path}`")
+    if not token:
+        raise ConfigInvalid(f"{key}: {path} is empty; {what}")
+    return token
+
+
 def _text(value: Any, key: str) -> str:
     if not isinstance(value, str) or not value:
         raise ConfigInvalid(f"{key}: expected text, got {value!r}")
@@ -169,10 +213,15 @@ _FIELDS = {
     "read_timeout": _seconds,
     "total_timeout": _seconds,
     "scrub_rate": lambda v, k: parse_rate(v, k),
+    "share": lambda v, k: _host_port(v, k),
+    "share_token_file": _path,
+    "peers": lambda v, k: _urls(v, k),
+    "peer_token_file": _path,
+    "peer_deadline": _seconds,
 }
 
 
-_FLAGS = {"cache_dirs": "--cache-dir", "manifests": "--manifest"}  # repeatable flags' names
+_FLAGS = {"cache_dirs": "--cache-dir", "manifests": "--manifest", "peers": "--peer"}  # repeatable flags' names
 
 
 def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:

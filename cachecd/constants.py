@@ -75,6 +75,13 @@ MAX_RETRIES = 5
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 MAX_PARALLEL_FETCHES = 8
+# Peers (--peer): a peer must answer well within the Hub's time, or it is not worth asking.
+PEER_DEADLINE_S = 2.0
+PEER_SKIP_S = 300.0  # a peer that served wrong bytes is not asked again for this long
+# Sharing (--share): what one daemon gives its peers at once; past either bound it answers 503.
+SHARE_MAX_REQUESTS = 16
+SHARE_MAX_BYTES_IN_FLIGHT = 1 << 30
+SHARE_MAX_EXPERTS_PER_REQUEST = 64
 COALESCE_MAX_BYTES = 256 * 1024 * 1024
 COALESCE_MAX_EXPERTS = 16
 # A request this long already amortizes its round trip: another expert gets its own request,

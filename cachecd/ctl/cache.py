@@ -92,6 +92,7 @@ def render_status(info: dict[str, Any]) -> str:
     ]
     if "scrub" in info:
         lines += _scrub_lines(info["scrub"])
+    lines += _sharing_lines(info)
     for m in info.get("models", []):
         lines.append(f"model       {m['repo']}@{m['revision'][:12]} {m['experts_total']} experts, "
                      f"{format_size(m['expert_bytes_total'])} of experts")
@@ -108,6 +109,26 @@ def render_status(info: dict[str, Any]) -> str:
         lines.append(f"refused     {repo}: {why}")
     lines += _attention(store, counters, info.get("scrub"))
     return "\n".join(lines)
+
+
+def _sharing_lines(info: dict[str, Any]) -> list[str]:
+    """--share's served/refused and each --peer's state (skipped after wrong bytes)."""
+    lines = []
+    share, up = info.get("share"), info.get("upstream", {})
+    if share:
+        refused = sum(v for k, v in share.items() if k.startswith("refused_"))
+        lines.append(f"sharing     {share.get('served_experts', 0)} experts "
+                     f"({format_size(share.get('served_bytes', 0))}) served to peers, "
+                     f"{refused} refused")
+    for peer in info.get("peers", []):
+        state = (f"SKIPPED for {peer['skipped_for_s']:.0f}s more: it served wrong bytes"
+                 if peer["skipped_for_s"] else "asked before the Hub")
+        lines.append(f"peer        {peer['url']} {state}")
+    if info.get("peers"):
+        lines.append(f"  from peers {up.get('peer_experts', 0)} experts, "
+                     f"{format_size(up.get('peer_bytes', 0))}; {up.get('peer_lies', 0)} times "
+                     "wrong bytes")
+    return lines
 
 
 def manifest_line(m: dict[str, Any]) -> str:

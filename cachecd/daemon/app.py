@@ -83,6 +83,7 @@ class Daemon:
         self.max_connections = constants.MAX_CONNECTIONS
         self.blob_fds = BlobFds(store)
         self.draining = False
+        self.sharing: Any = None  # serve.py's share.Sharing under --share
         # Demand fetches first: the scrub slows down while any is in flight (read from its thread).
         self.scrub = Scrubber(store, settings.scrub_rate, busy=lambda: self.misses.inflight > 0)
 
@@ -255,6 +256,8 @@ class Daemon:
             "inflight": self.misses.inflight,
             "counters": dict(self.counters) | dict(self.misses.counters),
             "upstream": self.upstream.stats(),
+            "share": self.sharing.status() if self.sharing is not None else None,
+            "peers": self.upstream.peers.describe() if self.upstream.peers is not None else [],
             "models": [m.describe() for m in self.registry.all()],
             "refused_models": dict(self.registry.refused),
             "scrub": self.scrub.status(),

@@ -86,6 +86,7 @@ _DAEMON_COUNTERS = {
 _UPSTREAM_GAUGES = {
     "in_flight": "Upstream HTTP requests under way.",
     "peak_in_flight": "Most upstream HTTP requests under way at once since start.",
+    "peer_skipped": "Peers skipped now because they served wrong bytes (--peer).",
 }
 _UPSTREAM_COUNTERS = {
     "requests_resolve": "Resolve (HEAD) requests sent upstream.",
@@ -93,6 +94,18 @@ _UPSTREAM_COUNTERS = {
     "requests_range": "Range GET requests sent upstream.",
     "bytes": "Bytes received in range answers.",
     "retries": "Upstream requests retried after a transient fault.",
+    "peer_experts": "Experts peers served that verified (--peer).",
+    "peer_bytes": "Bytes of verified experts peers served (--peer).",
+    "peer_lies": "Times a peer served wrong bytes (it is then skipped for a while).",
+}
+# status()["share"]: what --share served and refused.
+_SHARE_COUNTERS = {
+    "served_experts": "Experts served to peers (--share).",
+    "served_bytes": "Bytes of experts served to peers (--share).",
+}
+_SHARE_GAUGES = {
+    "requests_in_flight": "Peer requests being answered (--share).",
+    "bytes_in_flight": "Bytes of experts being sent to peers (--share).",
 }
 # status()["scrub"]: the background re-hash.
 _SCRUB_COUNTERS = {
@@ -178,6 +191,11 @@ class DaemonCollector(Collector):
                                     _UPSTREAM_GAUGES, "faults_",
                                     ("upstream_faults", "Upstream faults, by kind (each retried "
                                      "or ended in an error).", "kind"))
+        if s.get("share") is not None:
+            yield from _labelled_counts(s["share"], "cachecd_share_", _SHARE_COUNTERS,
+                                        _SHARE_GAUGES, "refused_",
+                                        ("share_refused", "Peer requests or experts refused "
+                                         "(--share), by reason.", "reason"))
         yield from _scrub(s["scrub"])
         yield from _models(s["models"], s["refused_models"])
 

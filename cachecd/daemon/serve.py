@@ -45,11 +45,27 @@ def add_daemon_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scrub-rate", metavar="RATE",
                    help="background scrub: re-hash every cached blob in turn at RATE bytes a "
                         "second, e.g. 4MiB (the default); 0 turns it off")
+    p.add_argument("--share", metavar="HOST:PORT",
+                   help="serve this daemon's verified experts to peers over HTTP on HOST:PORT "
+                        "only (default: off; docs/sharing.md)")
+    p.add_argument("--share-token-file", metavar="FILE",
+                   help="with --share: the bearer token peers must send, in a file only you can read "
+                        "(default: none; required with --share)")
+    p.add_argument("--peer", dest="peers", action="append", metavar="URL",
+                   help="ask this peer's --share (http://HOST:PORT) for experts before the Hub "
+                        "(repeatable; asked in order; default: no peers)")
+    p.add_argument("--peer-token-file", metavar="FILE",
+                   help="with --peer: the token the peers' --share-token-file holds (default: none; "
+                        "required with --peer)")
+    p.add_argument("--peer-deadline", metavar="S",
+                   help=f"seconds a peer may take for a batch before the Hub is asked instead "
+                        f"(default: {constants.PEER_DEADLINE_S:g})")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     keys = ("cache_dirs", "budget", "socket", "endpoint", "manifests", "models_dir", "policy",
-            "max_parallel", "offline", "scrub_rate")
+            "max_parallel", "offline", "scrub_rate", "share", "share_token_file", "peers",
+            "peer_token_file", "peer_deadline")
     return load_settings({k: getattr(args, k, None) for k in keys})
 
 
@@ -113,16 +129,18 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     from cachecd.daemon.datapath import DataServer
     from cachecd.daemon.peer import bind_private_socket
     from cachecd.daemon.routes import build_app
+    from cachecd.daemon.share import Sharing
     from cachecd.store.store import Store
     from cachecd.upstream.choose import open_upstream
 
+    share_token, peer_token = tokens(settings)  # a bad token file stops us before any work
     notify("STATUS=recovering the cache: " + ", ".join(map(str, settings.cache_dirs)))
     store = await Store.open(settings.cache_dirs, budget=settings.budget, policy=settings.policy,
                              map_size=settings.map_size)
     notify("STATUS=registering models")
     # huggingface_hub may fetch a small registry synchronously the first time it builds headers:
     # keep that off the event loop. Token None: the one huggingface_hub finds, at each resolve.
-    upstream = await asyncio.to_thread(open_upstream, settings)
+    upstream = await asyncio.to_thread(open_upstream, settings, None, peer_token)
     daemon = Daemon(settings, store, upstream)
     await daemon.registry.load_registered()
     for path in settings.manifests:
@@ -138,9 +156,23 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     data_server = DataServer(daemon, data)
     data_server.start()
     daemon.scrub.start()
+    servers: list[Any] = [runner, data_server]
+    if share_token:
+        daemon.sharing = Sharing(daemon, share_token)
+        await daemon.sharing.start(settings.share)
+        servers.append(daemon.sharing)
     # Both sockets accept connections now: a client ordered after the unit finds a daemon.
     notify("READY=1", f"STATUS=serving on {settings.socket}")
-    return daemon, [runner, data_server]
+    return daemon, servers
+
+
+def tokens(settings: Settings) -> tuple[str | None, str | None]:
+    """The share and peer tokens the settings ask for (ConfigInvalid saying what to do)."""
+    from cachecd.config import read_token_file
+
+    share = read_token_file(settings.share_token_file, "share_token_file") if settings.share else None
+    peer = read_token_file(settings.peer_token_file, "peer_token_file") if settings.peers else None
+    return share, peer
 
 
 async def _register_or_refuse(daemon: Any, path: Path) -> None:
@@ -162,7 +194,7 @@ async def serve(settings: Settings) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    daemon, (runner, data_server) = await _start(settings)
+    daemon, (runner, data_server, *sharing) = await _start(settings)
     log.info("listening socket=%s data=%s cache_dirs=%s budget=%d endpoint=%s scrub_rate=%d",
              settings.socket, settings.data_socket, ",".join(map(str, settings.cache_dirs)),
              settings.budget, settings.endpoint, settings.scrub_rate)
@@ -173,6 +205,8 @@ async def serve(settings: Settings) -> int:
     notify("STOPPING=1", f"STATUS=draining {daemon.misses.inflight} fetches in flight")
     await daemon.misses.drain(settings.shutdown_timeout)
     await runner.cleanup()
+    for server in sharing:
+        await server.close()
     await data_server.close()
     await daemon.upstream.close()
     await asyncio.to_thread(daemon.scrub.stop)

@@ -91,6 +91,21 @@ def serve_arguments(settings: Settings, explicit: dict[str, object]) -> list[str
         argv += ["--scrub-rate", str(settings.scrub_rate)]
     for m in settings.manifests if explicit.get("manifests") else []:
         argv += ["--manifest", str(Path(m).absolute())]
+    return argv + sharing_arguments(settings)
+
+
+def sharing_arguments(settings: Settings) -> list[str]:
+    """The --share and --peer flags of ``serve`` for what the settings name (config, env)."""
+    argv: list[str] = []
+    if settings.share:
+        argv += ["--share", settings.share]
+        if settings.share_token_file:
+            argv += ["--share-token-file", str(Path(settings.share_token_file).absolute())]
+    for url in settings.peers:
+        argv += ["--peer", url]
+    if settings.peers and settings.peer_token_file:
+        argv += ["--peer-token-file", str(Path(settings.peer_token_file).absolute()),
+                 "--peer-deadline", str(settings.peer_deadline)]
     return argv
 
 

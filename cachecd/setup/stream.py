@@ -32,6 +32,7 @@ from cachecd.errors import (
     Offline,
 )
 from cachecd.manifest.repo_ref import is_commit, parse_ref
+from cachecd.service.render import sharing_arguments
 from cachecd.setup import pipeline
 from cachecd.sizes import format_size
 
@@ -309,6 +310,7 @@ def ensure_daemon(settings: Settings, args: argparse.Namespace) -> Any:
         cmd += ["--cache-dir", str(d)]
     if settings.budget:
         cmd += ["--budget", str(settings.budget)]
+    cmd += sharing_arguments(settings)
     # The daemon rotates its log itself; its stderr (a crash's traceback) starts afresh each start.
     with open(log_path.with_suffix(".stderr"), "wb") as err:
         proc = subprocess.Popen([*cmd, "--log-file", str(log_path)], stdin=subprocess.DEVNULL,

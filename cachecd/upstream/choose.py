@@ -43,7 +43,13 @@ def open_source(settings: Any, token: Token = None) -> ExpertSource:
     return KINDS.get(urlsplit(settings.endpoint).scheme, _hub)(settings, token)
 
 
-def open_upstream(settings: Any, token: Token = None) -> Upstream:
-    """Verified fetches over ``open_source(settings, token)``. huggingface_hub may read a small
-    registry synchronously the first time it builds headers: call it off the event loop."""
-    return Upstream(open_source(settings, token))
+def open_upstream(settings: Any, token: Token = None, peer_token: str | None = None) -> Upstream:
+    """Verified fetches over ``open_source(settings, token)``, asking ``settings.peers`` first
+    when ``peer_token`` is given. huggingface_hub may read a small registry synchronously the
+    first time it builds headers: call it off the event loop."""
+    peers = None
+    if settings.peers and peer_token:
+        from cachecd.upstream.peers import Peers
+
+        peers = Peers.from_settings(settings, peer_token)
+    return Upstream(open_source(settings, token), peers=peers)

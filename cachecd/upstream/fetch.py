@@ -3,7 +3,9 @@
 The verify-then-commit path, written once above every source: coalescing neighbouring experts
 into range requests (``hub_plan``), streaming an expert into its blob writer as it arrives
 (``hub_stream``), hashing it against the manifest and refetching bad bytes. The source only
-answers ranges (``source.ExpertSource``: the Hub, a local folder).
+answers ranges (``source.ExpertSource``: the Hub, a local folder). Named peers (``peers``), when
+given, are asked first for whole experts by digest; what they do not serve, or serve wrong, goes
+to the source.
 
 Invariants:
 - ``on_verified`` is called only with bytes whose xxh3-128 equals the manifest's; bad bytes are
@@ -30,6 +32,7 @@ from typing import Any, Protocol
 from cachecd import constants, errors
 from cachecd.upstream.hub_plan import DEFAULT_MAX_GAP, EntryLike, RangeRequest, plan_requests
 from cachecd.upstream.hub_stream import Stream, VectorWriter
+from cachecd.upstream.peers import Peers
 from cachecd.upstream.source import ExpertSource
 from cachecd.upstream.verify import verify_async, verify_digest
 
@@ -96,8 +99,10 @@ class Upstream:
         coalesce_max_gap: int = DEFAULT_MAX_GAP,
         coalesce_target_bytes: int = constants.COALESCE_TARGET_BYTES,
         checksum_refetches: int = constants.CHECKSUM_REFETCHES,
+        peers: Peers | None = None,
     ) -> None:
         self.source = source
+        self.peers = peers
         self.coalesce_max_bytes = coalesce_max_bytes
         self.coalesce_max_experts = coalesce_max_experts
         self.coalesce_max_gap = coalesce_max_gap
@@ -110,13 +115,17 @@ class Upstream:
         return self.source.offline
 
     def stats(self) -> dict[str, int]:
-        return self.source.stats()
+        if self.peers is None:
+            return self.source.stats()
+        return self.source.stats() | {f"peer_{k}": v for k, v in self.peers.stats().items()}
 
     def observe_requests(self, observe: Callable[[str, float], None]) -> None:
         self.source.observe_requests(observe)
 
     async def close(self) -> None:
         await self.source.close()
+        if self.peers is not None:
+            await self.peers.close()
         if self._spill_pool is not None:
             self._spill_pool.shutdown(wait=False)
             self._spill_pool = None
@@ -139,6 +148,11 @@ class Upstream:
         if self.offline:
             raise self.source.offline_error(f"{len(entries)} expert(s) of {manifest.key}")
         unique = list({(e.layer, e.expert): e for e in entries}.values())
+        failures: dict[ExpertKey, errors.CachecdError] = {}
+        if self.peers is not None and self.peers.urls:
+            unique = await self._from_peers(unique, on_verified, failures)
+            if not unique:
+                return failures
         states = [_Assembly(e) for e in unique]
         requests = plan_requests(
             unique,
@@ -148,7 +162,6 @@ class Upstream:
             parallel=self.source.max_parallel,
             target_bytes=self.coalesce_target_bytes,
         )
-        failures: dict[ExpertKey, errors.CachecdError] = {}
 
         streams: list[Stream] = []
 
@@ -190,6 +203,27 @@ class Upstream:
                 for part in stream.parts:
                     spool.discard(part.entry)  # type: ignore[union-attr]
         return failures
+
+    async def _from_peers(
+        self,
+        entries: list[EntryLike],
+        on_verified: OnVerified,
+        failures: dict[ExpertKey, errors.CachecdError],
+    ) -> list[EntryLike]:
+        """Hand over what peers served (verified there); return the entries still wanted."""
+        got = await self.peers.fetch(entries)  # type: ignore[union-attr]
+        for entry in entries:
+            key = (entry.layer, entry.expert)
+            if key not in got:
+                continue
+            try:
+                await on_verified(entry, got[key])
+            except errors.CachecdError as exc:
+                failures[key] = exc
+            except Exception as exc:  # on_verified is someone else's code: contain its bugs
+                log.exception("on_verified failed layer=%d expert=%d", *key)
+                failures[key] = errors.Internal(f"storing expert {key} failed: {exc!r}")
+        return [e for e in entries if (e.layer, e.expert) not in got]
 
     def _stream_for(
         self, req: RangeRequest, states: list[_Assembly], spool: Spool | None

@@ -92,6 +92,12 @@ def test_cold_core(served) -> None:  # type: ignore[no-untyped-def]
     assert not served.daemons, "every round must stop its daemon"
 
 
+def test_peer_core(served) -> None:  # type: ignore[no-untyped-def]
+    res = _load("peer").measure(served, [0, 1], rounds=1)
+    _finite_positive(res["peer"], res["hub"], res["paired"])
+    assert not served.daemons, "the bench must stop the sharing daemon and every round's"
+
+
 def test_overhead_script_ends_with_ratio(capsys: pytest.CaptureFixture[str]) -> None:
     _load("overhead").main(["--calls", "2", "--ids", "3", "--rounds", "1", "--readers", "2"])
     assert RATIO_LINE.match(_last_line(capsys))

@@ -1,0 +1,204 @@
+"""``cachecd serve --share HOST:PORT``: this daemon's verified experts, read-only, to named peers.
+
+The protocol (docs/sharing.md has it whole): every request carries ``Authorization: Bearer
+TOKEN``; ``GET /v1/blob/DIGEST`` answers one blob, ``POST /v1/blobs`` with a JSON list of
+digests answers the blobs it has concatenated in the asked order, ``X-Cachecd-Sizes`` listing
+each one's size (0: not here, no bytes in the body for it); ``GET /metrics`` the daemon's
+prometheus registry.
+
+Invariants:
+- A request without the right token is answered 401 before anything else is looked at; the
+  token is compared in constant time (``hmac.compare_digest``).
+- A blob is named only by its digest, 32 lowercase hex characters, looked up in the store's
+  index: nothing from the request becomes a path. A blob this process has not hashed is hashed
+  before it is served (as a hit's first open does); rot is quarantined and answered as absent.
+- At most ``max_requests`` requests and ``max_bytes`` of blobs are served at once; past either
+  the answer is 503 with Retry-After, never a queue that grows.
+- Bodies go from the blob's fd to the socket with ``loop.sendfile`` (zero-copy where the
+  platform has it), never loaded whole into Python.
+The peer only trusts bytes it verified against its own manifest, so this side needs no
+manifest: it serves what its store holds under the asked name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import re
+from collections import Counter
+from typing import Any
+
+from aiohttp import web
+
+from cachecd import constants
+from cachecd.errors import ExpertNotFound
+
+log = logging.getLogger(__name__)
+
+DIGEST = re.compile(r"^[0-9a-f]{32}$")
+SIZES_HEADER = "X-Cachecd-Sizes"
+CHUNK = 1 << 20
+
+
+class Sharing:
+    """The HTTP server peers ask; ``counters`` feed ``status()['share']`` and ``/metrics``."""
+
+    def __init__(self, daemon: Any, token: str, *,
+                 max_requests: int = constants.SHARE_MAX_REQUESTS,
+                 max_bytes: int = constants.SHARE_MAX_BYTES_IN_FLIGHT,
+                 max_experts: int = constants.SHARE_MAX_EXPERTS_PER_REQUEST) -> None:
+        self.daemon = daemon
+        self._token = f"Bearer {token}".encode()
+        self.max_requests, self.max_bytes, self.max_experts = max_requests, max_bytes, max_experts
+        self.requests = 0
+        self.bytes_in_flight = 0
+        self.counters: Counter[str] = Counter()
+        self._runner: web.AppRunner | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._guard], client_max_size=1 << 20)
+        app.router.add_get("/v1/blob/{digest}", self._one)
+        app.router.add_post("/v1/blobs", self._many)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def start(self, host_port: str) -> None:
+        host, _, port = host_port.rpartition(":")
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host.strip("[]"), int(port), reuse_address=True).start()
+        log.info("sharing experts listen=%s", host_port)
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def status(self) -> dict[str, int]:
+        return {**self.counters, "requests_in_flight": self.requests,
+                "bytes_in_flight": self.bytes_in_flight}
+
+    def _refuse(self, reason: str, exc: type[web.HTTPException], **kw: Any) -> web.HTTPException:
+        self.counters[f"refused_{reason}"] += 1
+        return exc(**kw)
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        got = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(got, self._token):
+            raise self._refuse("unauthorized", web.HTTPUnauthorized,
+                               headers={"WWW-Authenticate": "Bearer"})
+        if self.requests >= self.max_requests:
+            raise self._refuse("busy", web.HTTPServiceUnavailable, headers={"Retry-After": "1"})
+        self.requests += 1
+        try:
+            return await handler(request)
+        finally:
+            self.requests -= 1
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        from cachecd.daemon.metrics import registry_for, render
+
+        return web.Response(body=render(registry_for(self.daemon)),
+                            content_type="text/plain", charset="utf-8")
+
+    async def _one(self, request: web.Request) -> web.StreamResponse:
+        opened = await self._open([request.match_info["digest"]])
+        if opened[0] is None:
+            raise self._refuse("not_found", web.HTTPNotFound)
+        return await self._send(request, opened)
+
+    async def _many(self, request: web.Request) -> web.StreamResponse:
+        try:
+            digests = json.loads(await request.read())
+        except ValueError:
+            digests = None
+        if (not isinstance(digests, list) or not 0 < len(digests) <= self.max_experts
+                or not all(isinstance(d, str) for d in digests)):
+            raise self._refuse("bad_request", web.HTTPBadRequest,
+                               text=f"expected a JSON list of 1..{self.max_experts} digests")
+        return await self._send(request, await self._open(digests))
+
+    async def _open(self, digests: list[str]) -> list[tuple[int, int] | None]:
+        out: list[tuple[int, int] | None] = []
+        try:
+            for digest in digests:
+                if not DIGEST.match(digest):
+                    self.counters["refused_bad_digest"] += 1
+                    out.append(None)
+                    continue
+                out.append(await self._open_one(digest))
+        except BaseException:
+            _close(out)
+            raise
+        return out
+
+    async def _open_one(self, digest: str) -> tuple[int, int] | None:
+        store = self.daemon.store
+        try:
+            fd, size = store.open_blob(digest)
+        except ExpertNotFound:
+            self.counters["refused_not_found"] += 1
+            return None
+        if store.unverified(digest):  # not hashed by this process yet: as a hit's first open
+            try:
+                await asyncio.to_thread(store.verify_open_blob, digest, os.dup(fd))
+            except BaseException as exc:
+                os.close(fd)
+                if not isinstance(exc, ExpertNotFound):
+                    raise
+                self.counters["refused_not_found"] += 1
+                return None
+        return fd, size
+
+    async def _send(self, request: web.Request,
+                    opened: list[tuple[int, int] | None]) -> web.StreamResponse:
+        total = sum(o[1] for o in opened if o is not None)
+        if self.bytes_in_flight + total > self.max_bytes and self.bytes_in_flight:
+            _close(opened)
+            raise self._refuse("busy", web.HTTPServiceUnavailable, headers={"Retry-After": "1"})
+        self.bytes_in_flight += total
+        try:
+            resp = web.StreamResponse(headers={
+                "Content-Type": "application/octet-stream", "Content-Length": str(total),
+                SIZES_HEADER: ",".join(str(o[1] if o else 0) for o in opened)})
+            await resp.prepare(request)
+            for item in opened:
+                if item is not None:
+                    await _send_fd(request, resp, *item)
+            await resp.write_eof()
+        finally:
+            self.bytes_in_flight -= total
+            _close(opened)
+        served = [o for o in opened if o is not None]
+        self.counters["served_experts"] += len(served)
+        self.counters["served_bytes"] += total
+        return resp
+
+
+async def _send_fd(request: web.Request, resp: web.StreamResponse, fd: int, size: int) -> None:
+    """``size`` bytes of ``fd`` to the client: sendfile(2) where the loop has it."""
+    transport = request.transport
+    if transport is None:
+        raise ConnectionResetError("the peer went away")
+    with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
+        try:
+            await asyncio.get_running_loop().sendfile(transport, f, 0, size, fallback=False)
+            return
+        except (NotImplementedError, RuntimeError):
+            pass  # TLS or a loop without it: read in chunks
+        pos = 0
+        while pos < size:
+            chunk = await asyncio.to_thread(os.pread, f.fileno(), min(CHUNK, size - pos), pos)
+            if not chunk:
+                raise OSError(f"blob ended at {pos} of {size} bytes")
+            await resp.write(chunk)
+            pos += len(chunk)
+
+
+def _close(opened: list[tuple[int, int] | None]) -> None:
+    for item in opened:
+        if item is not None:
+            os.close(item[0])
