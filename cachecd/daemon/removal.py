@@ -41,7 +41,7 @@ async def remove_model(daemon: Daemon, repo: str, experts: bool) -> dict[str, An
     model, record = await daemon.registry.unregister(repo)
     manifest = model.manifest if model else await asyncio.to_thread(_load, record)
     out: dict[str, Any] = {
-        "repo": repo,
+        "repo": record.get("repo") or (model.repo if model else repo),
         "revision": manifest.revision if manifest else record.get("revision"),
         "manifest": record.get("manifest"),
         "registered_at_start": repo in daemon.registry.at_start,

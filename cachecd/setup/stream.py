@@ -157,7 +157,7 @@ def stored_manifest(settings: Settings, repo: str, commit: str) -> Path | None:
 
     try:
         with Client(settings.socket, timeout=10) as client:
-            info = client.model(repo)
+            info = client.model(f"{repo}@{commit}")
     except CachecdError:  # no daemon, or the repo is not registered with it
         return None
     path = Path(info.get("manifest") or "")
