@@ -270,8 +270,23 @@ def text_model_tensors(manifest: Any, local: Path) -> set[str]:
     return keep
 
 
+def revision_delta(settings: Settings, repo: str, commit: str, manifest: Any,
+                   keep: set[str]) -> Any:
+    """What this revision reuses of another one registered with a running daemon (``delta``);
+    None when there is none."""
+    from cachecd.setup.delta import compare, installed_before
+    from cachecd_client import Client
+
+    try:
+        with Client(settings.socket, timeout=60) as client:
+            old = installed_before(client, repo, commit)
+            return compare(client, old, manifest, keep) if old else None
+    except CachecdError:  # no daemon yet: nothing registered to compare with
+        return None
+
+
 async def fetch_resident(manifest: Any, local: Path, settings: Settings,
-                         keep: set[str] | None = None) -> int:
+                         keep: set[str] | None = None, reuse: Path | None = None) -> int:
     from huggingface_hub import get_token
     from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
@@ -285,7 +300,8 @@ async def fetch_resident(manifest: Any, local: Path, settings: Settings,
     total = writer.nbytes
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="resident weights", disable=None)
     try:
-        return await writer.run(lambda f, s, e: upstream.fetch_range(manifest, f, s, e), bar.update)
+        return await writer.run(lambda f, s, e: upstream.fetch_range(manifest, f, s, e), bar.update,
+                                reuse=reuse)
     finally:
         bar.close()
         await upstream.close()
@@ -376,7 +392,11 @@ def run(args: argparse.Namespace) -> int:
     layers = pipeline.rank_layers(local, *rank) if rank is not None else None
     if layers is not None:
         keep = pipeline.rank_keep(manifest, keep, layers)
-    resident = asyncio.run(fetch_resident(manifest, local, settings, keep))
+    delta = revision_delta(settings, repo, commit, manifest, keep)
+    for line in delta.lines() if delta else []:
+        print(line)
+    reuse = delta.old_resident if delta else None
+    resident = asyncio.run(fetch_resident(manifest, local, settings, keep, reuse))
     client = ensure_daemon(settings, args)
     with client:
         client.register(manifest_path, local, layers=layers and (layers.start, layers.end),
@@ -391,5 +411,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"run it on every machine at once: mlx.launch --hostfile hosts.json -- cachecd run "
               f"--model {repo}{trust} --prompt 'Hello' --max-tokens 32")
         return 0
-    print(f"run it: cachecd run --model {repo}{trust} --prompt 'Hello' --max-tokens 32")
+    # With another revision registered beside it, a bare ORG/NAME no longer names one.
+    name = f"{repo}@{commit[:12]}" if delta else repo
+    print(f"run it: cachecd run --model {name}{trust} --prompt 'Hello' --max-tokens 32")
     return 0
