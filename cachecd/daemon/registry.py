@@ -285,6 +285,9 @@ class Registry:
         durably in the index (a restart does not bring it back); its model (None if its manifest
         was refused) and its stored record. Other revisions of the repo stay registered."""
         refused = self._refused_key(spec)
+        if refused is None and not self.matching(*parse_ref(spec, "")):
+            raise RepoNotAllowed(f"{spec} is not registered with this daemon; `cachecd status` "
+                                 "lists the models it has")
         model = None if refused else self.get(spec)
         key = model.record_key if model is not None else str(refused)
         record = self._store.get_model(key) or (
