@@ -309,7 +309,7 @@ class Registry:
         if self.matching(repo, rev):
             return None
         for key in self.refused:
-            k_repo, k_rev = parse_ref(key, "")
+            k_repo, _, k_rev = key.partition("@")
             if k_repo == repo and (not rev or _same_revision(k_rev, rev)):
                 return key
         return None
@@ -336,7 +336,8 @@ class Registry:
             raise RepoNotAllowed(f"{repo} is not registered at {rev}; registered: "
                                  f"{', '.join(m.name for m in others)}; run `cachecd setup "
                                  f"--stream {spec}` to install that revision")
-        why = self.refused.get(spec) or self.refused.get(repo)
+        refused = self._refused_key(spec)
+        why = self.refused.get(refused) if refused else None
         hint = f" (its manifest was refused: {why})" if why else ""
         raise RepoNotAllowed(
             f"no manifest is registered for {spec}{hint}; run `cachecd setup --stream {spec}`"
