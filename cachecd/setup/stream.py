@@ -33,6 +33,7 @@ from cachecd.errors import (
 )
 from cachecd.manifest.repo_ref import is_commit, parse_ref
 from cachecd.setup import pipeline
+from cachecd.setup.delta import compare, copy_if_same, installed_before
 from cachecd.sizes import format_size
 
 log = logging.getLogger(__name__)
@@ -189,8 +190,10 @@ def _build_manifest(repo: str, commit: str, endpoint: str, out: Path) -> None:
                   progress=sys.stderr.isatty(), say=lambda m: print(m, file=sys.stderr))
 
 
-def fetch_small_files(manifest: Any, local: Path, endpoint: str) -> int:
-    """Config, tokenizer and other non-weight files, each checked against the manifest's sha256."""
+def fetch_small_files(manifest: Any, local: Path, endpoint: str,
+                      reuse: Path | None = None) -> int:
+    """Config, tokenizer and other non-weight files, each checked against the manifest's sha256;
+    one with the same sha256 in ``reuse`` (another revision's install) is copied from there."""
     from huggingface_hub import hf_hub_download
 
     fetched = 0
@@ -199,6 +202,8 @@ def fetch_small_files(manifest: Any, local: Path, endpoint: str) -> int:
             continue
         target = local / info.name
         if target.exists() and _sha256(target) == info.sha256:
+            continue
+        if reuse is not None and copy_if_same(reuse / info.name, target, info.sha256):
             continue
         path = Path(hf_hub_download(manifest.repo, info.name, revision=manifest.revision,
                                     endpoint=endpoint, local_dir=local))
@@ -268,21 +273,6 @@ def text_model_tensors(manifest: Any, local: Path) -> set[str]:
               f"{manifest.model_type} model drops in its sanitize: "
               f"{skipped_summary([t.name for t in skipped], keep)}")
     return keep
-
-
-def revision_delta(settings: Settings, repo: str, commit: str, manifest: Any,
-                   keep: set[str]) -> Any:
-    """What this revision reuses of another one registered with a running daemon (``delta``);
-    None when there is none."""
-    from cachecd.setup.delta import compare, installed_before
-    from cachecd_client import Client
-
-    try:
-        with Client(settings.socket, timeout=60) as client:
-            old = installed_before(client, repo, commit)
-            return compare(client, old, manifest, keep) if old else None
-    except CachecdError:  # no daemon yet: nothing registered to compare with
-        return None
 
 
 async def fetch_resident(manifest: Any, local: Path, settings: Settings,
@@ -386,13 +376,15 @@ def run(args: argparse.Namespace) -> int:
     local.mkdir(parents=True, exist_ok=True)
     print(f"{repo}@{commit}: {manifest.n_experts} experts "
           f"({format_size(manifest.expert_bytes_total)}) streamed on demand")
-    small = fetch_small_files(manifest, local, settings.endpoint)
+    old = installed_before(settings.socket, repo, commit)
+    old_dir = Path(old["local_dir"]) if old and old.get("local_dir") else None
+    small = fetch_small_files(manifest, local, settings.endpoint, old_dir)
     remote_code = check_tokenizer(manifest, local, args.trust_remote_code)
     keep = text_model_tensors(manifest, local)
     layers = pipeline.rank_layers(local, *rank) if rank is not None else None
     if layers is not None:
         keep = pipeline.rank_keep(manifest, keep, layers)
-    delta = revision_delta(settings, repo, commit, manifest, keep)
+    delta = compare(settings.socket, old, manifest, keep) if old else None
     for line in delta.lines() if delta else []:
         print(line)
     reuse = delta.old_resident if delta else None

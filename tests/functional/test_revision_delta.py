@@ -21,6 +21,7 @@ import pytest
 
 from cachecd.errors import InvalidRequest
 from cachecd.manifest.manifest import Manifest
+from cachecd.sizes import format_size
 from tests.exactness import assert_bitwise, run_logits
 from tests.fakes.counting_proxy import CountingProxy, Seen
 from tests.harness import TINY_REPO, HubProcess, run_cli, short_tmp, stop_daemon
@@ -150,8 +151,10 @@ def test_a_new_revision_fetches_only_what_changed(revisions: Revisions,
         same = re.search(rf"(\d+) of (\d+) resident tensors unchanged since {old[:12]}, copied "
                          r"from its install; 1 changed", out)
         assert same and int(same[1]) + 1 == int(same[2]), out
-        # Setup read one resident tensor's bytes of the shards: the changed one.
+        # Setup read one resident tensor's bytes of the shards: the changed one; the config and
+        # tokenizer files, the same bytes, came from the old install.
         assert [s.nbytes for s in _data_reads(proxy, mark)] == [norm.nbytes]
+        assert f"fetched {format_size(norm.nbytes)} now" in out, out
 
         # The new revision runs as its own checkpoint does, whole in mlx-lm; the old one too.
         mark = proxy.mark()
