@@ -179,6 +179,10 @@ def test_a_new_revision_fetches_only_what_changed(revisions: Revisions,
         assert f"{TINY_REPO}@{old[:12]}" in status and f"{TINY_REPO}@{new[:12]}" in status
         with Client(sock) as c, pytest.raises(InvalidRequest, match="2 revisions"):
             c.model(TINY_REPO)
+        cov = run_cli("coverage", "--model", f"{TINY_REPO}@{new[:12]}", "--socket", str(sock))
+        assert f"{TINY_REPO}@{new[:12]}" in cov.stdout and f"{m} of {m} experts" in cov.stdout, cov.stdout
+        bare = run_cli("coverage", "--socket", str(sock), check=False)
+        assert bare.returncode == 1 and f"name one with {TINY_REPO}@REV" in bare.stderr
 
         # Removing the old revision keeps every blob the new one names: it runs off the cache.
         done = run_cli("remove", "--model", f"{TINY_REPO}@{old}", "--experts", "--socket",
