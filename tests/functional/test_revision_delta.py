@@ -168,6 +168,7 @@ def test_a_new_revision_fetches_only_what_changed(revisions: Revisions,
         reads = _data_reads(proxy, mark)
         changed = [rev.new.entry(r) for r in rev.changed_rows]
         unchanged = [rev.new.entry(r) for r in range(m) if r not in set(rev.changed_rows)]
+        assert reads and all(any(_overlaps(s, e) for e in changed) for s in reads)
         assert not [s for s in reads if any(_overlaps(s, e) for e in unchanged)]
         assert sum(s.nbytes for s in reads) == sum(e.nbytes for e in changed)
 
