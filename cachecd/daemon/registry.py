@@ -1,5 +1,11 @@
 """Registered models: which repos the daemon may fetch for, each pinned by its manifest.
 
+A registration is one repo at one commit; several revisions of a repo may be registered at once
+(an update beside the installed one), each keyed ``ORG/NAME@COMMIT`` in the index. A request names
+one as ``ORG/NAME@REV`` (the commit or 7+ of its first hex digits) or as a bare ``ORG/NAME`` while
+only one revision of it is registered; a bare name with several is refused with the list
+(``invalid_request``), never resolved by a guess.
+
 Invariant: the daemon fetches nothing it cannot verify, so a repo without a registered manifest
 is refused (403 ``repo_not_allowed``) before any I/O. A manifest that fails to load refuses that
 model only; the others are still served. Two checks on use (``manifest.hub_check``; 422
