@@ -322,7 +322,7 @@ class Registry:
 
     def matching(self, repo: str, rev: str = "") -> list[RegisteredModel]:
         """The registrations of ``repo`` (at ``rev``: a commit, or 7+ of its first hex digits)."""
-        return [m for (r, commit), m in sorted(self._models.items())
+        return [m for (r, commit), m in self._models.items()
                 if r == repo and (not rev or _same_revision(commit, rev))]
 
     def get(self, spec: str) -> RegisteredModel:
@@ -350,7 +350,8 @@ class Registry:
         )
 
     def all(self) -> list[RegisteredModel]:
-        return [m for _, m in sorted(self._models.items())]
+        """In the order they were registered (at start: the index's order)."""
+        return list(self._models.values())
 
 
 def _same_revision(commit: str, rev: str) -> bool:
