@@ -2,7 +2,9 @@
 
 Re-running is idempotent and resumes: files already present and verified are skipped, and the
 resident file resumes from its progress record. Nothing of a routed expert is downloaded here:
-the daemon fetches experts when routing first needs them.
+the daemon fetches experts when routing first needs them. Next to another revision of the repo
+registered with the daemon, it says what the new one reuses and copies what is unchanged
+(``delta``); both stay registered.
 """
 
 from __future__ import annotations
@@ -398,12 +400,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"installed {local} ({format_size(used)} on disk, fetched {format_size(small + resident)} "
           f"now) of a {format_size(full)} model: {used / full:.1%}")
     trust = " --trust-remote-code" if remote_code else ""
+    # With another revision registered beside it, a bare ORG/NAME no longer names one.
+    name = f"{repo}@{commit[:12]}" if old else repo
     if layers is not None:
         print(pipeline.rank_report(manifest, layers))
         print(f"run it on every machine at once: mlx.launch --hostfile hosts.json -- cachecd run "
-              f"--model {repo}{trust} --prompt 'Hello' --max-tokens 32")
+              f"--model {name}{trust} --prompt 'Hello' --max-tokens 32")
         return 0
-    # With another revision registered beside it, a bare ORG/NAME no longer names one.
-    name = f"{repo}@{commit[:12]}" if delta else repo
     print(f"run it: cachecd run --model {name}{trust} --prompt 'Hello' --max-tokens 32")
     return 0
