@@ -27,6 +27,7 @@ import signal
 import socket
 import sys
 import threading
+from collections import Counter
 from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote
@@ -224,9 +225,13 @@ class CachecdHandler(APIHandler):
     def _installed(self) -> list[str]:
         try:
             with Client(self.provider.daemon_socket(), timeout=10) as client:
-                return [m["repo"] for m in client.models() if m.get("local_dir")]
+                models = [m for m in client.models() if m.get("local_dir")]
         except CachecdError:
             return []  # the served model is listed all the same
+        # A repo with several revisions registered is named by each: the bare name is none.
+        repos = Counter(m["repo"] for m in models)
+        return [m["repo"] if repos[m["repo"]] == 1 else f"{m['repo']}@{m['revision']}"
+                for m in models]
 
     def _json(self, body: dict[str, Any], status: int = 200) -> None:
         data = json.dumps(body).encode()

@@ -28,8 +28,9 @@ from typing import Any
 
 from cachecd.errors import NotStreamable
 
-# An HF repo id as the daemon names models: exactly one slash, no leading "." or "/".
-_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# An HF repo id as the daemon names models: exactly one slash, no leading "." or "/"; with
+# ``@REV`` (a commit, or 7+ of its hex digits) when several revisions of it are registered.
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w.-]+)?")
 
 
 def load(
@@ -112,7 +113,7 @@ def load(
     except BaseException:
         source.close()
         raise
-    attach_trace(model, repo, trace)
+    attach_trace(model, repo.partition("@")[0], trace)
     return (model, tokenizer, config) if return_config else (model, tokenizer)
 
 

@@ -74,7 +74,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "prefetch": args.prefetch, "speculate": args.speculate}
 
 # --model of run and openai, resolved with cachecd_client.resolve_model when left out.
-MODEL_HELP = ("ORG/NAME, installed with setup --stream (default: the one model the daemon has "
+MODEL_HELP = ("ORG/NAME[@REV], installed with setup --stream (default: the one model the daemon has "
               "registered)")
 
 

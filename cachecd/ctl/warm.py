@@ -239,7 +239,7 @@ def _warm_prompts(args: argparse.Namespace, client: Any, before: Snapshot) -> in
     prompts = read_prompts(args.prompts)
     model, tokenizer = load(args.model, args.socket, trust_remote_code=args.trust_remote_code)
     model.bank.source.client.warming = True  # the daemon counts these reads as warm, not use
-    recorder = TraceRecorder(args.save_trace, args.model, append=True)
+    recorder = TraceRecorder(args.save_trace, args.model.partition("@")[0], append=True)
     model.bank.trace = recorder
     start_bytes = client.stats()["counters"].get("fetched_bytes", 0)
     outcome, t0 = Outcome(), time.monotonic()

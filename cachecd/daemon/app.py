@@ -34,7 +34,6 @@ from cachecd.daemon.misses import MissFiller
 from cachecd.daemon.registry import RegisteredModel, Registry
 from cachecd.errors import ExpertNotFound, InvalidRequest
 from cachecd.manifest.headers import keep_dir
-from cachecd.manifest.repo_ref import check_repo
 from cachecd.report.coverage import HitHistory
 from cachecd.store.blob_fds import BlobFds
 from cachecd.store.scrub import Scrubber
@@ -88,12 +87,12 @@ class Daemon:
         self.scrub = Scrubber(store, settings.scrub_rate, busy=lambda: self.misses.inflight > 0)
 
     def model(self, repo: str) -> RegisteredModel:
-        return self.registry.get(check_repo(repo))
+        return self.registry.get(repo)
 
     async def serving(self, repo: str) -> RegisteredModel:
         """``model``, once its layout is checked: no expert of a model flows, hit or miss, before
         its manifest's ranges agree with the shards' headers (``Registry.check_layout``)."""
-        model = self.registry.get(check_repo(repo))
+        model = self.registry.get(repo)
         if not model.layout_checked:
             await self.registry.check_layout(model)
         return model

@@ -284,13 +284,14 @@ def _models(models: list[dict[str, Any]], refused: dict[str, Any]) -> Iterator[M
                             value=len(refused))
     info = InfoMetricFamily("cachecd_model", "A registered model's pinned commit and format.",
                             labels=["model"])
-    gauges = {key: GaugeMetricFamily(f"cachecd_{name}", help_, labels=["model"])
+    # Several revisions of one repo may be registered: a series per (repo, commit).
+    gauges = {key: GaugeMetricFamily(f"cachecd_{name}", help_, labels=["model", "revision"])
               for key, (name, help_) in _MODEL_GAUGES.items()}
     for m in models:
         info.add_metric([m["repo"]], {"revision": m["revision"], "model_type": str(m["model_type"]),
                                       "quant_format": str(m["quant_format"])})
         for key, family in gauges.items():
-            family.add_metric([m["repo"]], m[key])
+            family.add_metric([m["repo"], m["revision"]], m[key])
     yield info
     yield from gauges.values()
 

@@ -1,5 +1,11 @@
 """Registered models: which repos the daemon may fetch for, each pinned by its manifest.
 
+A registration is one repo at one commit; several revisions of a repo may be registered at once
+(an update beside the installed one), each keyed ``ORG/NAME@COMMIT`` in the index. A request names
+one as ``ORG/NAME@REV`` (the commit or 7+ of its first hex digits) or as a bare ``ORG/NAME`` while
+only one revision of it is registered; a bare name with several is refused with the list
+(``invalid_request``), never resolved by a guess.
+
 Invariant: the daemon fetches nothing it cannot verify, so a repo without a registered manifest
 is refused (403 ``repo_not_allowed``) before any I/O. A manifest that fails to load refuses that
 model only; the others are still served. Two checks on use (``manifest.hub_check``; 422
@@ -44,6 +50,7 @@ from cachecd.errors import (
     RepoNotAllowed,
 )
 from cachecd.manifest.manifest import Manifest
+from cachecd.manifest.repo_ref import parse_ref
 from cachecd.report.coverage import served_mask
 from cachecd.store.store import Store
 
@@ -88,11 +95,17 @@ class RegisteredModel:
     pipeline: tuple[int, int] | None = None  # (rank, size) those layers are mlx-lm's split of
     origin: str | None = None  # where the registering caller got the manifest
     layout_checked: bool = False  # its ranges agree with the shards' headers: experts may flow
+    record_key: str = ""  # its record's key in the index (``REPO@COMMIT``; ``REPO`` before 30)
     _served: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def repo(self) -> str:
         return self.manifest.repo
+
+    @property
+    def name(self) -> str:
+        """``ORG/NAME@COMMIT``: names this registration whatever else of the repo is registered."""
+        return f"{self.manifest.repo}@{self.manifest.revision}"
 
     def serves(self, layer: int) -> bool:
         return self.layers is None or self.layers[0] <= layer < self.layers[1]
@@ -151,11 +164,12 @@ class Registry:
                  layout: Callable[[Manifest], None] | None = None) -> None:
         self._store = store
         self._dir = models_dir / "manifests"
-        self._models: dict[str, RegisteredModel] = {}
+        # (repo, commit) -> registration: several revisions of one repo may be registered at once.
+        self._models: dict[tuple[str, str], RegisteredModel] = {}
         self._check = check
         self._layout = layout
         self._gate = LayoutGate(layout)
-        self.refused: dict[str, str] = {}
+        self.refused: dict[str, str] = {}  # record key -> why its manifest was refused
         self.at_start: set[str] = set()  # repos `serve --manifest` registers at every start
 
     async def load_registered(self) -> None:
@@ -163,7 +177,7 @@ class Registry:
             try:
                 await self._activate(record)
             except CachecdError as exc:
-                self.refused[record.get("repo", "?")] = exc.message
+                self.refused[record.get("key") or record.get("repo", "?")] = exc.message
                 log.error("model refused repo=%s reason=%s", record.get("repo"), exc.message)
 
     async def _activate(self, record: dict[str, Any]) -> RegisteredModel:
@@ -171,25 +185,31 @@ class Registry:
         manifest = await asyncio.to_thread(Manifest.load, path)
         local = Path(record["local_dir"]) if record.get("local_dir") else None
         layers, pipeline = check_restriction(record.get("layers"), record.get("pipeline"))
-        model = RegisteredModel(manifest, path, local, layers, pipeline, record.get("origin"))
+        model = RegisteredModel(manifest, path, local, layers, pipeline, record.get("origin"),
+                                record_key=record.get("key") or manifest.repo)
         manifest.source = _label(model.origin, str(path))
         model.layout_checked = record.get("layout_checked") == await asyncio.to_thread(
             manifest.content_sha256)
-        self._models[manifest.repo] = model
-        self.refused.pop(manifest.repo, None)
+        self._models[(manifest.repo, manifest.revision)] = model
+        self.refused.pop(model.record_key, None)
         return model
 
     async def register(self, manifest_bytes: bytes, source: str, local_dir: str | None,
                        layers: Any = None, pipeline: Any = None,
                        origin: str | None = None) -> RegisteredModel:
-        """Register (or re-register, replacing the last registration of that repo) a model;
+        """Register (or re-register, replacing the registration of that repo at that commit) a
+        model; another revision of the repo stays registered beside it;
         ``layers`` ``[start, end)`` restricts the experts served, ``pipeline`` ``[rank, size]``
         says which pipeline rank those layers are; ``origin`` where the caller got it."""
         layers, pipeline = check_restriction(layers, pipeline)
         manifest = await asyncio.to_thread(Manifest.from_bytes, manifest_bytes,
                                            _label(origin, source))
         content = await asyncio.to_thread(manifest.content_sha256)
-        before = self._store.get_model(manifest.repo) or {}
+        key = f"{manifest.repo}@{manifest.revision}"
+        legacy = self._store.get_model(manifest.repo)  # a record from before revisions were keys
+        if legacy is not None and legacy.get("revision") != manifest.revision:
+            legacy = None
+        before = self._store.get_model(key) or legacy or {}
         checked = await self._check_on_use(manifest, before.get("layout_checked") == content)
         self._dir.mkdir(parents=True, exist_ok=True)
         name = f"{manifest.repo.replace('/', '--')}--{manifest.revision}.manifest"
@@ -205,10 +225,13 @@ class Registry:
             "origin": origin,
             "layout_checked": content if checked else None,
         }
-        self._store.put_model(manifest.repo, record)
+        self._store.put_model(key, record)
+        if legacy is not None:
+            self._store.delete_model(manifest.repo)
         model = RegisteredModel(manifest, path, Path(local_dir) if local_dir else None, layers,
-                                pipeline, origin, checked)
-        self._models[manifest.repo] = model
+                                pipeline, origin, checked, record_key=key)
+        self._models[(manifest.repo, manifest.revision)] = model
+        self.refused.pop(key, None)
         self.refused.pop(manifest.repo, None)
         log.info("model registered repo=%s revision=%s experts=%d layers=%s layout_checked=%s",
                  manifest.repo, manifest.revision, manifest.n_experts,
@@ -253,41 +276,83 @@ class Registry:
         try:
             await self._gate.ensure(model)
         except ManifestMismatch as exc:
-            if self._models.get(m.repo) is model:
-                del self._models[m.repo]
-            self.refused[m.repo] = exc.message
+            if self._models.get((m.repo, m.revision)) is model:
+                del self._models[(m.repo, m.revision)]
+            self.refused[model.record_key] = exc.message
             log.error("model refused repo=%s reason=%s", m.repo, exc.message)
             raise
-        record = self._store.get_model(m.repo)
+        record = self._store.get_model(model.record_key)
         if record is not None and record.get("manifest") == str(model.manifest_path):
-            self._store.put_model(m.repo, {**record, "layout_checked": m.content_sha256()})
+            self._store.put_model(model.record_key,
+                                  {**record, "layout_checked": m.content_sha256()})
 
-    async def unregister(self, repo: str) -> tuple[RegisteredModel | None, dict[str, Any]]:
-        """Forget ``repo``'s registration, in memory and durably in the index (a restart does not
-        bring it back); its model (None if its manifest was refused) and its stored record."""
-        model = self._models.get(repo)
-        record = self._store.get_model(repo) or (
-            {"repo": repo, "manifest": str(model.manifest_path), "local_dir": None} if model
-            else None)
-        if record is None:
-            raise RepoNotAllowed(f"{repo} is not registered with this daemon; `cachecd status` "
+    async def unregister(self, spec: str) -> tuple[RegisteredModel | None, dict[str, Any]]:
+        """Forget the registration ``spec`` (``ORG/NAME[@REV]``, as ``get``) names, in memory and
+        durably in the index (a restart does not bring it back); its model (None if its manifest
+        was refused) and its stored record. Other revisions of the repo stay registered."""
+        refused = self._refused_key(spec)
+        if refused is None and not self.matching(*parse_ref(spec, "")):
+            raise RepoNotAllowed(f"{spec} is not registered with this daemon; `cachecd status` "
                                  "lists the models it has")
-        await asyncio.wrap_future(self._store.delete_model(repo))
-        self._models.pop(repo, None)
-        self.refused.pop(repo, None)
-        log.info("model unregistered repo=%s", repo)
+        model = None if refused else self.get(spec)
+        key = model.record_key if model is not None else str(refused)
+        record = self._store.get_model(key) or (
+            {"repo": model.repo, "manifest": str(model.manifest_path), "local_dir": None}
+            if model else None)
+        if record is None:
+            raise RepoNotAllowed(f"{spec} is not registered with this daemon; `cachecd status` "
+                                 "lists the models it has")
+        await asyncio.wrap_future(self._store.delete_model(key))
+        if model is not None:
+            self._models.pop((model.repo, model.manifest.revision), None)
+        self.refused.pop(key, None)
+        log.info("model unregistered repo=%s key=%s", record.get("repo"), key)
         return model, record
 
-    def get(self, repo: str) -> RegisteredModel:
-        model = self._models.get(repo)
-        if model is None:
-            why = self.refused.get(repo)
-            hint = f" (its manifest was refused: {why})" if why else ""
-            raise RepoNotAllowed(
-                f"no manifest is registered for {repo}{hint}; run `cachecd setup --stream {repo}`"
-            )
-        return model
+    def _refused_key(self, spec: str) -> str | None:
+        """The key of a refused registration ``spec`` names (it has no model to match)."""
+        repo, rev = parse_ref(spec, "")
+        if self.matching(repo, rev):
+            return None
+        for key in self.refused:
+            k_repo, _, k_rev = key.partition("@")
+            if k_repo == repo and (not rev or _same_revision(k_rev, rev)):
+                return key
+        return None
+
+    def matching(self, repo: str, rev: str = "") -> list[RegisteredModel]:
+        """The registrations of ``repo`` (at ``rev``: a commit, or 7+ of its first hex digits)."""
+        return [m for (r, commit), m in self._models.items()
+                if r == repo and (not rev or _same_revision(commit, rev))]
+
+    def get(self, spec: str) -> RegisteredModel:
+        """The registration ``ORG/NAME`` or ``ORG/NAME@REV`` names. A bare name with several
+        revisions registered is refused with the list to choose from: nothing picks one behind
+        the caller's back."""
+        repo, rev = parse_ref(spec, "")
+        found = self.matching(repo, rev)
+        if len(found) == 1:
+            return found[0]
+        if found:
+            names = ", ".join(m.name for m in found)
+            raise InvalidRequest(f"{len(found)} revisions of {repo} are registered ({names}): "
+                                 f"name one with {repo}@REV")
+        others = self.matching(repo)
+        if others:
+            raise RepoNotAllowed(f"{repo} is not registered at {rev}; registered: "
+                                 f"{', '.join(m.name for m in others)}; run `cachecd setup "
+                                 f"--stream {spec}` to install that revision")
+        refused = self._refused_key(spec)
+        why = self.refused.get(refused) if refused else None
+        hint = f" (its manifest was refused: {why})" if why else ""
+        raise RepoNotAllowed(
+            f"no manifest is registered for {spec}{hint}; run `cachecd setup --stream {spec}`"
+        )
 
     def all(self) -> list[RegisteredModel]:
+        """In the order they were registered (at start: the index's order)."""
         return list(self._models.values())
 
+
+def _same_revision(commit: str, rev: str) -> bool:
+    return commit == rev or (len(rev) >= 7 and commit.startswith(rev))

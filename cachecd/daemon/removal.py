@@ -40,11 +40,12 @@ async def remove_model(daemon: Daemon, repo: str, experts: bool) -> dict[str, An
     experts; what was freed and what was kept, and why."""
     model, record = await daemon.registry.unregister(repo)
     manifest = model.manifest if model else await asyncio.to_thread(_load, record)
+    name = record.get("repo") or (model.repo if model else repo)  # ORG/NAME, without @REV
     out: dict[str, Any] = {
-        "repo": repo,
+        "repo": name,
         "revision": manifest.revision if manifest else record.get("revision"),
         "manifest": record.get("manifest"),
-        "registered_at_start": repo in daemon.registry.at_start,
+        "registered_at_start": name in daemon.registry.at_start,
     }
     others = daemon.registry.all()
     out.update(await asyncio.to_thread(remove_resident, daemon.settings.models_dir,

@@ -24,7 +24,6 @@ from cachecd.daemon import metrics as prom
 from cachecd.daemon.peer import peer_cred
 from cachecd.daemon.removal import remove_model
 from cachecd.errors import CachecdError, Forbidden, Internal, InvalidRequest, NotFound
-from cachecd.manifest.repo_ref import check_repo
 from cachecd.report.coverage import access_array, cached_mask, coverage_report, pack_detail
 
 log = logging.getLogger(__name__)
@@ -110,9 +109,9 @@ async def status(request: web.Request) -> web.Response:
 
 def _add_coverage(d: Any, models: list[dict[str, Any]]) -> None:
     """Each model's experts cached, of those the daemon serves (a thread: K3 has 82,432)."""
-    by_repo = {m.repo: m for m in d.registry.all()}
+    by_name = {(m.repo, m.manifest.revision): m for m in d.registry.all()}
     for row in models:
-        model = by_repo.get(row["repo"])
+        model = by_name.get((row["repo"], row["revision"]))
         if model is not None:
             cached = cached_mask(model.manifest, d.store.has) & model.served_rows()
             row["experts_cached"] = int(cached.sum())
@@ -164,7 +163,7 @@ async def unregister_model(request: web.Request) -> web.Response:
     """``cachecd remove``: unregister, delete the resident files; ``?experts=1`` evicts the
     model's cached experts too (those another registered model shares stay)."""
     d = request.app[DAEMON]
-    repo = check_repo(_repo(request))
+    repo = _repo(request)  # ORG/NAME[@REV]: the registry's parser checks it
     experts = request.query.get("experts") in ("1", "true")
     return web.json_response(await remove_model(d, repo, experts))
 

@@ -2,6 +2,8 @@
 
 Model repos are ``DIR/{org}/{name}``, dataset repos ``DIR/datasets/{org}/{name}`` (the Hub's
 ``/datasets/...`` and ``/api/datasets/...`` routes); no model org is named ``datasets``.
+The folder is the repo's ``main``; a sibling folder ``{name}@{rev}`` is its branch ``rev`` (a
+new revision beside the old one), and each folder's commit resolves to that folder.
 
 Invariants:
 - No request path reaches the filesystem before it is validated: org and name match a strict
@@ -53,13 +55,14 @@ from cachecd.lanhub.repo import (
     tree_json,
     valid_relpath,
 )
-from cachecd.manifest.repo_ref import valid_part
+from cachecd.manifest.repo_ref import REVISION, valid_part
 
 log = logging.getLogger("cachecd.lanhub.server")
 
 DEFAULT_URL_TTL_S = 3600.0
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$", re.IGNORECASE | re.ASCII)
 _SIGNED_SNAPSHOTS = 64
+_REVISION = re.compile(REVISION)
 _Handler = Callable[[web.Request], Awaitable[StreamResponse]]
 DATASETS = "datasets"
 
@@ -171,7 +174,9 @@ class _Hub:
         # Snapshots this server signed URLs from, newest last: the CDN's fast path.
         self.signed: OrderedDict[tuple[str, str], RepoSnapshot] = OrderedDict()
 
-    async def snapshot(self, request: web.Request) -> RepoSnapshot:
+    async def snapshot(self, request: web.Request, rev: str = "main") -> RepoSnapshot:
+        """The repo at ``rev``: ``main`` is the folder ``ORG/NAME``; a branch or tag ``REV`` is
+        the sibling folder ``ORG/NAME@REV``; a commit is whichever of them is at that commit."""
         org, name = request.match_info["org"], request.match_info["name"]
         repo_id = f"{org}/{name}"
         # DIR/datasets/ holds the dataset repos, so no model org is named "datasets" (as on HF).
@@ -184,26 +189,40 @@ class _Hub:
                             f"authorized list. Visit {request.url.origin()}/{repo_id} to ask for "
                             "access.")
         repo_dir = self.root / kind / org / name
-        kept = sidecar_path(self.root, _repo_key(request))
-        snap = await asyncio.to_thread(self._snapshot_if_repo, repo_dir, repo_id, kept)
+        snap = await asyncio.to_thread(self._snapshot_at, repo_dir, repo_id,
+                                       _repo_key(request), rev)
         if snap is None:
             raise _hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
         return snap
 
-    def _snapshot_if_repo(self, repo_dir: Path, repo_id: str, kept: Path) -> RepoSnapshot | None:
+    def _snapshot_at(self, repo_dir: Path, repo_id: str, key: str,
+                     rev: str) -> RepoSnapshot | None:
+        """None: no such repo; RevisionNotFound: the repo has no ``rev``."""
+        folders = revision_folders(repo_dir)
+        if rev in folders:
+            return self._snapshot_if_repo(folders[rev], repo_id, f"{key}@{rev}")
+        main = self._snapshot_if_repo(repo_dir, repo_id, key)
+        if rev == "main" or (main is not None and main.commit == rev):
+            return main
+        for branch, folder in folders.items():
+            snap = self._snapshot_if_repo(folder, repo_id, f"{key}@{branch}")
+            if snap is not None and snap.commit == rev:
+                return snap
+        if main is None and not folders:
+            return None
+        known = ["main"] * (main is not None) + sorted(folders)
+        raise _hf_error(
+            web.HTTPNotFound,
+            "RevisionNotFound",
+            f"Revision {rev[:64]!r} not found in {repo_id}: use one of {', '.join(known)} or "
+            f"their commits",
+        )
+
+    def _snapshot_if_repo(self, repo_dir: Path, repo_id: str, key: str) -> RepoSnapshot | None:
         real = repo_dir.resolve()
         if not real.is_relative_to(self.root) or not real.is_dir():
             return None
-        return snapshot(real, repo_id, self.hashes, kept)
-
-    @staticmethod
-    def check_rev(rev: str, snap: RepoSnapshot) -> None:
-        if rev != "main" and rev != snap.commit:
-            raise _hf_error(
-                web.HTTPNotFound,
-                "RevisionNotFound",
-                f"Revision {rev[:64]!r} not found in {snap.repo_id}: use 'main' or {snap.commit}",
-            )
+        return snapshot(real, repo_id, self.hashes, sidecar_path(self.root, key))
 
     @staticmethod
     def entry(snap: RepoSnapshot, path: str) -> RepoFile:
@@ -232,8 +251,7 @@ class _Hub:
         }
 
     async def resolve(self, request: web.Request) -> StreamResponse:
-        snap = await self.snapshot(request)
-        self.check_rev(request.match_info["rev"], snap)
+        snap = await self.snapshot(request, request.match_info["rev"])
         f = self.entry(snap, request.match_info["path"])
         key = _repo_key(request)
         self.remember(key, snap)
@@ -275,7 +293,7 @@ class _Hub:
         f = snap.files.get(path) if snap is not None else None
         if snap is not None and f is not None and await asyncio.to_thread(_unchanged, f):
             return snap, f
-        snap = await self.snapshot(request)
+        snap = await self.snapshot(request, commit)
         if snap.commit != commit:
             raise _hf_error(
                 web.HTTPNotFound,
@@ -292,13 +310,11 @@ class _Hub:
             self.signed.popitem(last=False)
 
     async def model_info(self, request: web.Request) -> StreamResponse:
-        snap = await self.snapshot(request)
-        self.check_rev(request.match_info.get("rev", "main"), snap)
+        snap = await self.snapshot(request, request.match_info.get("rev", "main"))
         return web.json_response(model_info_json(snap))
 
     async def tree(self, request: web.Request) -> StreamResponse:
-        snap = await self.snapshot(request)
-        self.check_rev(request.match_info["rev"], snap)
+        snap = await self.snapshot(request, request.match_info["rev"])
         prefix = request.match_info["tail"].strip("/")
         if prefix and not valid_relpath(prefix):
             raise _bad_request(f"Invalid path {prefix[:200]!r}")
@@ -359,6 +375,17 @@ def build_app(
         app.router.add_get(api + "/revision/{rev}{slash:/?}", hub.model_info)
         app.router.add_get(api + "/tree/{rev}{tail:(/.*)?}", hub.tree)
     return app
+
+
+def revision_folders(repo_dir: Path) -> dict[str, Path]:
+    """``REV -> DIR/ORG/NAME@REV``: the other revisions served beside the folder ``ORG/NAME``."""
+    prefix = repo_dir.name + "@"
+    try:
+        entries = list(repo_dir.parent.iterdir())
+    except OSError:
+        return {}
+    return {e.name[len(prefix):]: e for e in sorted(entries)
+            if e.name.startswith(prefix) and _REVISION.fullmatch(e.name[len(prefix):])}
 
 
 def _repo_key(request: web.Request) -> str:

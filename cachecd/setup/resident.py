@@ -7,7 +7,9 @@ written at their place in ``model-resident.safetensors`` (mlx-lm's loader globs
 passes what mlx-lm's model keeps after its sanitize: a multimodal repo's vision weights are not).
 Invariants: the final file appears (atomic rename) only when every tensor in it verified; an
 interrupted run leaves ``.partial`` plus a progress file listing the tensors already written and
-verified, so the next run resumes instead of starting over.
+verified, so the next run resumes instead of starting over. With ``reuse`` (another revision's
+resident file), a tensor whose bytes there hash to this manifest's xxh3-128 is copied from it,
+not fetched: a new revision downloads only the tensors that changed.
 """
 
 from __future__ import annotations
@@ -110,8 +112,9 @@ class ResidentWriter:
         os.replace(tmp, self.progress)
 
     async def run(self, fetch: Callable[[str, int, int], Any], progress: Callable[[int], None],
-                  parallel: int = 4) -> int:
-        """Fetch what is missing; returns bytes fetched. ``fetch(file, start, end)`` -> bytes."""
+                  parallel: int = 4, reuse: Path | None = None) -> int:
+        """Fetch what is missing; returns bytes fetched. ``fetch(file, start, end)`` -> bytes;
+        ``reuse``: a resident file to copy unchanged tensors from first."""
         if self.done():
             return 0
         done = self._load_progress()
@@ -119,6 +122,8 @@ class ResidentWriter:
         try:
             os.ftruncate(fd, self._size())
             os.pwrite(fd, self.header, 0)
+            if reuse is not None:
+                await asyncio.to_thread(self._copy_unchanged, fd, done, reuse)
             fetched = await self._fetch_all(fd, done, fetch, progress, parallel)
             await asyncio.to_thread(full_fsync, fd)
         finally:
@@ -153,6 +158,28 @@ class ResidentWriter:
 
         await asyncio.gather(*(one(g) for g in plan_groups(self.tensors)))
         return fetched
+
+    def _copy_unchanged(self, fd: int, done: set[str], old: Path) -> None:
+        """Copy the tensors ``old`` holds with the bytes this manifest names (each hashed again)."""
+        try:
+            with open(old, "rb") as f:
+                size = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(size))
+                for i, t in enumerate(self.tensors):
+                    entry = header.get(t.name)
+                    if t.name in done or not isinstance(entry, dict):
+                        continue
+                    start, end = entry["data_offsets"]
+                    if end - start != t.nbytes:
+                        continue
+                    data = os.pread(f.fileno(), t.nbytes, 8 + size + start)
+                    if digest(data) == t.xxh3:
+                        os.pwrite(fd, data, self.offsets[i])
+                        done.add(t.name)
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            pass  # an unreadable old install: what was not copied is fetched
+        full_fsync(fd)  # before the progress record names these tensors done
+        self._save_progress(done)
 
     def _write_verified(self, fd: int, todo: list[int], data: memoryview, base: int) -> None:
         for i in todo:

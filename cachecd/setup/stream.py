@@ -2,7 +2,9 @@
 
 Re-running is idempotent and resumes: files already present and verified are skipped, and the
 resident file resumes from its progress record. Nothing of a routed expert is downloaded here:
-the daemon fetches experts when routing first needs them.
+the daemon fetches experts when routing first needs them. Next to another revision of the repo
+registered with the daemon, it says what the new one reuses and copies what is unchanged
+(``delta``); both stay registered.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from cachecd.errors import (
 from cachecd.manifest.repo_ref import is_commit, parse_ref
 from cachecd.service.render import sharing_arguments
 from cachecd.setup import pipeline
+from cachecd.setup.delta import compare, copy_if_same, installed_before
 from cachecd.sizes import format_size
 
 log = logging.getLogger(__name__)
@@ -158,7 +161,7 @@ def stored_manifest(settings: Settings, repo: str, commit: str) -> Path | None:
 
     try:
         with Client(settings.socket, timeout=10) as client:
-            info = client.model(repo)
+            info = client.model(f"{repo}@{commit}")
     except CachecdError:  # no daemon, or the repo is not registered with it
         return None
     path = Path(info.get("manifest") or "")
@@ -190,8 +193,10 @@ def _build_manifest(repo: str, commit: str, endpoint: str, out: Path) -> None:
                   progress=sys.stderr.isatty(), say=lambda m: print(m, file=sys.stderr))
 
 
-def fetch_small_files(manifest: Any, local: Path, endpoint: str) -> int:
-    """Config, tokenizer and other non-weight files, each checked against the manifest's sha256."""
+def fetch_small_files(manifest: Any, local: Path, endpoint: str,
+                      reuse: Path | None = None) -> int:
+    """Config, tokenizer and other non-weight files, each checked against the manifest's sha256;
+    one with the same sha256 in ``reuse`` (another revision's install) is copied from there."""
     from huggingface_hub import hf_hub_download
 
     fetched = 0
@@ -200,6 +205,8 @@ def fetch_small_files(manifest: Any, local: Path, endpoint: str) -> int:
             continue
         target = local / info.name
         if target.exists() and _sha256(target) == info.sha256:
+            continue
+        if reuse is not None and copy_if_same(reuse / info.name, target, info.sha256):
             continue
         path = Path(hf_hub_download(manifest.repo, info.name, revision=manifest.revision,
                                     endpoint=endpoint, local_dir=local))
@@ -272,7 +279,7 @@ def text_model_tensors(manifest: Any, local: Path) -> set[str]:
 
 
 async def fetch_resident(manifest: Any, local: Path, settings: Settings,
-                         keep: set[str] | None = None) -> int:
+                         keep: set[str] | None = None, reuse: Path | None = None) -> int:
     from huggingface_hub import get_token
     from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
@@ -286,7 +293,8 @@ async def fetch_resident(manifest: Any, local: Path, settings: Settings,
     total = writer.nbytes
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="resident weights", disable=None)
     try:
-        return await writer.run(lambda f, s, e: upstream.fetch_range(manifest, f, s, e), bar.update)
+        return await writer.run(lambda f, s, e: upstream.fetch_range(manifest, f, s, e), bar.update,
+                                reuse=reuse)
     finally:
         bar.close()
         await upstream.close()
@@ -372,13 +380,19 @@ def run(args: argparse.Namespace) -> int:
     local.mkdir(parents=True, exist_ok=True)
     print(f"{repo}@{commit}: {manifest.n_experts} experts "
           f"({format_size(manifest.expert_bytes_total)}) streamed on demand")
-    small = fetch_small_files(manifest, local, settings.endpoint)
+    old = installed_before(settings.socket, repo, commit)
+    old_dir = Path(old["local_dir"]) if old and old.get("local_dir") else None
+    small = fetch_small_files(manifest, local, settings.endpoint, old_dir)
     remote_code = check_tokenizer(manifest, local, args.trust_remote_code)
     keep = text_model_tensors(manifest, local)
     layers = pipeline.rank_layers(local, *rank) if rank is not None else None
     if layers is not None:
         keep = pipeline.rank_keep(manifest, keep, layers)
-    resident = asyncio.run(fetch_resident(manifest, local, settings, keep))
+    delta = compare(settings.socket, old, manifest, keep) if old else None
+    for line in delta.lines() if delta else []:
+        print(line)
+    reuse = delta.old_resident if delta else None
+    resident = asyncio.run(fetch_resident(manifest, local, settings, keep, reuse))
     client = ensure_daemon(settings, args)
     with client:
         client.register(manifest_path, local, layers=layers and (layers.start, layers.end),
@@ -388,10 +402,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"installed {local} ({format_size(used)} on disk, fetched {format_size(small + resident)} "
           f"now) of a {format_size(full)} model: {used / full:.1%}")
     trust = " --trust-remote-code" if remote_code else ""
+    # With another revision registered beside it, a bare ORG/NAME no longer names one.
+    name = f"{repo}@{commit[:12]}" if old else repo
     if layers is not None:
         print(pipeline.rank_report(manifest, layers))
         print(f"run it on every machine at once: mlx.launch --hostfile hosts.json -- cachecd run "
-              f"--model {repo}{trust} --prompt 'Hello' --max-tokens 32")
+              f"--model {name}{trust} --prompt 'Hello' --max-tokens 32")
         return 0
-    print(f"run it: cachecd run --model {repo}{trust} --prompt 'Hello' --max-tokens 32")
+    print(f"run it: cachecd run --model {name}{trust} --prompt 'Hello' --max-tokens 32")
     return 0

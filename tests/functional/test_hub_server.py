@@ -295,6 +295,29 @@ def test_unknown_repo_file_and_revision_raise_hf_error_types(hub: str, tmp_path:
         list(api.list_repo_tree(REPO, path_in_repo="config.json"))
 
 
+def test_a_folder_per_revision_serves_each_by_branch_and_commit(tmp_path: Path) -> None:
+    """``ORG/NAME`` is main, ``ORG/NAME@v2`` the branch v2: unmodified huggingface_hub resolves
+    each by name and by commit, downloads each one's own bytes, and is told which exist."""
+    _write_repo(tmp_path / REPO)
+    shutil.copytree(tmp_path / REPO, tmp_path / f"{REPO}@v2")
+    (tmp_path / f"{REPO}@v2" / "config.json").write_text(json.dumps({"model_type": "tiny2"}))
+    with serve_in_thread(tmp_path) as url:
+        api = HfApi(endpoint=url)
+        main, v2 = api.model_info(REPO).sha, api.model_info(REPO, revision="v2").sha
+        assert main == repo_commit(tmp_path / REPO) and v2 == repo_commit(tmp_path / f"{REPO}@v2")
+        assert main != v2 and api.model_info(REPO, revision=v2).sha == v2
+        for rev, folder in (("main", REPO), ("v2", f"{REPO}@v2"), (v2, f"{REPO}@v2"),
+                            (main, REPO)):
+            got = hf_hub_download(REPO, "config.json", revision=rev, endpoint=url,
+                                  cache_dir=tmp_path / "hf")
+            assert Path(got).read_bytes() == (tmp_path / folder / "config.json").read_bytes()
+        assert {f.path for f in api.list_repo_tree(REPO, revision="v2")} >= {"config.json"}
+        with pytest.raises(RevisionNotFoundError, match="main, v2"):
+            api.model_info(REPO, revision="v3")
+        status, _, _ = _request(f"{url}/api/models/{REPO}@v2")  # no repo of its own
+        assert status == 404
+
+
 # ---------------------------------------------------------------- ranges on the CDN URL
 
 

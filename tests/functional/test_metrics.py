@@ -70,7 +70,8 @@ def test_metrics_are_prometheus_exposition(daemon, tiny_manifest) -> None:
     # Labels where they carry meaning: the cache dir, the model.
     [free] = first["cachecd_cache_dir_free_bytes"].samples
     assert free.labels == {"cache_dir": str(daemon.cache_dir)} and free.value > 0
-    assert _value(first, "cachecd_model_experts", model=TINY_REPO) == tiny_manifest.n_experts
+    assert _value(first, "cachecd_model_experts", model=TINY_REPO,
+                  revision=tiny_manifest.revision) == tiny_manifest.n_experts
     [info] = first["cachecd_model_info"].samples
     assert info.labels["model"] == TINY_REPO and info.labels["revision"] == tiny_manifest.revision
 

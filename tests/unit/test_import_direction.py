@@ -50,7 +50,7 @@ LAYERS: dict[str, set[str]] = {
     "cachecd.service": _BASE | {"cachecd.durable", "cachecd.config", "cachecd.daemon",
                                 "cachecd.ctl", "cachecd_client"},
     "cachecd.setup": _BASE | {"cachecd.durable", "cachecd.sizes", "cachecd.config", "cachecd.manifest",
-                              "cachecd.upstream", "cachecd.service", "cachecd_client",
+                              "cachecd.upstream", "cachecd.report", "cachecd.service", "cachecd_client",
                               "cachecd_engine"},
     "cachecd.lanhub": _BASE | {"cachecd.manifest"},
     "cachecd.plan": _BASE | {"cachecd.durable", "cachecd.sizes", "cachecd.config", "cachecd.manifest",
