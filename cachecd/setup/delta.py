@@ -13,7 +13,6 @@ if it matches the new manifest, else it is fetched. The counts are what the daem
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 from cachecd.errors import CachecdError
 from cachecd.manifest.manifest import Manifest
+from cachecd.manifest.sha256 import file_sha256
 from cachecd.report.coverage import unpack_detail
 from cachecd.setup.resident import RESIDENT_FILE
 from cachecd.sizes import format_size
@@ -99,22 +99,15 @@ def compare(socket: Path, old: dict[str, Any], new: Manifest, keep: set[str]) ->
 def copy_if_same(source: Path, target: Path, sha256: str) -> bool:
     """Copy ``source`` (a file of another revision's install) to ``target`` if its bytes have
     ``sha256``, checked on the copy."""
-    if not source.is_file() or _sha256(source) != sha256:
+    if not source.is_file() or file_sha256(source) != sha256:
         return False
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, target)
-    if _sha256(target) == sha256:
+    if file_sha256(target) == sha256:
         return True
     target.unlink(missing_ok=True)
     return False
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _digest_set(manifest: Manifest, mask: Any) -> set[bytes]:

@@ -34,6 +34,7 @@ from cachecd.errors import (
     Offline,
 )
 from cachecd.manifest.repo_ref import is_commit, parse_ref
+from cachecd.manifest.sha256 import file_sha256
 from cachecd.service.render import sharing_arguments
 from cachecd.setup import pipeline
 from cachecd.setup.delta import compare, copy_if_same, installed_before
@@ -204,13 +205,13 @@ def fetch_small_files(manifest: Any, local: Path, endpoint: str,
         if info.name.endswith(".safetensors"):
             continue
         target = local / info.name
-        if target.exists() and _sha256(target) == info.sha256:
+        if target.exists() and file_sha256(target) == info.sha256:
             continue
         if reuse is not None and copy_if_same(reuse / info.name, target, info.sha256):
             continue
         path = Path(hf_hub_download(manifest.repo, info.name, revision=manifest.revision,
                                     endpoint=endpoint, local_dir=local))
-        got = _sha256(path)
+        got = file_sha256(path)
         if got != info.sha256:
             path.unlink(missing_ok=True)
             raise ManifestMismatch(
@@ -221,13 +222,6 @@ def fetch_small_files(manifest: Any, local: Path, endpoint: str,
         fetched += info.size
     return fetched
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def check_tokenizer(manifest: Any, local: Path, trust: bool) -> bool:

@@ -11,7 +11,6 @@ expert's hash before it is served.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import time
 from collections import Counter
@@ -21,6 +20,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from cachecd import constants, errors
+from cachecd.manifest.sha256 import file_sha256
 from cachecd.upstream.source import Consumer, UseChecks, offline_error
 
 
@@ -83,7 +83,7 @@ class LocalFolder:
             if size != info.size:
                 raise errors.ManifestMismatch(f"{manifest.source}: {path} is {size} bytes, the "
                                               f"manifest says {info.size}")
-            if name in manifest.shards and _sha256(path) != info.sha256:
+            if name in manifest.shards and file_sha256(path) != info.sha256:
                 raise errors.ManifestMismatch(f"{manifest.source}: {path}'s sha256 is not the "
                                               "manifest's")
 
@@ -118,10 +118,3 @@ def _read(path: Path, start: int, end: int) -> bytearray:
     with open(path, "rb") as f:
         return bytearray(os.pread(f.fileno(), end - start, start))
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
