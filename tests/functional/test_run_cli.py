@@ -89,9 +89,12 @@ def test_the_text_ends_its_line_when_interrupted(installed_module: Installed) ->
     prompt (or the error line) does not run on after it; the exit code says interrupted."""
     import signal
 
+    # A suite started in the background by a script runs with SIGINT ignored, which a child
+    # inherits, and Python then installs no KeyboardInterrupt: give the child Ctrl-C back.
     proc = subprocess.Popen([*CACHECD, "run", "--model", TINY_REPO, "--socket",
                              str(installed_module.socket), "--prompt", PROMPT, "--max-tokens",
-                             "2000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             "2000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout is not None
     first = os.read(proc.stdout.fileno(), 1)  # the text has begun
     proc.send_signal(signal.SIGINT)
