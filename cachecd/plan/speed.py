@@ -5,10 +5,14 @@ source gives.
             + disk bytes / disk rate + Hub bytes / Hub rate
 
 ``call`` is what the engine adds to each MoE layer call (the routing read-back, the bank's host
-work) and ``miss call`` what a call whose experts are read adds beyond the read (both measured
-with the engine's own layer: ``probe.engine_costs``); ``request`` is the daemon's round trip
-(the doctor's, when a daemon answered it). These matter where experts are small (the tiny
-model: most of a token); at K3's expert size the bytes dominate.
+work) and ``miss call`` what a call whose experts are read adds beyond its bytes (both measured
+with the engine's own layer: ``probe.engine_costs``). Where a daemon serves the model, the
+probe's misses are read through it, so ``miss call`` holds the daemon's round trip as a decode
+incurs it and ``request`` is 0 (but for the daemon's cost per expert more or fewer than the
+probe's call asked); else ``request`` is the doctor's round trip, asked back to back, which is
+lower (on a 2-vCPU machine 0.13-0.26 ms against 0.3-0.6 ms right after a layer's compute).
+These matter where experts are small (the tiny model: most of a token); at K3's expert size
+the bytes dominate.
 
 Nothing overlaps on a token's critical path in the engine as it runs by default: each MoE
 layer's routing is read back, its misses are read into slots, then its call is queued, and the
@@ -82,11 +86,17 @@ class Calls:
     call_s: float = 0.0
     miss_call_s: float = 0.0
     misses: float = 0.0  # experts read a token
+    # Experts asked of the daemon in the miss call measured (``probe.engine_costs``), whose
+    # round trip ``miss_call_s`` then holds; 0: it read a local file, the doctor's round trip
+    # (for one expert, and its cost per expert more) is added.
+    request_experts: int = 0
 
     def seconds(self, m: Machine) -> float:
+        base = self.calls * self.call_s + self.miss_calls * self.miss_call_s
+        if self.request_experts:  # experts beyond (or short of) the measured call's
+            return base + (self.misses - self.miss_calls * self.request_experts) * m.per_expert_s
         extra = max(0.0, self.misses - self.miss_calls)  # experts beyond each request's first
-        return (self.calls * self.call_s + self.miss_calls * (self.miss_call_s + m.request_s)
-                + extra * m.per_expert_s)
+        return base + self.miss_calls * m.request_s + extra * m.per_expert_s
 
 
 def queue_depth(call_bytes: float) -> int:

@@ -101,7 +101,8 @@ def test_the_engine_probe_measures_the_streamed_layer(tiny: Manifest) -> None:
 
     assert expert_dims(tiny) == (64, 64)
     costs = engine_costs(tiny, 4, reps=3)
-    assert 0 < costs.compute_s < 0.1 and costs.call_s >= 0 and costs.miss_call_s >= 0
+    assert 0 < costs.compute_s < 0.1 and costs.call_s >= 0 and costs.miss_s >= 0
+    assert costs.request_experts == 0 and costs.miss_call_s(10**9) >= 0  # a local file
 
 
 def test_cold_reads_go_at_the_queue_depth_a_calls_misses_reach() -> None:
@@ -158,3 +159,21 @@ def test_the_replay_moves_the_pool_as_the_engines_bank_does(tiny: Manifest, tmp_
     assert bank.capacity == 10 and bank.stats.groups > bank.stats.layer_calls  # some in groups
     assert sum(engine) > 20
     assert replayed == engine
+
+
+def test_a_miss_call_read_through_the_daemon_holds_its_round_trip() -> None:
+    """Measured through the daemon, a miss call's cost holds its round trip (the doctor's,
+    asked back to back, is not added again) and its experts' daemon costs; more or fewer
+    experts than it asked change it by the daemon's cost per expert. Its bytes are counted apart,
+    at the page cache's rate."""
+    from cachecd.plan.probe import EngineCosts
+    from cachecd.plan.speed import Calls
+
+    m = _machine(request_s=0.001, per_expert_s=0.0001)
+    local = Calls(calls=5, miss_calls=5, miss_call_s=0.0005, misses=20)
+    assert local.seconds(m) == pytest.approx(5 * 0.0005 + 5 * 0.001 + 15 * 0.0001)
+    daemon = Calls(calls=5, miss_calls=5, miss_call_s=0.0005, misses=18, request_experts=4)
+    assert daemon.seconds(m) == pytest.approx(5 * 0.0005 - 2 * 0.0001)
+    costs = EngineCosts(0.001, 0.0002, 0.0007, miss_bytes=100_000, request_experts=4)
+    assert costs.miss_call_s(1 * GB) == pytest.approx(0.0006)
+    assert costs.miss_call_s(0.01 * GB) == 0.0  # never below nothing
