@@ -152,20 +152,25 @@ def project(served: Any, sock: Path, cache_dir: Path, pool: int, top_k: int, com
     from cachecd.plan.plan import Inputs, project_row
     from cachecd.plan.routing import flat, from_traces
     from cachecd.plan.simulate import slot_bytes
-    from cachecd.plan.speed import Machine
+    from cachecd.plan.speed import Calls, Machine
 
     m = served.manifest
     report = doctor([str(cache_dir)], size, int(m.sizes[0]), socket=str(sock))
     machine = Machine.from_doctor(report)
-    miss_s = costs.miss_call_s(machine.page_rate)
+    calls = Calls(call_s=costs.call_s, miss_call_s=costs.miss_call_s(machine.page_rate),
+                  request_experts=costs.request_experts,
+                  cold_rate=costs.cold_rate(machine.page_rate))
     how = (f"read through the daemon, its round trip in it ({costs.request_experts} experts)"
            if costs.request_experts else "from a local file, plus the doctor's round trip")
-    print(f"  doctor: cold {machine.cold_rate / 1e9:.2f} GB/s at the client's queue depth, page "
+    cold = (f"{calls.cold_rate / 1e9:.3f} GB/s off the disk as the engine reads a call's misses"
+            if calls.cold_rate else "not measured by the engine probe")
+    print(f"  doctor: cold {machine.cold_rate / 1e9:.2f} GB/s at the client's queue depth "
+          f"({', '.join(f'QD{q} {r / 1e9:.2f}' for q, r in machine.cold_by_depth)}), page "
           f"cache {machine.page_rate / 1e9:.2f} GB/s, daemon round trip back to back "
-          f"{machine.request_s * 1e3:.2f} ms; engine: {costs.call_s * 1e3:.2f} ms a call, "
-          f"{miss_s * 1e3:.2f} ms more with misses beyond their bytes ({how})", flush=True)
-    inputs = Inputs(m, machine, compute_s, pool, slot_bytes(m), costs.call_s, miss_s,
-                    costs.request_experts)
+          f"{machine.request_s * 1e3:.2f} ms; engine: {calls.call_s * 1e3:.2f} ms a call, "
+          f"{calls.miss_call_s * 1e3:.2f} ms more with misses beyond their bytes ({how}); "
+          f"cold: {cold}", flush=True)
+    inputs = Inputs(m, machine, compute_s, pool, slot_bytes(m), calls)
     rows = [project_row(inputs, work, pool, m.expert_bytes_total, seed=0)
             for work in (flat(m, top_k, 64), from_traces(m, [str(served.work / "run.trace")]))]
     return rows[0], rows[1]
@@ -180,7 +185,8 @@ def check(name: str, args: Any) -> list[tuple[str, float, float]]:
             got = measure(served, sock, cache_dir, spec["pool"], args)
             from cachecd.plan.probe import engine_costs
 
-            costs = engine_costs(served.manifest, spec["top_k"], args.dtype, socket=str(sock))
+            costs = engine_costs(served.manifest, spec["top_k"], args.dtype, socket=str(sock),
+                                 cache_dirs=[str(cache_dir)])
             if args.compute == "resident":
                 compute_s, how = got.resident_s, "the resident model's token, measured"
             else:

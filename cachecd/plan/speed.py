@@ -17,9 +17,11 @@ the bytes dominate.
 Nothing overlaps on a token's critical path in the engine as it runs by default: each MoE
 layer's routing is read back, its misses are read into slots, then its call is queued, and the
 next layer's routing needs that call's output (read-ahead, which would overlap, is off by
-default). The disk rate is the doctor's at the engine's queue depth: the page cache's for the
-share of the disk cache that fits beside the pool in memory (warm), the cold rate for the rest
-(cold: all of it). The Hub rate is the doctor's one range; the daemon runs up to
+default). The disk rate is the page cache's (the doctor's) for the share of the disk cache that fits
+beside the pool in memory (warm), the cold rate for the rest (cold: all of it): the engine
+probe's, where it could read a call's misses off the disk through the daemon (each read
+blocks the call, one after another for small experts: on a 2-vCPU machine 6.5 KB cost ~95 us
+there against ~55 us back to back), else the doctor's at the queue depth a call reaches. The Hub rate is the doctor's one range; the daemon runs up to
 ``MAX_PARALLEL_FETCHES`` fetches at once, so this is the slow side.
 """
 
@@ -90,6 +92,9 @@ class Calls:
     # round trip ``miss_call_s`` then holds; 0: it read a local file, the doctor's round trip
     # (for one expert, and its cost per expert more) is added.
     request_experts: int = 0
+    # The rate a call's misses come off the disk at, measured as the engine reads them (the
+    # engine probe's cold call through the daemon); None: the doctor's cold rate.
+    cold_rate: float | None = None
 
     def seconds(self, m: Machine) -> float:
         base = self.calls * self.call_s + self.miss_calls * self.miss_call_s
@@ -110,10 +115,12 @@ def queue_depth(call_bytes: float) -> int:
 def token_s(compute_s: float, disk_bytes: float, hub_bytes: float, m: Machine,
             page_share: float, calls: Calls | None = None) -> float | None:
     """One token's seconds; None when it needs a rate the doctor did not measure (the Hub's).
-    Cold reads go at the doctor's rate for the queue depth a call's misses reach."""
+    Cold reads go at the rate the engine probe measured them at, else at the doctor's rate for
+    the queue depth a call's misses reach."""
     cached = read_s(disk_bytes * page_share, m.page_rate)
     per_call = disk_bytes / calls.miss_calls if calls and calls.miss_calls else disk_bytes
-    cold = read_s(disk_bytes * (1 - page_share), m.cold_at(queue_depth(per_call)))
+    rate = calls.cold_rate if calls and calls.cold_rate else m.cold_at(queue_depth(per_call))
+    cold = read_s(disk_bytes * (1 - page_share), rate)
     hub = read_s(hub_bytes, m.hub_rate)
     if cached is None or cold is None or hub is None:
         return None

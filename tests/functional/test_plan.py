@@ -136,7 +136,12 @@ def test_the_engine_probe_reads_its_misses_through_a_daemon_serving_the_model(
         c.experts(TINY_REPO, layer, list(range(4, 16)))
         before = c.coverage(TINY_REPO)["accesses"]
         got = engine_costs(tiny_manifest, 4, reps=2, socket=sock)
+        cold = engine_costs(tiny_manifest, 4, reps=2, socket=sock,
+                            cache_dirs=[str(daemon.cache_dir)])
         after = c.coverage(TINY_REPO)["accesses"]
     assert few.request_experts == 0 and got.request_experts == 4
     assert got.miss_s > 0 and got.miss_bytes == 4 * 6528
     assert after == before  # warming: no use counted
+    # Its blobs found in the cache dir: the same calls with them dropped from the page cache.
+    assert got.cold_miss_s is None and got.cold_rate(GB) is None
+    assert cold.cold_miss_s is not None and 0 < (cold.cold_rate(GB) or 0) <= GB

@@ -177,3 +177,21 @@ def test_a_miss_call_read_through_the_daemon_holds_its_round_trip() -> None:
     costs = EngineCosts(0.001, 0.0002, 0.0007, miss_bytes=100_000, request_experts=4)
     assert costs.miss_call_s(1 * GB) == pytest.approx(0.0006)
     assert costs.miss_call_s(0.01 * GB) == 0.0  # never below nothing
+
+
+def test_cold_reads_go_at_the_rate_the_engine_probe_read_them_where_it_did() -> None:
+    """A cold call's extra time over the same call from the page cache, with the bytes' time at
+    the page cache's rate, gives the rate the engine's cold misses go at; a token's cold bytes
+    go at it instead of the doctor's (block reads back to back, faster for small experts)."""
+    from cachecd.plan.probe import EngineCosts
+    from cachecd.plan.speed import Calls
+
+    costs = EngineCosts(0.0, 0.0, 0.0004, miss_bytes=4 * 6528, request_experts=4,
+                        cold_miss_s=0.0004 + 4 * 90e-6)
+    rate = costs.cold_rate(2 * GB)
+    assert rate == pytest.approx(4 * 6528 / (4 * 6528 / (2 * GB) + 4 * 90e-6))
+    m = _machine(cold_by_depth=((1, 0.15 * GB),))
+    calls = Calls(calls=5, miss_calls=5, misses=20, cold_rate=rate)
+    assert token_s(0.0, 20 * 6528, 0, m, 0.0, calls) == pytest.approx(20 * 6528 / rate)
+    doctor = Calls(calls=5, miss_calls=5, misses=20)
+    assert token_s(0.0, 20 * 6528, 0, m, 0.0, doctor) == pytest.approx(20 * 6528 / (0.15 * GB))
