@@ -86,8 +86,8 @@ class EngineCosts:
     its ``miss_bytes``, from the page cache, and the bank's host work for it). Where a daemon
     serves the model, the misses are read through it with the engine's own source, so
     ``miss_s`` holds the daemon's round trip as a decode incurs it (right after the previous
-    call's compute: 0.3-0.6 ms on a 2-vCPU machine where the doctor's requests back to back
-    take 0.13-0.26); ``request_experts`` is then the experts asked in it. Else they come from a
+    call's compute: 0.32-0.63 ms on a 2-vCPU machine after MLX work, where requests back to
+    back take 0.13-0.32); ``request_experts`` is then the experts asked in it. Else they come from a
     local file, and ``request_experts`` is 0: the plan adds the doctor's round trip.
     ``cold_miss_s``: the same call with its experts' blobs dropped from the page cache first
     (where the daemon's blobs are in a cache dir the doctor measured), so they come off the

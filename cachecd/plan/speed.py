@@ -10,19 +10,20 @@ with the engine's own layer: ``probe.engine_costs``). Where a daemon serves the 
 probe's misses are read through it, so ``miss call`` holds the daemon's round trip as a decode
 incurs it and ``request`` is 0 (but for the daemon's cost per expert more or fewer than the
 probe's call asked); else ``request`` is the doctor's round trip, asked back to back, which is
-lower (on a 2-vCPU machine 0.13-0.26 ms against 0.3-0.6 ms right after a layer's compute).
+lower (on a 2-vCPU machine 0.13-0.32 ms, against 0.32-0.63 ms right after MLX work).
 These matter where experts are small (the tiny model: most of a token); at K3's expert size
 the bytes dominate.
 
 Nothing overlaps on a token's critical path in the engine as it runs by default: each MoE
 layer's routing is read back, its misses are read into slots, then its call is queued, and the
 next layer's routing needs that call's output (read-ahead, which would overlap, is off by
-default). The disk rate is the page cache's (the doctor's) for the share of the disk cache that fits
-beside the pool in memory (warm), the cold rate for the rest (cold: all of it): the engine
-probe's, where it could read a call's misses off the disk through the daemon (each read
-blocks the call, one after another for small experts: on a 2-vCPU machine 6.5 KB cost ~95 us
-there against ~55 us back to back), else the doctor's at the queue depth a call reaches. The Hub rate is the doctor's one range; the daemon runs up to
-``MAX_PARALLEL_FETCHES`` fetches at once, so this is the slow side.
+default). The disk rate is the page cache's (the doctor's) for the share of the disk cache that
+fits beside the pool in memory (warm), the cold rate for the rest (cold: all of it): the engine
+probe's, where it could read a call's misses off the disk through the daemon (each read blocks
+the call, one after another for small experts: on a 2-vCPU machine 6.5 KB took 63-91 us there,
+the doctor's blocks back to back 55-63), else the doctor's at the queue depth a call reaches.
+The Hub rate is the doctor's one range; the daemon runs up to ``MAX_PARALLEL_FETCHES`` fetches
+at once, so this is the slow side.
 """
 
 from __future__ import annotations
