@@ -50,6 +50,7 @@ class Measured:
     cold_s: list[float]
     pool_hits: float
     resident_s: float
+    slots: int  # the run's pool
 
 
 def drop_page_cache(cache_dir: Path) -> None:
@@ -115,9 +116,32 @@ def measure(served: Any, sock: Path, cache_dir: Path, pool: int, args: Any) -> M
             routed += s["experts_routed"]
         print(f"round={r} resident={args.tokens / sum(rt):.3f} warm={args.tokens / sum(wt):.3f} "
               f"cold={args.tokens / sum(ct):.3f} tok/s", flush=True)
+    slots = model.bank.capacity
+    model.bank.trace.close()  # its last step is written out
     model.bank.close()
     model.bank.source.close()
-    return Measured(warm, cold, hits / routed if routed else 0.0, median(res))
+    return Measured(warm, cold, hits / routed if routed else 0.0, median(res), slots)
+
+
+def replayed_hits(served: Any, slots: int, args: Any) -> float:
+    """The plan's replay of the run's own trace through its pool (``simulate.through_pool``),
+    once from an empty pool as the engine ran it, counted over the calls the run counted: the
+    warm decode steps of the measured rounds. Equal to the measured rate where the replay
+    drives the slot table as the engine does."""
+    from cachecd.plan.simulate import through_pool
+    from cachecd_engine.slots import SlotTable
+    from cachecd_engine.trace import read_calls
+
+    layers = len(served.manifest.moe_layers)
+    per_round = 2 * (1 + args.tokens) * layers  # warm: prefill, tokens; cold: the same
+    table, hits, asked = SlotTable(slots), 0, 0
+    for i, (layer, rows) in enumerate(read_calls(served.work / "run.trace")):
+        ids = rows.reshape(-1).tolist()
+        held = through_pool(table, layer, ids)[1]
+        r, j = divmod(i, per_round)
+        if r and layers <= j < layers * (1 + args.tokens):
+            hits, asked = hits + len(held), asked + len(set(ids))
+    return hits / asked if asked else 0.0
 
 
 def project(served: Any, sock: Path, cache_dir: Path, pool: int, top_k: int, compute_s: float,
@@ -128,16 +152,25 @@ def project(served: Any, sock: Path, cache_dir: Path, pool: int, top_k: int, com
     from cachecd.plan.plan import Inputs, project_row
     from cachecd.plan.routing import flat, from_traces
     from cachecd.plan.simulate import slot_bytes
-    from cachecd.plan.speed import Machine
+    from cachecd.plan.speed import Calls, Machine
 
     m = served.manifest
     report = doctor([str(cache_dir)], size, int(m.sizes[0]), socket=str(sock))
     machine = Machine.from_doctor(report)
-    print(f"  doctor: cold {machine.cold_rate / 1e9:.2f} GB/s at the client's queue depth, page "
-          f"cache {machine.page_rate / 1e9:.2f} GB/s, daemon round trip "
-          f"{machine.request_s * 1e3:.2f} ms; engine: {costs.call_s * 1e3:.2f} ms a call, "
-          f"{costs.miss_call_s * 1e3:.2f} ms more with misses", flush=True)
-    inputs = Inputs(m, machine, compute_s, pool, slot_bytes(m), costs.call_s, costs.miss_call_s)
+    calls = Calls(call_s=costs.call_s, miss_call_s=costs.miss_call_s(machine.page_rate),
+                  request_experts=costs.request_experts,
+                  cold_rate=costs.cold_rate(machine.page_rate))
+    how = (f"read through the daemon, its round trip in it ({costs.request_experts} experts)"
+           if costs.request_experts else "from a local file, plus the doctor's round trip")
+    cold = (f"{calls.cold_rate / 1e9:.3f} GB/s off the disk as the engine reads a call's misses"
+            if calls.cold_rate else "not measured by the engine probe")
+    print(f"  doctor: cold {machine.cold_rate / 1e9:.2f} GB/s at the client's queue depth "
+          f"({', '.join(f'QD{q} {r / 1e9:.2f}' for q, r in machine.cold_by_depth)}), page "
+          f"cache {machine.page_rate / 1e9:.2f} GB/s, daemon round trip back to back "
+          f"{machine.request_s * 1e3:.2f} ms; engine: {calls.call_s * 1e3:.2f} ms a call, "
+          f"{calls.miss_call_s * 1e3:.2f} ms more with misses beyond their bytes ({how}); "
+          f"cold: {cold}", flush=True)
+    inputs = Inputs(m, machine, compute_s, pool, slot_bytes(m), calls)
     rows = [project_row(inputs, work, pool, m.expert_bytes_total, seed=0)
             for work in (flat(m, top_k, 64), from_traces(m, [str(served.work / "run.trace")]))]
     return rows[0], rows[1]
@@ -152,7 +185,8 @@ def check(name: str, args: Any) -> list[tuple[str, float, float]]:
             got = measure(served, sock, cache_dir, spec["pool"], args)
             from cachecd.plan.probe import engine_costs
 
-            costs = engine_costs(served.manifest, spec["top_k"], args.dtype)
+            costs = engine_costs(served.manifest, spec["top_k"], args.dtype, socket=str(sock),
+                                 cache_dirs=[str(cache_dir)])
             if args.compute == "resident":
                 compute_s, how = got.resident_s, "the resident model's token, measured"
             else:
@@ -160,6 +194,7 @@ def check(name: str, args: Any) -> list[tuple[str, float, float]]:
                 how = "the plan's one-layer probe"
             row, traced = project(served, sock, cache_dir, spec["pool"], spec["top_k"],
                                   compute_s, costs, spec["doctor"])
+            same = replayed_hits(served, got.slots, args)
     warm, cold = 1 / median(got.warm_s), 1 / median(got.cold_s)
     m = served.manifest
     print(f"{name}: {len(m.moe_layers)} MoE layers x {m.experts_per_layer} experts of "
@@ -169,9 +204,10 @@ def check(name: str, args: Any) -> list[tuple[str, float, float]]:
           f"resident token measured {got.resident_s * 1e3:.1f} ms")
     rows = [("pool hit rate", row["pool_hit_rate"], got.pool_hits),
             ("tok/s warm", row["tok_s_warm"], warm), ("tok/s cold", row["tok_s_cold"], cold)]
-    print(f"  flat routing (the plan without a trace); from the run's own trace: pool hit rate "
-          f"{traced['pool_hit_rate']:.4f}, tok/s warm {traced['tok_s_warm']:.4f}, cold "
-          f"{traced['tok_s_cold']:.4f}")
+    print(f"  flat routing (the plan without a trace); from the run's own trace (plan --trace, "
+          f"its second pass): pool hit rate {traced['pool_hit_rate']:.4f}, tok/s warm "
+          f"{traced['tok_s_warm']:.4f}, cold {traced['tok_s_cold']:.4f}; the trace replayed "
+          f"once, the measured calls counted: pool hit rate {same:.4f}")
     for what, p, g in rows:
         print(f"  {what:14s} projected {p:9.4f}  measured {g:9.4f}  measured/projected "
               f"{g / p if p else float('nan'):.3f}")

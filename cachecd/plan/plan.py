@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +111,7 @@ class Inputs:
     compute_s: float
     pool_bytes: int
     slot_bytes: int
-    call_s: float = 0.0
-    miss_call_s: float = 0.0
+    costs: Any = None  # speed.Calls: the engine's costs per call (its counts are the replay's)
 
 
 def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
@@ -134,9 +133,12 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
             raise InvalidRequest(f"{manifest.repo} is a {manifest.model_type}: give --top-k")
         work = routing.flat(manifest, k, tokens, seed)
     top_k = top_k or work.top_k
-    compute_s, call_s, miss_s, compute_src = _costs(manifest, top_k, compute_ms, call_ms, dtype)
+    socket = (doctor.get("daemon") or {}).get("socket")  # the daemon the doctor reached
+    dirs = [d["path"] for d in doctor["disks"]]
+    compute_s, costs, compute_src = _costs(manifest, top_k, compute_ms, call_ms, dtype,
+                                           machine.page_rate, socket, dirs)
     pool = recommended_pool(machine, manifest)
-    inputs = Inputs(manifest, machine, compute_s, pool, slot_bytes(manifest), call_s, miss_s)
+    inputs = Inputs(manifest, machine, compute_s, pool, slot_bytes(manifest), costs)
     total = manifest.expert_bytes_total
     budget_list = sorted({int(total * s) for s in BUDGET_SHARES} | set(budgets or []))
     rows = [project_row(inputs, work, pool, b, seed) for b in budget_list]
@@ -155,8 +157,12 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
                   "bytes_per_token": token_bytes},
         "workload": work.source,
         "machine": {**machine.__dict__, "free_bytes": free, "doctor_created": doctor.get("created")},
-        "compute": {"ms_per_token": compute_s * 1e3, "call_ms": call_s * 1e3,
-                    "miss_call_ms": miss_s * 1e3, "request_ms": machine.request_s * 1e3,
+        "compute": {"ms_per_token": compute_s * 1e3, "call_ms": costs.call_s * 1e3,
+                    "miss_call_ms": costs.miss_call_s * 1e3,
+                    "request_ms": 0.0 if costs.request_experts else machine.request_s * 1e3,
+                    "request": ("in the miss call (read through the daemon)"
+                                if costs.request_experts else "the doctor's round trip"),
+                    "cold_rate": costs.cold_rate or None,
                     "source": compute_src},
         "pool": {"bytes": pool, "slot_bytes": inputs.slot_bytes,
                  "rule": "cachecd_engine.memory.pool_bytes_for (the engine's default)"},
@@ -169,13 +175,17 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
 
 
 def _costs(manifest: Manifest, top_k: int, compute_ms: float | None,
-           call_ms: list[float] | None, dtype: str) -> tuple[float, float, float, str]:
-    """(compute per token, engine per call, extra per call with misses, where they came from)."""
+           call_ms: list[float] | None, dtype: str, page_rate: float, socket: str | None,
+           cache_dirs: list[str]) -> tuple[float, Any, str]:
+    """(compute per token, the engine's costs per call as a ``speed.Calls`` without counts,
+    where the compute came from)."""
+    from cachecd.plan.speed import Calls
+
     costs = None
     if compute_ms is None or call_ms is None:
         from cachecd.plan.probe import engine_costs
 
-        costs = engine_costs(manifest, top_k, dtype)
+        costs = engine_costs(manifest, top_k, dtype, socket=socket, cache_dirs=cache_dirs)
     layers = len(manifest.moe_layers)
     if compute_ms is None:
         assert costs is not None
@@ -184,8 +194,10 @@ def _costs(manifest: Manifest, top_k: int, compute_ms: float | None,
         compute_s, src = compute_ms / 1e3, "given"
     if call_ms is None:
         assert costs is not None
-        return compute_s, costs.call_s, costs.miss_call_s, src
-    return compute_s, call_ms[0] / 1e3, call_ms[1] / 1e3, src
+        return compute_s, Calls(call_s=costs.call_s, miss_call_s=costs.miss_call_s(page_rate),
+                                request_experts=costs.request_experts,
+                                cold_rate=costs.cold_rate(page_rate)), src
+    return compute_s, Calls(call_s=call_ms[0] / 1e3, miss_call_s=call_ms[1] / 1e3), src
 
 
 def recommended_pool(machine: Any, manifest: Manifest) -> int:
@@ -206,8 +218,8 @@ def project_row(inp: Inputs, work: Any, pool: int, budget: int, seed: int) -> di
     per = c.per_token
     disk_b, hub_b = per(c.disk_hit_bytes), per(c.hub_bytes)
     compute, m = inp.compute_s, inp.machine
-    calls = Calls(per(c.calls), per(c.miss_calls), inp.call_s, inp.miss_call_s,
-                  per(c.asked - c.pool_hits))
+    calls = replace(inp.costs or Calls(), calls=per(c.calls), miss_calls=per(c.miss_calls),
+                    misses=per(c.asked - c.pool_hits))
     share = page_share(m, pool, min(budget, inp.manifest.expert_bytes_total))
     cold = token_s(compute, disk_b, hub_b, m, 0.0, calls)
     warm = token_s(compute, disk_b, hub_b, m, share, calls)

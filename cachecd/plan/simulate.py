@@ -3,8 +3,13 @@ with their own code: ``cachecd_engine.slots.SlotTable`` (the pool's policy and a
 ``cachecd.store.policies`` (the store's eviction), driven as the engine and the store drive
 them.
 
-- The pool sees every call as ``Filler.acquire`` makes it: ``use`` (hits), then ``claim`` of
-  the misses with the call's held slots kept, then ``filled``.
+- The pool sees every call as the bank makes it (``ExpertBank.run``, ``calls.run_groups``,
+  ``Filler.acquire``): the call's distinct experts in the bank's order (ascending), ``use``
+  (hits), then ``claim`` of the misses with the call's held slots kept (slots that queued work
+  reads are taken last), then ``filled``. A call over more experts than the pool holds goes in
+  groups of half the pool, the held experts first, each group's slots read by its queued work
+  (fenced) until the next layer's routing read-back. The order matters: which expert takes a
+  slot, and whether it joins the kept part, depends on the order of the claims.
 - The disk sees only the pool's misses (the engine asks the daemon for nothing else), as the
   store does: the call's experts held from eviction, a hit is an ``on_access``, a miss reserves
   its bytes (the policy's victims are removed), is inserted and then counted as used.
@@ -19,6 +24,7 @@ them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +41,7 @@ class Counted:
 
     tokens: int = 0
     calls: int = 0  # decode layer calls
-    miss_calls: int = 0  # of them, calls with an expert not in the pool (a daemon request)
+    miss_calls: int = 0  # daemon requests they make: one per call (or group) with a pool miss
     asked: int = 0
     asked_bytes: int = 0
     pool_hits: int = 0
@@ -127,12 +133,13 @@ def replay(manifest: Manifest, work: Workload, slots: int, budget: int, passes: 
         counted_from = len(work.calls) * (passes - 1)
     out = Counted(tokens=work.tokens)
     for i, (layer, ids, decode) in enumerate(calls):
-        missed, hits = _through_pool(table, layer, ids)
-        disk_hits = disk.request(layer, missed, size_of) if missed else []
+        requests, hits = through_pool(table, layer, ids)
+        missed = [e for r in requests for e in r]
+        disk_hits = [h for r in requests for h in disk.request(layer, r, size_of)]
         if i < counted_from or not decode:
             continue
         out.calls += 1
-        out.miss_calls += bool(missed)
+        out.miss_calls += len(requests)
         out.asked += len(ids)
         out.asked_bytes += sum(size_of[(layer, e)] for e in ids)
         out.pool_hits += len(hits)
@@ -146,15 +153,40 @@ def replay(manifest: Manifest, work: Workload, slots: int, budget: int, passes: 
     return out
 
 
-def _through_pool(table: object, layer: int, ids: list[int]) -> tuple[list[int], list[int]]:
-    """One call as ``Filler.acquire`` makes it: (missed experts, hit experts)."""
-    held = table.use(layer, ids)  # type: ignore[attr-defined]
-    missed = [e for e in ids if e not in held]
-    if missed:
-        claim = table.claim(layer, missed, set(held.values()), take_fenced=False,  # type: ignore[attr-defined]
-                            use=True)
-        table.filled(claim.slots.values())  # type: ignore[attr-defined]
-    return missed, list(held)
+def through_pool(table: Any, layer: int, ids: list[int]) -> tuple[list[list[int]], list[int]]:
+    """One layer call as the bank makes it (see the module docstring): (the experts of each
+    request it makes of the daemon, one per group with a miss, in the order asked; the experts
+    the pool held)."""
+    table.clear_fences()  # the call's routing read-back evaluated every queued reader of a slot
+    ids = sorted(set(ids))  # calls.distinct
+    if len(ids) <= table.capacity:
+        groups = [ids]
+    else:  # calls.run_groups: half the pool a group, the experts held first
+        size = max(1, table.capacity // 2)
+        order = sorted(ids, key=lambda e: (layer, e) not in table)
+        groups = [order[i:i + size] for i in range(0, len(order), size)]
+    requests: list[list[int]] = []
+    hits: list[int] = []
+    for group in groups:
+        held, claimed = _acquire(table, layer, group)
+        hits += held
+        if claimed:
+            requests.append(list(claimed))
+        table.fence([*held.values(), *claimed.values()], layer)  # its queued work reads them
+    return requests, hits
+
+
+def _acquire(table: Any, layer: int, ids: list[int]) -> tuple[dict[int, int], dict[int, int]]:
+    """``Filler.acquire``'s moves on the table: (held expert -> slot, claimed expert -> slot)."""
+    held = table.use(layer, ids)
+    keep = set(held.values())
+    todo = [e for e in ids if e not in held]
+    claimed = table.claim(layer, todo, keep, take_fenced=False, use=True).slots
+    rest = [e for e in todo if e not in claimed]
+    if rest:  # Filler._claim: then slots that queued work reads (evaluated first)
+        claimed.update(table.claim(layer, rest, keep, use=True).slots)
+    table.filled(claimed.values())
+    return held, claimed
 
 
 def _sizes(manifest: Manifest) -> dict[Key, int]:

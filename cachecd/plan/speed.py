@@ -5,18 +5,25 @@ source gives.
             + disk bytes / disk rate + Hub bytes / Hub rate
 
 ``call`` is what the engine adds to each MoE layer call (the routing read-back, the bank's host
-work) and ``miss call`` what a call whose experts are read adds beyond the read (both measured
-with the engine's own layer: ``probe.engine_costs``); ``request`` is the daemon's round trip
-(the doctor's, when a daemon answered it). These matter where experts are small (the tiny
-model: most of a token); at K3's expert size the bytes dominate.
+work) and ``miss call`` what a call whose experts are read adds beyond its bytes (both measured
+with the engine's own layer: ``probe.engine_costs``). Where a daemon serves the model, the
+probe's misses are read through it, so ``miss call`` holds the daemon's round trip as a decode
+incurs it and ``request`` is 0 (but for the daemon's cost per expert more or fewer than the
+probe's call asked); else ``request`` is the doctor's round trip, asked back to back, which is
+lower (on a 2-vCPU machine 0.13-0.32 ms, against 0.32-0.63 ms right after MLX work).
+These matter where experts are small (the tiny model: most of a token); at K3's expert size
+the bytes dominate.
 
 Nothing overlaps on a token's critical path in the engine as it runs by default: each MoE
 layer's routing is read back, its misses are read into slots, then its call is queued, and the
 next layer's routing needs that call's output (read-ahead, which would overlap, is off by
-default). The disk rate is the doctor's at the engine's queue depth: the page cache's for the
-share of the disk cache that fits beside the pool in memory (warm), the cold rate for the rest
-(cold: all of it). The Hub rate is the doctor's one range; the daemon runs up to
-``MAX_PARALLEL_FETCHES`` fetches at once, so this is the slow side.
+default). The disk rate is the page cache's (the doctor's) for the share of the disk cache that
+fits beside the pool in memory (warm), the cold rate for the rest (cold: all of it): the engine
+probe's, where it could read a call's misses off the disk through the daemon (each read blocks
+the call, one after another for small experts: on a 2-vCPU machine 6.5 KB took 63-91 us there,
+the doctor's blocks back to back 55-63), else the doctor's at the queue depth a call reaches.
+The Hub rate is the doctor's one range; the daemon runs up to ``MAX_PARALLEL_FETCHES`` fetches
+at once, so this is the slow side.
 """
 
 from __future__ import annotations
@@ -82,11 +89,20 @@ class Calls:
     call_s: float = 0.0
     miss_call_s: float = 0.0
     misses: float = 0.0  # experts read a token
+    # Experts asked of the daemon in the miss call measured (``probe.engine_costs``), whose
+    # round trip ``miss_call_s`` then holds; 0: it read a local file, the doctor's round trip
+    # (for one expert, and its cost per expert more) is added.
+    request_experts: int = 0
+    # The rate a call's misses come off the disk at, measured as the engine reads them (the
+    # engine probe's cold call through the daemon); None: the doctor's cold rate.
+    cold_rate: float | None = None
 
     def seconds(self, m: Machine) -> float:
+        base = self.calls * self.call_s + self.miss_calls * self.miss_call_s
+        if self.request_experts:  # experts beyond (or short of) the measured call's
+            return base + (self.misses - self.miss_calls * self.request_experts) * m.per_expert_s
         extra = max(0.0, self.misses - self.miss_calls)  # experts beyond each request's first
-        return (self.calls * self.call_s + self.miss_calls * (self.miss_call_s + m.request_s)
-                + extra * m.per_expert_s)
+        return base + self.miss_calls * m.request_s + extra * m.per_expert_s
 
 
 def queue_depth(call_bytes: float) -> int:
@@ -100,10 +116,12 @@ def queue_depth(call_bytes: float) -> int:
 def token_s(compute_s: float, disk_bytes: float, hub_bytes: float, m: Machine,
             page_share: float, calls: Calls | None = None) -> float | None:
     """One token's seconds; None when it needs a rate the doctor did not measure (the Hub's).
-    Cold reads go at the doctor's rate for the queue depth a call's misses reach."""
+    Cold reads go at the rate the engine probe measured them at, else at the doctor's rate for
+    the queue depth a call's misses reach."""
     cached = read_s(disk_bytes * page_share, m.page_rate)
     per_call = disk_bytes / calls.miss_calls if calls and calls.miss_calls else disk_bytes
-    cold = read_s(disk_bytes * (1 - page_share), m.cold_at(queue_depth(per_call)))
+    rate = calls.cold_rate if calls and calls.cold_rate else m.cold_at(queue_depth(per_call))
+    cold = read_s(disk_bytes * (1 - page_share), rate)
     hub = read_s(hub_bytes, m.hub_rate)
     if cached is None or cold is None or hub is None:
         return None

@@ -119,3 +119,29 @@ def test_plan_on_a_k3_shaped_manifest(doctor_json: Path, tmp_path: Path,
     assert whole["budget"] == m["expert_bytes_total"] and whole["local_rate"] == 1.0
     _check_rows(plan, 0.100)
     assert plan["recommended"]["budget"] == whole["budget"]  # flat: every byte on disk pays
+
+
+def test_the_engine_probe_reads_its_misses_through_a_daemon_serving_the_model(
+        daemon, tiny_manifest) -> None:  # type: ignore[no-untyped-def]
+    """Where the daemon serves the model with two calls' worth of one layer's experts cached,
+    the probe's misses go through it (its round trip is then in the miss call), counting no use;
+    with fewer cached, from a local file."""
+    from cachecd.plan.probe import engine_costs
+    from cachecd_client import Client
+
+    layer, sock = tiny_manifest.moe_layers[0], str(daemon.socket)
+    with Client(daemon.socket) as c:
+        c.experts(TINY_REPO, layer, [0, 1, 2, 3])  # one call's worth
+        few = engine_costs(tiny_manifest, 4, reps=2, socket=sock)
+        c.experts(TINY_REPO, layer, list(range(4, 16)))
+        before = c.coverage(TINY_REPO)["accesses"]
+        got = engine_costs(tiny_manifest, 4, reps=2, socket=sock)
+        cold = engine_costs(tiny_manifest, 4, reps=2, socket=sock,
+                            cache_dirs=[str(daemon.cache_dir)])
+        after = c.coverage(TINY_REPO)["accesses"]
+    assert few.request_experts == 0 and got.request_experts == 4
+    assert got.miss_s > 0 and got.miss_bytes == 4 * 6528
+    assert after == before  # warming: no use counted
+    # Its blobs found in the cache dir: the same calls with them dropped from the page cache.
+    assert got.cold_miss_s is None and got.cold_rate(GB) is None
+    assert cold.cold_miss_s is not None and 0 < (cold.cold_rate(GB) or 0) <= GB

@@ -4,6 +4,7 @@ recommends being the engine's own default for the same figures."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from cachecd.manifest.manifest import Manifest, shipped_manifest
@@ -46,7 +47,10 @@ def test_a_budget_of_the_whole_model_serves_every_pool_miss_from_disk(tiny: Mani
 @pytest.mark.parametrize("slots", [40, 80, 120])
 def test_flat_routing_hits_in_proportion_to_the_share_held(tiny: Manifest, slots: int) -> None:
     c = replay(tiny, flat(tiny, 4, 200, seed=1), slots=slots, budget=0)
-    assert c.pool_hit_rate == pytest.approx(slots / tiny.n_experts, abs=0.03)
+    # The pool a little less: a pool of a few tokens' worth gives its scratch slots to each
+    # call's misses (40 slots, two tokens' worth: 0.21 of 0.25, as the engine's bank does).
+    share = slots / tiny.n_experts
+    assert share - 0.05 <= c.pool_hit_rate <= share + 0.01
     half = replay(tiny, flat(tiny, 4, 200, seed=1), slots=8,
                   budget=tiny.expert_bytes_total // 2)
     assert half.disk_hit_rate == pytest.approx(0.5, abs=0.05)
@@ -97,7 +101,8 @@ def test_the_engine_probe_measures_the_streamed_layer(tiny: Manifest) -> None:
 
     assert expert_dims(tiny) == (64, 64)
     costs = engine_costs(tiny, 4, reps=3)
-    assert 0 < costs.compute_s < 0.1 and costs.call_s >= 0 and costs.miss_call_s >= 0
+    assert 0 < costs.compute_s < 0.1 and costs.call_s >= 0 and costs.miss_s >= 0
+    assert costs.request_experts == 0 and costs.miss_call_s(10**9) >= 0  # a local file
 
 
 def test_cold_reads_go_at_the_queue_depth_a_calls_misses_reach() -> None:
@@ -111,3 +116,82 @@ def test_cold_reads_go_at_the_queue_depth_a_calls_misses_reach() -> None:
     assert token_s(0.0, 0.5 * GB, 0, m, 0.0, small) == pytest.approx(0.25)  # 0.1 GB a call: QD 4
     tiny = Calls(calls=5, miss_calls=5)
     assert token_s(0.0, 5 * 26_112, 0, m, 0.0, tiny) == pytest.approx(5 * 26_112 / (0.1 * GB))
+
+
+def test_the_replay_moves_the_pool_as_the_engines_bank_does(tiny: Manifest, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Call for call, the replay's pool hits are the engine's: the same routing through a real
+    ``ExpertBank`` (its pool smaller than a token's experts, prefill calls over more experts
+    than the pool holds, so they go in groups) and through ``simulate.through_pool``."""
+    import mlx.core as mx
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from cachecd.plan.probe import _expert_bytes, _FileSource, expert_dims
+    from cachecd.plan.simulate import slot_bytes, through_pool
+    from cachecd_engine.bank import ExpertBank
+    from cachecd_engine.formats import quant_spec
+    from cachecd_engine.slots import SlotTable
+    from cachecd_engine.streamed_moe import StreamedSwitchGLU, as_template
+
+    rng = np.random.default_rng(11)
+    e, hidden = tiny.experts_per_layer, expert_dims(tiny)[0]
+    skew = 1 / np.arange(1, e + 1)  # a few experts routed often: some stay in the pool
+    steps = [4, 4, 4] + [1] * 40  # tokens: prefills (16 experts, more than the pool), decodes
+    (tmp_path / "expert").write_bytes(_expert_bytes(tiny))
+    spec = quant_spec(tiny.quant_format)
+    with _FileSource(tiny, str(tmp_path / "expert")) as source:
+        bank = ExpertBank(source, spec, 10 * slot_bytes(tiny), experts_per_layer=e)
+        layers = {}
+        for layer in tiny.moe_layers:
+            glu = as_template(SwitchGLU(hidden, expert_dims(tiny)[1], e), spec)
+            layers[layer] = StreamedSwitchGLU(layer, glu, bank)
+        table, engine, replayed = None, [], []
+        for step in steps:
+            for layer in tiny.moe_layers:
+                rows = [rng.choice(e, 4, replace=False, p=skew / skew.sum()).tolist()
+                        for _ in range(step)]
+                before = bank.stats.ram_hits
+                x = mx.zeros((1, len(rows), hidden))
+                mx.eval(layers[layer](x, mx.array(rows, dtype=mx.uint32)[None]))
+                engine.append(bank.stats.ram_hits - before)
+                table = table or SlotTable(bank.capacity)
+                replayed.append(len(through_pool(table, layer, sum(rows, []))[1]))
+        bank.close()
+    assert bank.capacity == 10 and bank.stats.groups > bank.stats.layer_calls  # some in groups
+    assert sum(engine) > 20
+    assert replayed == engine
+
+
+def test_a_miss_call_read_through_the_daemon_holds_its_round_trip() -> None:
+    """Measured through the daemon, a miss call's cost holds its round trip (the doctor's,
+    asked back to back, is not added again) and its experts' daemon costs; more or fewer
+    experts than it asked change it by the daemon's cost per expert. Its bytes are counted apart,
+    at the page cache's rate."""
+    from cachecd.plan.probe import EngineCosts
+    from cachecd.plan.speed import Calls
+
+    m = _machine(request_s=0.001, per_expert_s=0.0001)
+    local = Calls(calls=5, miss_calls=5, miss_call_s=0.0005, misses=20)
+    assert local.seconds(m) == pytest.approx(5 * 0.0005 + 5 * 0.001 + 15 * 0.0001)
+    daemon = Calls(calls=5, miss_calls=5, miss_call_s=0.0005, misses=18, request_experts=4)
+    assert daemon.seconds(m) == pytest.approx(5 * 0.0005 - 2 * 0.0001)
+    costs = EngineCosts(0.001, 0.0002, 0.0007, miss_bytes=100_000, request_experts=4)
+    assert costs.miss_call_s(1 * GB) == pytest.approx(0.0006)
+    assert costs.miss_call_s(0.01 * GB) == 0.0  # never below nothing
+
+
+def test_cold_reads_go_at_the_rate_the_engine_probe_read_them_where_it_did() -> None:
+    """A cold call's extra time over the same call from the page cache, with the bytes' time at
+    the page cache's rate, gives the rate the engine's cold misses go at; a token's cold bytes
+    go at it instead of the doctor's (block reads back to back, faster for small experts)."""
+    from cachecd.plan.probe import EngineCosts
+    from cachecd.plan.speed import Calls
+
+    costs = EngineCosts(0.0, 0.0, 0.0004, miss_bytes=4 * 6528, request_experts=4,
+                        cold_miss_s=0.0004 + 4 * 90e-6)
+    rate = costs.cold_rate(2 * GB)
+    assert rate == pytest.approx(4 * 6528 / (4 * 6528 / (2 * GB) + 4 * 90e-6))
+    m = _machine(cold_by_depth=((1, 0.15 * GB),))
+    calls = Calls(calls=5, miss_calls=5, misses=20, cold_rate=rate)
+    assert token_s(0.0, 20 * 6528, 0, m, 0.0, calls) == pytest.approx(20 * 6528 / rate)
+    doctor = Calls(calls=5, miss_calls=5, misses=20)
+    assert token_s(0.0, 20 * 6528, 0, m, 0.0, doctor) == pytest.approx(20 * 6528 / (0.15 * GB))
