@@ -225,6 +225,7 @@ def test_a_peer_that_flips_bytes_is_skipped_and_the_hub_serves(sharer, logged_hu
             stats = c.stats()
             c.experts(TINY_REPO, layer, [2])  # skipped now: not asked again
             after = c.stats()["upstream"]
+        assert not list((b.cache_dir / "tmp").iterdir())  # the wrong bytes' temp is gone
         assert range_requests(logged_hub, mark)  # the hub served instead
         assert stats["upstream"]["peer_lies"] == 1 and stats["upstream"]["peer_skipped"] == 1
         assert after["peer_requests"] == stats["upstream"]["peer_requests"]
