@@ -75,7 +75,8 @@ MAX_RETRIES = 5
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 MAX_PARALLEL_FETCHES = 8
-# Peers (--peer): a peer must answer well within the Hub's time, or it is not worth asking.
+# Peers (--peer): a peer must connect, start answering and keep sending (no stall this long)
+# well within the Hub's time, or it is not worth asking; a slow, steady transfer is waited for.
 PEER_DEADLINE_S = 2.0
 PEER_SKIP_S = 300.0  # a peer that served wrong bytes is not asked again for this long
 # Sharing (--share): what one daemon gives its peers at once; past either bound it answers 503.

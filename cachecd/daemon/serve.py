@@ -58,8 +58,9 @@ def add_daemon_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --peer: the token the peers' --share-token-file holds (default: none; "
                         "required with --peer)")
     p.add_argument("--peer-deadline", metavar="S",
-                   help=f"seconds a peer may take for a batch before the Hub is asked instead "
-                        f"(default: {constants.PEER_DEADLINE_S:g})")
+                   help=f"seconds a peer may take to connect, to start answering, or with no "
+                        f"byte coming (a stall), before the Hub is asked instead; a peer that "
+                        f"keeps sending is waited for (default: {constants.PEER_DEADLINE_S:g})")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

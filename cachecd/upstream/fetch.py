@@ -4,8 +4,9 @@ The verify-then-commit path, written once above every source: coalescing neighbo
 into range requests (``hub_plan``), streaming an expert into its blob writer as it arrives
 (``hub_stream``), hashing it against the manifest and refetching bad bytes. The source only
 answers ranges (``source.ExpertSource``: the Hub, a local folder). Named peers (``peers``), when
-given, are asked first for whole experts by digest; what they do not serve, or serve wrong, goes
-to the source.
+given, are asked first for whole experts by digest, their answers streamed into the same spool
+and handed over the same way (a writer once its hash matched); what they do not serve, or serve
+wrong, goes to the source.
 
 Invariants:
 - ``on_verified`` is called only with bytes whose xxh3-128 equals the manifest's; bad bytes are
@@ -150,7 +151,7 @@ class Upstream:
         unique = list({(e.layer, e.expert): e for e in entries}.values())
         failures: dict[ExpertKey, errors.CachecdError] = {}
         if self.peers is not None and self.peers.urls:
-            unique = await self._from_peers(unique, on_verified, failures)
+            unique = await self._from_peers(unique, on_verified, failures, spool)
             if not unique:
                 return failures
         states = [_Assembly(e) for e in unique]
@@ -209,20 +210,21 @@ class Upstream:
         entries: list[EntryLike],
         on_verified: OnVerified,
         failures: dict[ExpertKey, errors.CachecdError],
+        spool: Spool | None,
     ) -> list[EntryLike]:
         """Hand over what peers served (verified there); return the entries still wanted."""
-        got = await self.peers.fetch(entries)  # type: ignore[union-attr]
-        for entry in entries:
+
+        async def hand(entry: EntryLike, got: memoryview | VectorWriter) -> None:
             key = (entry.layer, entry.expert)
-            if key not in got:
-                continue
             try:
-                await on_verified(entry, got[key])
+                await on_verified(entry, got)
             except errors.CachecdError as exc:
                 failures[key] = exc
             except Exception as exc:  # on_verified is someone else's code: contain its bugs
                 log.exception("on_verified failed layer=%d expert=%d", *key)
                 failures[key] = errors.Internal(f"storing expert {key} failed: {exc!r}")
+
+        got = await self.peers.fetch(entries, hand, spool, self._pool())  # type: ignore[union-attr]
         return [e for e in entries if (e.layer, e.expert) not in got]
 
     def _stream_for(

@@ -7,11 +7,19 @@ of the source inside ``fetch.Upstream``: the experts a peer served and that veri
 over; the rest go to the source as if there were no peers.
 
 Invariants:
-- A peer's bytes pass the same check as the source's (``verify.verify_async`` against the
-  manifest's xxh3-128 and size) before anything is handed over; a wrong expert is dropped and
-  fetched from the source.
-- One peer costs at most ``deadline_s`` per batch, down, slow or refusing; then it is left for
-  the source. Peers are asked in the order named, each for what the ones before did not have.
+- A peer's bytes pass the same check as the source's (xxh3-128 and size against the manifest,
+  ``verify.verify_digest`` over the streamed bytes) before anything is handed over; a wrong
+  expert is dropped and fetched from the source.
+- What is asked of a peer is split into requests (``batches``) run ``max_parallel`` at a time
+  per peer, across every fetch of this process; each request's body is streamed into the
+  spool's blob writers as it arrives (``hub_stream.Stream``: hashed on the way, never held
+  whole). A writer not handed over (a fault, wrong bytes, a failed write, a cancel) is discarded
+  before ``fetch`` returns: no temp file outlives it.
+- ``deadline_s`` bounds connecting, the first byte of the answer and any stall of the body (no
+  byte for that long), not the whole transfer: a peer that is down, refuses or stalls costs at
+  most about the deadline, a slow one that keeps sending is waited for (up to the Hub's total
+  timeout). After a fault a peer gets no further request in this fetch; peers are asked in the
+  order named, each for what the ones before did not have.
 - A peer that answered wrong bytes is not asked again for ``skip_s`` (``lies`` counts them).
 """
 
@@ -20,21 +28,34 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 import aiohttp
 
 from cachecd import constants, errors
+from cachecd.upstream.hub_client import READ_BUFSIZE
 from cachecd.upstream.hub_plan import EntryLike
-from cachecd.upstream.verify import verify_async
+from cachecd.upstream.hub_stream import Stream
+from cachecd.upstream.verify import verify_digest
 
 log = logging.getLogger(__name__)
 
 SIZES_HEADER = "X-Cachecd-Sizes"
 ExpertKey = tuple[int, int]
+# Called once per verified expert with the spool's writer (or, without a spool, the bytes).
+Hand = Callable[[Any, Any], Awaitable[None]]
+# One request's experts at most this many bytes: ``max_parallel`` of them stay under what a share
+# sends at once (SHARE_MAX_BYTES_IN_FLIGHT), so the share does not answer busy.
+REQUEST_MAX_BYTES = constants.SHARE_MAX_BYTES_IN_FLIGHT // constants.SHARE_MAX_REQUESTS
+
+
+class _Fault(Exception):
+    """This peer is done for this fetch (already counted and logged)."""
 
 
 class Peers:
@@ -43,17 +64,23 @@ class Peers:
     def __init__(self, urls: Sequence[str], token: str, *,
                  deadline_s: float = constants.PEER_DEADLINE_S,
                  skip_s: float = constants.PEER_SKIP_S,
-                 max_experts: int = constants.SHARE_MAX_EXPERTS_PER_REQUEST) -> None:
+                 max_experts: int = constants.SHARE_MAX_EXPERTS_PER_REQUEST,
+                 max_parallel: int = constants.MAX_PARALLEL_FETCHES,
+                 target_bytes: int = constants.COALESCE_TARGET_BYTES) -> None:
         self.urls = [u.rstrip("/") for u in urls]
         self._auth = {"Authorization": f"Bearer {token}"}
         self.deadline_s, self.skip_s, self.max_experts = deadline_s, skip_s, max_experts
+        self.max_parallel = max(1, min(max_parallel, constants.SHARE_MAX_REQUESTS))
+        self.target_bytes = target_bytes
         self.skipped_until: dict[str, float] = {}
         self.counters: Counter[str] = Counter()
         self._session: aiohttp.ClientSession | None = None
+        self._gates: dict[str, asyncio.Semaphore] = {}  # requests in flight per peer
 
     @classmethod
     def from_settings(cls, settings: Any, token: str) -> Peers:
-        return cls(settings.peers, token, deadline_s=settings.peer_deadline)
+        return cls(settings.peers, token, deadline_s=settings.peer_deadline,
+                   max_parallel=settings.max_parallel)
 
     def stats(self) -> dict[str, int]:
         now = time.monotonic()
@@ -70,73 +97,189 @@ class Peers:
             await self._session.close()
             self._session = None
 
-    async def fetch(self, entries: Sequence[EntryLike]) -> dict[ExpertKey, memoryview]:
-        """The verified bytes of those ``entries`` some peer had, by (layer, expert)."""
-        got: dict[ExpertKey, memoryview] = {}
+    async def fetch(self, entries: Sequence[EntryLike], hand: Hand, spool: Any,
+                    pool: Executor) -> set[ExpertKey]:
+        """Hand over (``hand(entry, writer)``) each of ``entries`` some peer had and that
+        verified, as it does; return their (layer, expert). ``spool`` is ``fetch.Spool`` (None:
+        the bytes are gathered in memory and handed over as a memoryview)."""
+        done: set[ExpertKey] = set()
+        spool = _Buffers() if spool is None else spool
+        entries = list({e.xxh3: e for e in entries}.values())  # a spool has one writer a digest
         for url in self.urls:
-            want = [e for e in entries if (e.layer, e.expert) not in got]
+            want = [e for e in entries if (e.layer, e.expert) not in done]
             if not want:
                 break
-            if self.skipped_until.get(url, 0) > time.monotonic():
+            if self._skipped(url):
                 continue
-            for i in range(0, len(want), self.max_experts):
-                batch = want[i:i + self.max_experts]
-                try:
-                    async with asyncio.timeout(self.deadline_s):
-                        body, sizes = await self._ask(url, batch)
-                except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
-                    self.counters[f"faults_{_kind(exc)}"] += 1
-                    log.info("peer unavailable url=%s err=%r", url, exc)
-                    break
-                if not await self._take(url, batch, body, sizes, got):
-                    break
-        return got
+            await self._from(url, want, hand, spool, pool, done)
+        return done
 
-    async def _ask(self, url: str, batch: Sequence[EntryLike]) -> tuple[bytearray, list[int]]:
+    def _skipped(self, url: str) -> bool:
+        return self.skipped_until.get(url, 0) > time.monotonic()
+
+    async def _from(self, url: str, want: list[EntryLike], hand: Hand, spool: Any,
+                    pool: Executor, done: set[ExpertKey]) -> None:
+        gate = self._gates.setdefault(url, asyncio.Semaphore(self.max_parallel))
+        faulted = False
+
+        async def one(batch: list[EntryLike]) -> None:
+            nonlocal faulted
+            async with gate:
+                if faulted or self._skipped(url):
+                    return  # left for the source
+                try:
+                    await self._ask(url, batch, hand, spool, pool, done)
+                except _Fault:
+                    faulted = True
+                except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+                    if not faulted:  # the requests in flight with it mostly fail the same way
+                        self.counters[f"faults_{_kind(exc)}"] += 1
+                        log.info("peer unavailable url=%s err=%r", url, exc)
+                    faulted = True
+
+        reqs = batches(want, parallel=self.max_parallel, max_experts=self.max_experts,
+                       target_bytes=self.target_bytes, max_bytes=REQUEST_MAX_BYTES)
+        async with asyncio.TaskGroup() as tg:
+            for batch in reqs:
+                tg.create_task(one(batch))
+
+    async def _ask(self, url: str, batch: list[EntryLike], hand: Hand, spool: Any,
+                   pool: Executor, done: set[ExpertKey]) -> None:
         if self._session is None:
-            self._session = aiohttp.ClientSession(trust_env=False)
+            self._session = aiohttp.ClientSession(trust_env=False, read_bufsize=READ_BUFSIZE)
         self.counters["requests"] += 1
+        timeout = aiohttp.ClientTimeout(total=constants.TOTAL_TIMEOUT_S,
+                                        sock_connect=self.deadline_s, sock_read=self.deadline_s)
         digests = [e.xxh3.hex() for e in batch]
         async with self._session.post(f"{url}/v1/blobs", data=json.dumps(digests),
-                                      headers=self._auth) as resp:
+                                      headers=self._auth, timeout=timeout) as resp:
             if resp.status != 200:
                 raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
                                                   message=resp.reason or "")
-            sizes = [int(s) for s in resp.headers.get(SIZES_HEADER, "").split(",")]
-            if len(sizes) != len(batch) or any(s < 0 for s in sizes):
-                raise ValueError(f"sizes {sizes[:4]}... for {len(batch)} experts asked")
-            # Into one buffer of the announced size as chunks arrive: no join at the end.
-            body, pos = bytearray(sum(sizes)), 0
-            async for chunk in resp.content.iter_any():
-                if pos + len(chunk) > len(body):
-                    raise ValueError(f"more than the {len(body)} bytes announced")
-                body[pos:pos + len(chunk)] = chunk
-                pos += len(chunk)
-        if pos != len(body):
-            raise ValueError(f"{pos} bytes of the {len(body)} announced")
-        return body, sizes
-
-    async def _take(self, url: str, batch: Sequence[EntryLike], body: bytearray, sizes: list[int],
-                    got: dict[ExpertKey, memoryview]) -> bool:
-        """Verify each expert the peer sent; False (and the peer skipped) if one was wrong."""
-        view, pos = memoryview(body), 0
-        for entry, size in zip(batch, sizes, strict=True):
-            part, pos = view[pos:pos + size], pos + size
-            if not size:
-                self.counters["misses"] += 1
-                continue
+            pieces = self._pieces(url, batch, resp.headers.get(SIZES_HEADER, ""))
+            stream = Stream(0, pieces, spool, pool)
             try:
-                await verify_async(entry, part)
+                await _read_into(resp, stream, pieces[-1][3] if pieces else 0)
+                await self._take(url, stream, hand, spool, done)
+            finally:
+                await stream.settle()
+                for part in stream.parts:
+                    spool.discard(part.entry)  # not handed over: the temp goes
+
+    def _pieces(self, url: str, batch: list[EntryLike],
+                header: str) -> list[tuple[int, Any, int, int]]:
+        """(index, entry, start, end) in the body of each expert the peer has."""
+        sizes = [int(s) for s in header.split(",")]
+        if len(sizes) != len(batch) or any(s < 0 for s in sizes):
+            raise ValueError(f"sizes {sizes[:4]}... for {len(batch)} experts asked")
+        pieces, pos = [], 0
+        for i, (entry, size) in enumerate(zip(batch, sizes, strict=True)):
+            if size and size != entry.nbytes:
+                self._lied(url, f"expert layer={entry.layer} expert={entry.expert}: announced "
+                                f"{size} bytes, manifest says {entry.nbytes}")
+                raise _Fault()
+            if size:
+                pieces.append((i, entry, pos, pos + size))
+                pos += size
+            else:
+                self.counters["misses"] += 1
+        return pieces
+
+    async def _take(self, url: str, stream: Stream, hand: Hand, spool: Any,
+                    done: set[ExpertKey]) -> None:
+        """Hand over each expert of a complete body that verified; a wrong one skips the peer."""
+        await stream.settle()
+        lie: errors.ChecksumMismatch | None = None
+        for part in stream.parts:
+            entry = part.entry
+            if part.failed or part.writer is None:
+                continue  # a write failed: the source serves it
+            try:
+                verify_digest(entry, part.end - part.start, stream.digest(part))
             except errors.ChecksumMismatch as exc:
-                self.counters["lies"] += 1
-                self.skipped_until[url] = time.monotonic() + self.skip_s
-                log.warning("peer served wrong bytes url=%s skipped_for_s=%.0f err=%s",
-                            url, self.skip_s, exc.message)
-                return False
-            got[(entry.layer, entry.expert)] = part
+                lie = lie or exc
+                continue
+            got = spool.take(entry)
+            if got is None:
+                continue
             self.counters["experts"] += 1
-            self.counters["bytes"] += size
-        return True
+            self.counters["bytes"] += entry.nbytes
+            done.add((entry.layer, entry.expert))
+            await hand(entry, got)
+        if lie is not None:
+            self._lied(url, lie.message)
+            raise _Fault()
+
+    def _lied(self, url: str, message: str) -> None:
+        self.counters["lies"] += 1
+        self.skipped_until[url] = time.monotonic() + self.skip_s
+        log.warning("peer served wrong bytes url=%s skipped_for_s=%.0f err=%s",
+                    url, self.skip_s, message)
+
+
+async def _read_into(resp: aiohttp.ClientResponse, stream: Stream, length: int) -> None:
+    pos = 0
+    async for chunk in resp.content.iter_any():
+        if pos + len(chunk) > length:
+            raise ValueError(f"more than the {length} bytes announced")
+        stream.feed(chunk, pos)
+        pos += len(chunk)
+    if pos != length:
+        raise ValueError(f"{pos} bytes of the {length} announced")
+
+
+def batches(entries: Sequence[EntryLike], *, parallel: int, max_experts: int, target_bytes: int,
+            max_bytes: int) -> list[list[EntryLike]]:
+    """``entries`` in order, split into requests of about equal bytes: one per ``target_bytes``
+    up to ``parallel`` of them (small experts share a request, large ones run side by side),
+    more only to keep each within ``max_experts`` and ``max_bytes`` (an expert larger than
+    ``max_bytes`` goes alone)."""
+    if not entries:
+        return []
+    total = sum(e.nbytes for e in entries)
+    n = max(math.ceil(len(entries) / max_experts), math.ceil(total / max_bytes),
+            min(parallel, len(entries), math.ceil(total / target_bytes)))
+    out: list[list[EntryLike]] = [[]]
+    acc = here = 0  # bytes so far, in all requests and in the last one
+    for entry in entries:
+        full = len(out[-1]) >= max_experts or here + entry.nbytes > max_bytes
+        if out[-1] and (full or acc * n >= total * len(out)):
+            out.append([])
+            here = 0
+        out[-1].append(entry)
+        acc += entry.nbytes
+        here += entry.nbytes
+    return out
+
+
+class _Buffer:
+    """An expert's bytes in memory, for a fetch without a spool."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.data = bytearray(nbytes)
+
+    def writev(self, offset: int, views: list[memoryview]) -> None:
+        for view in views:
+            self.data[offset:offset + len(view)] = view
+            offset += len(view)
+
+
+class _Buffers:
+    """A spool in memory: ``take`` gives the expert's bytes."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[bytes, _Buffer] = {}
+
+    def begin(self, entry: EntryLike) -> _Buffer:
+        self._bufs[entry.xxh3] = buf = _Buffer(entry.nbytes)
+        return buf
+
+    def discard(self, entry: EntryLike) -> None:
+        self._bufs.pop(entry.xxh3, None)
+
+    def take(self, entry: EntryLike) -> memoryview | None:
+        buf = self._bufs.pop(entry.xxh3, None)
+        return None if buf is None else memoryview(buf.data)
 
 
 def _kind(exc: BaseException) -> str:

@@ -152,10 +152,12 @@ def test_peers_are_asked_before_the_hub(sharer, logged_hub, tiny_manifest_path, 
 
 class FlipProxy:
     """A TCP proxy to ``target`` on its own thread that flips the first byte of each response
-    body (the byte after the first blank line): the peer that lies."""
+    body (the byte after the first blank line): the peer that lies. ``trickle=(n, s)``: it
+    passes the answer on unchanged, ``n`` bytes every ``s`` seconds (the slow peer)."""
 
-    def __init__(self, target_port: int, stall: bool = False) -> None:
-        self.target_port, self.stall = target_port, stall
+    def __init__(self, target_port: int, stall: bool = False,
+                 trickle: tuple[int, float] | None = None) -> None:
+        self.target_port, self.stall, self.trickle = target_port, stall, trickle
         self.loop = asyncio.new_event_loop()
         self.connections = 0
         started = threading.Event()
@@ -178,8 +180,11 @@ class FlipProxy:
             return
         up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
 
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, flip: bool) -> None:
-            seen, flipped = b"", not flip
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter,
+                       answer: bool) -> None:
+            seen, flipped = b"", not answer or self.trickle is not None
+            step, pause = self.trickle or (65536, 0.0)
+            sent = False
             while data := await src.read(65536):
                 if not flipped:
                     at = (seen + data).find(b"\r\n\r\n")
@@ -188,8 +193,12 @@ class FlipProxy:
                         data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
                         flipped = True
                     seen = (seen + data)[-4:]
-                dst.write(data)
-                await dst.drain()
+                for at in range(0, len(data), step if answer else len(data)):
+                    if sent and answer and pause:
+                        await asyncio.sleep(pause)
+                    dst.write(data[at:at + step] if answer else data)
+                    await dst.drain()
+                    sent = True
             dst.close()
 
         await asyncio.gather(pipe(reader, up_w, False), pipe(up_r, writer, True),
@@ -216,6 +225,7 @@ def test_a_peer_that_flips_bytes_is_skipped_and_the_hub_serves(sharer, logged_hu
             stats = c.stats()
             c.experts(TINY_REPO, layer, [2])  # skipped now: not asked again
             after = c.stats()["upstream"]
+        assert not list((b.cache_dir / "tmp").iterdir())  # the wrong bytes' temp is gone
         assert range_requests(logged_hub, mark)  # the hub served instead
         assert stats["upstream"]["peer_lies"] == 1 and stats["upstream"]["peer_skipped"] == 1
         assert after["peer_requests"] == stats["upstream"]["peer_requests"]
@@ -248,6 +258,33 @@ def test_a_peer_down_or_stalling_costs_at_most_its_deadline(how, logged_hub, tin
         b.cleanup()
         if proxy:
             proxy.stop()
+
+
+def test_a_slow_but_steady_peer_is_used_past_its_deadline(sharer, logged_hub, tiny_manifest_path,
+                                                          tiny_manifest, tiny_dir):
+    """The deadline bounds connecting, the first byte and any stall, not the whole transfer: an
+    answer trickling in over several deadlines, never pausing for one, comes from the peer."""
+    layer, ids = tiny_manifest.moe_layers[3], [0, 1, 2, 3]
+    body = sum(tiny_manifest.expert(layer, e).nbytes for e in ids)
+    pause, deadline = 0.3, 1.0
+    proxy = FlipProxy(int(sharer.share_url.rsplit(":", 1)[1]), trickle=(body // 8 + 1, pause))
+    b = peer_daemon(logged_hub, tiny_manifest_path, proxy.url, deadline=deadline)
+    try:
+        mark = logged_hub.mark()
+        with b.client() as c:
+            t0 = time.monotonic()
+            views = c.experts(TINY_REPO, layer, ids)
+            took = time.monotonic() - t0
+            up = c.stats()["upstream"]
+        for e, view in zip(ids, views, strict=True):
+            assert view.tobytes() == expert_bytes_from_files(tiny_dir, tiny_manifest.expert(layer, e))
+        assert range_requests(logged_hub, mark) == []  # every expert came from the peer
+        assert up["peer_experts"] == len(ids)
+        assert not [k for k in up if k.startswith("peer_faults_")]
+        assert took > 2 * deadline  # although the answer outlasted the deadline
+    finally:
+        b.cleanup()
+        proxy.stop()
 
 
 def test_share_refuses_without_the_token_and_serves_only_blobs_by_digest(sharer, tiny_manifest,

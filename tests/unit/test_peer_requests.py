@@ -1,0 +1,159 @@
+"""What a daemon asks of a peer (``upstream.peers``): split into requests that run side by side,
+never more at once per peer than ``max_parallel`` (across fetches), each body streamed into blob
+writers and verified before it is handed over; wrong bytes are never handed over, their temp file
+is gone, and the peer is skipped. The peer is a real ``serve --share`` app on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+from aiohttp.test_utils import TestServer
+
+from cachecd.daemon.share import Sharing
+from cachecd.store.blobs import BlobWriter, CacheDir
+from cachecd.upstream.peers import Peers, batches
+
+K3 = 17_547_264
+
+
+@dataclass(frozen=True)
+class _Entry:
+    layer: int
+    expert: int
+    nbytes: int
+    xxh3: bytes = b""
+    ranges: tuple[Any, ...] = ()
+
+
+def _sizes(groups: list[list[_Entry]]) -> list[int]:
+    return [sum(e.nbytes for e in g) for g in groups]
+
+
+def test_large_experts_go_side_by_side_small_ones_share_a_request_within_the_limits():
+    limits = dict(parallel=8, max_experts=64, target_bytes=4 << 20, max_bytes=64 << 20)
+    k3 = [_Entry(0, i, K3) for i in range(8)]
+    assert [len(g) for g in batches(k3, **limits)] == [1] * 8
+    assert len(batches([_Entry(0, i, 10_000) for i in range(4)], **limits)) == 1
+    many = [_Entry(0, i, 1000) for i in range(200)]
+    assert [len(g) for g in batches(many, **limits)] == [50, 50, 50, 50]  # balanced, <= 64
+    big = [_Entry(0, i, K3) for i in range(40)]
+    groups = batches(big, **limits)
+    assert max(_sizes(groups)) <= 64 << 20 and [e for g in groups for e in g] == big
+    assert batches([_Entry(0, 0, 100 << 20)], **limits) == [[_Entry(0, 0, 100 << 20)]]
+
+
+class _Store:
+    """Blobs in files by digest; opening one holds the request in flight a little (the share
+    counts its requests then), so requests sent together overlap there."""
+
+    def __init__(self, blobs: dict[str, Path], sharing: list[Sharing]) -> None:
+        self.blobs, self.sharing, self.most = blobs, sharing, 0
+
+    def open_blob(self, digest: str) -> tuple[int, int]:
+        path = self.blobs[digest]
+        return os.open(path, os.O_RDONLY), path.stat().st_size
+
+    def unverified(self, digest: str) -> bool:
+        self.most = max(self.most, self.sharing[0].requests)
+        return True
+
+    def verify_open_blob(self, digest: str, fd: int) -> None:
+        time.sleep(0.05)
+        os.close(fd)
+
+
+class _Spool:
+    """Blob writers in a real cache dir, as the daemon's spool."""
+
+    def __init__(self, cdir: CacheDir) -> None:
+        self.cdir, self.writers = cdir, {}
+
+    def begin(self, entry: _Entry) -> BlobWriter:
+        self.writers[entry.xxh3] = w = BlobWriter(self.cdir, entry.xxh3.hex(), entry.nbytes)
+        return w
+
+    def discard(self, entry: _Entry) -> None:
+        w = self.writers.pop(entry.xxh3, None)
+        if w is not None:
+            w.abort()
+
+    def take(self, entry: _Entry) -> BlobWriter | None:
+        return self.writers.pop(entry.xxh3, None)
+
+
+def _share(tmp_path: Path, n: int, lie: int | None = None,
+           max_requests: int = 16) -> tuple[Sharing, _Store, list[_Entry], list[bytes]]:
+    blobs, entries, datas = {}, [], []
+    for i in range(n):
+        data = os.urandom(300_000 + i)
+        digest = xxhash.xxh3_128(data).digest()
+        path = tmp_path / f"blob{i}"
+        path.write_bytes(bytes([data[0] ^ 1]) + data[1:] if i == lie else data)
+        blobs[digest.hex()] = path
+        entries.append(_Entry(0, i, len(data), digest))
+        datas.append(data)
+    holder: list[Sharing] = []
+    store = _Store(blobs, holder)
+    sharing = Sharing(type("D", (), {"store": store})(), "t", max_requests=max_requests)
+    holder.append(sharing)
+    return sharing, store, entries, datas
+
+
+async def _fetch(peers: Peers, entries: list[_Entry], spool: _Spool,
+                 handed: dict[int, bytes]) -> set[tuple[int, int]]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    async def hand(entry: _Entry, writer: BlobWriter) -> None:
+        fd = writer.open_reader()
+        handed[entry.expert] = os.pread(fd, entry.nbytes + 1, 0)
+        os.close(fd)
+        writer.abort()
+
+    with ThreadPoolExecutor(2) as pool:
+        return await peers.fetch(entries, hand, spool, pool)
+
+
+def test_requests_run_side_by_side_never_more_than_max_parallel_per_peer(tmp_path):
+    sharing, store, entries, datas = _share(tmp_path, 12, max_requests=2)
+    spool, handed = _Spool(CacheDir(tmp_path / "cache", 0)), {}
+
+    async def go() -> list[set[tuple[int, int]]]:
+        async with TestServer(sharing.app(), host="127.0.0.1") as server:
+            peers = Peers([str(server.make_url(""))], "t", max_parallel=2, target_bytes=100_000)
+            try:  # two fetches at once, two requests each: the peer's gate holds them to two
+                return await asyncio.gather(_fetch(peers, entries[:6], spool, handed),
+                                            _fetch(peers, entries[6:], spool, handed))
+            finally:
+                assert peers.counters["requests"] == 4
+                await peers.close()
+
+    got = asyncio.run(go())
+    assert set().union(*got) == {(0, i) for i in range(12)}
+    assert handed == dict(enumerate(datas))
+    assert store.most == 2 and sharing.counters["refused_busy"] == 0
+    assert not list((tmp_path / "cache" / "tmp").iterdir())
+
+
+def test_wrong_bytes_are_never_handed_over_their_temp_goes_and_the_peer_is_skipped(tmp_path):
+    sharing, _, entries, datas = _share(tmp_path, 3, lie=1)
+    spool, handed = _Spool(CacheDir(tmp_path / "cache", 0)), {}
+
+    async def go() -> tuple[set[tuple[int, int]], set[tuple[int, int]], Peers]:
+        async with TestServer(sharing.app(), host="127.0.0.1") as server:
+            peers = Peers([str(server.make_url(""))], "t", max_parallel=1)
+            first = await _fetch(peers, entries, spool, handed)
+            again = await _fetch(peers, entries[1:2], spool, handed)
+            await peers.close()
+            return first, again, peers
+
+    first, again, peers = asyncio.run(go())
+    assert first == {(0, 0), (0, 2)} and handed == {0: datas[0], 2: datas[2]}
+    assert again == set() and peers.counters["requests"] == 1  # skipped: not asked again
+    assert peers.counters["lies"] == 1 and peers.stats()["skipped"] == 1
+    assert not list((tmp_path / "cache" / "tmp").iterdir())
