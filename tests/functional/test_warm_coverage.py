@@ -133,8 +133,8 @@ def test_warm_top_bytes_resume_from_daemon_stats(daemon, tiny_manifest):
     assert {k: int(access[m.row(*k)]) for k in counts} == counts and access.sum() == 15
     got, _ = _warm(daemon, "--bytes", str(int(m.sizes[0])))  # one expert's worth
     assert got["fetched"] == 1 and _digest(m, m.moe_layers[0], 2) in _blobs_on_disk(daemon)
-    got, _ = _warm(daemon, "--top", "100")
-    assert got["fetched"] == 1 and got["hit_rate_after"] == 1.0
+    got, proc = _warm(daemon, "--top", "100")
+    assert got["fetched"] == 1 and got["hit_rate_after"] == 1.0, (got, proc.stderr)
     got, proc = _warm(daemon, "--top", "100")  # everything wanted is cached: nothing to do
     assert got["fetched"] == 0 and got["hit_rate_before"] == 1.0
     assert "warming 0 experts" in proc.stdout and "nothing to warm: all 5 experts" in proc.stderr
