@@ -8,16 +8,14 @@ Runs on its own event loop in a daemon thread, beside daemon and CLI subprocesse
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from dataclasses import dataclass
-from typing import Any, Self
 
-import aiohttp
 from aiohttp import web
 
-_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
-        "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade"}
+from tests.fakes.forward_proxy import HOP_BY_HOP, ForwardProxy
+
+# The Host header goes on: the hub's absolute redirects must point back at this proxy.
+_HOP = HOP_BY_HOP - {"host"}
 
 
 @dataclass(frozen=True)
@@ -29,26 +27,13 @@ class Seen:
     nbytes: int
 
 
-class CountingProxy:
+class CountingProxy(ForwardProxy):
+    """ForwardProxy's loop, thread and relay, as a reverse proxy in front of ``target``."""
+
     def __init__(self, target: str) -> None:
+        super().__init__()
         self.target = target.rstrip("/")
         self.seen: list[Seen] = []
-        self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._runner: web.ServerRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
-
-    def start(self) -> Self:
-        self._thread.start()
-        self._call(self._start())
-        return self
-
-    def stop(self) -> None:
-        self._call(self._stop())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
 
     def mark(self) -> int:
         return len(self.seen)
@@ -58,41 +43,8 @@ class CountingProxy:
         return [s for s in self.seen[since:]
                 if s.range and s.path.endswith(".safetensors") and s.status == 206]
 
-    def _call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=30)
-
-    async def _start(self) -> None:
-        self._session = aiohttp.ClientSession(auto_decompress=False, trust_env=False)
-        self._runner = web.ServerRunner(web.Server(self._forward))
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-
-    async def _stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-        if self._session is not None:
-            await self._session.close()
-
     async def _forward(self, request: web.BaseRequest) -> web.StreamResponse:
-        assert self._session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        async with self._session.request(
-            request.method, self.target + request.raw_path, headers=headers,
-            data=await request.read() or None, allow_redirects=False,
-        ) as upstream:
-            out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            for k, v in upstream.headers.items():
-                if k.lower() not in _HOP:
-                    out.headers.add(k, v)
-            await out.prepare(request)
-            nbytes = 0
-            if request.method != "HEAD":
-                async for chunk in upstream.content.iter_any():
-                    nbytes += len(chunk)
-                    await out.write(chunk)
-            await out.write_eof()
-            self.seen.append(Seen(request.method, request.path, request.headers.get("Range"),
-                                  upstream.status, nbytes))
-            return out
+        out, status, nbytes = await self._relay(request, self.target + request.raw_path, _HOP)
+        self.seen.append(Seen(request.method, request.path, request.headers.get("Range"),
+                              status, nbytes))
+        return out

@@ -19,7 +19,7 @@ from aiohttp import web
 from yarl import URL
 
 # Hop-by-hop headers (RFC 9110 7.6.1) are the proxy's own, not forwarded either way.
-_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
         "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host"}
 
 
@@ -73,19 +73,27 @@ class ForwardProxy:
         self.requests.append((request.method, str(target)))
         if request.method == "CONNECT" or not target.is_absolute():
             return web.Response(status=405, text="this proxy forwards absolute-form http only")
+        return (await self._relay(request, target, HOP_BY_HOP))[0]
+
+    async def _relay(self, request: web.BaseRequest, target: URL | str,
+                     hop: set[str]) -> tuple[web.StreamResponse, int, int]:
+        """``request`` sent on to ``target`` without the ``hop`` headers either way, its answer
+        streamed back; (the response, the upstream status, the body bytes passed on)."""
         assert self._session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in hop}
         async with self._session.request(
             request.method, target, headers=headers, data=await request.read() or None,
             allow_redirects=False,
         ) as upstream:
             out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for k, v in upstream.headers.items():
-                if k.lower() not in _HOP:
+                if k.lower() not in hop:
                     out.headers.add(k, v)
             await out.prepare(request)
+            nbytes = 0
             if request.method != "HEAD":
                 async for chunk in upstream.content.iter_any():
+                    nbytes += len(chunk)
                     await out.write(chunk)
             await out.write_eof()
-            return out
+            return out, upstream.status, nbytes
