@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 from typing import Any
 
@@ -35,13 +34,9 @@ from _common import (
     served_checkpoint,
 )
 
+from tests.harness import free_port
+
 REPO = "bench/k3-shaped"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def measure(served: Served, ids: list[int], rounds: int) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,14 @@ def short_tmp(prefix: str = "cd") -> Path:
     path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     _MADE.append(path)
     return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listened on a moment ago: for a server to bind, or
+    for a client to find closed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def remove_short_tmps() -> None:

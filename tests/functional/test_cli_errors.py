@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from typing import Any
 import pytest
 
 from cachecd.lanhub.server import spawn_hub
-from tests.harness import CACHECD, TINY_REPO, HubProcess, run_cli, short_tmp
+from tests.harness import CACHECD, TINY_REPO, HubProcess, free_port, run_cli, short_tmp
 
 TOKEN = "hf_test_token_for_the_gated_hub"
 
@@ -59,12 +58,6 @@ def one_line(proc: subprocess.CompletedProcess[str], code: str, exit_code: int =
     return lines[0]
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_repo_not_found(hub: HubProcess, home: Path) -> None:
     line = one_line(setup(home, "nosuch/repo", hub.url), "not_found")
     assert "nosuch/repo" in line and hub.url in line and "hf auth login" in line
@@ -87,7 +80,7 @@ def test_gated_repo_says_where_to_ask(gated_hub: str, home: Path) -> None:
 
 
 def test_unreachable_endpoint(home: Path) -> None:
-    url = f"http://127.0.0.1:{closed_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     line = one_line(setup(home, TINY_REPO, url), "upstream_error")
     assert f"cannot reach {url}" in line and "HF_HUB_OFFLINE=1" in line
 

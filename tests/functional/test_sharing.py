@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 import urllib.error
@@ -23,17 +22,12 @@ from tests.harness import (
     Installed,
     LoggedHub,
     expert_bytes_from_files,
+    free_port,
     run_cli,
     short_tmp,
 )
 
 TOKEN = "s3cret-token-for-tests-only-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def token_file(text: str = TOKEN, mode: int = 0o600) -> Path:
