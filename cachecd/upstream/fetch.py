@@ -84,6 +84,19 @@ class _Assembly:
         return memoryview(out)
 
 
+async def _contained(key: ExpertKey, failures: dict[ExpertKey, errors.CachecdError],
+                     work: Callable[[], Awaitable[None]]) -> None:
+    """Run ``work`` (an expert's hand-over); its error becomes that expert's failure, a bug in
+    ``on_verified`` (someone else's code) included, so one expert never fails the batch."""
+    try:
+        await work()
+    except errors.CachecdError as exc:
+        failures[key] = exc
+    except Exception as exc:
+        log.exception("on_verified failed layer=%d expert=%d", *key)
+        failures[key] = errors.Internal(f"storing expert {key} failed: {exc!r}")
+
+
 class Upstream:
     """Verified experts from ``source``: the one path from a source's bytes to a commit.
 
@@ -215,14 +228,7 @@ class Upstream:
         """Hand over what peers served (verified there); return the entries still wanted."""
 
         async def hand(entry: EntryLike, got: memoryview | VectorWriter) -> None:
-            key = (entry.layer, entry.expert)
-            try:
-                await on_verified(entry, got)
-            except errors.CachecdError as exc:
-                failures[key] = exc
-            except Exception as exc:  # on_verified is someone else's code: contain its bugs
-                log.exception("on_verified failed layer=%d expert=%d", *key)
-                failures[key] = errors.Internal(f"storing expert {key} failed: {exc!r}")
+            await _contained((entry.layer, entry.expert), failures, lambda: on_verified(entry, got))
 
         got = await self.peers.fetch(entries, hand, spool, self._pool())  # type: ignore[union-attr]
         return [e for e in entries if (e.layer, e.expert) not in got]
@@ -274,8 +280,7 @@ class Upstream:
         failures: dict[ExpertKey, errors.CachecdError],
         spool: Spool | None,
     ) -> None:
-        key = (st.entry.layer, st.entry.expert)
-        try:
+        async def hand_over() -> None:
             if st.error is not None:
                 raise st.error
             got: memoryview | VectorWriter | None = None
@@ -286,11 +291,9 @@ class Upstream:
                     spool.discard(st.entry)
                 got = await self._verified(manifest, st)
             await on_verified(st.entry, got)
-        except errors.CachecdError as exc:
-            failures[key] = exc
-        except Exception as exc:  # on_verified is someone else's code: contain its bugs
-            log.exception("on_verified failed layer=%d expert=%d", *key)
-            failures[key] = errors.Internal(f"storing expert {key} failed: {exc!r}")
+
+        try:
+            await _contained((st.entry.layer, st.entry.expert), failures, hand_over)
         finally:
             st.parts = []
 
