@@ -213,25 +213,29 @@ class Daemon:
                 elif not t.cancelled() and t.exception() is None:
                     os.close(t.result()[0])  # blob_fds kept a dup
 
+    async def open_verified_blob(self, digest: str) -> tuple[int, int]:
+        """A cached blob's fd and size, the blob hashed first where this process has not hashed
+        it (one from an earlier run); ``ExpertNotFound`` where it is gone or rotten. Hits and
+        the share (``share.Sharing``) open blobs through this."""
+        fd, size = self.store.open_blob(digest)
+        if self.store.unverified(digest):
+            try:
+                # The thread hashes its own dup: if this task is cancelled and closes ``fd``,
+                # the hash still reads the blob, never whatever reuses the fd number.
+                await asyncio.to_thread(self.store.verify_open_blob, digest, os.dup(fd))
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd, size
+
     async def _open_blob(self, model: RegisteredModel, entry: ExpertEntry,
                          digest: str) -> tuple[int, int]:
         for _ in range(3):  # evicted between ensure and open, or rotten: fetch again
             try:
-                fd, size = self.store.open_blob(digest)
+                fd, size = await self.open_verified_blob(digest)
             except ExpertNotFound:
                 await self.misses.ensure(model, [entry])
                 continue
-            if self.store.unverified(digest):  # from an earlier run: hash it before serving it
-                try:
-                    # The thread hashes its own dup: if this task is cancelled and closes ``fd``,
-                    # the hash still reads the blob, never whatever reuses the fd number.
-                    await asyncio.to_thread(self.store.verify_open_blob, digest, os.dup(fd))
-                except BaseException as exc:
-                    os.close(fd)
-                    if not isinstance(exc, ExpertNotFound):
-                        raise
-                    await self.misses.ensure(model, [entry])
-                    continue
             self.blob_fds.keep(digest, fd, size)
             return fd, size
         raise ExpertNotFound(f"layer {entry.layer} expert {entry.expert} vanished from the cache three "

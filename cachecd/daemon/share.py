@@ -136,22 +136,11 @@ class Sharing:
         return out
 
     async def _open_one(self, digest: str) -> tuple[int, int] | None:
-        store = self.daemon.store
         try:
-            fd, size = store.open_blob(digest)
+            return await self.daemon.open_verified_blob(digest)  # hashed first, as a hit's
         except ExpertNotFound:
             self.counters["refused_not_found"] += 1
             return None
-        if store.unverified(digest):  # not hashed by this process yet: as a hit's first open
-            try:
-                await asyncio.to_thread(store.verify_open_blob, digest, os.dup(fd))
-            except BaseException as exc:
-                os.close(fd)
-                if not isinstance(exc, ExpertNotFound):
-                    raise
-                self.counters["refused_not_found"] += 1
-                return None
-        return fd, size
 
     async def _send(self, request: web.Request,
                     opened: list[tuple[int, int] | None]) -> web.StreamResponse:

@@ -11,19 +11,16 @@ from aiohttp.test_utils import TestClient, TestServer
 from cachecd.daemon.share import Sharing
 
 
-class _Store:
-    """A store with one 1000-byte blob, unverified never."""
+class _Daemon:
+    """A daemon with one 1000-byte blob, already verified."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
 
-    def open_blob(self, digest: str) -> tuple[int, int]:
+    async def open_verified_blob(self, digest: str) -> tuple[int, int]:
         import os
 
         return os.dup(self.fd), 1000
-
-    def unverified(self, digest: str) -> bool:
-        return False
 
 
 def _ask(sharing: Sharing, token: str = "t") -> tuple[int, dict[str, Any]]:
@@ -51,8 +48,7 @@ def test_past_the_byte_bound_it_answers_503_and_closes_what_it_opened(tmp_path):
     blob = tmp_path / "blob"
     blob.write_bytes(b"x" * 1000)
     fd = os.open(blob, os.O_RDONLY)
-    daemon = type("D", (), {"store": _Store(fd)})()
-    sharing = Sharing(daemon, "t", max_bytes=500)
+    sharing = Sharing(_Daemon(fd), "t", max_bytes=500)
     assert _ask(sharing)[0] == 200  # one blob bigger than the bound still goes when alone
     sharing.bytes_in_flight = 1
     assert _ask(sharing)[0] == 503
