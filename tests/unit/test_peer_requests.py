@@ -15,6 +15,7 @@ from typing import Any
 import xxhash
 from aiohttp.test_utils import TestServer
 
+from cachecd.daemon.app import Daemon
 from cachecd.daemon.share import Sharing
 from cachecd.store.blobs import BlobWriter, CacheDir
 from cachecd.upstream.peers import Peers, batches
@@ -87,6 +88,15 @@ class _Spool:
         return self.writers.pop(entry.xxh3, None)
 
 
+class _Daemon:
+    """The daemon's own way of opening a blob for the share, over the fake store."""
+
+    open_verified_blob = Daemon.open_verified_blob
+
+    def __init__(self, store: _Store) -> None:
+        self.store = store
+
+
 def _share(tmp_path: Path, n: int, lie: int | None = None,
            max_requests: int = 16) -> tuple[Sharing, _Store, list[_Entry], list[bytes]]:
     blobs, entries, datas = {}, [], []
@@ -100,7 +110,7 @@ def _share(tmp_path: Path, n: int, lie: int | None = None,
         datas.append(data)
     holder: list[Sharing] = []
     store = _Store(blobs, holder)
-    sharing = Sharing(type("D", (), {"store": store})(), "t", max_requests=max_requests)
+    sharing = Sharing(_Daemon(store), "t", max_requests=max_requests)
     holder.append(sharing)
     return sharing, store, entries, datas
 
