@@ -17,7 +17,7 @@ APP = "cachecd"
 VERSION = "0.1.0"
 
 # Index schema; bump with a migration in index.py.
-INDEX_SCHEMA_VERSION = 1
+INDEX_SCHEMA_VERSION = 2  # 2: the sources each blob was verified as (store/sources.py)
 MANIFEST_FORMAT_VERSION = 1
 
 # K3 facts (DESIGN.md); used by benches and the synthetic K3-sized manifest.

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from cachecd import constants
 from cachecd.config import Settings
 from cachecd.daemon.metrics import Latencies
-from cachecd.daemon.misses import MissFiller
+from cachecd.daemon.misses import MissFiller, flight_key
 from cachecd.daemon.registry import RegisteredModel, Registry
 from cachecd.errors import ExpertNotFound, InvalidRequest
 from cachecd.manifest.headers import keep_dir
@@ -116,7 +116,7 @@ class Daemon:
         distinct = list({(e.layer, e.expert): e for e in entries}.values())
         need = self.misses.missing(distinct)
         # An expert verified moments ago and still being committed is local: a hit that waits.
-        missing = {e.digest_hex for e in need if not self.misses.committing(e.digest_hex)}
+        missing = {e.digest_hex for e in need if not self.misses.committing(flight_key(e))}
         if warm:
             self.counters["warm_fetched_experts"] += len(missing)
         else:
@@ -171,12 +171,14 @@ class Daemon:
         self.blob_fds.check()
         opened: list[OpenedExpert] = []
         try:
-            to_hash = {e.digest_hex: e for e in entries if self._needs_hash(e.digest_hex)}
+            to_hash = {e.digest_hex: e for e in entries if self._needs_hash(e)}
             if len(to_hash) > 1:
                 await self._open_to_hash(model, to_hash)  # the hashes run side by side
             for entry in entries:
                 digest = entry.digest_hex
-                got = (self.blob_fds.take(digest) or self.misses.take_fresh(digest)
+                # ``ensure`` made each entry's own source a hit (or verified it just now), so
+                # any fd of its digest holds its bytes.
+                got = (self.blob_fds.take(digest) or self.misses.take_fresh(entry)
                        or await self._open_blob(model, entry, digest))
                 opened.append(OpenedExpert(entry.expert, got[0], got[1], digest, digest in missing))
         except BaseException:
@@ -189,13 +191,14 @@ class Daemon:
         key, entries = uses
         for e in entries:
             # A use of a blob still being committed reaches the policy once the blob is in.
-            later = self.misses.touch_after_commit(e.digest_hex)
+            later = self.misses.touch_after_commit(e)
             self.store.touch(e.digest_hex, key, e.layer, e.expert, policy=not later)
 
-    def _needs_hash(self, digest: str) -> bool:
-        """Whether serving ``digest`` now would go through ``_open_blob`` and hash it."""
+    def _needs_hash(self, entry: ExpertEntry) -> bool:
+        """Whether serving ``entry`` now would go through ``_open_blob`` and hash it."""
         # Cheapest first: a warm hit's digest is in blob_fds, and this runs for every request.
-        return (digest not in self.blob_fds and not self.misses.committing(digest)
+        digest = entry.digest_hex
+        return (digest not in self.blob_fds and not self.misses.committing(flight_key(entry))
                 and self.store.unverified(digest))
 
     async def _open_to_hash(self, model: RegisteredModel, todo: dict[str, ExpertEntry]) -> None:

@@ -1,10 +1,11 @@
 """Turning misses into verified cache entries: one upstream fetch per expert, however many ask.
 
-Invariants: an expert is fetched by at most one task at a time (callers for the same digest wait
-on the same future and all see the same bytes or the same error); the fetch runs in its own task,
+Invariants: an expert is fetched by at most one task at a time (callers for the same digest as
+the same source, ``flight_key``, wait on the same future and all see the same bytes or the same error); the fetch runs in its own task,
 so a caller that disconnects does not cancel it; bytes reach the store only after the upstream
 verified them against the manifest (bytes written to a temp file while they arrive become a blob
-only through ``Store.commit`` after that check); a digest is forgotten when its fetch ends, so the next
+only through ``Store.commit`` after that check, which records the source key they were verified
+as: a blob is a hit only for experts with that source, ``missing``); a digest is forgotten when its fetch ends, so the next
 request after a failure fetches again. Prefetch hints run below demand: at most
 ``prefetch_parallel`` hint groups at a time, and hints for experts already in flight are dropped.
 
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, cast
 from cachecd import constants
 from cachecd.errors import CachecdError, Internal
 from cachecd.store.blobs import BlobWriter
+from cachecd.store.sources import ORIGIN_PEER, ORIGIN_SOURCE
 from cachecd.store.store import Store
 from cachecd.upstream.singleflight import SingleFlight
 
@@ -43,8 +45,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def flight_key(entry: ExpertEntry) -> str:
+    """What a fetch is for: a digest AS one source's bytes (``manifest.provenance``). Two experts
+    a manifest gives one digest are two fetches, each verified against its own ranges."""
+    return entry.digest_hex + entry.source
+
+
 class _Spool:
-    """The blob writers of one fetch group, by digest: the upstream fills them as bytes arrive,
+    """The blob writers of one fetch group, by ``flight_key``: the upstream fills them as bytes arrive,
     the commit takes them (or writes the verified bytes itself when it finds none)."""
 
     def __init__(self, store: Store) -> None:
@@ -54,16 +62,16 @@ class _Spool:
     def begin(self, entry: ExpertEntry) -> BlobWriter:
         self.discard(entry)
         writer = self._store.begin_blob(entry.digest_hex, entry.nbytes)
-        self._writers[entry.digest_hex] = writer
+        self._writers[flight_key(entry)] = writer
         return writer
 
     def discard(self, entry: ExpertEntry) -> None:
-        writer = self._writers.pop(entry.digest_hex, None)
+        writer = self._writers.pop(flight_key(entry), None)
         if writer is not None:
             writer.abort()
 
     def take(self, entry: ExpertEntry) -> BlobWriter | None:
-        return self._writers.pop(entry.digest_hex, None)
+        return self._writers.pop(flight_key(entry), None)
 
     def close(self) -> None:
         for writer in self._writers.values():
@@ -79,11 +87,11 @@ class MissFiller:
     def __init__(self, store: Store, upstream: Upstream, *, prefetch_parallel: int = 2) -> None:
         self._store = store
         self._upstream = upstream
-        # digest -> the future of its fetch, or of its commit once handed over
+        # flight key -> the future of its fetch, or of its commit once handed over
         self._flights: SingleFlight[str, None] = SingleFlight()
         self._tasks: set[asyncio.Task[None]] = set()
         self._prefetch_slots = asyncio.Semaphore(prefetch_parallel)
-        self._fresh: dict[str, tuple[int, int]] = {}  # digest -> (read-only fd of its temp, size)
+        self._fresh: dict[str, tuple[int, int]] = {}  # flight key -> (read-only fd of its temp, size)
         self._commits: set[asyncio.Task[None]] = set()
         self._commits_started: set[asyncio.Task[None]] = set()  # past the wait for their download
         self._uses_after_commit: Counter[str] = Counter()
@@ -94,21 +102,25 @@ class MissFiller:
         return len(self._flights)
 
     def missing(self, entries: Iterable[ExpertEntry]) -> list[ExpertEntry]:
-        return [e for e in entries if not self._store.has(e.digest_hex)]
+        """The entries that are not hits: a blob counts for an expert only if it was verified as
+        that expert's own ranges (``Store.has_source``), whatever its digest."""
+        has = self._store.has_source
+        return [e for e in entries if not has(e.digest_hex, e.source)]
 
-    def committing(self, digest: str) -> bool:
-        return digest in self._fresh
+    def committing(self, key: str) -> bool:
+        """``key``: a ``flight_key``."""
+        return key in self._fresh
 
-    def touch_after_commit(self, digest: str) -> bool:
-        """If ``digest`` is being committed, count a use for the policy once it is in; True then."""
-        if digest not in self._fresh:
+    def touch_after_commit(self, entry: ExpertEntry) -> bool:
+        """If ``entry`` is being committed, count a use for the policy once it is in; True then."""
+        if flight_key(entry) not in self._fresh:
             return False
-        self._uses_after_commit[digest] += 1
+        self._uses_after_commit[entry.digest_hex] += 1
         return True
 
-    def take_fresh(self, digest: str) -> tuple[int, int] | None:
+    def take_fresh(self, entry: ExpertEntry) -> tuple[int, int] | None:
         """(fd, size) of a verified expert whose commit is under way, the fd the caller's own."""
-        held = self._fresh.get(digest)
+        held = self._fresh.get(flight_key(entry))
         if held is None:
             return None
         return os.dup(held[0]), held[1]
@@ -147,7 +159,7 @@ class MissFiller:
 
     def prefetch(self, model: RegisteredModel, entries: list[ExpertEntry]) -> int:
         """Queue a background fetch of the entries not cached or in flight; returns how many."""
-        wanted = [e for e in self.missing(entries) if not self._flights.in_flight(e.digest_hex)]
+        wanted = [e for e in self.missing(entries) if not self._flights.in_flight(flight_key(e))]
         if wanted:
             self._spawn(self._prefetch_group(model, wanted))
         self.counters["prefetch_hints"] += 1
@@ -156,10 +168,11 @@ class MissFiller:
     def _claim(self, model: RegisteredModel, missing: list[ExpertEntry]) -> list[asyncio.Future[None]]:
         waits, new = [], {}
         for entry in missing:
-            fut = self._flights.waiting(entry.digest_hex)
+            key = flight_key(entry)
+            fut = self._flights.waiting(key)
             if fut is None:
-                fut = self._flights.claim([entry.digest_hex])[entry.digest_hex]
-                new[entry.digest_hex] = (entry, fut)
+                fut = self._flights.claim([key])[key]
+                new[key] = (entry, fut)
             else:
                 self.counters["coalesced_waiters"] += 1
             waits.append(fut)
@@ -176,7 +189,7 @@ class MissFiller:
     async def _prefetch_group(self, model: RegisteredModel, entries: list[ExpertEntry]) -> None:
         async with self._prefetch_slots:
             still = [e for e in self.missing(entries)
-                     if not self._flights.in_flight(e.digest_hex)]
+                     if not self._flights.in_flight(flight_key(e))]
             if not still:
                 return
             waits = self._claim(model, still)
@@ -191,50 +204,56 @@ class MissFiller:
             to_fetch = []
             for entry in entries:
                 try:
-                    reservations[entry.digest_hex] = await self._store.reserve(entry.nbytes)
+                    reservations[flight_key(entry)] = await self._store.reserve(entry.nbytes)
                     to_fetch.append(entry)
                 except CachecdError as exc:
-                    self._settle(entry.digest_hex, exc, own)
+                    self._settle(flight_key(entry), exc, own)
             if to_fetch:
                 await self._fetch_reserved(model, to_fetch, reservations, own)
         except CachecdError as exc:
             for entry in entries:
-                self._settle(entry.digest_hex, exc, own)
+                self._settle(flight_key(entry), exc, own)
         except Exception as exc:  # a bug must still release every waiter
             log.exception("fetch group failed repo=%s", model.repo)
             for entry in entries:
-                self._settle(entry.digest_hex, Internal(f"fetch failed: {exc!r}"), own)
+                self._settle(flight_key(entry), Internal(f"fetch failed: {exc!r}"), own)
         finally:
             for reservation in reservations.values():
                 reservation.release()
             for entry in entries:
-                self._settle(entry.digest_hex, Internal("fetch ended without a result"), own)
+                self._settle(flight_key(entry), Internal("fetch ended without a result"), own)
 
     async def _fetch_reserved(self, model, to_fetch, reservations, own) -> None:  # type: ignore[no-untyped-def]
         spool = _Spool(self._store)
         downloaded = asyncio.Event()
         commits: list[asyncio.Task[None]] = []
 
-        async def commit(entry: ExpertEntry, got: memoryview | VectorWriter) -> None:
+        async def commit(entry: ExpertEntry, got: memoryview | VectorWriter,
+                         origin: bytes = ORIGIN_SOURCE) -> None:
             """Called once per verified expert with its bytes, or with its writer (one of this
             group's spool, this commit's to finish or abort from here: the spool no longer
-            holds it)."""
-            digest = entry.digest_hex
+            holds it). ``origin``: whether the source or a peer served them (``store.sources``)."""
+            key = flight_key(entry)
             data = got if isinstance(got, memoryview) else None
             writer = None if data is not None else cast(BlobWriter, got)
             if writer is not None and self._hand_over(entry, writer):
                 task = asyncio.get_running_loop().create_task(
-                    self._commit_fresh(digest, reservations[digest], writer, downloaded))
+                    self._commit_fresh(entry, origin, reservations[key], writer, downloaded))
                 commits.append(task)
                 self._commits.add(task)
                 task.add_done_callback(self._commits.discard)
                 task.add_done_callback(self._commits_started.discard)
                 return
-            await self._store.commit(digest, data, reservations[digest], writer)
+            await self._store.commit(entry.digest_hex, data, reservations[key], writer,
+                                     entry.source, origin)
             self._served(entry)
 
+        async def from_peer(entry: ExpertEntry, got: memoryview | VectorWriter) -> None:
+            await commit(entry, got, ORIGIN_PEER)
+
         try:
-            errors = await self._upstream.fetch_experts(model.manifest, to_fetch, commit, spool)
+            errors = await self._upstream.fetch_experts(model.manifest, to_fetch, commit, spool,
+                                                        on_peer_verified=from_peer)
         finally:
             downloaded.set()
             spool.close()
@@ -243,8 +262,7 @@ class MissFiller:
                 await asyncio.gather(*commits, return_exceptions=True)
         for (layer, expert), exc in errors.items():
             self.counters[f"fetch_error_{exc.code}"] += 1
-            digest = model.manifest.expert(layer, expert).digest_hex
-            self._settle(digest, exc, own)
+            self._settle(flight_key(model.manifest.expert(layer, expert)), exc, own)
 
     def _hand_over(self, entry: ExpertEntry, writer: BlobWriter) -> bool:
         """Answer the waiters of a verified, streamed expert from its temp file."""
@@ -253,15 +271,16 @@ class MissFiller:
         except OSError as exc:
             log.warning("event=fresh_open_failed digest=%s err=%s", entry.digest_hex, exc)
             return False
-        digest = entry.digest_hex
-        self._fresh[digest] = (fd, entry.nbytes)
+        key = flight_key(entry)
+        self._fresh[key] = (fd, entry.nbytes)
         self._served(entry)
         # Requests from now on wait for the commit (``_commit_fresh`` settles this one).
-        self._flights.claim([digest])
+        self._flights.claim([key])
         return True
 
-    async def _commit_fresh(self, digest: str, reservation: Reservation, writer: BlobWriter,
-                            downloaded: asyncio.Event) -> None:
+    async def _commit_fresh(self, entry: ExpertEntry, origin: bytes, reservation: Reservation,
+                            writer: BlobWriter, downloaded: asyncio.Event) -> None:
+        digest, key = entry.digest_hex, flight_key(entry)
         started = False
         try:
             # fsyncs while the group still downloads slow its page-cache writes down (measured:
@@ -271,7 +290,7 @@ class MissFiller:
             task = asyncio.current_task()
             if task is not None:
                 self._commits_started.add(task)
-            await self._store.commit(digest, None, reservation, writer)
+            await self._store.commit(digest, None, reservation, writer, entry.source, origin)
             for _ in range(self._uses_after_commit.pop(digest, 0)):
                 self._store.policy_touch(digest)
         except CachecdError as exc:
@@ -284,22 +303,23 @@ class MissFiller:
             if not started:
                 writer.abort()  # cancelled before its commit began: no temp outlives the fetch
             self._uses_after_commit.pop(digest, None)
-            fd, _ = self._fresh.pop(digest)
+            fd, _ = self._fresh.pop(key)
             os.close(fd)
-            self._settle(digest, None)  # a failed commit: the waiters' open finds no blob, refetches
+            self._settle(key, None)  # a failed commit: the waiters' open finds no blob, refetches
 
     def _served(self, entry: ExpertEntry) -> None:
         self.counters["fetched_experts"] += 1
         self.counters["fetched_bytes"] += entry.nbytes
-        self._settle(entry.digest_hex, None)
+        self._settle(flight_key(entry), None)
 
-    def _settle(self, digest: str, exc: CachecdError | None,
+    def _settle(self, key: str, exc: CachecdError | None,
                 own: dict[str, asyncio.Future[None]] | None = None) -> None:
-        """Settle the future in flight for ``digest`` (with ``own``: only if it is the one there)."""
+        """Settle the future in flight for ``key`` (a ``flight_key``; with ``own``: only if it is
+        the one there)."""
         if own is None:
-            self._flights.settle(digest, exc)
-        elif digest in own:
-            self._flights.settle(digest, exc, own[digest])
+            self._flights.settle(key, exc)
+        elif key in own:
+            self._flights.settle(key, exc, own[key])
 
     async def drain(self, timeout: float) -> None:
         """Let fetches in flight finish (up to ``timeout``), then cancel what is left."""

@@ -7,7 +7,7 @@ built from them does).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,9 @@ class ExpertEntry:
     ranges: tuple[ByteRange, ...]
     tensors: tuple[TensorInfo, ...]  # in the order their bytes appear in the expert's bytes
     blob_offsets: tuple[int, ...]  # offset of each tensor inside the expert's bytes
+    # Its source key (``provenance.source_key``): which shard's bytes, where. The manifest sets
+    # it; entries made elsewhere (the builder, tests) have "" and never match a cached blob.
+    source: str = field(default="", compare=False)
 
     @property
     def digest_hex(self) -> str:

@@ -36,6 +36,7 @@ from cachecd.durable import write_atomic
 from cachecd.manifest.encode import build_meta, encode_experts
 from cachecd.manifest.entries import ByteRange, ExpertEntry, FileInfo, TensorInfo
 from cachecd.manifest.meta import EXPERT_PATTERN, EXPERT_RE, FORMAT_NAME, MADE
+from cachecd.manifest.provenance import source_key
 from cachecd.manifest.validate import Checked, check_archive
 
 __all__ = [
@@ -191,6 +192,7 @@ class Manifest:
             ranges,
             tensors,
             tuple(r[6] for r in rows),
+            source_key(ranges, self.files),
         )
 
     def _tensor_name(self, template: int, layer: int, expert: int) -> str:

@@ -8,6 +8,8 @@ Lives at ``CACHE_DIR0/index.lmdb``. Named databases:
              last use (struct ``<Qd``); coverage reads the b"m" rows
     pins     digest -> b""
     models   model key (utf-8) -> JSON record
+    sources  digest + source key (16 + 16 raw bytes) -> origin (one byte): the exact bytes each
+             blob was verified as (``sources.py``; schema 2). A row's sources go with the row.
 
 Invariants:
 - Every write goes through one writer thread (``submit``); callers get a Future. So when the map
@@ -41,6 +43,7 @@ from typing import Any, TypeVar
 import lmdb
 
 from cachecd import constants, errors
+from cachecd.store import sources
 from cachecd.store.crash import crash_point
 
 log = logging.getLogger(__name__)
@@ -56,7 +59,7 @@ _MAX_BATCH = 64
 _Job = tuple[Callable[[lmdb.Transaction], Any], Future[Any], bool]
 
 # Migrations: schema version N -> N+1, run inside one write txn.
-MIGRATIONS: dict[int, Callable[[lmdb.Transaction, Index], None]] = {}
+MIGRATIONS: dict[int, Callable[[lmdb.Transaction, Index], None]] = {1: sources.migrate_to_2}
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,7 @@ class Index:
         self.access = self.env.open_db(b"access")
         self.pins = self.env.open_db(b"pins")
         self.models = self.env.open_db(b"models")
+        self.sources = self.env.open_db(b"sources")
         self._rw = _RWLock()
         self._flush_every = flush_every
         self._flush_interval = flush_interval
@@ -347,8 +351,11 @@ class Index:
 
     def _change(self, db: Any, rows: list[tuple[bytes, bytes | None]]) -> Future[None]:
         """Put each (key, value); a value of None deletes the key."""
-        frees = all(v is None for _, v in rows)
+        return self.submit(self._change_op(db, rows), frees=all(v is None for _, v in rows))
 
+    @staticmethod
+    def _change_op(db: Any, rows: list[tuple[bytes, bytes | None]]
+                   ) -> Callable[[lmdb.Transaction], None]:
         def op(txn: lmdb.Transaction) -> None:
             for k, v in rows:
                 if v is None:
@@ -356,10 +363,20 @@ class Index:
                 else:
                     txn.put(k, v, db=db)
 
-        return self.submit(op, frees=frees)
+        return op
 
-    def put_entry(self, digest_hex: str, entry: Entry) -> Future[None]:
-        return self.put_entries({digest_hex: entry})
+    def put_entry(self, digest_hex: str, entry: Entry,
+                  source: tuple[str, bytes] | None = None) -> Future[None]:
+        """One row and, in the same txn, the (source key, origin) its bytes were verified as."""
+        row = self._change_op(self.entries, [
+            (digest_key(digest_hex), _ENTRY.pack(entry.dir_index, entry.size, entry.created))])
+        put = sources.put_op(self, [(digest_hex, *source)] if source is not None else [])
+
+        def op(txn: lmdb.Transaction) -> None:
+            row(txn)
+            put(txn)
+
+        return self.submit(op)
 
     def put_entries(self, entries: dict[str, Entry]) -> Future[None]:
         return self._change(self.entries, [
@@ -367,7 +384,23 @@ class Index:
         ])
 
     def delete_entries(self, digests: list[str]) -> Future[None]:
-        return self._change(self.entries, [(digest_key(d), None) for d in digests])
+        """Rows and, in the same txn, the sources they were verified as."""
+        keys = [digest_key(d) for d in digests]
+
+        def op(txn: lmdb.Transaction) -> None:
+            for k in keys:
+                txn.delete(k, db=self.entries)
+                self.delete_prefix(txn, self.sources, k)
+
+        return self.submit(op, frees=True)
+
+    @staticmethod
+    def delete_prefix(txn: lmdb.Transaction, db: Any, prefix: bytes) -> None:
+        cur = txn.cursor(db=db)
+        if cur.set_range(prefix):
+            while bytes(cur.key()).startswith(prefix):
+                if not cur.delete():
+                    break
 
     def set_pin(self, digest_hex: str, pinned: bool) -> Future[None]:
         return self._change(self.pins, [(digest_key(digest_hex), b"" if pinned else None)])
@@ -454,3 +487,4 @@ class Index:
             return have
 
         self._write(op)
+

@@ -56,6 +56,9 @@ class Ledger:
         self.entries = entries
         self.pins = pins
         self.held: Counter[str] = Counter()  # digest -> requests under way that need it
+        # digest -> the source keys its blob was verified as (store/sources.py); an entry's go
+        # with it. Read without the lock on the hit path (a dict and a set look-up).
+        self.sources: dict[str, set[str]] = {}
         self.unlinking: dict[str, threading.Event] = {}
         self.counters = dict.fromkeys(
             ("hits", "misses", "inserts", "evictions", "bytes_evicted", "quarantined",
@@ -119,6 +122,7 @@ class Ledger:
     def _detach(self, picked: list[tuple[str, int]]) -> Victims:
         victims = Victims({d: self.entries.pop(d) for d, _ in picked})
         for d in victims.where:
+            self.sources.pop(d, None)
             self.policy.on_remove(d)
             self.unlinking[d] = victims.done
         return victims
@@ -129,16 +133,30 @@ class Ledger:
 
     # ---- entries ---------------------------------------------------------------------
 
-    def insert(self, digest: str, entry: Entry, res: Reservation) -> bool:
-        """Turn the reservation into the entry; False if a racing commit got there first."""
+    def insert(self, digest: str, entry: Entry, res: Reservation, source: str) -> bool:
+        """Turn the reservation into the entry, verified as ``source``; False if a racing
+        commit got there first."""
         with self.mu:
             if digest in self.entries:
                 self.budget.release(res)
+                self.add_source(digest, source)
                 return False
             self.budget.commit(res, entry.size)
             self.entries[digest] = entry
+            self.sources[digest] = {source}
             self.policy.on_insert(digest, entry.size)
             self.counters["inserts"] += 1
+            return True
+
+    def add_source(self, digest: str, source: str) -> bool:
+        """Record one more source of a cached blob; False if the blob is gone meanwhile."""
+        with self.mu:
+            if digest not in self.entries:
+                return False
+            known = self.sources.setdefault(digest, set())
+            if source not in known:
+                # Copy, then swap: the hit path reads the set without the lock.
+                self.sources[digest] = known | {source}
             return True
 
     def forget(self, digest: str, entry: Entry | None = None) -> Entry | None:
@@ -148,6 +166,7 @@ class Ledger:
             if current is None or (entry is not None and current is not entry):
                 return None
             del self.entries[digest]
+            self.sources.pop(digest, None)
             self.policy.on_remove(digest)
             self.budget.remove_used(current.size)
             return current

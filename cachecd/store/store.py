@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecd import constants, errors
+from cachecd.store import sources
 from cachecd.store.blobs import BlobDirs, BlobWriter, hash_fd, validate_digest
 from cachecd.store.budget import Budget, Reservation
 from cachecd.store.crash import crash_point
@@ -49,6 +50,7 @@ from cachecd.store.index import INDEX_DIRNAME, Entry, Index
 from cachecd.store.ledger import Ledger, Victims
 from cachecd.store.policies import make_policy
 from cachecd.store.recovery import RecoveryReport, mark_clean, recover
+from cachecd.store.sources import ORIGIN_SOURCE
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,7 @@ class Store:
                 ledger = Ledger(
                     the_budget, the_policy, entries, index.load_pins(), index.load_digest_access()
                 )
+                ledger.sources = sources.load(index, entries)
                 the_budget.set_aside = blobs.quarantine_bytes()  # evicted for below, if need be
                 store = cls(blobs, index, ledger, report)
                 report.bytes_evicted = store.evict_sync()
@@ -141,6 +144,47 @@ class Store:
 
     def has(self, digest_hex: str) -> bool:
         return validate_digest(digest_hex) in self.ledger.entries
+
+    def has_source(self, digest: str, source: str) -> bool:
+        """Whether ``digest`` is cached AND its blob was verified as ``source`` (an expert's
+        source key, ``manifest.provenance``): only then is it a hit for that expert. In memory,
+        no lock (the ledger swaps a digest's set, never changes it in place)."""
+        return source in self.ledger.sources.get(digest, ())
+
+    def sources_of(self, digest: str) -> set[str]:
+        return set(self.ledger.sources.get(digest, ()))
+
+    def add_source(self, digest: str, source: str, origin: bytes = ORIGIN_SOURCE) -> bool:
+        """Bytes read from ``source`` hashed to ``digest``, which is cached: record it (durably
+        first), so the blob serves that source's experts too; no second copy. False if the blob
+        is gone meanwhile. Blocking (an LMDB commit)."""
+        if self.has_source(digest, source):
+            return True
+        sources.put(self.index, [(digest, source, origin)]).result()
+        return self.ledger.add_source(digest, source)
+
+    def provenance_pending(self) -> bool:
+        """Rows from before schema 2 still wait to be attributed (``adopt_sources``)."""
+        return self.index.get_meta(sources.PENDING) is not None
+
+    def unattributed(self) -> list[str]:
+        """Cached digests with no recorded source: they serve nothing until re-verified."""
+        with self.ledger.mu:
+            return [d for d in self.ledger.entries if not self.ledger.sources.get(d)]
+
+    def adopt_sources(self, found: dict[str, str]) -> None:
+        """The one-time attribution of rows from before schema 2 (``found``: digest -> source
+        key), then the pending mark cleared, in one txn. Blocking."""
+        rows = [(d, s, sources.ORIGIN_ADOPTED) for d, s in found.items()]
+        put = sources.put_op(self.index, rows)
+
+        def op(txn: Any) -> None:
+            put(txn)
+            txn.delete(sources.PENDING, db=self.index.meta)
+
+        self.index.submit(op).result()
+        for digest, source in found.items():
+            self.ledger.add_source(digest, source)
 
     def size_of(self, digest_hex: str) -> int | None:
         entry = self.ledger.entries.get(validate_digest(digest_hex))
@@ -270,8 +314,13 @@ class Store:
         data: bytes | memoryview | None,
         reservation: Reservation,
         writer: BlobWriter | None = None,
+        source: str = "",
+        origin: bytes = ORIGIN_SOURCE,
     ) -> None:
         """Write, fsync, rename, index. The reservation ends here (used or released).
+
+        ``source`` is the source key the bytes were verified as (``sources.py``), recorded with
+        the row; a blob already cached only gains that source (no second copy).
 
         ``writer`` (from ``begin_blob``) already holds exactly the verified bytes (``data``, or
         None when they were streamed and never held in memory): it is fsynced and renamed
@@ -287,7 +336,7 @@ class Store:
                 writer.abort()
             raise
         await asyncio.shield(
-            asyncio.to_thread(self.commit_sync, digest, data, reservation, writer)
+            asyncio.to_thread(self.commit_sync, digest, data, reservation, writer, source, origin)
         )
 
     def commit_sync(
@@ -296,6 +345,8 @@ class Store:
         data: bytes | memoryview | None,
         res: Reservation,
         writer: BlobWriter | None = None,
+        source: str = "",
+        origin: bytes = ORIGIN_SOURCE,
     ) -> None:
         try:
             digest = validate_digest(digest_hex)
@@ -313,12 +364,14 @@ class Store:
                 unlinking = self.ledger.unlinking.get(digest)
             if present:
                 res.release()
-                return
+                if self.add_source(digest, source, origin):
+                    return
+                res = self.reserve_sync(nbytes)  # evicted since: store the bytes after all
             if unlinking is not None:
                 unlinking.wait()  # an eviction of these same bytes must not unlink our file
-            entry = self._write_and_index(digest, data, nbytes, writer)
+            entry = self._write_and_index(digest, data, nbytes, writer, (source, origin))
             crash_point("after_index_commit")
-            self.ledger.insert(digest, entry, res)
+            self.ledger.insert(digest, entry, res, source)
             self._verified[digest] = time.monotonic()
         except BaseException:
             res.release()
@@ -328,26 +381,28 @@ class Store:
                 writer.abort()  # a no-op once it was finished
 
     def _write_and_index(
-        self, digest: str, data: bytes | memoryview | None, nbytes: int, writer: BlobWriter | None
+        self, digest: str, data: bytes | memoryview | None, nbytes: int, writer: BlobWriter | None,
+        source: tuple[str, bytes],
     ) -> Entry:
         # nbytes is the writer's own when it holds the bytes (commit): only its name can differ.
         if writer is not None and writer.digest != digest:
             raise errors.Internal(f"blob writer for {writer.digest} used to commit {digest}")
         try:
-            return self._write_once(digest, data, nbytes, writer)
+            return self._write_once(digest, data, nbytes, source, writer)
         except errors.DiskFull:
             # With no byte budget the free space is the budget: make room by policy and try
             # once more. With a budget the operator sized the cache; a full disk is theirs.
             if data is None or self.budget.limit or not self.evict_sync(nbytes=2 * nbytes + 1):
                 raise
             log.warning("event=disk_full_evicted digest=%s", digest)
-            return self._write_once(digest, data, nbytes)
+            return self._write_once(digest, data, nbytes, source)
 
     def _write_once(
         self,
         digest: str,
         data: bytes | memoryview | None,
         nbytes: int,
+        source: tuple[str, bytes],
         writer: BlobWriter | None = None,
     ) -> Entry:
         if writer is not None:
@@ -357,7 +412,7 @@ class Store:
         crash_point("before_index_commit")
         entry = Entry(dir_index, nbytes, time.time())
         try:
-            self._put_row(digest, entry)
+            self._put_row(digest, entry, source)
         except BaseException:
             # The row did not commit: take the file back so it neither counts as a stray nor
             # eats disk outside the budget.
@@ -365,16 +420,16 @@ class Store:
             raise
         return entry
 
-    def _put_row(self, digest: str, entry: Entry) -> None:
+    def _put_row(self, digest: str, entry: Entry, source: tuple[str, bytes]) -> None:
         try:
-            self.index.put_entry(digest, entry).result()
+            self.index.put_entry(digest, entry, source).result()
         except errors.IndexFull:
             # The map is at its ceiling: evict a slice of the cache (deletes may use the map's
             # slack), then try once more; if that is not enough the caller gets a 507.
             if not self.evict_sync(nbytes=max(self.budget.used // 64, 1)):
                 raise
             log.warning("event=index_full_evicted digest=%s", digest)
-            self.index.put_entry(digest, entry).result()
+            self.index.put_entry(digest, entry, source).result()
 
     # ---- access, pins, eviction --------------------------------------------------------
 

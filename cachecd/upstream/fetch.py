@@ -150,12 +150,15 @@ class Upstream:
         entries: Sequence[EntryLike],
         on_verified: OnVerified,
         spool: Spool | None = None,
+        on_peer_verified: OnVerified | None = None,
     ) -> dict[ExpertKey, errors.CachecdError]:
         """Fetch, verify and hand over every entry; return the errors of those that failed.
 
         ``on_verified(entry, view)`` runs once per verified expert; ``view`` may point into a
         larger download buffer, so copy or write it before returning rather than keeping it.
-        For a streamed expert it gets the spool's writer instead, and owns it.
+        For a streamed expert it gets the spool's writer instead, and owns it. Experts a peer
+        served go to ``on_peer_verified`` instead where given (their provenance is the peer's
+        word, ``store.sources``).
         An error raised by ``on_verified`` becomes that expert's error. With ``spool``, bytes
         are written to ``spool.begin(entry)`` as they arrive; see the module invariants.
         """
@@ -164,7 +167,8 @@ class Upstream:
         unique = list({(e.layer, e.expert): e for e in entries}.values())
         failures: dict[ExpertKey, errors.CachecdError] = {}
         if self.peers is not None and self.peers.urls:
-            unique = await self._from_peers(unique, on_verified, failures, spool)
+            unique = await self._from_peers(unique, on_peer_verified or on_verified, failures,
+                                            spool)
             if not unique:
                 return failures
         states = [_Assembly(e) for e in unique]

@@ -21,6 +21,7 @@ class Expert(NamedTuple):
     digest_hex: str
     nbytes: int
     data: bytes
+    source: str = ""  # its source key (manifest.provenance): one fake source for all
 
 
 def _expert(i: int) -> Expert:
