@@ -120,3 +120,24 @@ def wrong_hash(src: Path, out: Path, row: int) -> Path:
     meta, a = read(src)
     a["exp_xxh3"][row] ^= 0xFF
     return write(meta, a, out)
+
+
+def alias_digests(src: Path, out: Path, aliases: dict[int, int]) -> Path:
+    """Row ``i`` given row ``aliases[i]``'s hashes (the expert's and its tensors'), its ranges and
+    layout left honest: the header check passes, and only the bytes of row ``i``'s own ranges
+    can tell that they do not hash to what the manifest says."""
+    meta, a = read(src)
+    tp, _ = _ptrs(a)
+    old = {k: a[k].copy() for k in ("exp_xxh3", "t_xxh3")}
+    for i, j in aliases.items():
+        a["exp_xxh3"][i] = old["exp_xxh3"][j]
+        assert tp[i + 1] - tp[i] == tp[j + 1] - tp[j], "rows of different tensor counts"
+        a["t_xxh3"][tp[i]:tp[i + 1]] = old["t_xxh3"][tp[j]:tp[j + 1]]
+    return write(meta, a, out)
+
+
+def alias_layer(src: Path, out: Path, layer: int) -> Path:
+    """Every expert of ``layer`` given the hashes of the next one (the last the first's)."""
+    m = Manifest.load(src)
+    rows = [m.row(layer, e) for e in range(m.experts_per_layer)]
+    return alias_digests(src, out, {r: rows[(k + 1) % len(rows)] for k, r in enumerate(rows)})

@@ -1,0 +1,112 @@
+"""A cached blob serves only the expert it was verified as (docs/trust.md, "A cached blob serves
+only its own expert").
+
+A manifest whose ranges and layout are honest, so the header check passes, but which gives an
+expert the digest of another: once that other expert's blob is cached, the alias must not make a
+hit. Each path a user takes (setup, registration, `cachecd run`, `cachecd warm`) ends in an error
+naming the manifest and the expert, never in other bytes or a run that exits 0 with other tokens.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cachecd.errors import ChecksumMismatch
+from cachecd.manifest.manifest import Manifest
+from tests import tampered
+from tests.harness import (
+    TINY_REPO,
+    DaemonProcess,
+    HubProcess,
+    Installed,
+    expert_bytes_from_files,
+    run_cli,
+    short_tmp,
+)
+
+PROMPT = "Experts stream from the hub into a verified cache, layer after layer."
+
+
+def _setup(inst: Installed, hub: HubProcess, manifest: Path, cache: Path) -> None:
+    out = run_cli("setup", "--stream", TINY_REPO, "--endpoint", hub.url, "--socket",
+                  str(inst.socket), "--cache-dir", str(cache), "--models-dir",
+                  str(inst.base / "models"), "--manifest", str(manifest)).stdout
+    assert "installed" in out  # its layout is honest: the header check passes
+
+
+def _refused(message: str, manifest: Path, layer: int, expert: int) -> None:
+    assert str(manifest) in message, message
+    assert f"layer={layer} expert={expert}" in message, message
+    assert "nothing stored or served" in message, message
+
+
+def test_an_aliased_expert_is_refused_once_its_owner_is_cached(
+        hub: HubProcess, tiny_manifest_path: Path, tiny_dir: Path, tmp_path: Path) -> None:
+    """Expert (1, 0) given (1, 1)'s digest: (1, 1) cached first, then (1, 0) asked for."""
+    m = Manifest.load(tiny_manifest_path)
+    bad = tampered.alias_digests(tiny_manifest_path, tmp_path / "alias-one.manifest",
+                                 {m.row(1, 0): m.row(1, 1)})
+    inst = Installed(short_tmp("cdpv"))
+    try:
+        _setup(inst, hub, bad, inst.base / "cache")
+        with inst.client() as c:
+            owner = c.expert(TINY_REPO, 1, 1).tobytes()
+            assert owner == expert_bytes_from_files(tiny_dir, m.expert(1, 1))
+            with pytest.raises(ChecksumMismatch) as info:
+                c.expert(TINY_REPO, 1, 0)
+            _refused(info.value.message, bad, 1, 0)
+            with pytest.raises(ChecksumMismatch):  # and again: nothing was recorded for it
+                c.experts(TINY_REPO, 1, [1, 0])
+            assert c.expert(TINY_REPO, 1, 1).tobytes() == owner  # the owner still flows
+            assert c.stats()["store"]["entries"] == 1  # no second copy, no wrong row
+    finally:
+        inst.cleanup()
+
+
+def test_a_whole_aliased_layer_never_runs(
+        hub: HubProcess, tiny_manifest_path: Path, tmp_path: Path) -> None:
+    """Every expert of a layer given the next one's digest, the cache warmed with the real
+    owners by an honest registration first: registration, `run` and `warm` all refuse."""
+    m = Manifest.load(tiny_manifest_path)
+    layer = m.moe_layers[0]
+    every = list(range(m.experts_per_layer))
+    bad = tampered.alias_layer(tiny_manifest_path, tmp_path / "alias-layer.manifest", layer)
+    good = DaemonProcess(hub.url, [tiny_manifest_path]).start()
+    try:
+        with good.client() as c:
+            for lay in m.moe_layers:  # every owner cached: an alias finds its digest
+                c.experts(TINY_REPO, lay, every)
+    finally:
+        good.stop()
+    # registration on a daemon over that cache
+    d = DaemonProcess(hub.url, cache_dir=good.cache_dir).start()
+    try:
+        with d.client() as c:
+            c.register(bad)
+            with pytest.raises(ChecksumMismatch) as info:
+                c.experts(TINY_REPO, layer, every)
+            assert str(bad) in info.value.message and f"layer={layer} " in info.value.message
+    finally:
+        d.stop()
+    # setup, then run and warm, over the same cache
+    inst = Installed(short_tmp("cdpl"))
+    try:
+        _setup(inst, hub, bad, good.cache_dir)
+        run = run_cli("run", "--model", TINY_REPO, "--socket", str(inst.socket), "--no-chat",
+                      "--prompt", PROMPT, "--max-new", "4", check=False)
+        assert run.returncode != 0, run.stdout  # never exit 0 with other tokens
+        assert "checksum_mismatch" in run.stderr and str(bad) in run.stderr, run.stderr
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text(PROMPT + "\n")
+        warm = run_cli("warm", "--model", TINY_REPO, "--socket", str(inst.socket), "--prompts",
+                       str(prompts), check=False)
+        assert warm.returncode != 0, warm.stdout
+        assert "checksum_mismatch" in warm.stderr and str(bad) in warm.stderr, warm.stderr
+    finally:
+        inst.cleanup()
+        d.cleanup()
+        good.cleanup()
+        shutil.rmtree(good.cache_dir, ignore_errors=True)
