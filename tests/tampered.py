@@ -141,3 +141,15 @@ def alias_layer(src: Path, out: Path, layer: int) -> Path:
     m = Manifest.load(src)
     rows = [m.row(layer, e) for e in range(m.experts_per_layer)]
     return alias_digests(src, out, {r: rows[(k + 1) % len(rows)] for k, r in enumerate(rows)})
+
+
+def hashes_from(src: Path, out: Path, other: Path, rows: list[int]) -> Path:
+    """``rows`` given the hashes ``other`` (another revision's manifest) has for them: a new
+    revision that says these experts did not change, its ranges and layout honest."""
+    meta, a = read(src)
+    _, b = read(other)
+    tp, _ = _ptrs(a)
+    for i in rows:
+        a["exp_xxh3"][i] = b["exp_xxh3"][i]
+        a["t_xxh3"][tp[i]:tp[i + 1]] = b["t_xxh3"][tp[i]:tp[i + 1]]
+    return write(meta, a, out)

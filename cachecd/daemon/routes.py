@@ -113,7 +113,7 @@ def _add_coverage(d: Any, models: list[dict[str, Any]]) -> None:
     for row in models:
         model = by_name.get((row["repo"], row["revision"]))
         if model is not None:
-            cached = cached_mask(model.manifest, d.store.has) & model.served_rows()
+            cached = cached_mask(model.manifest, d.store.has_source) & model.served_rows()
             row["experts_cached"] = int(cached.sum())
             row["expert_bytes_cached"] = int(model.manifest.sizes[cached].sum())
 
@@ -231,7 +231,7 @@ async def coverage(request: web.Request) -> web.Response:
     await d.misses.settled()
 
     def build() -> dict[str, Any]:
-        cached, access = cached_mask(m, d.store.has), access_array(m, d.store.access_counts(m.key))
+        cached, access = cached_mask(m, d.store.has_source), access_array(m, d.store.access_counts(m.key))
         report = coverage_report(m, cached, access, layers=model.layers)
         report["pipeline"] = model.describe()["pipeline"]
         report["history"] = d.history.snapshot(m.key)

@@ -107,6 +107,7 @@ class Manifest:
         self._sizes_list: list[int] = self.sizes.tolist()
         self._cache: dict[int, ExpertEntry] = {}
         self._content_sha256: str | None = None
+        self._source_keys: list[str] | None = None
 
     # -- identity --------------------------------------------------------------------------
     @property
@@ -226,6 +227,16 @@ class Manifest:
     @property
     def shape_list(self) -> list[tuple[int, ...]]:
         return list(self._shapes)
+
+    def source_keys(self) -> list[str]:
+        """Every expert's source key (``provenance``), in row order; computed once, from the
+        range columns (no entries built)."""
+        if self._source_keys is None:
+            names, ptr = self._file_names, self._r_ptr_list
+            ranges = [ByteRange(names[f], s, e) for f, s, e in self._r_table.tolist()]
+            self._source_keys = [source_key(ranges[ptr[i]:ptr[i + 1]], self.files)
+                                 for i in range(self.n_experts)]
+        return self._source_keys
 
     def digest_hex(self, row: int) -> str:
         return self.digests[row].tobytes().hex()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 import xxhash
 
@@ -33,8 +32,3 @@ def source_key(ranges: Iterable[ByteRange], files: Mapping[str, FileInfo]) -> st
         sha = files[r.file].sha256 if r.file in files else ""
         h.update(sha.encode() + b"\x00" + _RANGE.pack(r.start, r.length))
     return h.hexdigest()
-
-
-def source_keys(manifest: Any) -> list[str]:
-    """Every expert's source key, in row order (builds every entry: tools, not hot paths)."""
-    return [manifest.entry(i).source for i in range(manifest.n_experts)]

@@ -39,9 +39,12 @@ HISTORY_BUCKETS = 24 * 60  # one day of minutes
 # ---- per-expert arrays --------------------------------------------------------------------
 
 
-def cached_mask(manifest: Manifest, has: Callable[[str], bool]) -> np.ndarray:
-    hexes = manifest.digests.tobytes().hex()
-    return np.fromiter((has(hexes[i * 32:(i + 1) * 32]) for i in range(manifest.n_experts)),
+def cached_mask(manifest: Manifest, has: Callable[[str, str], bool]) -> np.ndarray:
+    """Which experts are hits: ``has(digest, source key)`` (``Store.has_source``), so a blob
+    cached for another expert with the same digest does not count (``manifest.provenance``)."""
+    hexes, keys = manifest.digests.tobytes().hex(), manifest.source_keys()
+    return np.fromiter((has(hexes[i * 32:(i + 1) * 32], keys[i])
+                        for i in range(manifest.n_experts)),
                        dtype=bool, count=manifest.n_experts)
 
 

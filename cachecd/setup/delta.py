@@ -1,7 +1,12 @@
 """What a new revision reuses of one installed before (``setup --stream ORG/NAME@NEWREV``).
 
-Blobs are keyed by the expert's xxh3-128, so an expert whose digest the new manifest shares with
-the installed revision's is the same blob: cached already, it is never fetched again. Resident
+Blobs are keyed by the expert's xxh3-128, and each counts only for the exact bytes it was verified
+as (``manifest.provenance``: shard sha256, offsets, sizes). So an expert the new manifest gives
+the installed revision's digest AND source key (its shard unchanged, same place) is the same blob:
+cached already, it is never fetched again. One with the same digest elsewhere (its shard changed,
+or it moved to another shard) is only the new manifest's word: the daemon reads and verifies its
+new ranges when routing first needs it (no second copy if they match), and setup says what that
+costs. Resident
 tensors are compared the same way (name and xxh3-128); an unchanged one is copied from the old
 install's resident file, verified against the new manifest, instead of downloaded
 (``ResidentWriter``'s ``reuse``), and a config or tokenizer file with the sha256 the new
@@ -31,7 +36,9 @@ class Delta:
     since: str  # the installed revision compared with
     experts: int  # the new revision's experts
     unchanged: int  # of them, with a digest the installed revision has
-    cached: int  # of those, held by the daemon now
+    cached: int  # of those at the same source (shard sha256, offsets), held by the daemon now
+    moved: int  # of the unchanged, at another source: verified again against their new ranges
+    moved_bytes: int
     changed_bytes: int  # the changed experts' bytes: what the new revision may still fetch
     tensors: int  # resident tensors installed
     tensors_unchanged: int
@@ -40,11 +47,14 @@ class Delta:
 
     def lines(self) -> list[str]:
         changed = self.experts - self.unchanged
-        uncached = self.unchanged - self.cached
+        uncached = self.unchanged - self.moved - self.cached
         also = f" ({uncached} more unchanged, not cached yet)" if uncached else ""
+        moved = (f"{self.moved} unchanged but not in place (their shard changed or they moved): "
+                 f"{format_size(self.moved_bytes)} to read again and verify as this revision's, "
+                 f"when routing first needs them; ") if self.moved else ""
         return [f"{self.cached} of {self.experts} experts unchanged since {self.since[:12]} and "
-                f"cached, reused{also}; {changed} changed ({format_size(self.changed_bytes)}), "
-                f"fetched when routing first needs them",
+                f"cached, reused{also}; {moved}{changed} changed "
+                f"({format_size(self.changed_bytes)}), fetched when routing first needs them",
                 f"{self.tensors_unchanged} of {self.tensors} resident tensors unchanged since "
                 f"{self.since[:12]}, " + ("copied from its install; " if self.old_resident else
                                           "fetched (its install is not here); ")
@@ -79,10 +89,11 @@ def compare(socket: Path, old: dict[str, Any], new: Manifest, keep: set[str]) ->
             cached_bits, _ = unpack_detail(client.coverage(name, detail=True)["detail"])
     except CachecdError:
         return None
-    old_digests = _digest_set(before, None)
-    cached_digests = _digest_set(before, cached_bits)
-    rows = [new.digests[i].tobytes() for i in range(new.n_experts)]
-    unchanged = [d in old_digests for d in rows]
+    old_digests = {d for d, _ in _pairs(before, None)}
+    old_pairs, cached_pairs = _pairs(before, None), _pairs(before, cached_bits)
+    rows = _pairs(new, None, ordered=True)
+    unchanged = [d in old_digests for d, _ in rows]
+    moved = [u and p not in old_pairs for u, p in zip(unchanged, rows, strict=True)]
     changed_bytes = int(new.sizes[[not u for u in unchanged]].sum()) if rows else 0
     old_tensors = {t.name: t.xxh3 for t in before.resident}
     mine = [t for t in new.resident if t.name in keep]
@@ -90,7 +101,8 @@ def compare(socket: Path, old: dict[str, Any], new: Manifest, keep: set[str]) ->
     local = Path(old["local_dir"]) / RESIDENT_FILE if old.get("local_dir") else None
     return Delta(
         since=old["revision"], experts=new.n_experts, unchanged=sum(unchanged),
-        cached=sum(d in cached_digests for d in rows), changed_bytes=changed_bytes,
+        cached=sum(p in cached_pairs for p in rows), moved=sum(moved),
+        moved_bytes=int(new.sizes[moved].sum()) if rows else 0, changed_bytes=changed_bytes,
         tensors=len(mine), tensors_unchanged=len(same),
         tensors_changed_bytes=sum(t.nbytes for t in mine) - sum(t.nbytes for t in same),
         old_resident=local if local is not None and local.is_file() else None)
@@ -110,6 +122,9 @@ def copy_if_same(source: Path, target: Path, sha256: str) -> bool:
 
 
 
-def _digest_set(manifest: Manifest, mask: Any) -> set[bytes]:
-    return {manifest.digests[i].tobytes() for i in range(manifest.n_experts)
-            if mask is None or mask[i]}
+def _pairs(manifest: Manifest, mask: Any, *, ordered: bool = False) -> Any:
+    """(digest, source key) of each expert (where ``mask``): a set, or a list in row order."""
+    keys = manifest.source_keys()
+    out = [(manifest.digests[i].tobytes(), keys[i]) for i in range(manifest.n_experts)
+           if mask is None or mask[i]]
+    return out if ordered else set(out)

@@ -1,8 +1,10 @@
 """A new revision next to an installed one, as a user updates: the local hub serves both (the
 folder ``ORG/NAME`` is main, ``ORG/NAME@v2`` the new branch) behind a proxy that counts every byte
-read of the shards. The new revision changes 10% of the experts and one resident tensor; setup
-says what it reuses, and setup plus a run plus a full warm read exactly those bytes, never a byte
-of an unchanged expert. Both revisions stay registered, each runs bitwise equal to its own
+read of the shards. The new revision changes 10% of the experts (all in one shard) and one resident
+tensor (in another); setup says what it reuses, and setup plus a run plus a full warm read exactly
+the changed bytes and those of the unchanged experts whose shard changed (their blobs count only
+for the shard bytes they were verified as: docs/trust.md), never a byte of an expert whose shard
+is unchanged. A new manifest that says a changed expert is unchanged gets no old bytes served. Both revisions stay registered, each runs bitwise equal to its own
 checkpoint loaded whole by mlx-lm, and removing the old one keeps the blobs the new one uses."""
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import re
 import shutil
 import struct
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +39,10 @@ class Revisions:
     new: Manifest
     new_dir: Path
     changed_rows: list[int]
+    moved_rows: list[int]  # unchanged experts of a shard that changed: verified again
     proxy: CountingProxy
+    root: Path
+    hub: HubProcess
 
 
 def _tensor_at(path: Path, name: str) -> tuple[int, int]:
@@ -74,7 +80,12 @@ def revisions(tiny_dir: Path, tiny_manifest: Manifest) -> Iterator[Revisions]:
     shutil.copytree(tiny_dir, root / TINY_REPO)
     new_dir = root / f"{TINY_REPO}@v2"
     shutil.copytree(tiny_dir, new_dir)
-    changed = list(range(0, tiny_manifest.n_experts, 10))  # 10% of the experts
+    # 10% of the experts, every other one of the shard holding the most
+    shard = Counter(e.ranges[0].file for e in tiny_manifest.experts()
+                    if len(e.ranges) == 1).most_common(1)[0][0]
+    changed = [i for i in range(tiny_manifest.n_experts)
+               if [r.file for r in tiny_manifest.entry(i).ranges] == [shard]][::2]
+    assert len(changed) == tiny_manifest.n_experts // 10
     for row in changed:
         packed = tiny_manifest.entry(row).tensors
         w1 = next(t for t in packed if t.name.endswith("w1.weight_packed"))
@@ -89,7 +100,11 @@ def revisions(tiny_dir: Path, tiny_manifest: Manifest) -> Iterator[Revisions]:
                 str(out))
         manifests[rev] = Manifest.load(out)
     proxy = CountingProxy(hub.url).start()
-    yield Revisions(manifests["main"], manifests["v2"], new_dir, changed, proxy)
+    old, new = manifests["main"], manifests["v2"]
+    moved = [i for i in range(new.n_experts) if i not in changed
+             and any(old.files[r.file].sha256 != new.files[r.file].sha256
+                     for r in new.entry(i).ranges)]
+    yield Revisions(old, new, new_dir, changed, moved, proxy, root, hub)
     proxy.stop()
     hub.stop()
     shutil.rmtree(root, ignore_errors=True)
@@ -100,6 +115,14 @@ def _overlaps(seen: Seen, entry: Any) -> bool:
     start, end = int(first), int(last) + 1
     return any(r.file == seen.path.rsplit("/", 1)[-1] and r.start < end and start < r.end
                for r in entry.ranges)
+
+
+def _overlap(seen: Seen, entry: Any) -> int:
+    """Bytes of ``entry`` that the read ``seen`` covered."""
+    first, _, last = seen.range.removeprefix("bytes=").partition("-") if seen.range else ("", "", "")
+    start, end = int(first), int(last) + 1
+    return sum(max(0, min(end, r.end) - max(start, r.start)) for r in entry.ranges
+               if r.file == seen.path.rsplit("/", 1)[-1])
 
 
 def _data_reads(proxy: CountingProxy, since: int) -> list[Seen]:
@@ -144,9 +167,13 @@ def test_a_new_revision_fetches_only_what_changed(revisions: Revisions,
         mark = proxy.mark()
         out = run_cli("setup", "--stream", f"{TINY_REPO}@v2", *flags, "--manifest",
                       str(given[new])).stdout
-        m, k = rev.new.n_experts, len(rev.changed_rows)
-        assert (f"{m - k} of {m} experts unchanged since {old[:12]} and cached, reused; "
-                f"{k} changed") in out, out
+        m, k, v = rev.new.n_experts, len(rev.changed_rows), len(rev.moved_rows)
+        v_bytes = sum(rev.new.entry(r).nbytes for r in rev.moved_rows)
+        assert v and m - k - v > 0
+        assert (f"{m - k - v} of {m} experts unchanged since {old[:12]} and cached, reused; "
+                f"{v} unchanged but not in place (their shard changed or they moved): "
+                f"{format_size(v_bytes)} to read again and verify") in out, out
+        assert f"{k} changed" in out, out
         norm = next(t for t in rev.new.resident if t.name == CHANGED_TENSOR)
         same = re.search(rf"(\d+) of (\d+) resident tensors unchanged since {old[:12]}, copied "
                          r"from its install; 1 changed", out)
@@ -166,11 +193,13 @@ def test_a_new_revision_fetches_only_what_changed(revisions: Revisions,
             for layer in rev.new.moe_layers:
                 c.warm(f"{TINY_REPO}@{new}", layer, list(range(rev.new.experts_per_layer)))
         reads = _data_reads(proxy, mark)
-        changed = [rev.new.entry(r) for r in rev.changed_rows]
-        unchanged = [rev.new.entry(r) for r in range(m) if r not in set(rev.changed_rows)]
+        again = set(rev.changed_rows) | set(rev.moved_rows)
+        changed = [rev.new.entry(r) for r in sorted(again)]
+        unchanged = [rev.new.entry(r) for r in range(m) if r not in again]
         assert reads and all(any(_overlaps(s, e) for e in changed) for s in reads)
         assert not [s for s in reads if any(_overlaps(s, e) for e in unchanged)]
-        assert sum(s.nbytes for s in reads) == sum(e.nbytes for e in changed)
+        # Each of them read whole (a coalesced read may span one the run fetched before it)
+        assert all(sum(_overlap(s, e) for s in reads) >= e.nbytes for e in changed)
 
         old_ref, _ = run_logits(load_model(tiny_dir)[0], PROMPT, steps=4)
         assert_bitwise(old_ref, _logits(f"{TINY_REPO}@{old}", sock)[0])
@@ -195,3 +224,39 @@ def test_a_new_revision_fetches_only_what_changed(revisions: Revisions,
         assert proxy.seen[mark:] == []
     finally:
         stop_daemon(sock)
+
+
+def test_a_new_manifest_cannot_call_a_changed_expert_unchanged(revisions: Revisions,
+                                                                tmp_path: Path) -> None:
+    """v2's manifest gives a changed expert the digest it had before (its layout honest): the old
+    blob is cached, but it was verified as the old shard's bytes, not the new one's."""
+    from cachecd_client import Client
+
+    from cachecd.errors import ChecksumMismatch
+    from tests import tampered
+
+    rev = revisions
+    row = rev.changed_rows[0]
+    entry = rev.new.entry(row)
+    liar = tampered.hashes_from(Path(rev.new.source), tmp_path / "v2-liar.manifest",
+                                Path(rev.old.source), [row])
+    base = short_tmp("cdrl")
+    sock = base / "run" / "s.sock"
+    flags = ["--endpoint", rev.hub.url, "--socket", str(sock), "--cache-dir",
+             str(base / "cache"), "--models-dir", str(base / "models")]
+    try:
+        run_cli("setup", "--stream", f"{TINY_REPO}@{rev.old.revision}", *flags, "--manifest",
+                str(rev.old.source))
+        with Client(sock) as c:
+            c.warm(f"{TINY_REPO}@{rev.old.revision}", entry.layer, [entry.expert])
+        out = run_cli("setup", "--stream", f"{TINY_REPO}@v2", *flags, "--manifest",
+                      str(liar)).stdout
+        assert "unchanged but not in place" in out, out
+        with Client(sock) as c:
+            with pytest.raises(ChecksumMismatch) as info:
+                c.expert(f"{TINY_REPO}@{rev.new.revision}", entry.layer, entry.expert)
+            assert str(liar) in info.value.message
+            assert f"layer={entry.layer} expert={entry.expert}" in info.value.message
+    finally:
+        stop_daemon(sock)
+        shutil.rmtree(base, ignore_errors=True)
