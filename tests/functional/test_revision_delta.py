@@ -230,9 +230,8 @@ def test_a_new_manifest_cannot_call_a_changed_expert_unchanged(revisions: Revisi
                                                                 tmp_path: Path) -> None:
     """v2's manifest gives a changed expert the digest it had before (its layout honest): the old
     blob is cached, but it was verified as the old shard's bytes, not the new one's."""
-    from cachecd_client import Client
-
     from cachecd.errors import ChecksumMismatch
+    from cachecd_client import Client
     from tests import tampered
 
     rev = revisions
@@ -251,12 +250,12 @@ def test_a_new_manifest_cannot_call_a_changed_expert_unchanged(revisions: Revisi
             c.warm(f"{TINY_REPO}@{rev.old.revision}", entry.layer, [entry.expert])
         out = run_cli("setup", "--stream", f"{TINY_REPO}@v2", *flags, "--manifest",
                       str(liar)).stdout
-        assert "unchanged but not in place" in out, out
         with Client(sock) as c:
             with pytest.raises(ChecksumMismatch) as info:
                 c.expert(f"{TINY_REPO}@{rev.new.revision}", entry.layer, entry.expert)
             assert str(liar) in info.value.message
             assert f"layer={entry.layer} expert={entry.expert}" in info.value.message
+        assert "unchanged but not in place" in out, out  # setup said it would be verified
     finally:
         stop_daemon(sock)
         shutil.rmtree(base, ignore_errors=True)
