@@ -1,16 +1,18 @@
 """``cachecd serve --share HOST:PORT``: this daemon's verified experts, read-only, to named peers.
 
-The protocol (docs/sharing.md has it whole): every request carries ``Authorization: Bearer
-TOKEN``; ``GET /v1/blob/DIGEST`` answers one blob, ``POST /v1/blobs`` with a JSON list of
-digests answers the blobs it has concatenated in the asked order, ``X-Cachecd-Sizes`` listing
-each one's size (0: not here, no bytes in the body for it); ``GET /metrics`` the daemon's
-prometheus registry.
+The protocol (docs/sharing.md has it whole), version 2: every request carries ``Authorization:
+Bearer TOKEN``; ``GET /v2/blob/DIGEST/SOURCE`` answers one blob, ``POST /v2/blobs`` with a JSON
+list of ``{"digest": D, "source": S}`` answers the blobs it has concatenated in the asked order,
+``X-Cachecd-Sizes`` listing each one's size (0: not here, no bytes in the body for it); ``GET
+/metrics`` the daemon's prometheus registry. ``/v1/`` (by digest alone) answers 410.
 
 Invariants:
 - A request without the right token is answered 401 before anything else is looked at; the
   token is compared in constant time (``hmac.compare_digest``).
 - A blob is named only by its digest, 32 lowercase hex characters, looked up in the store's
-  index: nothing from the request becomes a path. A blob this process has not hashed is hashed
+  index: nothing from the request becomes a path. It is served only for a source key (which
+  shard bytes: ``manifest.provenance``) it was verified as here (``store.sources``): a peer whose
+  manifest gives an expert another expert's digest gets nothing for it. A blob this process has not hashed is hashed
   before it is served (as a hit's first open does); rot is quarantined and answered as absent.
 - At most ``max_requests`` requests and ``max_bytes`` of blobs are served at once; past either
   the answer is 503 with Retry-After, never a queue that grows.
@@ -39,6 +41,9 @@ from cachecd.errors import ExpertNotFound
 log = logging.getLogger(__name__)
 
 DIGEST = re.compile(r"^[0-9a-f]{32}$")
+SOURCE = DIGEST  # a source key is an xxh3-128 too
+GONE = ("this share answers /v2/ only (blobs by digest and source, docs/sharing.md): "
+        "upgrade cachecd on the asking machine")
 SIZES_HEADER = "X-Cachecd-Sizes"
 CHUNK = 1 << 20
 
@@ -60,8 +65,9 @@ class Sharing:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._guard], client_max_size=1 << 20)
-        app.router.add_get("/v1/blob/{digest}", self._one)
-        app.router.add_post("/v1/blobs", self._many)
+        app.router.add_get("/v2/blob/{digest}/{source}", self._one)
+        app.router.add_post("/v2/blobs", self._many)
+        app.router.add_route("*", "/v1/{tail:.*}", self._gone)
         app.router.add_get("/metrics", self._metrics)
         return app
 
@@ -104,38 +110,42 @@ class Sharing:
         return web.Response(body=render(registry_for(self.daemon)),
                             content_type="text/plain", charset="utf-8")
 
+    async def _gone(self, request: web.Request) -> web.StreamResponse:
+        raise self._refuse("old_protocol", web.HTTPGone, text=GONE)
+
     async def _one(self, request: web.Request) -> web.StreamResponse:
-        opened = await self._open([request.match_info["digest"]])
+        opened = await self._open([(request.match_info["digest"], request.match_info["source"])])
         if opened[0] is None:
             raise self._refuse("not_found", web.HTTPNotFound)
         return await self._send(request, opened)
 
     async def _many(self, request: web.Request) -> web.StreamResponse:
         try:
-            digests = json.loads(await request.read())
+            asked = _asked(json.loads(await request.read()), self.max_experts)
         except ValueError:
-            digests = None
-        if (not isinstance(digests, list) or not 0 < len(digests) <= self.max_experts
-                or not all(isinstance(d, str) for d in digests)):
-            raise self._refuse("bad_request", web.HTTPBadRequest,
-                               text=f"expected a JSON list of 1..{self.max_experts} digests")
-        return await self._send(request, await self._open(digests))
+            raise self._refuse("bad_request", web.HTTPBadRequest, text=(
+                f"expected a JSON list of 1..{self.max_experts} "
+                '{"digest": ..., "source": ...}')) from None
+        return await self._send(request, await self._open(asked))
 
-    async def _open(self, digests: list[str]) -> list[tuple[int, int] | None]:
+    async def _open(self, asked: list[tuple[str, str]]) -> list[tuple[int, int] | None]:
         out: list[tuple[int, int] | None] = []
         try:
-            for digest in digests:
-                if not DIGEST.match(digest):
+            for digest, source in asked:
+                if not DIGEST.match(digest) or not SOURCE.match(source):
                     self.counters["refused_bad_digest"] += 1
                     out.append(None)
                     continue
-                out.append(await self._open_one(digest))
+                out.append(await self._open_one(digest, source))
         except BaseException:
             _close(out)
             raise
         return out
 
-    async def _open_one(self, digest: str) -> tuple[int, int] | None:
+    async def _open_one(self, digest: str, source: str) -> tuple[int, int] | None:
+        if not self.daemon.store.has_source(digest, source):
+            self.counters["refused_other_source"] += 1  # not verified as those bytes here
+            return None
         try:
             return await self.daemon.open_verified_blob(digest)  # hashed first, as a hit's
         except ExpertNotFound:
@@ -165,6 +175,19 @@ class Sharing:
         self.counters["served_experts"] += len(served)
         self.counters["served_bytes"] += total
         return resp
+
+
+def _asked(body: Any, most: int) -> list[tuple[str, str]]:
+    """(digest, source) of each blob a ``/v2/blobs`` body asks for; ValueError if malformed."""
+    if not isinstance(body, list) or not 0 < len(body) <= most:
+        raise ValueError("not a list of the right length")
+    out = []
+    for item in body:
+        if (not isinstance(item, dict) or not isinstance(item.get("digest"), str)
+                or not isinstance(item.get("source"), str)):
+            raise ValueError("an item is not {digest, source}")
+        out.append((item["digest"], item["source"]))
+    return out
 
 
 async def _send_fd(request: web.Request, resp: web.StreamResponse, fd: int, size: int) -> None:

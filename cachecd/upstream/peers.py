@@ -1,5 +1,6 @@
 """Peers (``cachecd serve --peer URL``): other daemons' ``--share``, asked for experts by content
-before the source is asked for their ranges.
+and source (digest + source key, ``manifest.provenance``; protocol v2, docs/sharing.md) before the
+source is asked for their ranges.
 
 Peers are not an ``ExpertSource``: a source answers byte ranges of files at a commit, a peer
 answers blobs by digest, and only for the experts it happens to hold. So they are a tier in front
@@ -9,7 +10,9 @@ over; the rest go to the source as if there were no peers.
 Invariants:
 - A peer's bytes pass the same check as the source's (xxh3-128 and size against the manifest,
   ``verify.verify_digest`` over the streamed bytes) before anything is handed over; a wrong
-  expert is dropped and fetched from the source.
+  expert is dropped and fetched from the source. A peer is asked for an expert's digest AS its
+  source key, and serves it only if it verified that blob as those shard bytes: its answer is
+  its word for the provenance (the caller records it as the peer's, ``store.sources``).
 - What is asked of a peer is split into requests (``batches``) run ``max_parallel`` at a time
   per peer, across every fetch of this process; each request's body is streamed into the
   spool's blob writers as it arrives (``hub_stream.Stream``: hashed on the way, never held
@@ -104,7 +107,7 @@ class Peers:
         the bytes are gathered in memory and handed over as a memoryview)."""
         done: set[ExpertKey] = set()
         spool = _Buffers() if spool is None else spool
-        entries = list({e.xxh3: e for e in entries}.values())  # a spool has one writer a digest
+        entries = list({_ident(e): e for e in entries}.values())  # a spool: one writer each
         for url in self.urls:
             want = [e for e in entries if (e.layer, e.expert) not in done]
             if not want:
@@ -150,8 +153,7 @@ class Peers:
         self.counters["requests"] += 1
         timeout = aiohttp.ClientTimeout(total=constants.TOTAL_TIMEOUT_S,
                                         sock_connect=self.deadline_s, sock_read=self.deadline_s)
-        digests = [e.xxh3.hex() for e in batch]
-        async with self._session.post(f"{url}/v1/blobs", data=json.dumps(digests),
+        async with self._session.post(f"{url}/v2/blobs", data=_body(batch),
                                       headers=self._auth, timeout=timeout) as resp:
             if resp.status != 200:
                 raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
@@ -268,18 +270,29 @@ class _Buffers:
     """A spool in memory: ``take`` gives the expert's bytes."""
 
     def __init__(self) -> None:
-        self._bufs: dict[bytes, _Buffer] = {}
+        self._bufs: dict[tuple[bytes, str], _Buffer] = {}
 
     def begin(self, entry: EntryLike) -> _Buffer:
-        self._bufs[entry.xxh3] = buf = _Buffer(entry.nbytes)
+        self._bufs[_ident(entry)] = buf = _Buffer(entry.nbytes)
         return buf
 
     def discard(self, entry: EntryLike) -> None:
-        self._bufs.pop(entry.xxh3, None)
+        self._bufs.pop(_ident(entry), None)
 
     def take(self, entry: EntryLike) -> memoryview | None:
-        buf = self._bufs.pop(entry.xxh3, None)
+        buf = self._bufs.pop(_ident(entry), None)
         return None if buf is None else memoryview(buf.data)
+
+
+def _ident(entry: EntryLike) -> tuple[bytes, str]:
+    """What one peer answer is: a digest as one source's bytes."""
+    return entry.xxh3, getattr(entry, "source", "")
+
+
+def _body(batch: list[EntryLike]) -> str:
+    """A ``/v2/blobs`` request: each expert's digest and source key, in order."""
+    return json.dumps([{"digest": e.xxh3.hex(), "source": getattr(e, "source", "")}
+                       for e in batch])
 
 
 def _kind(exc: BaseException) -> str:

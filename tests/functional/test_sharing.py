@@ -285,7 +285,7 @@ def test_share_refuses_without_the_token_and_serves_only_blobs_by_digest(sharer,
                                                                          tiny_dir):
     entry = tiny_manifest.expert(tiny_manifest.moe_layers[0], 3)
     digest = entry.xxh3.hex()
-    url = f"{sharer.share_url}/v1/blob/{digest}"
+    url = f"{sharer.share_url}/v2/blob/{digest}/{entry.source}"
     assert ask(url, token=None)[0] == 401
     assert ask(url, token="wrong")[0] == 401
     assert ask(url, token=TOKEN + "x")[0] == 401
@@ -294,16 +294,26 @@ def test_share_refuses_without_the_token_and_serves_only_blobs_by_digest(sharer,
     assert status == 200 and body == expert_bytes_from_files(tiny_dir, entry)
     for bad in ("..%2F..%2F..%2Fetc%2Fpasswd", "%2Fetc%2Fpasswd", digest.upper(), digest[:-1],
                 "0" * 32):
-        assert ask(f"{sharer.share_url}/v1/blob/{bad}")[0] == 404, bad
+        assert ask(f"{sharer.share_url}/v2/blob/{bad}/{entry.source}")[0] == 404, bad
     # Coalesced: the blobs it has, in order, their sizes in a header (0: not here).
     other = tiny_manifest.expert(tiny_manifest.moe_layers[0], 4)
-    asked = json.dumps([digest, "0" * 32, "../../etc/passwd", other.xxh3.hex()]).encode()
-    status, headers, body = ask(f"{sharer.share_url}/v1/blobs", data=asked)
+
+    def item(d: str, s: str) -> dict[str, str]:
+        return {"digest": d, "source": s}
+
+    asked = json.dumps([item(digest, entry.source), item("0" * 32, entry.source),
+                        item("../../etc/passwd", entry.source),
+                        item(other.xxh3.hex(), other.source)]).encode()
+    status, headers, body = ask(f"{sharer.share_url}/v2/blobs", data=asked)
     assert status == 200
     assert headers["X-Cachecd-Sizes"] == f"{entry.nbytes},0,0,{other.nbytes}"
     assert body == (expert_bytes_from_files(tiny_dir, entry)
                     + expert_bytes_from_files(tiny_dir, other))
-    assert ask(f"{sharer.share_url}/v1/blobs", data=b"{not json")[0] == 400
+    assert ask(f"{sharer.share_url}/v2/blobs", data=b"{not json")[0] == 400
+    assert ask(f"{sharer.share_url}/v2/blobs", data=json.dumps([digest]).encode())[0] == 400
+    # By digest alone (protocol 1): gone, with what to do
+    status, _, body = ask(f"{sharer.share_url}/v1/blob/{digest}")
+    assert status == 410 and b"upgrade cachecd" in body
     _, _, metrics = ask(f"{sharer.share_url}/metrics")
     text = metrics.decode()
     assert 'cachecd_share_refused_total{reason="unauthorized"} 4.0' in text
@@ -355,12 +365,42 @@ def test_a_blob_from_before_a_restart_is_hashed_before_it_is_shared(logged_hub, 
         data[len(data) // 2] ^= 0x01  # same size: only the hash tells
         rotten.write_bytes(bytes(data))
         d.start()
-        share = f"http://127.0.0.1:{port}/v1/blob/"
-        status, _, body = ask(share + good.digest_hex)
+        share = f"http://127.0.0.1:{port}/v2/blob/"
+        status, _, body = ask(f"{share}{good.digest_hex}/{good.source}")
         assert status == 200 and body == expert_bytes_from_files(tiny_dir, good)
-        assert ask(share + bad.digest_hex)[0] == 404  # rot: quarantined, never sent
+        assert ask(f"{share}{bad.digest_hex}/{bad.source}")[0] == 404  # rot: never sent
         with d.client() as c:
             store = c.stats()["store"]
         assert store["verified_on_open"] == 1 and store["bit_rot_on_open"] == 1
     finally:
         d.cleanup()
+
+
+def test_a_peer_asked_for_an_aliased_digest_serves_nothing_for_it(sharer, logged_hub,
+                                                                 tiny_manifest_path, tiny_manifest,
+                                                                 tiny_dir, tmp_path):
+    """B's manifest gives expert (L, 0) the digest of (L, 1), which A has cached (verified as
+    (L, 1)'s bytes): A serves it only as (L, 1), so B's (L, 0) is checked against its own ranges
+    at the Hub, and refused naming the manifest."""
+    from cachecd.errors import ChecksumMismatch
+    from tests import tampered
+
+    layer = tiny_manifest.moe_layers[1]
+    alias, owner = tiny_manifest.expert(layer, 0), tiny_manifest.expert(layer, 1)
+    bad = tampered.alias_digests(tiny_manifest_path, tmp_path / "alias.manifest",
+                                 {tiny_manifest.row(layer, 0): tiny_manifest.row(layer, 1)})
+    b = peer_daemon(logged_hub, bad, sharer.share_url)
+    try:
+        with b.client() as c:
+            with pytest.raises(ChecksumMismatch) as info:
+                c.expert(TINY_REPO, layer, 0)
+            assert str(bad) in info.value.message
+            assert f"layer={layer} expert=0" in info.value.message
+            got = c.expert(TINY_REPO, layer, 1).tobytes()  # the owner flows from the peer
+            assert got == expert_bytes_from_files(tiny_dir, owner)
+            assert c.stats()["upstream"]["peer_experts"] == 1
+    finally:
+        b.cleanup()
+    asked = json.dumps([{"digest": owner.digest_hex, "source": alias.source}]).encode()
+    status, headers, _ = ask(f"{sharer.share_url}/v2/blobs", data=asked)
+    assert status == 200 and headers["X-Cachecd-Sizes"] == "0"  # not as (L, 0)'s bytes

@@ -30,6 +30,7 @@ class _Entry:
     nbytes: int
     xxh3: bytes = b""
     ranges: tuple[Any, ...] = ()
+    source: str = "5" * 32  # its source key: the share serves a blob only as a source it knows
 
 
 def _sizes(groups: list[list[_Entry]]) -> list[int]:
@@ -55,6 +56,9 @@ class _Store:
 
     def __init__(self, blobs: dict[str, Path], sharing: list[Sharing]) -> None:
         self.blobs, self.sharing, self.most = blobs, sharing, 0
+
+    def has_source(self, digest: str, source: str) -> bool:
+        return digest in self.blobs and source == "5" * 32
 
     def open_blob(self, digest: str) -> tuple[int, int]:
         path = self.blobs[digest]
