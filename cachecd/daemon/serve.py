@@ -125,6 +125,7 @@ class _MalformedRequestLine(logging.Filter):
 async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     from aiohttp import web
 
+    from cachecd.daemon.adopt import adopt_pre_provenance
     from cachecd.daemon.app import Daemon
     from cachecd.daemon.control_door import ControlDoor, ControlSite
     from cachecd.daemon.datapath import DataServer
@@ -144,6 +145,7 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     upstream = await asyncio.to_thread(open_upstream, settings, None, peer_token)
     daemon = Daemon(settings, store, upstream)
     await daemon.registry.load_registered()
+    await adopt_pre_provenance(store, daemon.registry.all())  # once, after a schema-1 index
     for path in settings.manifests:
         await _register_or_refuse(daemon, Path(path))
     control = bind_private_socket(settings.socket)

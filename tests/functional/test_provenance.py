@@ -110,3 +110,53 @@ def test_a_whole_aliased_layer_never_runs(
         d.cleanup()
         good.cleanup()
         shutil.rmtree(good.cache_dir, ignore_errors=True)
+
+
+def _as_schema_1(cache_dir: Path) -> None:
+    """The index as a cachecd from before provenance left it: schema 1, no sources."""
+    import lmdb
+
+    env = lmdb.open(str(cache_dir / "index.lmdb"), max_dbs=8, subdir=True)
+    try:
+        with env.begin(write=True) as txn:
+            try:
+                txn.drop(env.open_db(b"sources", txn=txn, create=False), delete=True)
+            except lmdb.NotFoundError:
+                pass
+            txn.put(b"schema_version", b"1", db=env.open_db(b"meta", txn=txn))
+    finally:
+        env.close()
+
+
+def test_blobs_from_before_provenance_serve_only_an_expert_no_other_claims(
+        hub: HubProcess, tiny_manifest_path: Path, tiny_dir: Path, tmp_path: Path) -> None:
+    """An index from before schema 2, with the aliased manifest registered: the blob whose digest
+    only one expert claims is attributed to it (no download); the one two experts claim is
+    verified again before it serves either, and the alias is refused."""
+    m = Manifest.load(tiny_manifest_path)
+    bad = tampered.alias_digests(tiny_manifest_path, tmp_path / "alias-old.manifest",
+                                 {m.row(1, 0): m.row(1, 1)})
+    d = DaemonProcess(hub.url)
+    d.start()
+    try:
+        with d.client() as c:
+            c.register(bad)
+            c.experts(TINY_REPO, 1, [1, 2])  # honest bytes, cached before the upgrade
+        d.stop()
+        _as_schema_1(d.cache_dir)
+        d.start()
+        with d.client() as c:
+            assert c.expert(TINY_REPO, 1, 2).tobytes() == expert_bytes_from_files(
+                tiny_dir, m.expert(1, 2))
+            assert c.stats()["counters"].get("fetched_experts", 0) == 0  # attributed, kept
+            with pytest.raises(ChecksumMismatch) as info:
+                c.expert(TINY_REPO, 1, 0)
+            # named by the daemon's copy of it, which `status` lists
+            _refused(info.value.message, Path(c.models()[0]["manifest"]), 1, 0)
+            assert c.expert(TINY_REPO, 1, 1).tobytes() == expert_bytes_from_files(
+                tiny_dir, m.expert(1, 1))
+            stats = c.stats()
+            assert stats["counters"]["fetched_experts"] == 1  # (1, 1) verified again
+            assert stats["store"]["entries"] == 2  # and not stored twice
+    finally:
+        d.cleanup()
