@@ -216,11 +216,11 @@ class DaemonProcess:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-def keep_headers(models_dir: Path, manifest: Any, repo_dir: Path) -> None:
+def keep_headers(models_dir: Path, manifest: Any, repo_dir: Path, endpoint: str) -> None:
     """What `cachecd setup --stream` leaves for the daemon it registers a model with: each
-    shard's safetensors header, kept by the shard's sha256 (read here from the checkpoint), so
-    the daemon's layout check needs no request of the hub."""
-    from cachecd.manifest.headers import keep_dir
+    shard's safetensors header, kept by ``endpoint`` and the shard's sha256 (read here from the
+    checkpoint), so the daemon's layout check needs no request of the hub."""
+    from cachecd.manifest.headers import endpoint_id, keep_dir
 
     keep = keep_dir(models_dir)
     keep.mkdir(parents=True, exist_ok=True)
@@ -229,7 +229,7 @@ def keep_headers(models_dir: Path, manifest: Any, repo_dir: Path) -> None:
             n = int.from_bytes(f.read(8), "little")
             f.seek(0)
             head = f.read(8 + n)
-        (keep / f"{manifest.files[name].sha256}.header").write_bytes(head)
+        (keep / f"{endpoint_id(endpoint)}-{manifest.files[name].sha256}.header").write_bytes(head)
 
 
 def expert_bytes_from_files(repo_dir: Path, entry: Any) -> bytes:

@@ -42,16 +42,16 @@ def _ptrs(a: Arrays) -> tuple[np.ndarray, np.ndarray]:
     return t, r
 
 
-def swap_pairs(src: Path, out: Path) -> Path:
+def swap_pairs(src: Path, out: Path, only: int | None = None) -> Path:
     """Experts swapped in pairs (0 and 1, 2 and 3, ... of each layer, where both lie in one range
     of the same shard): their byte ranges, tensor offsets and xxh3 hashes exchanged together,
-    the meta untouched."""
+    the meta untouched. ``only``: the one pair of rows ``only`` and ``only + 1``."""
     meta, a = read(src)
     tp, rp = _ptrs(a)
     one = np.flatnonzero(a["exp_nranges"] == 1)
     pairs = [(i, i + 1) for i in one if i + 1 in set(one) and a["exp_expert"][i] % 2 == 0
              and a["exp_layer"][i] == a["exp_layer"][i + 1]
-             and a["r_file"][rp[i]] == a["r_file"][rp[i + 1]]]
+             and a["r_file"][rp[i]] == a["r_file"][rp[i + 1]] and only in (None, i)]
     for i, j in pairs:
         for col, ptr in (("t_offset", tp), ("t_xxh3", tp), ("r_start", rp), ("r_end", rp)):
             x, y = a[col][ptr[i]:ptr[i + 1]].copy(), a[col][ptr[j]:ptr[j + 1]].copy()
@@ -153,3 +153,17 @@ def hashes_from(src: Path, out: Path, other: Path, rows: list[int]) -> Path:
         a["exp_xxh3"][i] = b["exp_xxh3"][i]
         a["t_xxh3"][tp[i]:tp[i + 1]] = b["t_xxh3"][tp[i]:tp[i + 1]]
     return write(meta, a, out)
+
+
+def swap_names_in_header(shard: Path, first: Any, second: Any) -> None:
+    """Exchange the names of two experts' tensors in ``shard``'s safetensors header, in place:
+    the same bytes, the same header length, each expert's data now under the other's names."""
+    raw = shard.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    head = raw[8:8 + n]
+    for x, y in zip(first.tensors, second.tensors, strict=True):
+        a, b = f'"{x.name}"'.encode(), f'"{y.name}"'.encode()
+        hold = b'"' + b"#" * (len(a) - 2) + b'"'
+        assert head.count(a) == 1 and head.count(b) == 1 and len(a) == len(b)
+        head = head.replace(a, hold).replace(b, a).replace(hold, b)
+    shard.write_bytes(raw[:8] + head + raw[8 + n:])

@@ -108,7 +108,7 @@ def _verify(args: argparse.Namespace) -> int:
         print("ok: manifest valid (--no-hub: not checked against any endpoint)")
         return 0
     if constants.HF_HUB_OFFLINE:
-        return _verify_offline(manifest)
+        return _verify_offline(manifest, endpoint)
     _quiet_http(args)
     from cachecd.manifest.headers import keep_dir
     from cachecd.manifest.hub_check import problems
@@ -129,14 +129,15 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if not found else 1
 
 
-def _verify_offline(manifest: Any) -> int:
-    """HF_HUB_OFFLINE: the layout against headers kept by an earlier check, if all are kept."""
+def _verify_offline(manifest: Any, endpoint: str) -> int:
+    """HF_HUB_OFFLINE: the layout against headers ``endpoint`` served to an earlier check, if all
+    are kept (another endpoint's are not its word)."""
     from cachecd.manifest.headers import keep_dir
     from cachecd.manifest.hub_check import check_layout_at
 
     keep = keep_dir(constants.DEFAULT_MODELS_DIR)
     try:
-        check_layout_at(manifest, endpoint="", keep=keep, offline=True)
+        check_layout_at(manifest, endpoint=endpoint, keep=keep, offline=True)
     except errors.Offline as exc:
         print(f"ok: manifest valid; not checked (HF_HUB_OFFLINE): {exc.message}")
         return 0

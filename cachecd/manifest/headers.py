@@ -13,15 +13,19 @@ asked for again (``ATTEMPTS``). Headers that refute a manifest are read a second
 (``confirm_fresh``): bytes that change between reads are the endpoint's fault, not the
 manifest's.
 
-Kept under ``keep`` as ``<sha256>.header``, once the check they served has passed: addressed by
-the content of the shard they came from, as the endpoint vouched for it (X-Linked-Etag), so a
-kept header is the same for every repo, revision and mirror holding that shard, and a later
-check (another registration, a daemon offline) needs no network. A kept header is parsed and
+Kept under ``keep`` as ``<endpoint>-<sha256>.header``, once the check they served has passed:
+addressed by the endpoint they came from (``endpoint_id``) and the content of the shard, as that
+endpoint vouched for it (X-Linked-Etag), so a kept header is the same for every repo and revision
+holding that shard at that endpoint, and a later check there (another registration, a daemon
+offline) needs no network. Only the endpoint that vouched for it: a mirror that names the real
+sha256 but serves a header with two tensor names exchanged could otherwise approve a swapped
+manifest later checked against an honest endpoint (docs/trust.md). A kept header is parsed and
 checked against the size again when read; one that fails is fetched again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import time
@@ -49,6 +53,11 @@ _REDIRECTS = (301, 302, 303, 307, 308)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
+def endpoint_id(endpoint: str) -> str:
+    """A kept header's endpoint, in its file name: the first 16 hex of the sha256 of its URL."""
+    return hashlib.sha256(endpoint.rstrip("/").encode()).hexdigest()[:16]
+
+
 def keep_dir(models_dir: Path) -> Path:
     """Where setup and the daemon keep headers: beside the daemon's copies of manifests."""
     return models_dir / "manifests" / "headers"
@@ -73,7 +82,7 @@ def shard_headers(manifest: Manifest, *, endpoint: str, token: str | None = None
     process asks for 1. Nothing is kept here: the
     caller keeps fresh headers once the check they served has passed (``keep_fresh``)."""
     out = Headers({name: head for name in manifest.shards
-                   if (head := kept(keep, manifest.files[name])) is not None})
+                   if (head := kept(keep, manifest.files[name], endpoint)) is not None})
     missing = [manifest.files[name] for name in manifest.shards if name not in out.of]
     if missing and offline:
         raise errors.Offline(
@@ -103,31 +112,36 @@ def confirm_fresh(manifest: Manifest, headers: Headers, *, endpoint: str,
             f"for it; try again, or another endpoint")
 
 
-def keep_fresh(keep: Path | None, manifest: Manifest, headers: Headers) -> None:
-    """Keep the fresh headers the endpoint vouched for, by their shard's sha256."""
+def keep_fresh(keep: Path | None, manifest: Manifest, headers: Headers, endpoint: str) -> None:
+    """Keep the fresh headers ``endpoint`` vouched for, by it and their shard's sha256."""
     if keep is None:
         return
     for name, vouched in headers.fresh.items():
         if vouched:
-            _keep(keep, manifest.files[name], headers.of[name])
+            _keep(keep, manifest.files[name], headers.of[name], endpoint)
 
 
-def kept(keep: Path | None, f: FileInfo) -> bytes | None:
-    """The kept header of the shard whose sha256 is ``f.sha256``, if it checks against its size."""
+def _kept_path(keep: Path, f: FileInfo, endpoint: str) -> Path:
+    return keep / f"{endpoint_id(endpoint)}-{f.sha256}.header"
+
+
+def kept(keep: Path | None, f: FileInfo, endpoint: str) -> bytes | None:
+    """The header ``endpoint`` served and vouched for of the shard whose sha256 is ``f.sha256``,
+    if kept and it checks against its size."""
     if keep is None:
         return None
     try:
-        head = (keep / f"{f.sha256}.header").read_bytes()
+        head = _kept_path(keep, f, endpoint).read_bytes()
         parse_header_columns(head, f.size, f.name)
     except (OSError, errors.ManifestInvalid):
         return None
     return head
 
 
-def _keep(keep: Path, f: FileInfo, head: bytes) -> None:
+def _keep(keep: Path, f: FileInfo, head: bytes, endpoint: str) -> None:
     try:
         keep.mkdir(parents=True, exist_ok=True)
-        write_atomic(keep / f"{f.sha256}.header", head)
+        write_atomic(_kept_path(keep, f, endpoint), head)
     except OSError as exc:  # a read-only models dir: the check still ran, it is only not kept
         log.warning("header_not_kept file=%s dir=%s err=%s", f.name, keep, exc)
 

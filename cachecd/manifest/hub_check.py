@@ -109,7 +109,7 @@ def _layout(manifest: Manifest, endpoint: str, token: str | None, keep: Path | N
         confirm_fresh(manifest, heads, endpoint=endpoint, token=token, parallel=parallel,
                       deadline_s=deadline_s)
     if not found:
-        keep_fresh(keep, manifest, heads)
+        keep_fresh(keep, manifest, heads, endpoint)
     return found
 
 

@@ -277,7 +277,7 @@ class FaultDaemon(DaemonProcess):
         super().__init__(endpoint, [m.manifest_path for m in models], args=list(args), **kw)
         self.models = models
         for m in models:  # as setup leaves them: the scenarios are about expert bytes
-            keep_headers(self.base / "models", m.manifest, m.folder)
+            keep_headers(self.base / "models", m.manifest, m.folder, endpoint)
         self.wrap = list(wrap)
         self.set_env(env)
         self.baseline: tuple[int, int] | None = None

@@ -160,3 +160,48 @@ def test_blobs_from_before_provenance_serve_only_an_expert_no_other_claims(
             assert stats["store"]["entries"] == 2  # and not stored twice
     finally:
         d.cleanup()
+
+
+def _lying_mirror(tiny_dir: Path, commit: str, m: Manifest) -> tuple[HubProcess, Path]:
+    """`cachecd hub serve` over an `hf download --local-dir` folder whose records give every
+    file's real sha256 at the real commit, one shard's header with (1, 0) and (1, 1)'s tensor
+    names exchanged: it vouches for the real sha256 and serves the swapped header."""
+    import hashlib
+
+    from huggingface_hub._local_folder import write_download_metadata
+
+    root = short_tmp("cdlie")
+    repo = root / TINY_REPO
+    shutil.copytree(tiny_dir, repo)
+    files = sorted(p for p in repo.rglob("*") if p.is_file())
+    real = {f: hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+    first, second = m.expert(1, 0), m.expert(1, 1)
+    tampered.swap_names_in_header(repo / first.ranges[0].file, first, second)
+    for f in files:  # after the edit: huggingface_hub trusts a record not older than its file
+        write_download_metadata(repo, f.relative_to(repo).as_posix(), commit, real[f])
+    return HubProcess(root), root
+
+
+def test_a_header_kept_from_a_lying_mirror_never_approves_a_manifest_elsewhere(
+        hub: HubProcess, tiny_manifest_path: Path, tiny_dir: Path, tmp_path: Path) -> None:
+    m = Manifest.load(tiny_manifest_path)
+    swapped = tampered.swap_pairs(tiny_manifest_path, tmp_path / "swap-one.manifest",
+                                  only=m.row(1, 0))
+    mirror, root = _lying_mirror(tiny_dir, m.revision, m)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "xdg"), "HF_HOME": str(tmp_path / "hf"),
+           "HF_HUB_DISABLE_TELEMETRY": "1"}  # one keep dir for both checks
+    try:
+        fooled = run_cli("manifest", "verify", str(swapped), "--endpoint", mirror.url, env=env,
+                         check=False)
+        assert fooled.returncode == 0, fooled.stdout  # the mirror vouches for it: kept
+        assert list((tmp_path / "xdg").rglob("*.header"))
+        honest = run_cli("manifest", "verify", str(swapped), "--endpoint", hub.url, env=env,
+                         check=False)
+        assert honest.returncode == 1, honest.stdout
+        assert "MISMATCH layer 1 expert 0: " in honest.stdout, honest.stdout
+        offline = run_cli("manifest", "verify", str(swapped), "--endpoint", hub.url,
+                          env={**env, "HF_HUB_OFFLINE": "1"}, check=False)
+        assert "not checked (HF_HUB_OFFLINE)" in offline.stdout, offline.stdout
+    finally:
+        mirror.stop()
+        shutil.rmtree(root, ignore_errors=True)

@@ -16,7 +16,7 @@ from cachecd import errors
 from cachecd.manifest.build import build_manifest
 from cachecd.manifest.build_plan import read_header
 from cachecd.manifest.entries import FileInfo
-from cachecd.manifest.headers import kept
+from cachecd.manifest.headers import endpoint_id, kept
 from cachecd.manifest.layout_check import check_layout, layout_problems
 from cachecd.manifest.manifest import Manifest
 from cachecd.manifest.safetensors_header import parse_header, parse_header_columns
@@ -124,13 +124,17 @@ def test_a_kept_header_is_used_only_while_it_checks(
     _, good, headers = tiny
     manifest = Manifest.load(good)
     f = manifest.files[manifest.shards[0]]
-    assert kept(tmp_path, f) is None
-    (tmp_path / f"{f.sha256}.header").write_bytes(headers[f.name])
-    assert kept(tmp_path, f) == headers[f.name]
+    hub, mirror = "http://hub.example", "http://mirror.example"
+    assert kept(tmp_path, f, hub) is None
+    path = tmp_path / f"{endpoint_id(hub)}-{f.sha256}.header"
+    path.write_bytes(headers[f.name])
+    assert kept(tmp_path, f, hub) == headers[f.name]
+    assert kept(tmp_path, f, hub + "/") == headers[f.name]
+    assert kept(tmp_path, f, mirror) is None  # another endpoint's word is not this one's
     other = FileInfo(f.name, f.size + 8, f.sha256, f.header_len)  # a size it does not describe
-    assert kept(tmp_path, other) is None
-    (tmp_path / f"{f.sha256}.header").write_bytes(headers[f.name][:-3])
-    assert kept(tmp_path, f) is None
+    assert kept(tmp_path, other, hub) is None
+    path.write_bytes(headers[f.name][:-3])
+    assert kept(tmp_path, f, hub) is None
 
 
 def test_headers_that_change_between_reads_are_the_endpoints_fault(
