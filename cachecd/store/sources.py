@@ -15,7 +15,8 @@ Invariants:
 - A source is added only after bytes read from that source (or stated by a peer for it) hashed
   to the digest; a row's sources are deleted with it, in the same txn (``Index.delete_entries``).
   A source row left without its blob (an eviction raced the add) is still true, since the
-  shard's sha256 pins its bytes: it is harmless, and dropped at the next open.
+  shard's sha256 pins its bytes: ``load`` skips it while the digest has no row, and it counts
+  again, rightly, once those bytes are cached again.
 - Rows from before schema 2 have none: ``PENDING`` is set by the migration, and the daemon
   attributes each such blob once (``adopt``) where every registered expert that claims its digest
   has the same source key; the others serve nothing until one of their experts' ranges is
