@@ -2,7 +2,10 @@
 
 Invariants:
 - Every expert handed out was verified against its manifest before it entered the store; a hit
-  is served from the store only, and a miss goes through the single-flight filler. A blob this
+  is served from the store only, and a miss goes through the single-flight filler. A blob is a
+  hit for an expert only if it was verified as that expert's own ranges (its source key,
+  ``store.sources``); one cached under the same digest for other bytes is a miss, fetched from
+  the expert's ranges and verified, then gains that source (``MissFiller.missing``). A blob this
   daemon did not commit itself is hashed on its first open, and any blob again at an open a day
   (``constants.REVERIFY_AFTER_S``) after its last hash (``Store.verify_open_blob``).
 - A hit reuses an fd the daemon already holds for that blob (``BlobFds``) only while the store
