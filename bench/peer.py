@@ -5,7 +5,7 @@ serve``; daemon A (``--share 127.0.0.1:PORT``) holds every expert of the first M
 Alternating rounds, each a fresh daemon B with an empty cache answering one
 ``client.experts(repo, layer, ids, out=buffers)`` (the clock stops when the bytes are in the
 client's buffers: fetch, xxh3 verify, blob writes, fd hand-over, preadv inside):
-  peer: B with ``--peer`` A: ``POST /v1/blobs`` requests side by side (one per K3 expert), A
+  peer: B with ``--peer`` A: ``POST /v2/blobs`` requests side by side (one per K3 expert), A
         sends the blobs with sendfile, B streams them into blob writers, hashing on the way;
   hub:  B without peers: resolve and ranged GETs to the hub (the hub reads its shards from the
         page cache, as A reads its blobs).
