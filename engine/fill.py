@@ -225,3 +225,5 @@ class Filler:
         for slot in list(self._reads):
             self._reads[slot][1].cancel()
         self._readers.shutdown(wait=True, cancel_futures=True)
+        if self.copier is not None:
+            self.copier.close()
