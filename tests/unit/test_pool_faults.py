@@ -28,6 +28,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
+from cachecd import errors
 from cachecd.testbed.tiny_k2 import K2Options, write_tiny_k2
 from cachecd.testbed.tiny_model import write_tiny_model
 from cachecd_engine import pool
@@ -219,6 +220,23 @@ def test_a_fault_at_each_step_leaves_no_slot_wrong(checkpoint, point: str,  # ty
             assert_bitwise(ref, got)
         finally:
             bank.close()
+
+
+def test_a_call_that_cannot_fit_frees_what_it_claimed(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """The check after the claims (more experts than the pool has slots) is an error the
+    server answers and keeps serving: the slots claimed before it are free again."""
+    _, full, manifest, ref, toks, _ = checkpoint
+    with LocalSource(manifest, full) as source:
+        model = _load(full, source, SLOTS, prefetch=False, speculate=False)
+        bank = model.bank
+        with pytest.raises(errors.InvalidRequest, match="do not fit"):
+            bank.load_stack(manifest.moe_layers[0], list(range(SLOTS + 1)))
+        got, _ = run_logits(model, PROMPT, toks, steps=STEPS)
+        assert_bitwise(ref, got)
+        bank.resize(12 * _slot_bytes(manifest))
+        got, _ = run_logits(model, PROMPT, toks, steps=STEPS)
+        assert_bitwise(ref, got)
+        bank.close()
 
 
 PROMPT_B = [(11 * i + 5) % 300 for i in range(12)]
