@@ -12,8 +12,11 @@ Invariants (the bit-identity argument):
   call routing to more experts than the pool holds runs in groups of experts; the outputs are
   put back in the resident order.
 - A slot is written only when no queued work reads it: the outputs of calls that read slots
-  are fences, evaluated with the next routing read-back (``synced``) or before their slots are
-  refilled, and read-ahead never takes a fenced slot.
+  are fences (set before the call is queued), evaluated with the next routing read-back
+  (``synced``) or before their slots are refilled, and cleared only by the evaluation that
+  included them; read-ahead never takes a fenced slot.
+- No exception leaves a slot wrong: a miss is claimed, read, derived and only then marked
+  ready, and any exception on the way frees every slot it claimed (``fill``).
 - The computation is mlx-lm's own: its SwitchGLU when the call is whole, else its projections
   and activation group by group.
 """
@@ -215,7 +218,7 @@ class ExpertBank:
             fenced = self.table.fenced()
             if fenced:
                 mx.eval(fenced)
-            self.table.clear_fences()
+                self.table.clear_fences(fenced)
 
     def holds(self, layer: int, expert: int) -> bool:
         return self.table is not None and (layer, expert) in self.table
@@ -224,11 +227,12 @@ class ExpertBank:
         """The outputs of queued calls that read slots (evaluate them with the read-back)."""
         return self.table.fenced() if self.table is not None else []
 
-    def synced(self) -> None:
-        """The outputs ``fenced`` returned have been evaluated (a routing read-back): no
-        queued work reads a slot. A default-sized pool is measured again here now and then."""
+    def synced(self, evaluated: list[mx.array]) -> None:
+        """The outputs ``fenced`` returned (``evaluated``) have been evaluated (a routing
+        read-back): no queued work reads their slots. A default-sized pool is measured again
+        here now and then."""
         if self.table is not None:
-            self.table.clear_fences()
+            self.table.clear_fences(evaluated)
         if self.sizer is not None and self.sizer.due() and self.memory is not None:
             want = self.sizer.target(self.memory.nbytes)
             if want is not None:
@@ -255,8 +259,8 @@ class ExpertBank:
         t1 = time.perf_counter()
         allow_sorted(glu, fit.sorted)
         y = glu(x, mx.array(local_slots(routed, slots)))
+        table.fence(slots.values(), y)  # before it is queued: nothing may run unfenced
         mx.async_eval(y)
-        table.fence(slots.values(), y)
         s.groups += 1
         s.plan_s += time.perf_counter() - t1
         return y

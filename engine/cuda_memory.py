@@ -12,7 +12,9 @@ host never touches the pool's pages, which stay on the GPU.
 
 The CUDA runtime is loaded by name (MLX links its own copy statically; both drive the same
 device). Any failure (no CUDA 13 runtime, a call refused) turns the copier off and the bank
-writes slots from the host as on unified memory.
+writes slots from the host as on unified memory; a bank on CUDA says so in one warning when it
+starts (``event=cuda_copier_off``), not only when a call is refused. The pinned staging is
+released (unregistered, then freed) when the bank is closed.
 """
 
 from __future__ import annotations
@@ -28,8 +30,13 @@ log = logging.getLogger(__name__)
 USE = True  # a switch for side-by-side measurement (bench/k3_decode.py's pc-hostwrite case)
 _DEFAULT = 4  # cudaMemcpyDefault: the driver tells host from device by the pointers
 _PER_THREAD_STREAM = ctypes.c_void_p(2)  # cudaStreamPerThread: waits for no other stream
+RUNTIME_NAMES = ("libcudart.so.13", "libcudart.so")
 _lib: Any = None
 _tried = False
+_OFF = ("event=cuda_copier_off %s; misses are written into the pool from the host, whose "
+        "writes move the GPU's pages back and forth (several times slower with a pool smaller "
+        "than the working set); install the CUDA 13 runtime (libcudart.so.13) to use the copy "
+        "engine")
 
 
 def _runtime() -> Any:
@@ -38,14 +45,14 @@ def _runtime() -> Any:
     if _tried:
         return _lib
     _tried = True
-    for name in ("libcudart.so.13", "libcudart.so"):
+    for name in RUNTIME_NAMES:
         try:
             lib = ctypes.CDLL(name)
         except OSError:
             continue
         version = ctypes.c_int(0)
         if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0 or version.value < 13000:
-            log.debug("cuda copier off: runtime %s version=%d", name, version.value)
+            log.warning(_OFF, f"runtime={name} version={version.value} (13000 or newer needed)")
             return None
         lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                         ctypes.c_int, ctypes.c_void_p]
@@ -54,6 +61,7 @@ def _runtime() -> Any:
         lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
         _lib = lib
         return lib
+    log.warning(_OFF, f"runtime=none (no {' or '.join(RUNTIME_NAMES)} could be loaded)")
     return None
 
 
@@ -64,6 +72,7 @@ class Copier:
     def __init__(self) -> None:
         self.on = USE and _runtime() is not None
         self._staging: np.ndarray | None = None
+        self._pinned = False  # the staging is registered with the runtime
         self.copied = 0  # bytes copied to the GPU
 
     def staging(self, nbytes: int) -> np.ndarray:
@@ -73,7 +82,8 @@ class Copier:
             raw = np.ones(nbytes + 64, np.uint8)  # touched: no page faults in a read
             off = -raw.ctypes.data % 64
             buf = raw[off : off + nbytes]
-            if self.on and _lib.cudaHostRegister(buf.ctypes.data, nbytes, 0) != 0:
+            self._pinned = self.on and _lib.cudaHostRegister(buf.ctypes.data, nbytes, 0) == 0
+            if self.on and not self._pinned:
                 log.debug("cuda copier: staging not pinned (pageable copies are slower)")
             self._staging = buf
         return self._staging
@@ -95,7 +105,11 @@ class Copier:
                         "host from now on", err)
             self.on = False
 
+    def close(self) -> None:
+        """Release the pinned staging (the bank is closed; a later miss would pin anew)."""
+        self._release()
+
     def _release(self) -> None:
-        if self._staging is not None and _lib is not None:
+        if self._staging is not None and self._pinned and _lib is not None:
             _lib.cudaHostUnregister(self._staging.ctypes.data)
-        self._staging = None
+        self._staging, self._pinned = None, False

@@ -4,8 +4,16 @@ Invariants:
 - A slot is written only after ``SlotTable.claim`` gave it for this expert, and only while no
   queued work reads it: a claim takes a fenced slot only after evaluating its readers, and
   read-ahead never takes one.
-- A read that fails frees its slots (their bytes are not the expert's); a failed read-ahead of a
-  routed expert is read again on demand.
+- Claim, read, derive, ready: one transaction. A slot claimed for a miss is marked filled only
+  once its bytes and derived arrays are in place; any exception before that (a read, the wait
+  for a slot's queued readers or for read-ahead, a derive, an allocation failure or Ctrl-C
+  anywhere between) frees every slot the call claimed before it leaves ``acquire``: outside
+  ``acquire`` and ``stage``, every filling slot is a read-ahead under way. A read-ahead slot
+  whose derive fails is freed too; a failed read-ahead of a routed expert is read again on
+  demand. A freed slot keeps its fence (``slots``): its queued readers are evaluated before it
+  is written again.
+- The queued readers of the slots a claim takes are evaluated before any is written, and their
+  fences are cleared only after that evaluation has returned.
 - Read-ahead threads only write slots claimed for them; the table and the stats are touched
   by the model's thread alone (``sweep``/``finish`` take finished reads in).
 - On a discrete CUDA GPU a demand read goes through pinned staging memory and the copy engine
@@ -58,10 +66,15 @@ class Filler:
             del held[e]
         staged = self.guessed.intersection((layer, e) for e in held)
         self.guessed.difference_update(staged)
-        claimed = self._claim(layer, [e for e in ids if e not in held], set(held.values()))
-        self._read_now(layer, claimed)
-        self.derive_staged()
-        stats.copied_bytes += memory.derive(list(claimed.values()))
+        try:
+            claimed = self._claim(layer, [e for e in ids if e not in held], set(held.values()))
+            self._read_now(layer, claimed)
+            self.derive_staged()
+            stats.copied_bytes += memory.derive(list(claimed.values()))
+        except BaseException:
+            self._undo()
+            raise
+        table.filled(claimed.values())  # the commit: bytes and derived arrays in place
         stats.ram_hits += len(held) - len(staged)
         stats.staged_hits += len(staged)
         stats.wait_s += time.perf_counter() - t0
@@ -75,18 +88,31 @@ class Filler:
         slots = table.claim(layer, ids, keep, take_fenced=False, use=True).slots
         rest = [e for e in ids if e not in slots]
         if rest:
-            more = table.claim(layer, rest, keep, use=True)
-            if more.fences:
-                mx.eval(more.fences)
-            slots.update(more.slots)
-            rest = [e for e in rest if e not in more.slots]
+            slots.update(self._claim_fenced(layer, rest, keep))
+            rest = [e for e in rest if e not in slots]
         if rest:  # every other slot is being filled by read-ahead: let it land
             self.finish_all()
-            slots.update(table.claim(layer, rest, keep, use=True).slots)
+            slots.update(self._claim_fenced(layer, rest, keep))
         if len(slots) < len(ids):
             raise errors.InvalidRequest(
                 f"{len(ids)} experts do not fit a pool of {table.capacity} slots")
         return slots
+
+    def _claim_fenced(self, layer: int, ids: list[int], keep: set[int]) -> dict[int, int]:
+        """Slots for ``ids`` that queued work may still read: that work is evaluated first, and
+        its fences cleared only once that evaluation has returned."""
+        table = self.bank.table
+        claim = table.claim(layer, ids, keep, use=True)
+        if claim.fences:
+            mx.eval(claim.fences)
+            table.clear_fences(claim.fences)
+        return claim.slots
+
+    def _undo(self) -> None:
+        """Free every slot claimed on this thread and not filled: an exception is leaving
+        ``acquire`` or ``stage``, and only read-ahead under way may keep a slot filling."""
+        table = self.bank.table
+        table.forget([s for s in table.unfilled() if s not in self._reads])
 
     def _read_now(self, layer: int, claimed: dict[int, int]) -> None:
         if not claimed:
@@ -94,18 +120,13 @@ class Filler:
         bank = self.bank
         assert bank.memory is not None and bank.table is not None
         ids = list(claimed)
-        try:
-            if self.copier is not None and self.copier.on:
-                per = max(1, STAGING_BYTES // bank.nbytes(layer, ids[0]))
-                written = sum(self._read_staged(layer, ids[i : i + per], claimed)
-                              for i in range(0, len(ids), per))
-            else:
-                targets = [bank.memory.targets(claimed[e], bank.pieces(layer, e)) for e in ids]
-                written = bank.source.read_into(layer, ids, targets)
-        except BaseException:
-            bank.table.forget(claimed.values())  # their bytes are not the experts'
-            raise
-        bank.table.filled(claimed.values())
+        if self.copier is not None and self.copier.on:
+            per = max(1, STAGING_BYTES // bank.nbytes(layer, ids[0]))
+            written = sum(self._read_staged(layer, ids[i : i + per], claimed)
+                          for i in range(0, len(ids), per))
+        else:
+            targets = [bank.memory.targets(claimed[e], bank.pieces(layer, e)) for e in ids]
+            written = bank.source.read_into(layer, ids, targets)
         bank.stats.source_hits += len(ids)
         bank.stats.source_bytes += sum(bank.nbytes(layer, e) for e in ids)
         bank.stats.copied_bytes += written
@@ -144,13 +165,17 @@ class Filler:
             return
         _, table = self.bank.pool(layer, guess[0])
         self.sweep()
-        claim = table.claim(layer, guess, take_fenced=False)
-        assert not claim.fences
-        for e, slot in claim.slots.items():
-            key = (layer, e)
-            fut = self._readers.submit(self._read_ahead, layer, e, slot)
-            self._reads[slot] = (key, fut)
-            self.guessed.add(key)
+        try:
+            claim = table.claim(layer, guess, take_fenced=False)
+            assert not claim.fences
+            for e, slot in claim.slots.items():
+                key = (layer, e)
+                fut = self._readers.submit(self._read_ahead, layer, e, slot)
+                self._reads[slot] = (key, fut)
+                self.guessed.add(key)
+        except BaseException:
+            self._undo()  # slots claimed and not handed to a reader
+            raise
         self.bank.stats.staged += len(claim.slots)
 
     def _read_ahead(self, layer: int, expert: int, slot: int) -> int:
@@ -169,8 +194,10 @@ class Filler:
         """Wait for the read-ahead into ``slot``; True if its bytes are in place."""
         table = self.bank.table
         assert table is not None
-        key, fut = self._reads.pop(slot)
-        if fut.exception() is not None:  # waits; read again on demand if it is routed
+        key, fut = self._reads[slot]
+        failed = fut.exception() is not None  # waits (an exception here leaves the read listed)
+        del self._reads[slot]
+        if failed:  # read again on demand if it is routed
             table.forget([slot])
             self.guessed.discard(key)
             return False
@@ -188,9 +215,15 @@ class Filler:
         """Compute the derived arrays of slots read-ahead filled (on the model's thread)."""
         if self._underived and self.bank.memory is not None:
             slots, self._underived = self._underived, []
-            self.bank.stats.copied_bytes += self.bank.memory.derive(slots)
+            try:
+                self.bank.stats.copied_bytes += self.bank.memory.derive(slots)
+            except BaseException:  # their derived arrays are not theirs: read them again
+                self.bank.table.forget(slots)
+                raise
 
     def close(self) -> None:
         for slot in list(self._reads):
             self._reads[slot][1].cancel()
         self._readers.shutdown(wait=True, cancel_futures=True)
+        if self.copier is not None:
+            self.copier.close()

@@ -9,8 +9,11 @@ Invariants:
 - A slot is given to another expert only through ``claim``, which never takes a slot of
   ``keep`` (the call's own experts) or a filling slot. A slot read by queued work (fenced: its
   reader's output is not known to be evaluated) is taken only if the caller asks, and then
-  the caller gets those outputs and must evaluate them before writing (``Claim.fences``). The
-  bank clears the fences at each routing read-back, whose eval includes them.
+  the caller gets those outputs and must evaluate them before writing (``Claim.fences``).
+- A fence belongs to the slot's memory, not to the expert in it: it stays through an eviction
+  and a ``forget`` (a free slot may still be read by queued work: a claim undone before its
+  readers were evaluated) and is cleared only by ``clear_fences`` with the outputs an
+  evaluation that has returned included (a routing read-back, a claim's wait, ``settle``).
 - Every miss needs a slot (the kernel reads only the pool), so the table admits by frequency,
   as TinyLFU does: an expert that takes a slot of a full pool joins the policy's part (the
   kept experts, ranked by ``cachecd.store.policies`` as the daemon's store drives it) only if it
@@ -151,8 +154,8 @@ class SlotTable:
         keep = set(keep)
         todo = [e for e in experts if (layer, e) not in self._slot]
         placed = []  # (expert, slot, whether the slot was free)
-        while todo and self._free:
-            placed.append((todo.pop(0), self._take_free(), True))
+        while todo and (slot := self._take_free(take_fenced, claim.fences)) is not None:
+            placed.append((todo.pop(0), slot, True))
         if todo:
             for slot in self._victims(len(todo), keep, take_fenced):
                 fence = self._evict(slot)
@@ -180,8 +183,20 @@ class SlotTable:
         self._scratch[weak] = None
         return True
 
-    def _take_free(self) -> int:
-        return self._free.pop()
+    def _take_free(self, take_fenced: bool, fences: list[Any]) -> int | None:
+        """A free slot, lowest first; one still fenced only if ``take_fenced`` (its reader then
+        goes to ``fences``). Free slots are fenced only after an undone claim: rare."""
+        if not self._fence:
+            return self._free.pop() if self._free else None
+        for i in range(len(self._free) - 1, -1, -1):
+            slot = self._free[i]
+            fence = self._fence.get(slot)
+            if fence is None or take_fenced:
+                del self._free[i]
+                if fence is not None:
+                    fences.append(fence)
+                return slot
+        return None
 
     def _victims(self, n: int, keep: set[int], take_fenced: bool) -> list[int]:
         """Scratch slots first, oldest first, then the policy's victims. Only the few slots in
@@ -208,7 +223,7 @@ class SlotTable:
         else:
             self.policy.on_remove(_name(*key))
         self.counters.evicted += 1
-        return self._fence.pop(slot, None)
+        return self._fence.get(slot)  # kept until the evaluation that includes it clears it
 
     def _insert(self, layer: int, expert: int, slot: int, admit: bool = True) -> None:
         self.version += 1
@@ -227,7 +242,8 @@ class SlotTable:
         self._filling.difference_update(slots)
 
     def forget(self, slots: Iterable[int]) -> None:
-        """Free slots whose read failed or was dropped (their bytes are not the expert's)."""
+        """Free slots whose read failed or was dropped (their bytes are not the expert's);
+        their fences stay."""
         for slot in slots:
             if self._owner[slot] is not None:
                 self._evict(slot)
@@ -268,9 +284,16 @@ class SlotTable:
         """The outputs of queued work that reads any slot (each once)."""
         return list({id(o): o for o in self._fence.values()}.values())
 
-    def clear_fences(self) -> None:
-        """Every fenced output has been evaluated."""
-        self._fence.clear()
+    def clear_fences(self, evaluated: Iterable[Any]) -> None:
+        """These outputs have been evaluated (an eval that included them returned): no queued
+        work reads the slots they fenced. Fences of other outputs stay."""
+        if self._fence:
+            done = {id(o) for o in evaluated}
+            self._fence = {s: o for s, o in self._fence.items() if id(o) not in done}
+
+    def unfilled(self) -> list[int]:
+        """Slots claimed whose bytes are not in place yet."""
+        return list(self._filling)
 
 
 def _name(layer: int, expert: int) -> str:

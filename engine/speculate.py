@@ -16,6 +16,11 @@ Invariants:
 - A thrown-away step leaves no trace: it is let finish (its kernels read slots) before any slot
   is refilled, the KV caches' offsets and the linear-attention states are restored, and
   nothing of it is kept.
+- A step clears only fences it waited for: the routing's read-back waits for the routing
+  alone, and queued work from before the step (another prompt cache's step, say) need not be
+  its ancestor. A kept step waits for those outputs (done already when they are the previous
+  step of the same cache: each is then a wait on a finished event) before it fences its own;
+  a thrown-away step leaves them to the per-layer read-back.
 - Only what can be restored is speculated: batch 1, one token, every cache a ``KVCache`` or an
   ``ArraysCache`` without lengths or padding (other kinds always take the per-layer step).
 - A step that missed makes the next ones per-layer, twice as many after each miss in a row (up
@@ -158,7 +163,7 @@ class Speculator:
             flat = mx.concatenate([i.reshape(-1) for _, i, _ in calls])
             # The whole step runs on; the host waits only for the routing, then checks it.
             mx.async_eval(logits, flat, *fenced)
-            if self._keep(calls, flat):
+            if self._keep(calls, flat, fenced):
                 self.kept += 1
                 self._backoff = 0
                 return logits
@@ -169,7 +174,8 @@ class Speculator:
         restore(cache, snap)
         return forward()
 
-    def _keep(self, calls: list[tuple[int, mx.array, mx.array]], flat: mx.array) -> bool:
+    def _keep(self, calls: list[tuple[int, mx.array, mx.array]], flat: mx.array,
+              fenced: list[mx.array]) -> bool:
         """The read-back of every layer's routing; keep the step if all were ready slots."""
         t0 = time.perf_counter()
         routed_all = np.array(flat)  # waits for the routing only
@@ -178,21 +184,25 @@ class Speculator:
         for _, i, _ in calls:
             routed.append(routed_all[pos : pos + i.size].reshape(i.shape))
             pos += i.size
-        return self._settle([(layer, r, y) for (layer, _, y), r in zip(calls, routed, strict=True)])
+        return self._settle([(layer, r, y) for (layer, _, y), r in zip(calls, routed, strict=True)],
+                            fenced)
 
-    def _settle(self, calls: list[tuple[int, np.ndarray, mx.array]]) -> bool:
-        """After the read-back (every queued reader of a slot is done): True, with each call
-        counted and fenced as a layer call is, if every routed expert was in a ready slot;
-        False (nothing counted) if any was not."""
+    def _settle(self, calls: list[tuple[int, np.ndarray, mx.array]],
+                fenced: list[mx.array]) -> bool:
+        """After the read-back: True, with each call counted and fenced as a layer call is,
+        if every routed expert was in a ready slot; False (nothing counted, no fence touched)
+        if any was not."""
         bank, table = self.bank, self.bank.table
         assert table is not None
-        table.clear_fences()
         ids_of = [(layer, distinct(routed)) for layer, routed, _ in calls]
         for layer, ids in ids_of:
             for e in ids:
                 slot = table.slot((layer, e))
                 if slot is None or table.filling(slot):
                     return False
+        if fenced:  # scheduled with the step: eval only waits on their events
+            mx.eval(fenced)
+            table.clear_fences(fenced)
         s = bank.stats
         for (layer, routed, y), (_, ids) in zip(calls, ids_of, strict=True):
             table.fence(table.use(layer, ids).values(), y)

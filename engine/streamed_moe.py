@@ -82,7 +82,7 @@ class StreamedSwitchGLU(nn.Module):
         # reading meanwhile.
         fenced = bank.fenced()
         mx.eval(indices, *fenced) if guess is None else mx.eval(indices, guess, *fenced)
-        bank.synced()
+        bank.synced(fenced)
         routed = np.array(indices)
         bank.stats.readback_s += time.perf_counter() - t0
         if bank.trace is not None:

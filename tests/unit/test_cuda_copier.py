@@ -1,0 +1,69 @@
+"""The CUDA copier's host side, on a machine without a GPU: a bank on CUDA without the CUDA
+runtime says so when it starts, and closing a bank releases the copier's pinned staging.
+
+The runtime is the hardware's edge: where a test needs one that pins memory, a stand-in
+records the calls the copier makes (``cudaHostRegister``/``cudaHostUnregister``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from cachecd_engine import cuda_memory, dispatch
+from cachecd_engine.bank import ExpertBank
+from cachecd_engine.formats import QUANT_SPECS
+from tests.inprocess_model import DictSource
+
+SPEC = QUANT_SPECS["mxfp4-pack-quantized"]
+
+
+def _cuda_bank(monkeypatch: pytest.MonkeyPatch) -> ExpertBank:
+    monkeypatch.setattr(dispatch, "current_backend", lambda: "cuda")
+    return ExpertBank(DictSource({}), SPEC, 1 << 20)
+
+
+def test_a_bank_on_cuda_without_libcudart_says_so_when_it_starts(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(cuda_memory, "_tried", False)
+    monkeypatch.setattr(cuda_memory, "_lib", None)
+    # A runtime by a name no machine has: the lookup fails as it does without CUDA.
+    monkeypatch.setattr(cuda_memory, "RUNTIME_NAMES", ("libcudart-absent.so.13",), raising=False)
+    with caplog.at_level(logging.WARNING, logger=cuda_memory.__name__):
+        bank = _cuda_bank(monkeypatch)
+    assert bank.fill.copier is not None and not bank.fill.copier.on
+    lines = [r.getMessage() for r in caplog.records if "cuda_copier_off" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    assert "libcudart" in lines[0] and "from the host" in lines[0]
+    bank.close()
+
+
+class _Runtime:
+    """Stands in for libcudart: pins and unpins, and remembers what is pinned."""
+
+    def __init__(self) -> None:
+        self.pinned: set[int] = set()
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802
+        self.pinned.add(ptr)
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.pinned.remove(ptr)
+        return 0
+
+
+def test_closing_a_bank_releases_the_pinned_staging(monkeypatch: pytest.MonkeyPatch) -> None:
+    runtime: Any = _Runtime()
+    monkeypatch.setattr(cuda_memory, "_tried", True)
+    monkeypatch.setattr(cuda_memory, "_lib", runtime)
+    bank = _cuda_bank(monkeypatch)
+    copier = bank.fill.copier
+    assert copier is not None and copier.on
+    buf = copier.staging(1 << 16)
+    assert runtime.pinned == {buf.ctypes.data}
+    copier.staging(1 << 18)  # grown: the old buffer is unpinned, the new one pinned
+    assert len(runtime.pinned) == 1
+    bank.close()
+    assert not runtime.pinned
