@@ -121,7 +121,8 @@ def _sharing_lines(info: dict[str, Any]) -> list[str]:
                      f"({format_size(share.get('served_bytes', 0))}) served to peers, "
                      f"{refused} refused")
     for peer in info.get("peers", []):
-        state = (f"SKIPPED for {peer['skipped_for_s']:.0f}s more: it served wrong bytes"
+        why = peer.get("skipped_because") or "it served wrong bytes"
+        state = (f"SKIPPED for {peer['skipped_for_s']:.0f}s more: {why}"
                  if peer["skipped_for_s"] else "asked before the Hub")
         lines.append(f"peer        {peer['url']} {state}")
     if info.get("peers"):
