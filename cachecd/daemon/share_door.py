@@ -9,6 +9,9 @@ door keeps the share's connections within a budget of file descriptors:
   stays for local clients, the cache's blobs and the upstream. ``serve`` raises the soft fd limit
   to the hard one first (``raise_fd_limit``).
 - One address holds at most ``per_address`` of them.
+- The listening socket's backlog is ``backlog``, a quarter of the limit: asyncio accepts up to
+  a backlog of connections at once before the door sees any, so that is what a burst can hold
+  beyond the limit for a moment (the kernel keeps the rest of a flood waiting, not the daemon).
 - A connection must send its request head within ``HEADER_S`` of arriving, and its body within
   ``BODY_S`` once its token passed (before the request takes one of the share's request slots),
   and a kept-alive connection is closed after ``IDLE_S`` without a request. A wrong token
@@ -106,6 +109,7 @@ def exposure(host_port: str) -> str | None:
 class ShareDoor:
     def __init__(self, counters: Counter[str], limit: int, per_address: int) -> None:
         self.limit, self.per_address = limit, per_address
+        self.backlog = max(4, limit // 4)
         self.counters = counters
         self._open: dict[_Conn, None] = {}  # oldest first
         self._by_handler: dict[RequestHandler, _Conn] = {}
@@ -289,7 +293,7 @@ class ShareSite(web.TCPSite):
     """aiohttp's TCP site, with every accepted connection going through the door."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, door: ShareDoor) -> None:
-        super().__init__(runner, host, port, reuse_address=True)
+        super().__init__(runner, host, port, reuse_address=True, backlog=door.backlog)
         self._door = door
 
     async def start(self) -> None:
