@@ -71,7 +71,7 @@ class WaitWatch:
         control = ControlTransport(self._socket, 5.0)
         try:
             status = control.request("GET", "/v1/status")
-        except CachecdError:
+        except (CachecdError, OSError):  # a daemon too busy to say must not end this thread
             return "the daemon does not say why"
         finally:
             control.close()
