@@ -225,3 +225,16 @@ def test_share_on_a_wildcard_or_public_address_says_so_on_start(host, says):
                    str(base / "missing"), check=False, timeout=30)
     assert proc.returncode != 0 and "cannot read" in proc.stderr
     assert says in proc.stderr, proc.stderr
+
+
+def test_a_wrong_token_gets_its_401_and_the_connection_closed(sharer):
+    port = int(sharer.share_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer guess\r\n\r\n")
+        got = b""
+        for _ in range(100):  # bounded: the answer is a few hundred bytes, then EOF
+            chunk = s.recv(65536)  # a kept-alive connection would time out here instead
+            if not chunk:
+                break
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 401") and b"Connection: close" in got, got[:200]
