@@ -149,6 +149,8 @@ def test_idle_strangers_past_the_fd_limit_leave_local_reads_and_peers_served(
     share = _share_status(d)
     assert share["connections"] == 0
     assert share["connection_limit"] <= FD_LIMIT // 4
+    status = run_cli("status", "--socket", str(d.socket)).stdout
+    assert f"connections 0 of {share['connection_limit']}" in status and "closed by the door" in status
     assert d.log_path.stat().st_size < 64 << 10, d.log()[-4000:]  # counted, not a line each
     assert "Too many open files" not in d.log()
 
