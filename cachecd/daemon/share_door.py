@@ -7,7 +7,7 @@ door keeps the share's connections within a budget of file descriptors:
 
 - ``limit`` connections at most, an eighth of the soft fd limit (``connection_limit``): the rest
   stays for local clients, the cache's blobs and the upstream. ``serve`` raises the soft fd limit
-  to the hard one first (``raise_fd_limit``).
+  to the hard one first, up to 65,536 (``raise_fd_limit``).
 - One address holds at most ``per_address`` of them.
 - The listening socket's backlog is ``backlog``, a quarter of the limit: asyncio accepts up to
   a backlog of connections at once before the door sees any, so that is what a burst can hold
@@ -48,12 +48,14 @@ IDLE_S = constants.SHARE_IDLE_DEADLINE_S
 # An authorized connection may be closed for a newcomer once its last answer is this old.
 IDLE_CLOSE_AFTER_S = 1.0
 LOG_EVERY_S = 10.0
-# macOS refuses a soft limit of RLIM_INFINITY (OPEN_MAX is the most a process gets there).
-_FD_CEILING = 1 << 20
+# Far more than the daemon's bounds add up to (control 128, data 256, share 128, blob fds 256,
+# upstream); a modest ceiling, as an unlimited hard limit (launchd's) cannot be a soft one.
+_FD_CEILING = 65536
 
 
 def raise_fd_limit() -> int:
-    """Raise the soft limit on open files to the hard one (within what the OS accepts); return
+    """Raise the soft limit on open files to the hard one, up to ``_FD_CEILING`` (within what
+    the OS accepts: macOS refuses more than OPEN_MAX, 10,240); return
     the soft limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = min(hard if hard != resource.RLIM_INFINITY else _FD_CEILING, _FD_CEILING)

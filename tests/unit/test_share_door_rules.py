@@ -31,3 +31,20 @@ def test_a_wildcard_or_public_share_address_is_named(host, says):
     ("hunter2", False)])
 def test_a_token_holds_128_bits_by_its_length_and_alphabet(token, enough):
     assert (token_bits(token) >= 128) is enough
+
+
+def test_serve_raises_the_soft_fd_limit_to_the_hard_one():
+    """What ``serve`` does first: a process started with launchd's soft limit (256) under a
+    higher hard one ends with the hard one."""
+    import resource
+    import subprocess
+    import sys
+
+    def launchd_like() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 2048))
+
+    code = ("import resource; from cachecd.daemon.share_door import raise_fd_limit; "
+            "print(raise_fd_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         preexec_fn=launchd_like, timeout=60, check=True).stdout
+    assert out.split() == ["2048", "2048"]
