@@ -6,6 +6,7 @@ from. Besides ``constants``, this is the only module that reads ``os.environ``.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -67,6 +68,7 @@ class Settings:
     peers: list[str] = field(default_factory=list)  # base URLs of peers' --share, asked first
     peer_token_file: Path | None = None
     peer_deadline: float = constants.PEER_DEADLINE_S
+    peer_min_rate: int = constants.PEER_MIN_RATE  # bytes/s: a request may take deadline + bytes/this
 
     @property
     def data_socket(self) -> Path:
@@ -152,6 +154,13 @@ def _choice(*allowed: str):  # type: ignore[no-untyped-def]
     return parse
 
 
+def _positive_rate(value: Any, key: str) -> int:
+    rate = parse_rate(value, key)
+    if rate <= 0:
+        raise ConfigInvalid(f"{key}: must be more than 0 bytes a second, got {value!r}")
+    return rate
+
+
 def _host_port(value: Any, key: str) -> str:
     host, sep, port = _text(value, key).rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -173,22 +182,48 @@ def _urls(value: Any, key: str) -> list[str]:
 
 
 def read_token_file(path: Path | None, key: str) -> str:
-    """The bearer token in ``path``: refused when missing, empty, or readable by every user."""
+    """The bearer token in ``path``: refused when missing, empty, readable by group or others,
+    owned by another user, or shorter than ``TOKEN_MIN_BITS`` of secret."""
     what = (f"{key}: write a long random token to a file only you can read, e.g. `python3 -c "
             "'import secrets; print(secrets.token_hex(32))' > FILE && chmod 600 FILE`, the same "
             "token on every host that shares or peers")
     if path is None:
         raise ConfigInvalid(f"{key} is required with sharing or peers; {what}")
     try:
-        mode = path.stat().st_mode
+        st = path.stat()
         token = path.read_text().strip()
     except OSError as exc:
         raise ConfigInvalid(f"{key}: cannot read {path} ({exc.strerror}); {what}") from None
-    if mode & 0o004:
-        raise ConfigInvalid(f"{key}: {path} is readable by every user; `chmod 600 {path}`")
+    if st.st_mode & 0o044:
+        who = "every user" if st.st_mode & 0o004 else "its group"
+        raise ConfigInvalid(f"{key}: {path} is readable by {who}; `chmod 600 {path}`")
+    if st.st_uid != os.geteuid():
+        # Its owner can change the token, or read it whatever its mode says.
+        raise ConfigInvalid(f"{key}: {path} is owned by uid {st.st_uid}, not by the user the "
+                            f"daemon runs as (uid {os.geteuid()}); {what}")
     if not token:
         raise ConfigInvalid(f"{key}: {path} is empty; {what}")
+    if (bits := token_bits(token)) < TOKEN_MIN_BITS:
+        raise ConfigInvalid(f"{key}: the token in {path} holds about {bits} bits of secret, "
+                            f"fewer than {TOKEN_MIN_BITS}: anyone on the link could guess it; "
+                            f"{what}")
     return token
+
+
+TOKEN_MIN_BITS = 128
+
+
+def token_bits(token: str) -> int:
+    """The most secret a token can hold: its length times the bits of its alphabet (hex 4,
+    base64 6, other printable text 6.5). A random token reaches it; a chosen word falls short
+    of it, which no count of characters can see."""
+    if re.fullmatch(r"[0-9a-fA-F]+", token):
+        per = 4.0
+    elif re.fullmatch(r"[A-Za-z0-9+/=_-]+", token):
+        per = 6.0
+    else:
+        per = math.log2(95)
+    return int(len(token) * per)
 
 
 def _text(value: Any, key: str) -> str:
@@ -218,6 +253,7 @@ _FIELDS = {
     "peers": lambda v, k: _urls(v, k),
     "peer_token_file": _path,
     "peer_deadline": _seconds,
+    "peer_min_rate": lambda v, k: _positive_rate(v, k),
 }
 
 

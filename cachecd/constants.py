@@ -78,11 +78,23 @@ MAX_PARALLEL_FETCHES = 8
 # Peers (--peer): a peer must connect, start answering and keep sending (no stall this long)
 # well within the Hub's time, or it is not worth asking; a slow, steady transfer is waited for.
 PEER_DEADLINE_S = 2.0
-PEER_SKIP_S = 300.0  # a peer that served wrong bytes is not asked again for this long
+PEER_SKIP_S = 300.0  # a peer that served wrong bytes or trickled is not asked again for this long
+# A peer's request may take the deadline plus its bytes at this rate, no longer: one that sends
+# slower (a trickle just inside the stall deadline) is worth less than the Hub, and is skipped.
+PEER_MIN_RATE = 1 << 20
 # Sharing (--share): what one daemon gives its peers at once; past either bound it answers 503.
 SHARE_MAX_REQUESTS = 16
 SHARE_MAX_BYTES_IN_FLIGHT = 1 << 30
 SHARE_MAX_EXPERTS_PER_REQUEST = 64
+# The share's door (cachecd.daemon.share_door): connections held, an eighth of the soft fd limit
+# within these bounds; a request head due this long after connecting, a body after its head; a
+# kept-alive connection closed this long after its last answer (longer than the asking side's
+# own keep-alive, aiohttp's 15 s, so it never reuses one the share is closing).
+SHARE_MIN_CONNECTIONS = 8
+SHARE_MAX_CONNECTIONS = 128
+SHARE_HEADER_DEADLINE_S = 5.0
+SHARE_BODY_DEADLINE_S = 5.0
+SHARE_IDLE_DEADLINE_S = 30.0
 COALESCE_MAX_BYTES = 256 * 1024 * 1024
 COALESCE_MAX_EXPERTS = 16
 # A request this long already amortizes its round trip: another expert gets its own request,

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from cachecd.errors import CachecdError
 
@@ -69,16 +70,30 @@ class WaitWatch:
 
         control = ControlTransport(self._socket, 5.0)
         try:
-            up = control.request("GET", "/v1/status").get("upstream", {})
-        except CachecdError:
+            status = control.request("GET", "/v1/status")
+        except (CachecdError, OSError):  # a daemon too busy to say must not end this thread
             return "the daemon does not say why"
         finally:
             control.close()
-        faults = {k.removeprefix("faults_"): v for k, v in up.items()
-                  if k.startswith("faults_") and v}
-        said = ", ".join(f"{k} x{v}" for k, v in sorted(faults.items())) or "none yet"
-        return (f"it is fetching from the Hub ({up.get('in_flight', 0)} requests under way, "
-                f"faults so far: {said})")
+        return why_waiting(status)
 
     def close(self) -> None:
         self._stop.set()
+
+
+def why_waiting(status: dict[str, Any]) -> str:
+    """What the daemon is waiting on, from its status: a peer asked first (named, with how long
+    its oldest request has taken), else the Hub, with the upstream's faults so far."""
+    up = status.get("upstream", {})
+    faults = {k.removeprefix("faults_"): v for k, v in up.items()
+              if k.startswith("faults_") and v}
+    said = ", ".join(f"{k} x{v}" for k, v in sorted(faults.items())) or "none yet"
+    asking = [p for p in status.get("peers", []) if p.get("in_flight")]
+    if asking:
+        slowest = max(asking, key=lambda p: p.get("waiting_s", 0))
+        return (f"it is waiting on its peer {slowest['url']} ({slowest['in_flight']} requests "
+                f"under way, the oldest for {slowest.get('waiting_s', 0):.0f} s; a peer slower "
+                f"than --peer-min-rate is dropped for the Hub), not on the Hub (faults so far: "
+                f"{said})")
+    return (f"it is fetching from the Hub ({up.get('in_flight', 0)} requests under way, "
+            f"faults so far: {said})")

@@ -137,8 +137,10 @@ class DaemonProcess:
         socket: Path | None = None,
         args: list[str] = (),
         env: dict[str, str] | None = None,
+        preexec_fn: Any = None,
     ) -> None:
         self.base = short_tmp("cdd")
+        self.preexec_fn = preexec_fn  # run in the child before exec (e.g. a lower fd limit)
         self.cache_dir = cache_dir or self.base / "cache"
         self.socket = socket or self.base / "run" / "s.sock"
         self.log_path = self.base / "daemon.log"
@@ -168,7 +170,8 @@ class DaemonProcess:
 
     def start(self, timeout: float = 60, poll: float = 0.05) -> DaemonProcess:
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=log, env=self.env)
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=log, env=self.env,
+                                         preexec_fn=self.preexec_fn)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -117,11 +117,16 @@ def _sharing_lines(info: dict[str, Any]) -> list[str]:
     share, up = info.get("share"), info.get("upstream", {})
     if share:
         refused = sum(v for k, v in share.items() if k.startswith("refused_"))
+        closed = sum(v for k, v in share.items()
+                     if k.startswith("connections_") and k != "connections_refused")
         lines.append(f"sharing     {share.get('served_experts', 0)} experts "
                      f"({format_size(share.get('served_bytes', 0))}) served to peers, "
-                     f"{refused} refused")
+                     f"{refused} refused; connections {share.get('connections', 0)} of "
+                     f"{share.get('connection_limit', 0)}, {closed} closed by the door, "
+                     f"{share.get('connections_refused', 0)} turned away")
     for peer in info.get("peers", []):
-        state = (f"SKIPPED for {peer['skipped_for_s']:.0f}s more: it served wrong bytes"
+        why = peer.get("skipped_because") or "it served wrong bytes"
+        state = (f"SKIPPED for {peer['skipped_for_s']:.0f}s more: {why}"
                  if peer["skipped_for_s"] else "asked before the Hub")
         lines.append(f"peer        {peer['url']} {state}")
     if info.get("peers"):

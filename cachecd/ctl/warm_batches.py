@@ -168,8 +168,8 @@ class WaitNotice:
             return
         self.next = quiet + WAIT_REPEAT_S
         print(f"still waiting for the daemon: no answer for {quiet:.0f} s, {to_go} requests to "
-              "go (it is fetching from the Hub and retries its faults; `cachecd status` and its "
-              "log say more)", file=sys.stderr, flush=True)
+              "go (it is fetching from its peers or the Hub and retries their faults; "
+              "`cachecd status` and its log say which)", file=sys.stderr, flush=True)
 
 
 def _send_with_retries(client: Any, model: str, batch: Batch) -> dict[str, Any]:

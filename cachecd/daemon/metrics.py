@@ -86,7 +86,8 @@ _DAEMON_COUNTERS = {
 _UPSTREAM_GAUGES = {
     "in_flight": "Upstream HTTP requests under way.",
     "peak_in_flight": "Most upstream HTTP requests under way at once since start.",
-    "peer_skipped": "Peers skipped now because they served wrong bytes (--peer).",
+    "peer_skipped": "Peers skipped now: they served wrong bytes or sent too slowly (--peer).",
+    "peer_in_flight": "Requests to peers under way (--peer).",
 }
 _UPSTREAM_COUNTERS = {
     "requests_resolve": "Resolve (HEAD) requests sent upstream.",
@@ -97,13 +98,24 @@ _UPSTREAM_COUNTERS = {
     "peer_experts": "Experts peers served that verified (--peer).",
     "peer_bytes": "Bytes of verified experts peers served (--peer).",
     "peer_lies": "Times a peer served wrong bytes (it is then skipped for a while).",
+    "peer_slow": "Times a peer sent under the minimum rate (it is then skipped for a while).",
 }
 # status()["share"]: what --share served and refused.
 _SHARE_COUNTERS = {
     "served_experts": "Experts served to peers (--share).",
     "served_bytes": "Bytes of experts served to peers (--share).",
+    "connections_refused": "Share connections closed at once: the door was full of busy ones.",
+    "connections_dropped": "Share connections that never showed the token, closed for a "
+                           "newcomer.",
+    "connections_idle_closed": "Idle share connections closed for a newcomer.",
+    "connections_header_timed_out": "Share connections closed: no request head in time.",
+    "connections_idle_timed_out": "Kept-alive share connections closed after their idle "
+                                  "deadline.",
+    "connections_body_timed_out": "Share requests whose body did not arrive in time.",
 }
 _SHARE_GAUGES = {
+    "connections": "Open share connections (--share).",
+    "connection_limit": "Most share connections held at once (--share).",
     "requests_in_flight": "Peer requests being answered (--share).",
     "bytes_in_flight": "Bytes of experts being sent to peers (--share).",
 }
@@ -303,6 +315,25 @@ def registry_for(daemon: Any) -> CollectorRegistry:
     for histogram in daemon.latency.all():
         registry.register(histogram)
     ProcessCollector(registry=registry)  # process_cpu_seconds_total, process_open_fds, ...
+    return registry
+
+
+# What the share's own /metrics shows a token holder (docs/sharing.md): no cache path, no model.
+PEER_VISIBLE = ("cachecd_share_", "cachecd_upstream_peer_")
+
+
+class _PeerVisible(Collector):
+    def __init__(self, daemon: Any) -> None:
+        self._all = DaemonCollector(daemon)
+
+    def collect(self) -> Iterator[Metric]:
+        return (m for m in self._all.collect() if m.name.startswith(PEER_VISIBLE))
+
+
+def peer_registry_for(daemon: Any) -> CollectorRegistry:
+    """The registry the share answers token holders with: its own and the peers' series only."""
+    registry = CollectorRegistry()
+    registry.register(_PeerVisible(daemon))
     return registry
 
 

@@ -61,12 +61,17 @@ def add_daemon_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds a peer may take to connect, to start answering, or with no "
                         f"byte coming (a stall), before the Hub is asked instead; a peer that "
                         f"keeps sending is waited for (default: {constants.PEER_DEADLINE_S:g})")
+    p.add_argument("--peer-min-rate", metavar="RATE",
+                   help="a peer's request may take --peer-deadline plus its bytes at RATE (e.g. "
+                        "1MiB/s), no longer; a peer that sends slower is dropped for the Hub and "
+                        f"not asked for {constants.PEER_SKIP_S / 60:g} minutes (default: "
+                        f"{constants.PEER_MIN_RATE >> 20}MiB/s)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     keys = ("cache_dirs", "budget", "socket", "endpoint", "manifests", "models_dir", "policy",
             "max_parallel", "offline", "scrub_rate", "share", "share_token_file", "peers",
-            "peer_token_file", "peer_deadline")
+            "peer_token_file", "peer_deadline", "peer_min_rate")
     return load_settings({k: getattr(args, k, None) for k in keys})
 
 
@@ -132,10 +137,16 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     from cachecd.daemon.peer import bind_private_socket
     from cachecd.daemon.routes import build_app
     from cachecd.daemon.share import Sharing
+    from cachecd.daemon.share_door import exposure, raise_fd_limit
     from cachecd.store.store import Store
     from cachecd.upstream.choose import open_upstream
 
+    if settings.share and (said := exposure(settings.share)):
+        log.warning("share exposed: %s", said)
     share_token, peer_token = tokens(settings)  # a bad token file stops us before any work
+    # Every connection, blob and upstream socket is an fd: take what the hard limit allows
+    # (systemd's soft default is 1,024, launchd's 256), before anything is opened.
+    log.info("open files limit=%d", raise_fd_limit())
     notify("STATUS=recovering the cache: " + ", ".join(map(str, settings.cache_dirs)))
     store = await Store.open(settings.cache_dirs, budget=settings.budget, policy=settings.policy,
                              map_size=settings.map_size)

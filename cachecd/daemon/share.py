@@ -15,7 +15,10 @@ Invariants:
   manifest gives an expert another expert's digest gets nothing for it. A blob this process has not hashed is hashed
   before it is served (as a hit's first open does); rot is quarantined and answered as absent.
 - At most ``max_requests`` requests and ``max_bytes`` of blobs are served at once; past either
-  the answer is 503 with Retry-After, never a queue that grows.
+  the answer is 503 with Retry-After, never a queue that grows. A request counts against them
+  only once its token passed and its body is in (``share_door``: connections, their deadlines).
+- ``/metrics`` shows a token holder only the share's and the peers' series (docs/sharing.md), no
+  cache path and no model.
 - Bodies go from the blob's fd to the socket with ``loop.sendfile`` (zero-copy where the
   platform has it), never loaded whole into Python.
 The peer only trusts bytes it verified against its own manifest, so this side needs no
@@ -36,6 +39,7 @@ from typing import Any
 from aiohttp import web
 
 from cachecd import constants
+from cachecd.daemon.share_door import ShareDoor, ShareSite, connection_limit
 from cachecd.errors import ExpertNotFound
 
 log = logging.getLogger(__name__)
@@ -62,9 +66,11 @@ class Sharing:
         self.bytes_in_flight = 0
         self.counters: Counter[str] = Counter()
         self._runner: web.AppRunner | None = None
+        self.door = ShareDoor(self.counters, *connection_limit())
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._guard], client_max_size=1 << 20)
+        app = web.Application(middlewares=[self.door.middleware, self._guard],
+                              client_max_size=1 << 20)
         app.router.add_get("/v2/blob/{digest}/{source}", self._one)
         app.router.add_post("/v2/blobs", self._many)
         app.router.add_route("*", "/v1/{tail:.*}", self._gone)
@@ -75,15 +81,17 @@ class Sharing:
         host, _, port = host_port.rpartition(":")
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host.strip("[]"), int(port), reuse_address=True).start()
-        log.info("sharing experts listen=%s", host_port)
+        await ShareSite(self._runner, host.strip("[]"), int(port), self.door).start()
+        log.info("sharing experts listen=%s connection_limit=%d per_address=%d", host_port,
+                 self.door.limit, self.door.per_address)
 
     async def close(self) -> None:
+        self.door.close()
         if self._runner is not None:
             await self._runner.cleanup()
 
     def status(self) -> dict[str, int]:
-        return {**self.counters, "requests_in_flight": self.requests,
+        return {**self.counters, **self.door.status(), "requests_in_flight": self.requests,
                 "bytes_in_flight": self.bytes_in_flight}
 
     def _refuse(self, reason: str, exc: type[web.HTTPException], **kw: Any) -> web.HTTPException:
@@ -96,6 +104,7 @@ class Sharing:
         if not hmac.compare_digest(got, self._token):
             raise self._refuse("unauthorized", web.HTTPUnauthorized,
                                headers={"WWW-Authenticate": "Bearer"})
+        await self.door.authorized(request)  # its body in, within a deadline, before a slot
         if self.requests >= self.max_requests:
             raise self._refuse("busy", web.HTTPServiceUnavailable, headers={"Retry-After": "1"})
         self.requests += 1
@@ -105,9 +114,9 @@ class Sharing:
             self.requests -= 1
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        from cachecd.daemon.metrics import registry_for, render
+        from cachecd.daemon.metrics import peer_registry_for, render
 
-        return web.Response(body=render(registry_for(self.daemon)),
+        return web.Response(body=render(peer_registry_for(self.daemon)),
                             content_type="text/plain", charset="utf-8")
 
     async def _gone(self, request: web.Request) -> web.StreamResponse:

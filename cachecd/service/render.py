@@ -105,7 +105,8 @@ def sharing_arguments(settings: Settings) -> list[str]:
         argv += ["--peer", url]
     if settings.peers and settings.peer_token_file:
         argv += ["--peer-token-file", str(Path(settings.peer_token_file).absolute()),
-                 "--peer-deadline", str(settings.peer_deadline)]
+                 "--peer-deadline", str(settings.peer_deadline),
+                 "--peer-min-rate", str(settings.peer_min_rate)]
     return argv
 
 

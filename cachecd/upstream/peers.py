@@ -23,7 +23,11 @@ Invariants:
   most about the deadline, a slow one that keeps sending is waited for (up to the Hub's total
   timeout). After a fault a peer gets no further request in this fetch; peers are asked in the
   order named, each for what the ones before did not have.
-- A peer that answered wrong bytes is not asked again for ``skip_s`` (``lies`` counts them).
+- A request's whole time is bounded too, by its bytes at ``min_rate`` plus the deadline
+  (``_paced``): a peer that trickles bytes just inside the stall deadline is cut there.
+- A peer that answered wrong bytes, or was cut for sending too slowly, is not asked again for
+  ``skip_s`` (``lies``, ``slow`` count them); ``describe`` says why.
+- A peer's redirect is never followed (a 3xx is a refusal): the bytes come from the URL named.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class Peers:
     def __init__(self, urls: Sequence[str], token: str, *,
                  deadline_s: float = constants.PEER_DEADLINE_S,
                  skip_s: float = constants.PEER_SKIP_S,
+                 min_rate: int = constants.PEER_MIN_RATE,
                  max_experts: int = constants.SHARE_MAX_EXPERTS_PER_REQUEST,
                  max_parallel: int = constants.MAX_PARALLEL_FETCHES,
                  target_bytes: int = constants.COALESCE_TARGET_BYTES) -> None:
@@ -75,7 +80,10 @@ class Peers:
         self.deadline_s, self.skip_s, self.max_experts = deadline_s, skip_s, max_experts
         self.max_parallel = max(1, min(max_parallel, constants.SHARE_MAX_REQUESTS))
         self.target_bytes = target_bytes
+        self.min_rate = min_rate
         self.skipped_until: dict[str, float] = {}
+        self.skipped_why: dict[str, str] = {}
+        self._asking: dict[str, dict[object, float]] = {}  # url -> requests under way: start
         self.counters: Counter[str] = Counter()
         self._session: aiohttp.ClientSession | None = None
         self._gates: dict[str, asyncio.Semaphore] = {}  # requests in flight per peer
@@ -83,17 +91,28 @@ class Peers:
     @classmethod
     def from_settings(cls, settings: Any, token: str) -> Peers:
         return cls(settings.peers, token, deadline_s=settings.peer_deadline,
+                   min_rate=settings.peer_min_rate,
                    max_parallel=settings.max_parallel)
 
     def stats(self) -> dict[str, int]:
         now = time.monotonic()
         return {**self.counters,
-                "skipped": sum(1 for t in self.skipped_until.values() if t > now)}
+                "skipped": sum(1 for t in self.skipped_until.values() if t > now),
+                "in_flight": sum(len(a) for a in self._asking.values())}
 
     def describe(self) -> list[dict[str, Any]]:
+        """Each peer: how long it is skipped for and why, its requests under way and the oldest
+        one's age (what a waiting client is told)."""
         now = time.monotonic()
-        return [{"url": u, "skipped_for_s": round(max(0.0, self.skipped_until.get(u, 0) - now), 1)}
-                for u in self.urls]
+        out = []
+        for u in self.urls:
+            asking = self._asking.get(u, {})
+            out.append({"url": u,
+                        "skipped_for_s": round(max(0.0, self.skipped_until.get(u, 0) - now), 1),
+                        "skipped_because": self.skipped_why.get(u, ""),
+                        "in_flight": len(asking),
+                        "waiting_s": round(now - min(asking.values()), 1) if asking else 0.0})
+        return out
 
     async def close(self) -> None:
         if self._session is not None:
@@ -131,7 +150,7 @@ class Peers:
                 if faulted or self._skipped(url):
                     return  # left for the source
                 try:
-                    await self._ask(url, batch, hand, spool, pool, done)
+                    await self._paced(url, batch, hand, spool, pool, done)
                 except _Fault:
                     faulted = True
                 except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
@@ -146,6 +165,25 @@ class Peers:
             for batch in reqs:
                 tg.create_task(one(batch))
 
+    async def _paced(self, url: str, batch: list[EntryLike], hand: Hand, spool: Any,
+                     pool: Executor, done: set[ExpertKey]) -> None:
+        """``_ask`` within the deadline plus the batch's bytes at ``min_rate``; past that the
+        peer is skipped for a while, as a liar is."""
+        nbytes = sum(e.nbytes for e in batch)
+        allowed = self.deadline_s + nbytes / self.min_rate
+        key, started = object(), time.monotonic()
+        self._asking.setdefault(url, {})[key] = started
+        try:
+            async with asyncio.timeout(allowed) as bound:
+                await self._ask(url, batch, hand, spool, pool, done)
+        except TimeoutError:
+            if not bound.expired():
+                raise  # the stall deadline: counted as a timeout, asked again at the next miss
+            self._slow(url, nbytes, time.monotonic() - started, allowed)
+            raise _Fault() from None
+        finally:
+            self._asking[url].pop(key, None)
+
     async def _ask(self, url: str, batch: list[EntryLike], hand: Hand, spool: Any,
                    pool: Executor, done: set[ExpertKey]) -> None:
         if self._session is None:
@@ -154,7 +192,8 @@ class Peers:
         timeout = aiohttp.ClientTimeout(total=constants.TOTAL_TIMEOUT_S,
                                         sock_connect=self.deadline_s, sock_read=self.deadline_s)
         async with self._session.post(f"{url}/v2/blobs", data=_body(batch),
-                                      headers=self._auth, timeout=timeout) as resp:
+                                      headers=self._auth, timeout=timeout,
+                                      allow_redirects=False) as resp:  # never elsewhere
             if resp.status != 200:
                 raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
                                                   message=resp.reason or "")
@@ -212,9 +251,18 @@ class Peers:
             self._lied(url, lie.message)
             raise _Fault()
 
+    def _slow(self, url: str, nbytes: int, took: float, allowed: float) -> None:
+        self.counters["slow"] += 1
+        self.skipped_until[url] = time.monotonic() + self.skip_s
+        self.skipped_why[url] = (f"it sent slower than {self.min_rate / (1 << 20):g} MiB/s "
+                                 f"(--peer-min-rate)")
+        log.warning("peer too slow url=%s bytes=%d took_s=%.1f allowed_s=%.1f min_rate=%d "
+                    "skipped_for_s=%.0f", url, nbytes, took, allowed, self.min_rate, self.skip_s)
+
     def _lied(self, url: str, message: str) -> None:
         self.counters["lies"] += 1
         self.skipped_until[url] = time.monotonic() + self.skip_s
+        self.skipped_why[url] = "it served wrong bytes"
         log.warning("peer served wrong bytes url=%s skipped_for_s=%.0f err=%s",
                     url, self.skip_s, message)
 

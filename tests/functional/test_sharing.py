@@ -76,8 +76,10 @@ def sharer(logged_hub: LoggedHub, tiny_manifest_path: Path, tiny_manifest: Any) 
     a.cleanup()
 
 
-def peer_daemon(hub: LoggedHub, manifest: Path, *peers: str, deadline: float = 2.0) -> DaemonProcess:
+def peer_daemon(hub: LoggedHub, manifest: Path, *peers: str, deadline: float = 2.0,
+                min_rate: str | None = None) -> DaemonProcess:
     args = ["--peer-token-file", str(token_file()), "--peer-deadline", str(deadline)]
+    args += ["--peer-min-rate", min_rate] if min_rate else []
     for p in peers:
         args += ["--peer", p]
     return DaemonProcess(hub.url, [manifest], args=args).start()
@@ -257,12 +259,13 @@ def test_a_peer_down_or_stalling_costs_at_most_its_deadline(how, logged_hub, tin
 def test_a_slow_but_steady_peer_is_used_past_its_deadline(sharer, logged_hub, tiny_manifest_path,
                                                           tiny_manifest, tiny_dir):
     """The deadline bounds connecting, the first byte and any stall, not the whole transfer: an
-    answer trickling in over several deadlines, never pausing for one, comes from the peer."""
+    answer trickling in over several deadlines, never pausing for one, comes from the peer (at
+    a rate above --peer-min-rate, set low here for the tiny model's few kilobytes)."""
     layer, ids = tiny_manifest.moe_layers[3], [0, 1, 2, 3]
     body = sum(tiny_manifest.expert(layer, e).nbytes for e in ids)
     pause, deadline = 0.3, 1.0
     proxy = FlipProxy(int(sharer.share_url.rsplit(":", 1)[1]), trickle=(body // 8 + 1, pause))
-    b = peer_daemon(logged_hub, tiny_manifest_path, proxy.url, deadline=deadline)
+    b = peer_daemon(logged_hub, tiny_manifest_path, proxy.url, deadline=deadline, min_rate="1KiB")
     try:
         mark = logged_hub.mark()
         with b.client() as c:
