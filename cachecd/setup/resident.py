@@ -10,6 +10,10 @@ interrupted run leaves ``.partial`` plus a progress file listing the tensors alr
 verified, so the next run resumes instead of starting over. With ``reuse`` (another revision's
 resident file), a tensor whose bytes there hash to this manifest's xxh3-128 is copied from it,
 not fetched: a new revision downloads only the tensors that changed.
+
+An install is as private as the expert cache (blobs 0600 in 0700 directories): ``make_private``
+leaves every directory of a model's installs 0700 and every file 0600, the resident file is
+created 0600, and a rerun of setup fixes an install an older cachecd left readable by all.
 """
 
 from __future__ import annotations
@@ -43,6 +47,25 @@ def safetensors_header(tensors: list[Any], metadata: dict[str, str]) -> tuple[by
     body += b" " * (-len(body) % 8)
     head = struct.pack("<Q", len(body)) + body
     return head, [len(head) + o for o in offsets]
+
+
+def make_private(models_dir: Path, repo: str) -> Path:
+    """Every directory of ``repo``'s installs under ``models_dir`` 0700 and every file 0600
+    (created 0700 where missing, the models dir too); returns the repo's folder. Only what
+    belongs to the repo's installs is changed: an existing models dir keeps its mode (it holds
+    manifests, which are public), its own folders do not."""
+    models_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    top = models_dir / repo.split("/")[0]
+    folder = models_dir / repo
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(top, 0o700)
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o700)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o600)
+    return folder
 
 
 def plan_groups(tensors: list[Any]) -> list[list[int]]:
@@ -118,8 +141,9 @@ class ResidentWriter:
         if self.done():
             return 0
         done = self._load_progress()
-        fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
+            os.fchmod(fd, 0o600)  # a .partial an older cachecd left 0644
             os.ftruncate(fd, self._size())
             os.pwrite(fd, self.header, 0)
             if reuse is not None:
