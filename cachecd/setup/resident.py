@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from cachecd.durable import full_fsync, sync_dir
-from cachecd.errors import ChecksumMismatch
+from cachecd.errors import ChecksumMismatch, ManifestInvalid
+from cachecd.manifest import bounds
+from cachecd.manifest.safetensors_header import MAX_HEADER_BYTES
 from cachecd.upstream.verify import digest
 
 RESIDENT_FILE = "model-resident.safetensors"
@@ -188,7 +190,8 @@ class ResidentWriter:
         try:
             with open(old, "rb") as f:
                 size = struct.unpack("<Q", f.read(8))[0]
-                header = json.loads(f.read(size))
+                header = bounds.loads(f.read(min(size, MAX_HEADER_BYTES)), str(old),
+                                      "safetensors header", MAX_HEADER_BYTES)
                 for i, t in enumerate(self.tensors):
                     entry = header.get(t.name)
                     if t.name in done or not isinstance(entry, dict):
@@ -200,7 +203,8 @@ class ResidentWriter:
                     if digest(data) == t.xxh3:
                         os.pwrite(fd, data, self.offsets[i])
                         done.add(t.name)
-        except (OSError, ValueError, KeyError, TypeError, struct.error):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error,
+                ManifestInvalid):
             pass  # an unreadable old install: what was not copied is fetched
         full_fsync(fd)  # before the progress record names these tensors done
         self._save_progress(done)
