@@ -30,22 +30,27 @@ MAX_JSON_BYTES = 64 << 20  # a K3 meta or index.json is a few MB; headers have t
 MAX_ARCHIVE_BYTES = 1 << 30  # a K3-sized manifest is tens of MB
 EXPANSION = 64  # a real manifest expands ~3x (its digests do not compress)
 EXPANSION_FLOOR = 64 << 20
-_BRACKETS = b"[]{}"
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in _BRACKETS)
+_CHUNK = 1 << 20
+_NOT_SPECIAL = bytes(b for b in range(256) if b not in b'[]{}"')
 
 
 def nesting_depth(data: bytes) -> int:
     """How deep ``data``'s arrays and objects nest, brackets inside strings not counted. Where
     ``data`` stops being JSON the count may be off, but the parser stops there too, so the
     depth it would reach is counted right."""
-    text = data.replace(b"\\\\", b"").replace(b'\\"', b"")  # escapes: a backslash is never
-    outside = b"".join(text.split(b'"')[::2])  # unescaped outside a string in valid JSON
-    brackets = outside.translate(None, _NOT_BRACKETS)
-    if not brackets:
-        return 0
-    a = np.frombuffer(brackets, np.uint8)
-    steps = np.where((a == ord("[")) | (a == ord("{")), 1, -1)
-    return int(np.cumsum(steps, dtype=np.int64).max())
+    if b"\\" in data:  # escapes first (outside a string a backslash is not JSON)
+        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    # Every quote left opens or closes a string: keep quotes and brackets only, then drop what
+    # lies between a quote and the next.
+    kept = data.translate(None, _NOT_SPECIAL)
+    brackets = b"".join(kept.split(b'"')[::2])
+    depth = peak = 0
+    for start in range(0, len(brackets), _CHUNK):  # in chunks: memory stays a few MB
+        a = np.frombuffer(brackets, np.uint8, min(_CHUNK, len(brackets) - start), start)
+        run = np.cumsum(np.where((a == ord("[")) | (a == ord("{")), 1, -1), dtype=np.int64)
+        peak = max(peak, depth + int(run.max()))
+        depth += int(run[-1])
+    return peak
 
 
 def loads(data: bytes, source: str, field: str, max_bytes: int = MAX_JSON_BYTES) -> Any:
