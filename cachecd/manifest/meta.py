@@ -154,7 +154,7 @@ def _check_files(ctx: Ctx, files: list[Any]) -> None:
 
 def _check_vocab(ctx: Ctx, meta: dict[str, Any]) -> None:
     for i, d in enumerate(meta["dtypes"]):
-        if d not in DTYPE_BITS:
+        if not isinstance(d, str) or d not in DTYPE_BITS:
             raise ctx.fail(f"dtypes[{i}]", f"unknown safetensors dtype {d!r:.40}")
     for i, s in enumerate(meta["shapes"]):
         if not _shape(s):
@@ -192,7 +192,7 @@ def _check_resident(ctx: Ctx, meta: dict[str, Any]) -> None:
         if not isinstance(name, str) or name in names or EXPERT_RE.search(name):
             raise ctx.fail(f"{field}.name", f"{name!r:.120} is repeated or names a routed expert")
         names.add(name)
-        if dtype not in DTYPE_BITS:
+        if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
             raise ctx.fail(f"{field}.dtype", f"{name}: unknown dtype {dtype!r:.40}")
         if not _shape(shape):
             raise ctx.fail(f"{field}.shape", f"{name}: bad shape {shape!r:.80}")
@@ -200,7 +200,7 @@ def _check_resident(ctx: Ctx, meta: dict[str, Any]) -> None:
             raise ctx.fail(
                 f"{field}.xxh3", f"{name}: digest must be 16 bytes (32 hex), got {digest!r:.80}"
             )
-        if file not in files or files[file][3] == 0:
+        if not isinstance(file, str) or file not in files or files[file][3] == 0:
             raise ctx.fail(
                 f"{field}.file", f"{name}: {file!r:.120} is not a safetensors shard of the manifest"
             )

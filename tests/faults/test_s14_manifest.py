@@ -52,6 +52,8 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
     'revision "main"': ({"meta_fn": lambda m: m.update(revision="main")}, "revision"),
     "JSON nested 100,000 deep": ({"raw_meta": b"[" * 100_000 + b"]" * 100_000}, "meta"),
     "a shape past int64": ({"meta_fn": lambda m: m["shapes"][0].append(10**30)}, "shapes[0]"),
+    "a dtype that is a list": ({"meta_fn": lambda m: m["dtypes"].__setitem__(0, ["U8"])},
+                               "dtypes[0]"),
 }
 
 
