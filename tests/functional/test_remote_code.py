@@ -162,14 +162,20 @@ def test_a_planted_pyc_beside_a_pinned_copy_never_runs(repo: Repo) -> None:
     evil.parent.mkdir(exist_ok=True)
     shutil.copy2(cached, evil)
     _edit(evil, repo.marker)
-    pyc = Path(importlib.util.cache_from_source(str(cached)))
-    py_compile.compile(str(evil), cfile=str(pyc), dfile=str(cached), doraise=True,
-                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    modules = Path(repo.env["HF_MODULES_CACHE"])
+    # The module's own .pyc, and one for each package above it (transformers writes their
+    # __init__.py empty; importing the module the usual way would run them first).
+    sources = [cached, *(p for p in modules.rglob("__init__.py") if cached.is_relative_to(p.parent))]
+    pycs = [Path(importlib.util.cache_from_source(str(f))) for f in sources]
+    for f, pyc in zip(sources, pycs, strict=True):
+        py_compile.compile(str(evil), cfile=str(pyc), dfile=str(f), doraise=True,
+                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
     try:
         proc = repo.run()
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert not repo.marker.exists(), "the planted bytecode ran"
         assert hashlib.sha256(cached.read_bytes()).hexdigest() == repo.sha(CODE)
     finally:
-        pyc.unlink(missing_ok=True)
+        for pyc in pycs:
+            pyc.unlink(missing_ok=True)
         repo.marker.unlink(missing_ok=True)
