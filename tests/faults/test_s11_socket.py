@@ -202,4 +202,6 @@ def test_existing_socket_dir_is_used_as_it_is_never_changed(small: Model, pool) 
     assert code != 0 and "config_invalid" in out and "writable by others" in out, out
     assert len([ln for ln in out.splitlines() if "writable by others" in ln]) == 1, out
     assert stat.S_IMODE(sticky.stat().st_mode) == 0o1777
-    FIGURES.set("s11.existing_socket_dirs", "0755 used unchanged; 1777 refused, unchanged")
+    FIGURES.set("s11.existing_socket_dirs",
+                f"{stat.S_IMODE(shared.stat().st_mode):o} served, unchanged; "
+                f"{stat.S_IMODE(sticky.stat().st_mode):o} refused (exit {code}), unchanged")
