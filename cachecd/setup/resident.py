@@ -53,9 +53,9 @@ def safetensors_header(tensors: list[Any], metadata: dict[str, str]) -> tuple[by
 
 def make_private(models_dir: Path, repo: str) -> Path:
     """Every directory of ``repo``'s installs under ``models_dir`` 0700 and every file 0600
-    (created 0700 where missing, the models dir too); returns the repo's folder. Only what
-    belongs to the repo's installs is changed: an existing models dir keeps its mode (it holds
-    manifests, which are public), its own folders do not."""
+    (created 0700 where missing, the models dir too); returns the repo's folder. Nothing else
+    is changed: an existing models dir keeps its mode (it also holds manifests, which are
+    public)."""
     models_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     top = models_dir / repo.split("/")[0]
     folder = models_dir / repo
