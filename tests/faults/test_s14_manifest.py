@@ -19,7 +19,7 @@ import pytest
 from cachecd.errors import ManifestInvalid, ManifestUnchecked, RepoNotAllowed
 from tests.faults.figures import FIGURES
 from tests.faults.support import FaultDaemon, Model, fetch_verified, new_dir
-from tests.harness import HubProcess
+from tests.harness import HubProcess, run_cli
 
 
 def _rewrite(model: Model, meta_fn: Any = None, arrays_fn: Any = None, raw_meta: bytes | None = None) -> bytes:
@@ -204,3 +204,14 @@ def test_zip_bomb_is_refused_before_it_expands(small: Model, setup) -> None:  # 
     assert str(bomb) in info.value.message and "t_offset" in info.value.message, info.value.message
     assert grew < column // 8, f"peak memory grew {grew >> 20} MiB for a refused manifest"
     FIGURES.set("s14.zip_bomb_peak_growth_mib", grew >> 20)
+
+
+def test_manifest_verify_says_one_line_for_a_nested_meta(small: Model) -> None:
+    """`cachecd manifest verify FILE`, as a user runs it, on a meta nested 100,000 deep."""
+    path = new_dir("cdm") / "deep.manifest"
+    path.write_bytes(_rewrite(small, raw_meta=b"[" * DEEP + b"]" * DEEP))
+    proc = run_cli("manifest", "verify", str(path), "--no-hub", check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("cachecd: ")]
+    assert lines == [f"cachecd: manifest_invalid: {path}: meta: JSON nested {DEEP} deep, over "
+                     f"the limit of 32"], proc.stderr[-2000:]
