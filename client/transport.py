@@ -109,6 +109,12 @@ def _recv_answer(sock: socket.socket, fds: list[int]) -> dict[str, Any]:
     return protocol.decode(body)
 
 
+def _discard(sock: socket.socket, fds: list[int]) -> None:
+    sock.close()
+    for fd in fds:
+        os.close(fd)
+
+
 class DataTransport:
     """A small pool of data connections, so several threads can ask at once."""
 
@@ -132,12 +138,15 @@ class DataTransport:
                 sock.sendall(frame)
                 answer = _recv_answer(sock, fds)
             except (TimeoutError, ConnectionError, BrokenPipeError, OSError) as exc:
-                sock.close()
-                for fd in fds:
-                    os.close(fd)
+                _discard(sock, fds)
                 if attempt:
                     raise unavailable(self.path, exc) from None
                 continue
+            except BaseException:
+                # A malformed answer (or Ctrl-C mid-frame): every fd that came with it is
+                # closed here, or each bad answer would leak them; the connection is spent.
+                _discard(sock, fds)
+                raise
             self._idle.put(sock)
             if not answer.get("ok"):
                 for fd in fds:

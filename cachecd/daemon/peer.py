@@ -1,6 +1,7 @@
 """The daemon's Unix sockets: who may connect, and how they are created.
 
-Invariants: the socket directory is 0700 and each socket is 0600 from the moment it is bound (the
+Invariants: a socket directory the daemon creates is 0700, an existing one is never changed and
+is refused when others may write to it; each socket is 0600 from the moment it is bound (the
 umask is set around bind, so there is no window with wider modes); a peer whose uid is not the
 daemon's is refused even when it gets past the file mode (root does); a leftover socket file is
 unlinked only when connecting to it is refused, never while a daemon answers on it.
@@ -82,13 +83,32 @@ def unix_path_limit(platform: str | None = None) -> int:
 
 
 def ensure_private_dir(path: Path) -> None:
-    """Create ``path`` 0700 (and its parents); refuse one owned by someone else or open to others."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """Create ``path`` 0700 (its missing parents as the umask says) when it is missing; an
+    existing directory is used as it is, never changed (``--socket /tmp/x.sock`` must not make
+    /tmp 0700), and refused when it belongs to someone else or others may write to it.
+
+    Why refuse rather than fix or warn: the sockets are 0600 and every peer's uid is checked, so
+    a directory others can read or enter lets no one in; one others can write to lets them
+    put their own socket where clients look (before the daemon binds, or after it stops), and
+    only its owner may decide to change its mode."""
+    try:
+        path.mkdir(mode=0o700)
+        os.chmod(path, 0o700)  # the mode mkdir was given is masked by the umask
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return ensure_private_dir(path)
+    except FileExistsError:
+        pass
     st = path.stat()
     if st.st_uid != os.getuid():
         raise ConfigInvalid(f"socket directory {path} belongs to uid {st.st_uid}, not {os.getuid()}")
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
+    if st.st_mode & 0o022:
+        raise ConfigInvalid(
+            f"socket directory {path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}), "
+            f"so they could put their own socket where clients look; pick --socket in a "
+            f"directory of your own (a missing one is created 0700), e.g. {path / 'cachecd'}/"
+            f"cachecd.sock")
+    return None
 
 
 def _clear_stale(path: Path) -> None:

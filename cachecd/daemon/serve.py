@@ -192,9 +192,10 @@ def tokens(settings: Settings) -> tuple[str | None, str | None]:
 async def _register_or_refuse(daemon: Any, path: Path) -> None:
     """A bad --manifest refuses that model only; the daemon still serves the others."""
     from cachecd.errors import CachecdError
+    from cachecd.manifest.manifest import read_manifest_file
 
     try:
-        model = await daemon.registry.register(await asyncio.to_thread(path.read_bytes),
+        model = await daemon.registry.register(await asyncio.to_thread(read_manifest_file, path),
                                                str(path), None, origin=str(path.resolve()))
         daemon.registry.at_start.add(model.repo)
     except (CachecdError, OSError) as exc:

@@ -9,7 +9,6 @@ those are the only ones whose hash needs bytes from more than one shard.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 from collections.abc import Iterator, Mapping
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cachecd import errors
+from cachecd.manifest import bounds
 from cachecd.manifest.manifest import parse_expert_name
 from cachecd.manifest.safetensors_header import HeaderTensor, header_length, parse_header
 
@@ -79,10 +79,7 @@ def read_small(source: Source, f: SourceFile) -> bytes:
 
 
 def parse_config(data: bytes, repo: str) -> dict[str, Any]:
-    try:
-        config = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise errors.ManifestInvalid(f"{repo}: config.json is not JSON ({exc})") from exc
+    config = bounds.loads(data, repo, "config.json")
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise errors.ManifestInvalid(f"{repo}: config.json has no model_type")
     return config
@@ -116,7 +113,8 @@ def shard_files(
     if INDEX_FILE not in by_name:
         return [f for f in files if f.name.endswith(".safetensors") and "/" not in f.name]
     try:
-        weight_map = json.loads(read_small(source, by_name[INDEX_FILE]))["weight_map"]
+        weight_map = bounds.loads(read_small(source, by_name[INDEX_FILE]), source.repo,
+                                  INDEX_FILE)["weight_map"]
         names = sorted(set(weight_map.values()))
     except (KeyError, TypeError, ValueError) as exc:
         raise errors.ManifestInvalid(

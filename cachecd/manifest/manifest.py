@@ -33,6 +33,7 @@ import numpy as np
 
 from cachecd import errors
 from cachecd.durable import write_atomic
+from cachecd.manifest import bounds
 from cachecd.manifest.encode import build_meta, encode_experts
 from cachecd.manifest.entries import ByteRange, ExpertEntry, FileInfo, TensorInfo
 from cachecd.manifest.meta import EXPERT_PATTERN, EXPERT_RE, FORMAT_NAME, MADE
@@ -255,11 +256,7 @@ class Manifest:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Manifest:
-        try:
-            data = Path(path).read_bytes()
-        except OSError as exc:
-            raise errors.ManifestInvalid(f"{path}: cannot read the manifest ({exc})") from exc
-        return cls.from_bytes(data, source=str(path))
+        return cls.from_bytes(read_manifest_file(Path(path)), source=str(path))
 
     @classmethod
     def from_bytes(cls, data: bytes, source: str = "<bytes>") -> Manifest:
@@ -315,6 +312,7 @@ def read_archive(data: bytes, source: str) -> tuple[Any, dict[str, np.ndarray]]:
     """The raw meta and arrays of a manifest file; only the container is checked here."""
     if not data.startswith(b"PK\x03\x04"):  # np.load would try .npy and pickle otherwise
         raise errors.ManifestInvalid(f"{source}: not a cachecd manifest (not a zip archive)")
+    bounds.check_archive_sizes(data, source)
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}
@@ -325,11 +323,20 @@ def read_archive(data: bytes, source: str) -> tuple[Any, dict[str, np.ndarray]]:
     raw = arrays.pop("meta", None)
     if raw is None or raw.dtype != np.uint8 or raw.ndim != 1:
         raise errors.ManifestInvalid(f"{source}: meta: missing or not a byte array")
+    return bounds.loads(raw.tobytes(), source, "meta"), arrays
+
+
+def read_manifest_file(path: Path) -> bytes:
+    """A manifest file's bytes, refused unread past ``bounds.MAX_ARCHIVE_BYTES``."""
     try:
-        meta = json.loads(raw.tobytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise errors.ManifestInvalid(f"{source}: meta: bad JSON ({exc})") from exc
-    return meta, arrays
+        with open(path, "rb") as f:
+            data = f.read(bounds.MAX_ARCHIVE_BYTES + 1)
+    except OSError as exc:
+        raise errors.ManifestInvalid(f"{path}: cannot read the manifest ({exc})") from exc
+    if len(data) > bounds.MAX_ARCHIVE_BYTES:
+        raise errors.ManifestInvalid(
+            f"{path}: over the {bounds.MAX_ARCHIVE_BYTES}-byte manifest limit")
+    return data
 
 
 def manifest_filename(repo: str) -> str:

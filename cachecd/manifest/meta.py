@@ -4,6 +4,7 @@ and resident tensors. It imports nothing else of the manifest but the dtype tabl
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -45,6 +46,19 @@ META_TYPES: dict[str, type | tuple[type, ...]] = {
 
 
 _EXPERT_FIELD = re.compile(r"experts\[(\d+)\]")
+# Sizes, offsets and element counts fit numpy's int64 with room (a bigger one would raise
+# OverflowError where the columns are checked): no file or tensor comes near 2**59 bytes.
+LIMIT = 1 << 59
+
+
+def _count(x: Any) -> bool:
+    """A non-negative int below ``LIMIT`` (bool is not one)."""
+    return type(x) is int and 0 <= x < LIMIT
+
+
+def _shape(s: Any) -> bool:
+    return (isinstance(s, list) and len(s) <= 16 and all(_count(x) for x in s)
+            and math.prod(s) < LIMIT)
 
 
 class Ctx:
@@ -97,8 +111,8 @@ def check_meta(ctx: Ctx, meta: Any) -> None:
         raise ctx.fail(
             "expert_pattern", "differs from this cachecd's expert naming; rebuild the manifest"
         )
-    if meta["experts_per_layer"] < 0:
-        raise ctx.fail("experts_per_layer", "negative")
+    if not _count(meta["experts_per_layer"]):
+        raise ctx.fail("experts_per_layer", f"{meta['experts_per_layer']} is not in 0..2**59")
     if "made" in meta and (not isinstance(meta["made"], str) or meta["made"] not in MADE):
         raise ctx.fail("made", f"{meta['made']!r:.80} is not one of {sorted(MADE)}")
     _check_files(ctx, meta["files"])
@@ -114,7 +128,7 @@ def _check_files(ctx: Ctx, files: list[Any]) -> None:
             isinstance(f, list)
             and len(f) == 4
             and isinstance(f[0], str)
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in (f[1], f[3]))
+            and all(_count(x) for x in (f[1], f[3]))
             and isinstance(f[2], str)
         ):
             raise ctx.fail(field, f"expected [name, size, sha256, header_len], got {f!r:.120}")
@@ -140,11 +154,12 @@ def _check_files(ctx: Ctx, files: list[Any]) -> None:
 
 def _check_vocab(ctx: Ctx, meta: dict[str, Any]) -> None:
     for i, d in enumerate(meta["dtypes"]):
-        if d not in DTYPE_BITS:
+        if not isinstance(d, str) or d not in DTYPE_BITS:
             raise ctx.fail(f"dtypes[{i}]", f"unknown safetensors dtype {d!r:.40}")
     for i, s in enumerate(meta["shapes"]):
-        if not isinstance(s, list) or not all(isinstance(x, int) and x >= 0 for x in s):
-            raise ctx.fail(f"shapes[{i}]", f"not a list of non-negative ints: {s!r:.80}")
+        if not _shape(s):
+            raise ctx.fail(f"shapes[{i}]", f"not a list of non-negative ints whose product "
+                           f"is below 2**59: {s!r:.80}")
     seen: set[tuple[str, ...]] = set()
     for i, t in enumerate(meta["templates"]):
         if not (isinstance(t, list) and len(t) in (1, 3) and all(isinstance(x, str) for x in t)):
@@ -177,20 +192,20 @@ def _check_resident(ctx: Ctx, meta: dict[str, Any]) -> None:
         if not isinstance(name, str) or name in names or EXPERT_RE.search(name):
             raise ctx.fail(f"{field}.name", f"{name!r:.120} is repeated or names a routed expert")
         names.add(name)
-        if dtype not in DTYPE_BITS:
+        if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
             raise ctx.fail(f"{field}.dtype", f"{name}: unknown dtype {dtype!r:.40}")
-        if not isinstance(shape, list) or not all(isinstance(x, int) and x >= 0 for x in shape):
+        if not _shape(shape):
             raise ctx.fail(f"{field}.shape", f"{name}: bad shape {shape!r:.80}")
         if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{32}", digest)):
             raise ctx.fail(
                 f"{field}.xxh3", f"{name}: digest must be 16 bytes (32 hex), got {digest!r:.80}"
             )
-        if file not in files or files[file][3] == 0:
+        if not isinstance(file, str) or file not in files or files[file][3] == 0:
             raise ctx.fail(
                 f"{field}.file", f"{name}: {file!r:.120} is not a safetensors shard of the manifest"
             )
-        if not (isinstance(offset, int) and isinstance(nbytes, int)):
-            raise ctx.fail(field, f"{name}: offset/nbytes must be integers")
+        if not (_count(offset) and _count(nbytes)):
+            raise ctx.fail(field, f"{name}: offset/nbytes must be integers in 0..2**59")
         want = DTYPE_BITS[dtype] * int(np.prod(shape, dtype=np.int64))
         if nbytes * 8 != want:
             raise ctx.fail(

@@ -9,13 +9,13 @@ data byte belongs to exactly one tensor.
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 
 from cachecd import errors
+from cachecd.manifest import bounds
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 
@@ -50,10 +50,7 @@ def parse_header(
     n = header_length(data, source)
     if len(data) < 8 + n:
         raise errors.ManifestInvalid(f"{source}: header needs {8 + n} bytes, got {len(data)}")
-    try:
-        raw = json.loads(data[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise errors.ManifestInvalid(f"{source}: safetensors header is not JSON ({exc})") from exc
+    raw = bounds.loads(data[8 : 8 + n], source, "safetensors header", MAX_HEADER_BYTES)
     if not isinstance(raw, dict):
         raise errors.ManifestInvalid(f"{source}: safetensors header is not a JSON object")
     tensors = [
@@ -116,8 +113,8 @@ def parse_header_columns(data: bytes, file_size: int, source: str = "<file>"
     n = header_length(data, source)
     if len(data) < 8 + n:
         raise errors.ManifestInvalid(f"{source}: header needs {8 + n} bytes, got {len(data)}")
+    raw = bounds.loads(data[8 : 8 + n], source, "safetensors header", MAX_HEADER_BYTES)
     try:
-        raw = json.loads(data[8 : 8 + n].decode("utf-8"))
         raw.pop("__metadata__", None)
         names, specs = list(raw), list(raw.values())
         dtypes = [sp["dtype"] for sp in specs]

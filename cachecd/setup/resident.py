@@ -10,6 +10,10 @@ interrupted run leaves ``.partial`` plus a progress file listing the tensors alr
 verified, so the next run resumes instead of starting over. With ``reuse`` (another revision's
 resident file), a tensor whose bytes there hash to this manifest's xxh3-128 is copied from it,
 not fetched: a new revision downloads only the tensors that changed.
+
+An install is as private as the expert cache (blobs 0600 in 0700 directories): ``make_private``
+leaves every directory of a model's installs 0700 and every file 0600, the resident file is
+created 0600, and a rerun of setup fixes an install an older cachecd left readable by all.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from cachecd.durable import full_fsync, sync_dir
-from cachecd.errors import ChecksumMismatch
+from cachecd.errors import ChecksumMismatch, ManifestInvalid
+from cachecd.manifest import bounds
+from cachecd.manifest.safetensors_header import MAX_HEADER_BYTES
 from cachecd.upstream.verify import digest
 
 RESIDENT_FILE = "model-resident.safetensors"
@@ -43,6 +49,25 @@ def safetensors_header(tensors: list[Any], metadata: dict[str, str]) -> tuple[by
     body += b" " * (-len(body) % 8)
     head = struct.pack("<Q", len(body)) + body
     return head, [len(head) + o for o in offsets]
+
+
+def make_private(models_dir: Path, repo: str) -> Path:
+    """Every directory of ``repo``'s installs under ``models_dir`` 0700 and every file 0600
+    (created 0700 where missing, the models dir too); returns the repo's folder. Nothing else
+    is changed: an existing models dir keeps its mode (it also holds manifests, which are
+    public)."""
+    models_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    top = models_dir / repo.split("/")[0]
+    folder = models_dir / repo
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(top, 0o700)
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o700)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o600)
+    return folder
 
 
 def plan_groups(tensors: list[Any]) -> list[list[int]]:
@@ -118,8 +143,9 @@ class ResidentWriter:
         if self.done():
             return 0
         done = self._load_progress()
-        fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
+            os.fchmod(fd, 0o600)  # a .partial an older cachecd left 0644
             os.ftruncate(fd, self._size())
             os.pwrite(fd, self.header, 0)
             if reuse is not None:
@@ -164,7 +190,8 @@ class ResidentWriter:
         try:
             with open(old, "rb") as f:
                 size = struct.unpack("<Q", f.read(8))[0]
-                header = json.loads(f.read(size))
+                header = bounds.loads(f.read(min(size, MAX_HEADER_BYTES)), str(old),
+                                      "safetensors header", MAX_HEADER_BYTES)
                 for i, t in enumerate(self.tensors):
                     entry = header.get(t.name)
                     if t.name in done or not isinstance(entry, dict):
@@ -176,7 +203,8 @@ class ResidentWriter:
                     if digest(data) == t.xxh3:
                         os.pwrite(fd, data, self.offsets[i])
                         done.add(t.name)
-        except (OSError, ValueError, KeyError, TypeError, struct.error):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error,
+                ManifestInvalid):
             pass  # an unreadable old install: what was not copied is fetched
         full_fsync(fd)  # before the progress record names these tensors done
         self._save_progress(done)

@@ -38,6 +38,7 @@ from cachecd.manifest.sha256 import file_sha256
 from cachecd.service.render import sharing_arguments
 from cachecd.setup import pipeline
 from cachecd.setup.delta import compare, copy_if_same, installed_before
+from cachecd.setup.resident import make_private
 from cachecd.sizes import format_size
 
 log = logging.getLogger(__name__)
@@ -371,7 +372,8 @@ def run(args: argparse.Namespace) -> int:
     local = settings.models_dir / repo / commit
     if rank is not None:
         local = pipeline.rank_dir(local, *rank)
-    local.mkdir(parents=True, exist_ok=True)
+    make_private(settings.models_dir, repo)  # before any weight lands; fixes an older install
+    local.mkdir(mode=0o700, parents=True, exist_ok=True)
     print(f"{repo}@{commit}: {manifest.n_experts} experts "
           f"({format_size(manifest.expert_bytes_total)}) streamed on demand")
     old = installed_before(settings.socket, repo, commit)
@@ -387,6 +389,7 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     reuse = delta.old_resident if delta else None
     resident = asyncio.run(fetch_resident(manifest, local, settings, keep, reuse))
+    make_private(settings.models_dir, repo)  # what hf_hub_download and copies wrote: 0600
     client = ensure_daemon(settings, args)
     with client:
         client.register(manifest_path, local, layers=layers and (layers.start, layers.end),

@@ -175,3 +175,33 @@ def test_stale_socket_is_removed_live_socket_and_file_are_not(small: Model, pool
     assert "cache_locked" in outs["same cache dir"][0]
     with d.client() as c:  # the first daemon never noticed
         fetch_verified(c, small, small.layers[0], [1])
+
+
+def test_existing_socket_dir_is_used_as_it_is_never_changed(small: Model, pool) -> None:  # type: ignore[no-untyped-def]
+    """`serve --socket DIR/x.sock` chmods only a DIR it creates: an existing 0755 DIR (as /run)
+    serves unchanged; one others may write to (as /tmp, 1777) is refused, its mode untouched."""
+    hub = pool.hub(small)
+    shared = new_dir("cds") / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    d = pool.daemon(hub, [small], socket=shared / "s.sock")
+    with d.client() as c:
+        fetch_verified(c, small, small.layers[0], [1])
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755
+    assert stat.S_IMODE((shared / "s.sock").stat().st_mode) == 0o600
+    made = new_dir("cds") / "made" / "deeper"
+    pool.daemon(hub, [small], socket=made / "s.sock")
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700  # created: 0700 whatever the umask
+    sticky = new_dir("cds") / "tmp"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    refused = pool.daemon(hub, [small], socket=sticky / "s.sock", start=False)
+    proc = subprocess.Popen(refused.argv, env=refused.env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    out, code = _finished(proc)
+    assert code != 0 and "config_invalid" in out and "writable by others" in out, out
+    assert len([ln for ln in out.splitlines() if "writable by others" in ln]) == 1, out
+    assert stat.S_IMODE(sticky.stat().st_mode) == 0o1777
+    FIGURES.set("s11.existing_socket_dirs",
+                f"{stat.S_IMODE(shared.stat().st_mode):o} served, unchanged; "
+                f"{stat.S_IMODE(sticky.stat().st_mode):o} refused (exit {code}), unchanged")

@@ -12,8 +12,10 @@ transformers does not notice), is refused before it runs: the edit would write a
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
+import py_compile
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -147,3 +149,33 @@ def test_an_edited_copy_in_the_modules_cache_is_refused(repo: Repo) -> None:
     finally:
         cached.write_bytes(saved)
     assert repo.run().returncode == 0
+
+
+def test_a_planted_pyc_beside_a_pinned_copy_never_runs(repo: Repo) -> None:
+    """Bytecode in the modules cache's ``__pycache__`` built from an edited source, beside a copy
+    whose .py still has the pinned sha256: an unchecked-hash .pyc, which Python's own loader
+    runs without looking at the source. What runs is the pinned source: the run succeeds and the
+    edit, which would write a marker file, never runs."""
+    assert repo.run().returncode == 0  # transformers' copies are in place
+    (cached,) = Path(repo.env["HF_MODULES_CACHE"]).rglob(CODE)
+    evil = repo.marker.parent / "evil" / CODE
+    evil.parent.mkdir(exist_ok=True)
+    shutil.copy2(cached, evil)
+    _edit(evil, repo.marker)
+    modules = Path(repo.env["HF_MODULES_CACHE"])
+    # The module's own .pyc, and one for each package above it (transformers writes their
+    # __init__.py empty; importing the module the usual way would run them first).
+    sources = [cached, *(p for p in modules.rglob("__init__.py") if cached.is_relative_to(p.parent))]
+    pycs = [Path(importlib.util.cache_from_source(str(f))) for f in sources]
+    for f, pyc in zip(sources, pycs, strict=True):
+        py_compile.compile(str(evil), cfile=str(pyc), dfile=str(f), doraise=True,
+                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    try:
+        proc = repo.run()
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert not repo.marker.exists(), "the planted bytecode ran"
+        assert hashlib.sha256(cached.read_bytes()).hexdigest() == repo.sha(CODE)
+    finally:
+        for pyc in pycs:
+            pyc.unlink(missing_ok=True)
+        repo.marker.unlink(missing_ok=True)

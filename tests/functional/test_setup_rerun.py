@@ -7,6 +7,7 @@ into a file (only `-v` adds log lines)."""
 from __future__ import annotations
 
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,3 +78,29 @@ def test_setup_again_reuses_what_it_stored(own_hub: LoggedHub, base: Path) -> No
 def test_verbose_setup_logs(own_hub: LoggedHub, base: Path) -> None:
     _, err = setup(own_hub, base, "-v", "--build-manifest")
     assert " DEBUG " in err and " INFO " in err, err
+
+
+def _modes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): stat.S_IMODE(p.lstat().st_mode)
+            for p in [root, *root.rglob("*")] if not p.is_symlink()}
+
+
+def test_installed_weights_are_as_private_as_the_cache(own_hub: LoggedHub, base: Path) -> None:
+    """The resident weights, config and tokenizer of an install: directories 0700, files 0600,
+    as the expert cache's blobs; an install an older cachecd left readable by all (0755/0644)
+    is made so by the next setup."""
+    setup(own_hub, base, "--build-manifest")
+    installs = base / "models" / REPO.split("/")[0]
+    assert stat.S_IMODE((base / "cache" / "blobs").stat().st_mode) == 0o700
+    modes = _modes(installs)
+    assert any(name.endswith("model-resident.safetensors") for name in modes), modes
+    wrong = {n: f"{m:o}" for n, m in modes.items()
+             if m != (0o700 if (installs / n).is_dir() else 0o600)}
+    assert not wrong, wrong
+    for p in [installs, *installs.rglob("*")]:  # as an older cachecd left them
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    setup(own_hub, base)
+    again = _modes(installs)
+    wrong = {n: f"{m:o}" for n, m in again.items()
+             if m != (0o700 if (installs / n).is_dir() else 0o600)}
+    assert not wrong, wrong

@@ -371,7 +371,7 @@ def test_header_parse_errors() -> None:
     gap = b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}}'
     with pytest.raises(errors.ManifestInvalid, match="gap or overlap"):
         parse_header(len(gap).to_bytes(8, "little") + gap)
-    with pytest.raises(errors.ManifestInvalid, match="not JSON"):
+    with pytest.raises(errors.ManifestInvalid, match="safetensors header: bad JSON"):
         parse_header((3).to_bytes(8, "little") + b"{{{")
     with pytest.raises(errors.ManifestInvalid, match="but the file has"):
         parse_header(len(good).to_bytes(8, "little") + good, len(good) + 99)
