@@ -217,6 +217,12 @@ class ExpertBank:
                 mx.eval(fenced)
             self.table.clear_fences()
 
+    def prefill_at(self, layer: int | None) -> None:
+        """A layer-major prefill is at ``layer`` (None: it ended): the pool gives up the
+        experts of the layers before it first, and this layer's last (``SlotTable``)."""
+        if self.table is not None:
+            self.table.prefill_layer = layer
+
     def holds(self, layer: int, expert: int) -> bool:
         return self.table is not None and (layer, expert) in self.table
 
