@@ -16,6 +16,9 @@ Invariants:
 - Between held-back calls the loop only evaluates the caches' state (unchanged, so a no-op) and
   reports progress; any call that is not held back first runs what is held (with it, if it is
   the same cache's next step; before it otherwise), so nothing reads a cache that is behind.
+- The loop's progress callback still hears from it during a pass: once a layer, with the
+  figures it last reported (the server's keepalive comments keep coming), unless ``on_layer``
+  is set (``cachecd run`` prints layers done).
 - If the layer-major run fails, what was held is dropped (the caches are as partial as a
   failed step leaves them in mlx-lm's loop) and the error goes to the caller.
 """
@@ -104,7 +107,10 @@ class Deferral:
                         "reviewed for layer-by-layer prefill (mlx-lm %s)", _mlx_lm_version())
         self.held: list[mx.array] = []
         self.cache: list[Any] | None = None
-        self.on_layer: Callable[[int, int], None] | None = None  # progress, layer by layer
+        # Called with (layers done, layers) after each layer of a pass; if None, the loop's
+        # own progress callback is called again with what it last reported.
+        self.on_layer: Callable[[int, int], None] | None = None
+        self._progress: tuple[Callable[[int, int], None], int, int] | None = None
         self.passes = 0  # layer-major runs
         self.held_steps = 0  # steps held back, in all
 
@@ -117,6 +123,7 @@ class Deferral:
             self.cache = cache
             self.held.append(inputs)
             self.held_steps += 1
+            self._loop_progress(frame)
             return None
         if not self.held:
             return forward()
@@ -126,13 +133,32 @@ class Deferral:
         self.run()
         return forward()
 
+    def _loop_progress(self, frame: FrameType | None) -> None:
+        """What the loop will report once this step returns (its progress callback, tokens
+        done, tokens in all): repeated after each layer of the pass, so whatever the loop's
+        callback does per step (the server's keepalive comments) goes on during it."""
+        outer = frame.f_back if frame is not None else None
+        f = outer.f_locals if outer is not None else {}
+        try:
+            self._progress = (f["prompt_progress_callback"],
+                              int(f["prompt_processed_tokens"]) + int(f["n_to_process"]),
+                              int(f["total_prompt_tokens"]))
+        except (KeyError, TypeError, ValueError):
+            self._progress = None
+
+    def _per_layer(self) -> Callable[[int, int], None] | None:
+        if self.on_layer is not None or self._progress is None:
+            return self.on_layer
+        callback, done, total = self._progress
+        return lambda _layer, _layers: callback(done, total)
+
     def run(self, last: mx.array | None = None) -> mx.array:
         """Run what is held (and ``last``) layer-major; the logits of the last step."""
         steps, cache = self.held + ([last] if last is not None else []), self.cache
-        self.held, self.cache = [], None
+        on_layer, self.held, self.cache, self._progress = self._per_layer(), [], None, None
         assert self.driver is not None and cache is not None
         self.passes += 1
-        return prefill(self.driver, steps, cache, self.bank, self.on_layer)
+        return prefill(self.driver, steps, cache, self.bank, on_layer)
 
 
 def _mlx_lm_version() -> str:
