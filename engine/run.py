@@ -264,7 +264,7 @@ def _generate(args: argparse.Namespace, model: Any, tokenizer: Any, stats: Any, 
                                     prompt_progress_callback=progress):
             now = time.perf_counter()
             step = {"token": int(resp.token), "text": resp.text, "s": round(now - t0, 6),
-                    "logprob": float(resp.logprobs[resp.token].item()),
+                    "logprob": float(resp.logprobs[resp.token].item()),  # type: ignore[arg-type]
                     **stats.snapshot(), "fetched_upstream": client.upstream_fetches - fetched}
             fetched = client.upstream_fetches
             stats.reset()
