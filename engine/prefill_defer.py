@@ -127,6 +127,8 @@ class Deferral:
             return None
         if not self.held:
             return forward()
+        if frame is None or frame.f_code is not _MODEL_CALL:  # not the loop's own _step
+            self._progress = None  # the loop's callback is not to be called from elsewhere
         if cache is self.cache and not extra and isinstance(inputs, mx.array) \
                 and inputs.ndim == 2 and inputs.shape[0] == 1:
             return self.run(inputs)

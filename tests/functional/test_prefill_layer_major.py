@@ -129,3 +129,77 @@ def test_one_read_per_expert_with_a_pool_of_one_layer(checkpoint: tuple[Path, An
     assert once and max(once.values()) == 1, f"read twice: {[k for k, n in once.items() if n > 1]}"
     assert set(once) == set(reads[False])  # the same experts are routed to either way
     assert sum(reads[False].values()) > sum(once.values())  # step by step reads some again
+
+
+def test_an_unreviewed_loop_runs_step_by_step(checkpoint: tuple[Path, Any, Any],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another mlx-lm's generate_step (its source not the one reviewed): nothing is held back,
+    mlx-lm's loop runs as it is, and the numbers are still mlx-lm's."""
+    from cachecd_engine import prefill_defer
+
+    full, manifest, reference = checkpoint
+    monkeypatch.setattr(prefill_defer, "REVIEWED_SHA256", "0" * 64)
+    prompt = np.random.default_rng(3).integers(0, 384, size=2 * 16 + 1).tolist()
+    with LocalSource(manifest, full, verify=False) as source:
+        model, _ = load(full, source, ram_bytes=1 << 30, prefetch=False)
+        assert not model.deferral.on
+        ref_logits, ref_cache = generate(reference, prompt, 16)
+        logits, cache = generate(model, prompt, 16)
+        assert model.deferral.held_steps == 0 and model.deferral.passes == 0
+        assert_bitwise(ref_logits, logits, "logits")
+        assert_bitwise(cache_arrays(ref_cache), cache_arrays(cache), "cache")
+        model.bank.close()
+
+
+class Stop(Exception):
+    pass
+
+
+def test_an_interrupted_prefill_runs_before_the_next_call(
+        checkpoint: tuple[Path, Any, Any]) -> None:
+    """The loop stops after two of its steps (its progress callback raises): the steps held
+    back run before the next call that uses that cache, whose logits and the cache after it
+    are mlx-lm's, where those two steps ran before the stop."""
+    full, manifest, reference = checkpoint
+    prompt = np.random.default_rng(4).integers(0, 384, size=4 * 16 + 1).tolist()
+    nxt = mx.array(prompt[:5])[None]
+
+    def interrupted(model: Any) -> tuple[np.ndarray, list[Any]]:
+        def stop(done: int, total: int) -> None:
+            if done == 2 * 16:
+                raise Stop
+
+        cache = make_prompt_cache(model)
+        with pytest.raises(Stop):
+            for _ in generate_step(mx.array(prompt), model, prefill_step_size=16,
+                                   prompt_cache=cache, prompt_progress_callback=stop):
+                pass
+        return np.array(model(nxt, cache=cache).astype(mx.float32)), cache
+
+    ref_logits, ref_cache = interrupted(reference)
+    with LocalSource(manifest, full, verify=False) as source:
+        model, _ = load(full, source, ram_bytes=1 << 30, prefetch=False)
+        logits, cache = interrupted(model)
+        assert model.deferral.held_steps == 2 and model.deferral.passes == 1
+        assert_bitwise([ref_logits], [logits], "logits")
+        assert_bitwise(cache_arrays(ref_cache), cache_arrays(cache), "cache")
+        model.bank.close()
+
+
+def test_the_loop_hears_from_each_layer(checkpoint: tuple[Path, Any, Any]) -> None:
+    """The loop's progress callback (the server's keepalive comments) is called after each
+    layer of the pass with what it last reported, then the loop's own last call."""
+    full, manifest, _ = checkpoint
+    prompt = np.random.default_rng(5).integers(0, 384, size=3 * 16 + 1).tolist()
+    heard: list[tuple[int, int]] = []
+    with LocalSource(manifest, full, verify=False) as source:
+        model, _ = load(full, source, ram_bytes=1 << 30, prefetch=False)
+        layers = len(model.layers)
+        for _ in generate_step(mx.array(prompt), model, max_tokens=1, prefill_step_size=16,
+                               prompt_cache=make_prompt_cache(model),
+                               prompt_progress_callback=lambda d, t: heard.append((d, t))):
+            pass
+        model.bank.close()
+    total = len(prompt)
+    steps = [(0, total), (16, total), (32, total), (48, total)]
+    assert heard == steps + [(48, total)] * layers + [(total, total)]
