@@ -32,7 +32,16 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from _common import GIB, K3_SHAPE, Served, add_common_args, installed, median, served_checkpoint, warm_disk
+from _common import (
+    GIB,
+    K3_SHAPE,
+    Served,
+    add_common_args,
+    installed,
+    median,
+    served_checkpoint,
+    warm_disk,
+)
 from k3_decode import raw_rate, vocab_size
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
