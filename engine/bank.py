@@ -121,6 +121,8 @@ class ExpertBank:
         self._pieces: dict[Key, tuple[Piece, ...]] = {}
         self.sizer: PoolSizer | None = None  # set when the pool's size is the measured default
         self.speculator: Any = None  # cachecd_engine.speculate.Speculator, when steps speculate
+        # Set only by prefill.prefill around calls whose expert output nothing reads.
+        self.discarding = False
         self.min_slots = MIN_SLOTS  # the least a default-sized pool gets (the loader: 2 calls)
         self.max_slots = 0  # if set: the experts the model has (more slots would stay empty)
         self.fill = Filler(self, readers)

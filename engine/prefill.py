@@ -15,6 +15,9 @@ Invariants:
   exactly the chunks before it: the mask mlx-lm's loop makes at the start of that chunk.
 - While a pass is at layer L, the pool gives up the slots of layers before L first (dead until
   decode) and those of layer L last (``SlotTable.prefill_layer``); cleared when the pass ends.
+- The last layer's expert output of every step but the last is never computed (nothing reads
+  it: the caches come before it, the logits are the last step's), as in mlx-lm's lazy loop;
+  the streamed bank returns zeros for it (``ExpertBank.discarding``) and reads nothing.
 - Only the model types a driver here knows are driven (``driver_for``); any other, or a
   pipelined model, is None: the caller keeps mlx-lm's own loop.
 """
@@ -133,10 +136,20 @@ def prefill(driver: Driver, steps: list[mx.array], cache: list[Any], bank: Any =
         for i in range(n):
             if bank is not None:
                 bank.prefill_at(i)
-            for c in chunks:
-                driver.layer(i, c, cache)
+            for j, c in enumerate(chunks):
+                # The last layer's output of a step before the last feeds nothing (no cache,
+                # no logits), as mlx-lm's lazy loop never computes it: its experts are not read.
+                unread = bank is not None and i == n - 1 and j < len(chunks) - 1
+                if unread:
+                    bank.discarding = True
+                try:
+                    driver.layer(i, c, cache)
+                finally:
+                    if unread:
+                        bank.discarding = False
             # As mlx-lm evaluates each step's cache: the layer's state, and what the next needs.
-            mx.eval(cache[i].state, [a for c in chunks for a in c.arrays()])
+            last = chunks if i < n - 1 else chunks[-1:]  # the others' outputs are not needed
+            mx.eval(cache[i].state, [a for c in last for a in c.arrays()])
             if on_layer is not None:
                 on_layer(i + 1, n)
     finally:

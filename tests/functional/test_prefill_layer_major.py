@@ -127,7 +127,9 @@ def test_one_read_per_expert_with_a_pool_of_one_layer(checkpoint: tuple[Path, An
             model.bank.close()
     once = reads[True]
     assert once and max(once.values()) == 1, f"read twice: {[k for k, n in once.items() if n > 1]}"
-    assert set(once) == set(reads[False])  # the same experts are routed to either way
+    # The same experts are routed to either way, but for the last layer's of the steps before
+    # the last, which layer by layer does not read (nothing uses that output).
+    assert set(once) < set(reads[False])
     assert sum(reads[False].values()) > sum(once.values())  # step by step reads some again
 
 
