@@ -127,10 +127,11 @@ class Deferral:
             return None
         if not self.held:
             return forward()
-        if frame is None or frame.f_code is not _MODEL_CALL:  # not the loop's own _step
-            self._progress = None  # the loop's callback is not to be called from elsewhere
-        if cache is self.cache and not extra and isinstance(inputs, mx.array) \
-                and inputs.ndim == 2 and inputs.shape[0] == 1:
+        same = cache is self.cache and not extra and isinstance(inputs, mx.array) \
+            and inputs.ndim == 2 and inputs.shape[0] == 1
+        if not (same and frame is not None and frame.f_code is _MODEL_CALL):
+            self._progress = None  # not the loop's own last step: its callback is not called
+        if same:
             return self.run(inputs)
         self.run()
         return forward()
