@@ -124,6 +124,8 @@ class ExpertBank:
         self._pieces: dict[Key, tuple[Piece, ...]] = {}
         self.sizer: PoolSizer | None = None  # set when the pool's size is the measured default
         self.speculator: Any = None  # cachecd_engine.speculate.Speculator, when steps speculate
+        # Set only by prefill.prefill around calls whose expert output nothing reads.
+        self.discarding = False
         self.min_slots = MIN_SLOTS  # the least a default-sized pool gets (the loader: 2 calls)
         self.max_slots = 0  # if set: the experts the model has (more slots would stay empty)
         self.fill = Filler(self, readers)
@@ -219,6 +221,12 @@ class ExpertBank:
             if fenced:
                 mx.eval(fenced)
                 self.table.clear_fences(fenced)
+
+    def prefill_at(self, layer: int | None) -> None:
+        """A layer-major prefill is at ``layer`` (None: it ended): the pool gives up the
+        experts of the layers before it first, and this layer's last (``SlotTable``)."""
+        if self.table is not None:
+            self.table.prefill_layer = layer
 
     def holds(self, layer: int, expert: int) -> bool:
         return self.table is not None and (layer, expert) in self.table

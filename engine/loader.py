@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,6 +32,7 @@ from cachecd_engine.formats import quant_spec
 from cachecd_engine.memory import PoolSizer, default_pool_bytes
 from cachecd_engine.pipeline import barrier, weights_of_rank
 from cachecd_engine.prefetch import install_prefetch, read_ahead_by_default
+from cachecd_engine.prefill_defer import Deferral
 from cachecd_engine.slots import DEFAULT_POLICY
 from cachecd_engine.speculate import Speculator, speculate_by_default
 from cachecd_engine.streamed_moe import StreamedSwitchGLU, install_streamed_banks
@@ -75,9 +77,18 @@ def streamed_classes(bank: ExpertBank,
                          **kwargs: Any) -> mx.array:
                 base = super().__call__
                 spec = bank.speculator
-                if spec is None:
-                    return base(inputs, cache, *args, **kwargs)
-                return spec.step(lambda: base(inputs, cache, *args, **kwargs), inputs, cache)
+
+                def forward() -> mx.array:
+                    if spec is None:
+                        return base(inputs, cache, *args, **kwargs)
+                    return spec.step(lambda: base(inputs, cache, *args, **kwargs), inputs, cache)
+
+                deferral: Deferral | None = self.__dict__.get("deferral")
+                if deferral is None:
+                    return forward()
+                # mlx-lm's prefill loop drops its steps' output: those run layer by layer.
+                return deferral.call(forward, inputs, cache, sys._getframe(1),
+                                     bool(args or kwargs))
 
             def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
                 weights = super().sanitize(drop_expert_weights(weights))
@@ -129,6 +140,7 @@ def load(
     return_config: bool = False,
     trust_remote_code: bool = False,
     pipeline: Any = None,
+    layer_major: bool = True,
 ) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict[str, Any]]:
     """(model, tokenizer) for ``mlx_lm.generate``/``stream_generate``; the bank is ``model.bank``.
 
@@ -143,6 +155,8 @@ def load(
     A tokenizer with remote code loads only with ``trust_remote_code`` (or ``tokenizer_config``'s
     ``trust_remote_code``), and only if its code files have the sha256 the source's manifest
     pins (``cachecd_engine.tokenizer``); that is checked before the model is loaded.
+    With ``layer_major`` (default) the prefill steps of mlx-lm's ``generate_step`` run layer by
+    layer (``prefill_defer``: each layer's experts read once a prompt); False: step by step.
     """
     model_dir = Path(model_dir)
     config = {**json.loads((model_dir / "config.json").read_text()), **(model_config or {})}
@@ -179,6 +193,7 @@ def load(
         prefetch = read_ahead_by_default()
     pf = install_prefetch(model, bank) if prefetch else None
     object.__setattr__(model, "prefetcher", pf)
+    object.__setattr__(model, "deferral", Deferral(model, bank, on=layer_major))
     tokenizer = load_tokenizer(model_dir, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
     if pipeline is not None:
         barrier(pipeline)  # as sharded_load: no rank starts generating while another loads

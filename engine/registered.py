@@ -51,6 +51,7 @@ def load(
     prefetch: bool | None = None,
     speculate: bool | None = None,
     pipeline: Any = None,
+    layer_major: bool = True,
 ) -> Any:
     """``(model, tokenizer)``, or ``(model, tokenizer, config)`` with ``return_config``, exactly as
     ``mlx_lm.load`` returns them for the same arguments; ``mlx_lm.generate``, ``stream_generate``
@@ -80,6 +81,8 @@ def load(
     ``pipeline`` (None: split the layers over the ranks when ``mlx.launch`` started more than
     one, as mlx-lm's ``sharded_load`` does; an ``mx.distributed`` group: split over it; False:
     run every layer). Pipelined, ``{rank}`` in ``socket`` or ``trace`` becomes this rank.
+    ``layer_major`` (default on): mlx-lm's prefill steps run layer by layer, each layer's
+    experts read once a prompt (``prefill_defer``); False: step by step, as mlx-lm runs them.
     """
     from cachecd_engine.daemon_source import DaemonSource
     from cachecd_engine.loader import load as load_dir
@@ -104,7 +107,7 @@ def load(
             local_dir, source, ram_bytes=ram_bytes, expert_memory=expert_memory, stats=stats,
             lazy=lazy, prefetch=prefetch, speculate=speculate, model_config=model_config,
             tokenizer_config=tokenizer_config, return_config=True,
-            trust_remote_code=trust_remote_code, pipeline=group)
+            trust_remote_code=trust_remote_code, pipeline=group, layer_major=layer_major)
         if adapter_path is not None:
             from mlx_lm.utils import load_adapters
 

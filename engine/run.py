@@ -5,7 +5,8 @@ defaults are mlx_lm.generate's). The prompt goes in the model's chat template wh
 has one, as mlx_lm.generate does (``--no-chat`` sends it as it is). Before a prefill the user is
 told what a cold cache costs: a long prompt can route to nearly every expert of every layer, and
 each missing one is fetched from the Hub first; a prefill longer than one step prints its
-progress (tokens, experts read, fetched).
+progress: layers done of all (it runs layer by layer, ``prefill_defer``), experts read and
+fetched, bytes, rate and time left; tokens done of all where it runs step by step.
 
 Under ``mlx.launch`` the model is pipelined over the ranks (``cachecd_engine.pipeline``): every
 rank generates the same tokens, rank 0 prints the output, each rank's notices and ``--stats``
@@ -136,21 +137,34 @@ def cold_cost_notice(client: Any, repo: str) -> str:
 
 class PrefillProgress:
     """mlx-lm's ``prompt_progress_callback``: a stderr line after each step of a prefill longer
-    than one step, with the experts read through the daemon and fetched from the Hub so far."""
+    than one step (after each layer when it runs layer by layer), with the experts read through
+    the daemon and fetched from the Hub so far."""
 
     def __init__(self, stats: Any, client: Any, step: int, prefix: str = "") -> None:
         self.stats, self.client, self.step, self.prefix = stats, client, step, prefix
+        self.deferral: Any = None  # the model's, when its prefill runs layer by layer
         self.t0 = time.perf_counter()
         self.fetched0 = client.upstream_fetches
 
     def __call__(self, done: int, total: int) -> None:
-        if total <= self.step or done == 0:
+        held = self.deferral is not None and self.deferral.held
+        if total <= self.step or done == 0 or held:  # a held-back step has not run yet
             return
+        self._line(f"prefill {done}/{total} tokens")
+
+    def layer(self, done: int, layers: int) -> None:
+        """A layer-by-layer prefill (``prefill_defer``): a line after each layer."""
+        took = time.perf_counter() - self.t0
+        rate = self.stats.source_bytes / took if took > 0 else 0.0
+        self._line(f"prefill layer {done}/{layers}",
+                   f", {format_size(int(rate))}/s, about {took / done * (layers - done):.0f} s left")
+
+    def _line(self, head: str, tail: str = "") -> None:
         s = self.stats
-        print(f"{self.prefix}prefill {done}/{total} tokens: {s.source_hits} experts read "
+        print(f"{self.prefix}{head}: {s.source_hits} experts read "
               f"through the daemon ({format_size(s.source_bytes)}), "
               f"{self.client.upstream_fetches - self.fetched0} fetched from the Hub, "
-              f"{time.perf_counter() - self.t0:.1f} s", file=sys.stderr, flush=True)
+              f"{time.perf_counter() - self.t0:.1f} s{tail}", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -204,7 +218,7 @@ def merge_ranks(group: Any, records: list[dict[str, Any]]) -> list[dict[str, Any
 
     if not records:
         return records
-    keys = [k for k in records[0] if k not in ("token", "text")]
+    keys = [k for k in records[0] if k not in ("token", "text", "logprob")]
     # Seconds travel as integer microseconds: one int64 collective for every figure.
     scale = {k: 1_000_000 if isinstance(records[0][k], float) else 1 for k in keys}
     rows = [[round(r[k] * scale[k]) for k in keys] for r in records]
@@ -215,7 +229,8 @@ def merge_ranks(group: Any, records: list[dict[str, Any]]) -> list[dict[str, Any
                     for g in range(ranks.shape[0])]
         total = {k: _unscale(int(ranks[:, i, j].sum()), scale[k]) for j, k in enumerate(keys)}
         total["s"] = r["s"]
-        merged.append({"token": r["token"], "text": r["text"], **total, "per_rank": per_rank})
+        merged.append({"token": r["token"], "text": r["text"], "logprob": r["logprob"], **total,
+                       "per_rank": per_rank})
     return merged
 
 
@@ -236,6 +251,10 @@ def _generate(args: argparse.Namespace, model: Any, tokenizer: Any, stats: Any, 
     client = model.bank.source.client
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     progress = PrefillProgress(stats, client, args.prefill_step_size, prefix)
+    deferral = getattr(model, "deferral", None)
+    if deferral is not None and deferral.on:
+        progress.deferral = deferral
+        deferral.on_layer = progress.layer
     records: list[dict[str, Any]] = []
     t0, last, fetched = time.perf_counter(), None, client.upstream_fetches
     try:
@@ -245,6 +264,7 @@ def _generate(args: argparse.Namespace, model: Any, tokenizer: Any, stats: Any, 
                                     prompt_progress_callback=progress):
             now = time.perf_counter()
             step = {"token": int(resp.token), "text": resp.text, "s": round(now - t0, 6),
+                    "logprob": float(resp.logprobs[resp.token].item()),  # type: ignore[arg-type]
                     **stats.snapshot(), "fetched_upstream": client.upstream_fetches - fetched}
             fetched = client.upstream_fetches
             stats.reset()

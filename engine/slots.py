@@ -77,6 +77,8 @@ class SlotTable:
         self._uses: dict[Key, int] = {}  # uses per expert, halved now and then
         self._counted = 0
         self.version = 0  # changes whenever which expert is where (or ready) changes
+        # A layer-major prefill at this layer (engine.prefill): layers before it go first.
+        self.prefill_layer: int | None = None
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -205,6 +207,30 @@ class SlotTable:
         held = keep | self._filling
         if not take_fenced:
             held |= self._fence.keys()
+        if self.prefill_layer is not None:
+            return self._prefill_victims(n, held, self.prefill_layer)
+        return self._ranked(n, held)
+
+    def _prefill_victims(self, n: int, held: set[int], at: int) -> list[int]:
+        """During a layer-major prefill at layer ``at``: the slots of the layers before it
+        (not needed again until decode), then the ranked order without layer ``at``'s, then
+        its own: with a pool of one layer's experts, no expert of it is read twice."""
+        dead, current = [], set()
+        for s, key in enumerate(self._owner):
+            if key is not None and s not in held:
+                if key[0] < at:
+                    dead.append(s)
+                elif key[0] == at:
+                    current.add(s)
+        out = dead[:n]
+        if len(out) < n:
+            out += self._ranked(n - len(out), held | set(out) | current)
+        if len(out) < n:
+            out += self._ranked(n - len(out), held | set(out))
+        return out
+
+    def _ranked(self, n: int, held: set[int]) -> list[int]:
+        """Scratch slots first, oldest first, then the policy's victims, none of ``held``."""
         out = [s for s in self._scratch if s not in held][:n]
         if len(out) < n:
             excluded = {_name(*key) for s in held if (key := self._owner[s]) is not None}

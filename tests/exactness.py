@@ -52,3 +52,48 @@ def make_resident_dir(full: Path, manifest: Any, out: Path, keep: Any = None) ->
 
     asyncio.run(ResidentWriter(manifest, out, keep).run(fetch, lambda n: None))
     return out
+
+
+# Prefill steps (``prefill_step_size``) and prompts of 1, 2 and 5 steps: the loop's steps, then
+# the last token's own (what ``generate_step`` does with ``steps * size + 1`` tokens).
+PREFILL_SIZES = (16, 7)
+PREFILL_STEPS = (1, 2, 5)
+TEXT = ("Layer after layer, every chunk of the prompt meets the experts once; the cache streams "
+        "them from the hub, verified, and the logits stay the resident model's, bit for bit. ")
+
+
+def text_of(tokenizer: Any, n: int) -> str:
+    """A text that ``stream_generate`` encodes (no chat template) to exactly ``n`` tokens."""
+    text = TEXT * (1 + n // 40)
+    while len(tokenizer.encode(text)) > n:
+        text = text[:-1]
+    assert len(tokenizer.encode(text)) == n, "the tokenizer cannot make this length"
+    return text
+
+
+def mlx_lm_logprobs(model: Any, tokenizer: Any, text: str, step: int,
+                    max_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and each one's logprob through ``mlx_lm.stream_generate``."""
+    from mlx_lm import stream_generate
+
+    tokens, logprobs = [], []
+    for r in stream_generate(model, tokenizer, text, max_tokens=max_tokens,
+                             prefill_step_size=step):
+        tokens.append(int(r.token))
+        logprobs.append(float(r.logprobs[r.token].item()))
+    return tokens, logprobs
+
+
+def cachecd_run_logprobs(socket: Path, repo: str, text: str, step: int,
+                         max_tokens: int) -> tuple[list[int], list[float]]:
+    """The same through ``cachecd run`` as a subprocess (its ``--json`` per-token logprob)."""
+    import json
+
+    from tests.harness import run_cli
+
+    proc = run_cli("run", "--model", repo, "--socket", str(socket), "--json", "--no-chat",
+                   "--prompt", text, "--max-tokens", str(max_tokens), "--prefill-step-size",
+                   str(step))
+    assert "prefill layer 1/" in proc.stderr, proc.stderr  # it ran layer by layer
+    out = json.loads(proc.stdout)
+    return out["tokens"], [r["logprob"] for r in out["per_token"]]

@@ -167,3 +167,27 @@ def test_logits_bitwise_through_daemon_cold_warm_small_and_big_pool(served: Serv
     finally:
         _close(streamed)
         _close(ram)
+
+
+def test_cachecd_run_prefills_layer_by_layer_bitwise(served: Served) -> None:
+    """`cachecd run` (a subprocess through the daemon): prompts of 1, 2 and 5 prefill steps at
+    two step sizes, run layer by layer; every token and its logprob bitwise resident mlx-lm's
+    ``stream_generate`` at the same step size."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    from tests.exactness import (
+        PREFILL_SIZES,
+        PREFILL_STEPS,
+        cachecd_run_logprobs,
+        mlx_lm_logprobs,
+        text_of,
+    )
+
+    reference, _ = load_model(served.full)
+    tokenizer = load_tokenizer(served.full)
+    for step in PREFILL_SIZES:
+        for steps in PREFILL_STEPS:
+            text = text_of(tokenizer, steps * step + 1)
+            want = mlx_lm_logprobs(reference, tokenizer, text, step, 4)
+            got = cachecd_run_logprobs(served.daemon.socket, served.repo, text, step, 4)
+            assert got == want, f"step {step} x {steps}"

@@ -76,12 +76,17 @@ def test_prompt_from_stdin_with_prefill_progress(installed_module: Installed,
         input=long_prompt, capture_output=True, text=True, timeout=300, env={**os.environ})
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["text"] == generate(*tiny_resident, long_prompt, max_tokens=4)
-    steps = re.findall(r"prefill (\d+)/(\d+) tokens: (\d+) experts read through the daemon "
-                       r"\(.+?\), (\d+) fetched from the Hub", proc.stderr)
-    assert len(steps) >= 6, proc.stderr
-    done = [int(s[0]) for s in steps]
-    assert done == sorted(done) and done[0] == 32 and done[-1] == int(steps[-1][1])
-    assert int(steps[-1][2]) > 0  # experts arrived through the daemon during the prefill
+    # The 7 steps run layer by layer: a line after each layer, then the tokens' total.
+    layers = re.findall(r"prefill layer (\d+)/(\d+): (\d+) experts read through the daemon "
+                        r"\(.+?\), (\d+) fetched from the Hub, [\d.]+ s, .+?/s, about \d+ s left",
+                        proc.stderr)
+    assert [int(n[0]) for n in layers] == list(range(1, 7)), proc.stderr  # the tiny model's 6
+    read = [int(n[2]) for n in layers]
+    # Experts arrived layer by layer (layer 0 is dense), none twice: 5 MoE layers of 32.
+    assert read == sorted(read) and read[1] > 0 and read[-1] <= 5 * 32
+    steps = re.findall(r"prefill (\d+)/(\d+) tokens: (\d+) experts read", proc.stderr)
+    assert len(steps) == 1 and steps[0][0] == steps[0][1], proc.stderr
+    assert int(steps[0][2]) >= read[-1]
 
 
 def test_the_text_ends_its_line_when_interrupted(installed_module: Installed) -> None:
@@ -105,3 +110,24 @@ def test_the_text_ends_its_line_when_interrupted(installed_module: Installed) ->
     done = run_cli("run", "--model", TINY_REPO, "--socket", str(installed_module.socket),
                    "--prompt", PROMPT, "--max-tokens", "3")
     assert done.stdout.endswith("\n") and done.stdout.strip(), repr(done.stdout)
+
+
+def test_layer_by_layer_prefill_bitwise_mxfp4(installed_module: Installed, tiny_resident: Any) -> None:
+    """The tiny K3 (mxfp4 experts) through `cachecd run`: prompts of 1, 2 and 5 prefill steps at
+    two step sizes, run layer by layer; every token and its logprob bitwise mlx-lm's at the
+    same step size (fp32, int4 and fp8: test_exactness_daemon_formats)."""
+    from tests.exactness import (
+        PREFILL_SIZES,
+        PREFILL_STEPS,
+        cachecd_run_logprobs,
+        mlx_lm_logprobs,
+        text_of,
+    )
+
+    model, tokenizer = tiny_resident
+    for step in PREFILL_SIZES:
+        for steps in PREFILL_STEPS:
+            text = text_of(tokenizer, steps * step + 1)
+            want = mlx_lm_logprobs(model, tokenizer, text, step, 4)
+            got = cachecd_run_logprobs(installed_module.socket, TINY_REPO, text, step, 4)
+            assert got == want, f"step {step} x {steps}"

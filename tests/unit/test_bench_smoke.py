@@ -162,6 +162,18 @@ def test_k3_decode_script_ends_with_ratio(capsys: pytest.CaptureFixture[str]) ->
     assert RATIO_LINE.match(out.strip().splitlines()[-1])
 
 
+def test_prefill_script_reads_each_expert_once_layer_by_layer(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    _load("prefill").main(["--tiny-experts", "--experts", "8", "--layers", "3", "--top-k", "4",
+                           "--tokens", "40", "--steps", "8,4"])
+    out = capsys.readouterr().out
+    assert "bitwise the resident model's" in out
+    layers = re.findall(r"layers TTFT .*? = (\d+\.\d+)x one pass", out)
+    steps = re.findall(r"steps  TTFT .*? = (\d+\.\d+)x one pass", out)
+    assert layers == ["1.00", "1.00"] and all(float(s) > 1.5 for s in steps), out
+    assert RATIO_LINE.match(out.strip().splitlines()[-1])
+
+
 def test_index_start_script_ends_with_the_crash_open_time(capsys: pytest.CaptureFixture[str]) -> None:
     _load("index_start").main(["--experts", "300", "--rounds", "1"])
     assert re.fullmatch(r"crash_open_s=\d+\.\d{3}", _last_line(capsys))
