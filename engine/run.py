@@ -164,14 +164,16 @@ def run(args: argparse.Namespace) -> int:
     group = launched_group()
     prefix = f"rank {group.rank()}: " if group is not None else ""
     stats = EngineStats()
+    # Seeded before the load, as mlx_lm.generate seeds: building the model draws from the PRNG
+    # (its layers' initial weights), so seeding after would sample other text than it does.
+    seed = args.seed if args.seed is not None or group is None else shared_seed(group)
+    if seed is not None:
+        mx.random.seed(seed)
     model, tokenizer = load(args.model, stats=stats, trace=args.trace, pipeline=group or False,
                             trust_remote_code=args.trust_remote_code, **engine_options(args))
     bank_source = model.bank.source
     try:
         print(prefix + cold_cost_notice(bank_source.client, args.model), file=sys.stderr)
-        seed = args.seed if args.seed is not None or group is None else shared_seed(group)
-        if seed is not None:
-            mx.random.seed(seed)
         records, last = _generate(args, model, tokenizer, stats, prefix,
                                   quiet=group is not None and group.rank() != 0)
         settle()

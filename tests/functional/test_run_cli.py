@@ -101,17 +101,25 @@ def test_max_tokens_and_its_alias(installed_module: Installed, tiny_resident: An
     assert run_json(installed_module, "--prompt", PROMPT, "--max-new", "7")["tokens"] == got["tokens"]
 
 
-def test_sampling_is_seeded(installed_module: Installed, tiny_resident: Any) -> None:
-    import mlx.core as mx
-    from mlx_lm import generate
-    from mlx_lm.sample_utils import make_sampler
-
+def test_sampling_is_seeded(installed_module: Installed) -> None:
+    """The same seed samples the same text, another seed other text (which text: mlx_lm.generate's,
+    the next test)."""
     args = ["--prompt", PROMPT, "--max-tokens", "12", "--temp", "1.5", "--top-p", "0.95"]
     seven = run_json(installed_module, *args, "--seed", "7")
-    mx.random.seed(7)  # mlx_lm.generate's --seed: the same draws, so the same text
-    assert seven["text"] == generate(*tiny_resident, PROMPT, max_tokens=12,
-                                     sampler=make_sampler(1.5, 0.95))
+    assert run_json(installed_module, *args, "--seed", "7")["tokens"] == seven["tokens"]
     assert run_json(installed_module, *args, "--seed", "8")["tokens"] != seven["tokens"]
+
+
+def test_sampled_text_is_mlx_lm_generates_for_the_same_flags(installed_module: Installed,
+                                                              tiny_dir: Any) -> None:
+    """--temp/--top-p/--seed: the text `python -m mlx_lm generate` prints for the same flags on
+    the resident checkpoint (it seeds before it loads the model, so must we)."""
+    for seed in ("42", "3"):
+        args = ["--prompt", PROMPT, "--max-tokens", "12", "--temp", "0.8", "--top-p", "0.9",
+                "--seed", seed]
+        ours = run_cli("run", "--model", TINY_REPO, "--socket", str(installed_module.socket),
+                       *args).stdout
+        assert ours.removesuffix("\n") == mlx_lm_generate_cli(tiny_dir, *args), seed
 
 
 def test_prompt_from_stdin_with_prefill_progress(installed_module: Installed,
