@@ -53,7 +53,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "(auto: no cap beyond --ram)")
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="read the next layer's likely experts ahead while a layer computes "
-                        "(default: on where the model computes on a GPU, off on the CPU)")
+                        "(default: off: slower where measured, on the CPU and on CUDA)")
     p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=None,
                    help="run each decode step with the expert->slot map on the device, with no "
                         "per-layer round trip, and keep it when every expert it routed to was "

@@ -77,3 +77,13 @@ def test_setup_again_reuses_what_it_stored(own_hub: LoggedHub, base: Path) -> No
 def test_verbose_setup_logs(own_hub: LoggedHub, base: Path) -> None:
     _, err = setup(own_hub, base, "-v", "--build-manifest")
     assert " DEBUG " in err and " INFO " in err, err
+
+
+def test_status_says_a_reused_manifest_was_built_here(own_hub: LoggedHub, base: Path) -> None:
+    """The second setup reuses the manifest the first built: `status` must not call it shipped
+    (a trust label must be true)."""
+    setup(own_hub, base, "--build-manifest")
+    setup(own_hub, base)
+    out = run_cli("status", "--socket", str(base / "run" / "s.sock")).stdout
+    line = next(x for x in out.splitlines() if x.strip().startswith("manifest"))
+    assert "built on this machine" in line and "shipped" not in line, out
