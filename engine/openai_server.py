@@ -14,6 +14,9 @@ Invariants:
   make this machine fetch experts from the Hub.
 - Only models registered with the daemon load; a request naming another model gets a one-line
   error and the loaded model stays loaded.
+- The model loads in mlx-lm's generation thread, as in mlx_lm.server (MLX streams are per
+  thread: a model made in another thread, an adapter's lazy weights with it, fails there);
+  ``serve`` waits for that load and raises its error before it listens.
 - The engine's counters are never reset while serving (windows are differences), and survive a
   switch to another model.
 """
