@@ -29,6 +29,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "cachecd.daemon.serve",
     "cachecd.ctl.cache",
     "cachecd.ctl.remove",
+    "cachecd.ctl.stop",
     "cachecd.service.cli",
     "cachecd_engine.run",
     "cachecd_engine.openai_cli",

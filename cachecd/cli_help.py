@@ -17,7 +17,7 @@ from typing import Any
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("use", ("doctor", "plan", "setup", "run", "openai", "demo")),
     ("cache", ("status", "warm", "coverage", "pin", "unpin", "evict", "remove", "fsck")),
-    ("service", ("serve", "service")),
+    ("service", ("serve", "stop", "service")),
     ("developer tools", ("manifest", "hub", "tiny-model")),
 )
 _SAYS_DEFAULT = re.compile(r"\(default|default:|%\(default|\(the default\)|; default ", re.I)

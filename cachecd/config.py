@@ -232,12 +232,19 @@ def _text(value: Any, key: str) -> str:
     return value
 
 
+def _endpoint(value: Any, key: str) -> str:
+    url = _text(value, key)
+    if not re.match(r"^https?://[^/\s]+", url):  # a bare host:port fails later as a lost connection
+        raise ConfigInvalid(f"{key}: expected a URL like http://HOST:PORT, got {value!r}")
+    return url
+
+
 _FIELDS = {
     "cache_dirs": _dirs,
     "models_dir": _dir,
     "socket": _path,
     "budget": lambda v, k: parse_size(v, k),
-    "endpoint": _text,
+    "endpoint": _endpoint,
     "offline": _bool,
     "manifests": _paths,
     "policy": lambda v, k: _choice(*POLICIES)(v, k),

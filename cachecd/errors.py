@@ -147,6 +147,12 @@ class DaemonUnavailable(CachecdError):
     exit_code = 3  # scripts can tell "start a daemon" from a failure
 
 
+class StopTimedOut(CachecdError):
+    """``cachecd stop``: the daemon is still running after the wait (it was sent SIGTERM)."""
+
+    code, http_status, retryable = "stop_timeout", 504, True
+
+
 class DiskFull(CachecdError):
     code, http_status, retryable = "disk_full", 507, True
 
@@ -246,6 +252,10 @@ _OWN: dict[str, tuple[tuple[int, str], ...]] = {
              (FSCK_CORRUPT | FSCK_UNVERIFIABLE, "both"),
              (EXIT_BUSY, "busy: a running daemon holds the cache; stop it first (it re-hashes "
                          "blobs in the background: cachecd status shows its scrub)")),
+    "stop": ((EXIT_OK, "stopped: the daemon drained its fetches in flight and exited"),
+             (EXIT_FAILED, "still running after --wait (stderr names its pid); it was sent "
+                           "SIGTERM, nothing stronger"),
+             (EXIT_NO_DAEMON, "no daemon answers on the socket: nothing to stop")),
     "serve": ((EXIT_OK, "stopped cleanly (SIGTERM, SIGINT)"),
               (EXIT_BUSY, "busy: another daemon holds the cache dir or listens on the socket")),
     "warm": ((EXIT_FAILED, "warming stopped at an error named on stderr; what was fetched stays "

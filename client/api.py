@@ -150,10 +150,16 @@ class Client:
     def evict(self, nbytes: int = 0, model: str | None = None, layer: int | None = None,
               ids: Sequence[int] = ()) -> int:
         """Evict ``nbytes`` by policy, or the given experts; returns bytes freed."""
+        return int(self.evict_report(nbytes, model, layer, ids)["freed_bytes"])
+
+    def evict_report(self, nbytes: int = 0, model: str | None = None, layer: int | None = None,
+                     ids: Sequence[int] = ()) -> dict[str, Any]:
+        """``evict``'s answer: ``freed_bytes``, and ``pinned``: how many of the given experts
+        are pinned, so kept."""
         body: dict[str, Any] = {"bytes": int(nbytes)}
         if model is not None:
             body.update(model=model, layer=layer, ids=[int(i) for i in ids])
-        return self._control.request("POST", "/v1/evict", body)["freed_bytes"]
+        return self._control.request("POST", "/v1/evict", body)
 
     # data ------------------------------------------------------------------------------------
     def expert(self, model: str, layer: int, expert: int) -> np.ndarray:

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from cachecd.config import parse_size
+from cachecd.errors import EXIT_INTERRUPTED, CachecdError
 from cachecd_engine.run import MODEL_HELP, add_engine_flags, add_trust_flag, engine_options
 
 
@@ -100,11 +101,20 @@ def run(args: argparse.Namespace) -> int:
 
     args.model = resolve_model(args.model, args.socket)
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else args.log_level)
-    serve(server_args(args), engine_options(args))
-    # Once it has generated, an MLX process that ran mlx-lm's server aborts in its exit-time
-    # destructors ("terminate called without an active exception", exit 134; the same with
-    # mlx_lm.server on Ctrl-C, mlx 0.32, CPU). Everything of ours is closed by now: skip them.
+    try:
+        serve(server_args(args), engine_options(args))
+    except CachecdError as exc:  # printed as cli.main would, then the exit below
+        print(f"cachecd: {exc.code}: {exc.message}", file=sys.stderr)
+        code = exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C while the model loads
+        code = EXIT_INTERRUPTED
+    else:
+        code = 0
+    # Once its generation thread has used MLX (it loads the model), an MLX process that ran
+    # mlx-lm's server aborts in its exit-time destructors ("terminate called without an active
+    # exception", exit 134; the same with mlx_lm.server on Ctrl-C, mlx 0.32, CPU). Everything
+    # of ours is closed by now: skip them.
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
-    os._exit(0)
+    os._exit(code)

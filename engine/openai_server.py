@@ -14,6 +14,9 @@ Invariants:
   make this machine fetch experts from the Hub.
 - Only models registered with the daemon load; a request naming another model gets a one-line
   error and the loaded model stays loaded.
+- The model loads in mlx-lm's generation thread, as in mlx_lm.server (MLX streams are per
+  thread: a model made in another thread, an adapter's lazy weights with it, fails there);
+  ``serve`` waits for that load and raises its error before it listens.
 - The engine's counters are never reset while serving (windows are differences), and survive a
   switch to another model.
 """
@@ -57,6 +60,29 @@ class StreamedModelProvider(ModelProvider):
         self.views = RequestViews(self.counters)
         self._fetched_before = 0  # upstream fetches of models already unloaded
         self._lock = threading.Lock()
+        self.loaded = threading.Event()  # set once load_default has ended, loaded or not
+        self.load_error: BaseException | None = None
+
+    def load_default(self) -> None:
+        """The first thing mlx-lm's generation thread does, as in mlx_lm.server: MLX streams
+        belong to a thread, so the model (an adapter's lazily loaded weights included) must be
+        made in the thread that evaluates it. A failure is kept for ``serve`` to raise, and the
+        thread goes on to its stop, not its death."""
+        try:
+            super().load_default()
+        except BaseException as exc:
+            self.load_error = exc
+        finally:
+            self.loaded.set()
+
+    def load(self, model_path: str, adapter_path: str | None = None,
+             draft_model_path: str | None = None) -> Any:
+        # A request names the served model by its name (the openai client must name one):
+        # that is the model with --adapter-path, not the bare model (mlx-lm maps only the
+        # name "default_model" to it, and would reload the weights without the adapter).
+        if model_path == self.cli_args.model and adapter_path is None:
+            adapter_path = self.cli_args.adapter_path
+        return super().load(model_path, adapter_path, draft_model_path)
 
     def _load(self, model_path: str, adapter_path: str | None = None,
               draft_model_path: str | None = None) -> None:
@@ -267,11 +293,11 @@ def serve(cli_args: argparse.Namespace, engine: dict[str, Any]) -> None:
     if serves:
         _check_address(cli_args.host, cli_args.port)  # before a load that can take minutes
     provider = StreamedModelProvider(cli_args, engine)
-    provider.load_default()  # no daemon, an unknown model: the command's one-line error, now
-    model: Any = provider.model
-    print(prefix + cold_cost_notice(model.bank.source.client, cli_args.model), file=sys.stderr)
     cache_bytes = cli_args.prompt_cache_bytes or 1 << 63  # mlx-lm's LRUPromptCache's "none"
     generator = ResponseGenerator(provider, LRUPromptCache(cli_args.prompt_cache_size, cache_bytes))
+    _wait_for_load(provider, generator)  # no daemon, an unknown model: the one-line error, now
+    model: Any = provider.model
+    print(prefix + cold_cost_notice(model.bank.source.client, cli_args.model), file=sys.stderr)
     signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: mlx-lm's server cleans up
     if not serves:  # this rank's generation thread follows rank 0's requests (collectives)
         try:
@@ -289,6 +315,17 @@ def serve(cli_args: argparse.Namespace, engine: dict[str, Any]) -> None:
         raise _cannot_listen(cli_args.host, cli_args.port, exc) from exc
     finally:
         generator.stop_and_join()
+
+
+def _wait_for_load(provider: StreamedModelProvider, generator: ResponseGenerator) -> None:
+    """Until the generation thread has loaded the model; its error, or Ctrl-C, stops it."""
+    try:
+        provider.loaded.wait()
+        if provider.load_error is not None:
+            raise provider.load_error
+    except BaseException:
+        generator.stop_and_join()
+        raise
 
 
 def _check_address(host: str, port: int) -> None:

@@ -54,7 +54,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "(auto: no cap beyond --ram)")
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="read the next layer's likely experts ahead while a layer computes "
-                        "(default: on where the model computes on a GPU, off on the CPU)")
+                        "(default: off: slower where measured, on the CPU and on CUDA)")
     p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=None,
                    help="run each decode step with the expert->slot map on the device, with no "
                         "per-layer round trip, and keep it when every expert it routed to was "
@@ -178,14 +178,16 @@ def run(args: argparse.Namespace) -> int:
     group = launched_group()
     prefix = f"rank {group.rank()}: " if group is not None else ""
     stats = EngineStats()
+    # Seeded before the load, as mlx_lm.generate seeds: building the model draws from the PRNG
+    # (its layers' initial weights), so seeding after would sample other text than it does.
+    seed = args.seed if args.seed is not None or group is None else shared_seed(group)
+    if seed is not None:
+        mx.random.seed(seed)
     model, tokenizer = load(args.model, stats=stats, trace=args.trace, pipeline=group or False,
                             trust_remote_code=args.trust_remote_code, **engine_options(args))
     bank_source = model.bank.source
     try:
         print(prefix + cold_cost_notice(bank_source.client, args.model), file=sys.stderr)
-        seed = args.seed if args.seed is not None or group is None else shared_seed(group)
-        if seed is not None:
-            mx.random.seed(seed)
         records, last = _generate(args, model, tokenizer, stats, prefix,
                                   quiet=group is not None and group.rank() != 0)
         settle()

@@ -143,6 +143,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run the fault suite's soak for ten minutes (its leak bound per request tightens "
              "with the requests served); without it, 60 s")
     parser.addoption(
+        "--reliability-report", metavar="PATH", default=None,
+        help="after a full run of tests/faults, write its figures to PATH (the tracked page is "
+             "docs/RELIABILITY.md); default $CACHECD_RELIABILITY_REPORT, else nowhere: no test "
+             "writes into the checkout unless asked")
+    parser.addoption(
         "--lowest-deps", action="store_true", default=False,
         help="run tests/install: a venv with every dependency at the lowest release "
              "pyproject.toml allows, `cachecd --help` and tests/unit in it (a few minutes)")

@@ -49,7 +49,7 @@ def register(sub: Any) -> None:
     p.add_argument("--layer", type=int, help="the MoE layer of --experts (default: none)")
     p.add_argument("--experts", default="",
                    help="comma-separated expert numbers to evict, e.g. 0,5,17 (default: none)")
-    p.set_defaults(func=evict)
+    p.set_defaults(func=evict, usage_error=p.error)
     p = sub.add_parser("fsck", help="verify every cached blob (daemon stopped); exit 1 corrupt, "
                        "4 unverifiable, 6 a daemon holds the cache")
     p.add_argument("--cache-dir", dest="cache_dirs", action="append", metavar="DIR",
@@ -229,12 +229,18 @@ def unpin(args: argparse.Namespace) -> int:
 
 
 def evict(args: argparse.Namespace) -> int:
+    if args.experts and args.layer is None:
+        args.usage_error("--experts needs --layer: the MoE layer those experts are in")
     if args.experts:
         args.model = _model(args)
     with _client(args) as client:
-        freed = client.evict(parse_size(args.bytes, "--bytes"), args.model, args.layer,
-                             _ids(args.experts))
-    print(f"freed {format_size(freed)}")
+        report = client.evict_report(parse_size(args.bytes, "--bytes"), args.model, args.layer,
+                                     _ids(args.experts))
+    line = f"freed {format_size(report['freed_bytes'])}"
+    if report.get("pinned"):
+        line += (f"; {report['pinned']} of those experts are pinned, so kept: `cachecd unpin "
+                 f"--model {args.model} --layer {args.layer} --experts {args.experts}` first")
+    print(line)
     return 0
 
 

@@ -291,7 +291,8 @@ async def evict(request: web.Request) -> web.Response:
         raise InvalidRequest("bytes must be a whole number >= 0")
     await d.misses.settled()
     freed = await d.store.evict(digests, nbytes)
-    return web.json_response({"freed_bytes": freed})
+    pinned = len(set(digests or ()) & d.store.pins())  # skipped: the caller is told why
+    return web.json_response({"freed_bytes": freed, "pinned": pinned})
 
 
 def build_app(daemon: Any, client_max_size: int, door: Any = None) -> web.Application:

@@ -149,7 +149,7 @@ class Manifest:
         if base is None or not 0 <= expert < self.experts_per_layer:
             raise errors.ExpertNotFound(
                 f"{self.key} has no routed expert layer={layer} expert={expert} "
-                f"(MoE layers {self.moe_layers[:1]}..{self.moe_layers[-1:]}, "
+                f"(MoE layers {self.moe_layers[0]}..{self.moe_layers[-1]}, "
                 f"{self.experts_per_layer} experts each)"
             )
         return base + expert

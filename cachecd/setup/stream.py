@@ -92,11 +92,12 @@ def choose_manifest(args: argparse.Namespace, repo: str, commit: str,
     from cachecd.manifest.manifest import Manifest, shipped_manifest
 
     path: Path | None
-    origin = args.manifest or "shipped"
+    origin = "shipped"
     if args.manifest and published.is_published(args.manifest):
         from huggingface_hub import get_token
 
         path, at = published.fetch(args.manifest, endpoint=settings.endpoint, token=get_token())
+        origin = args.manifest
         print(f"manifest {args.manifest}" + (f" (its repo at {at})" if at else ""))
     elif args.manifest:
         path = Path(args.manifest)
@@ -105,8 +106,8 @@ def choose_manifest(args: argparse.Namespace, repo: str, commit: str,
         path = shipped_manifest(repo)
         stale = path if path is not None and Manifest.load(path).revision != commit else None
         path = None if stale else path
-        # A re-run reuses what an earlier setup built or registered: never a second pass.
-        path = path or stored_manifest(settings, repo, commit)
+        if path is None:  # a re-run reuses what an earlier setup built or registered
+            path, origin = stored_manifest(settings, repo, commit) or (None, "built")
         if path is None and not args.build_manifest:
             raise _no_manifest(repo, commit, stale)
     if path is None:
@@ -152,13 +153,14 @@ def manifest_name(repo: str, commit: str) -> str:
     return f"{repo.replace('/', '--')}--{commit}.manifest"
 
 
-def stored_manifest(settings: Settings, repo: str, commit: str) -> Path | None:
-    """The manifest of ``repo@commit`` an earlier setup left: built into the models dir, or
-    registered with the daemon (which keeps its own copy). It is checked like any other."""
+def stored_manifest(settings: Settings, repo: str, commit: str) -> tuple[Path, str] | None:
+    """The manifest of ``repo@commit`` an earlier setup left, with where it came from (what
+    ``status`` tells): built into the models dir, or registered with the daemon (which keeps its
+    own copy and its origin). It is checked like any other."""
     path = settings.models_dir / "manifests" / manifest_name(repo, commit)
     if path.is_file():
         print(f"manifest {path} (stored by an earlier setup)")
-        return path
+        return path, "built"
     from cachecd_client import Client
 
     try:
@@ -170,7 +172,7 @@ def stored_manifest(settings: Settings, repo: str, commit: str) -> Path | None:
     if info.get("revision") != commit or not path.is_file():
         return None
     print(f"manifest {path} (registered with the daemon by an earlier setup)")
-    return path
+    return path, str(info.get("manifest_origin") or path)
 
 
 def _no_manifest(repo: str, commit: str, stale: Path | None) -> ManifestInvalid:

@@ -1,8 +1,11 @@
-"""Fixtures of the fault suite and the hook that writes docs/RELIABILITY.md from its figures.
+"""Fixtures of the fault suite and the hook that writes its figures where a run is asked to.
 
 Daemons made through ``daemons``/``module_daemons`` are finished at teardown with the global
-invariant (``FaultDaemon.finish``). The report is written only when every scenario module ran
-and nothing was deselected, so a partial run never overwrites the record of a full one.
+invariant (``FaultDaemon.finish``). The report is written only where ``--reliability-report PATH``
+(or $CACHECD_RELIABILITY_REPORT) names, so a plain run never writes into the checkout, and only
+when every scenario module ran and nothing was deselected, so a partial run never overwrites the
+record of a full one. ``pytest tests/faults --reliability-report docs/RELIABILITY.md`` renews the
+tracked page.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from tests.faults.support import FaultDaemon, Model, build_model, new_dir
 
 FIGURES.add("all.bad_bytes_served", 0)  # a measured 0, listed even when nothing went wrong
 HERE = Path(__file__).parent
-REPORT = HERE.parents[1] / "docs" / "RELIABILITY.md"
 _state: dict[str, Any] = {"collected": set(), "deselected": 0, "t0": None, "t1": None}
 
 
@@ -161,9 +163,21 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         FIGURES.outcomes[report.nodeid] = "failed (invariant at teardown)"
 
 
+def report_path(config: pytest.Config) -> Path | None:
+    """--reliability-report, else $CACHECD_RELIABILITY_REPORT, else None: figures go only where
+    a command asked for them (a relative path is taken from the directory pytest ran in)."""
+    given = config.getoption("--reliability-report", None)
+    if given is None:
+        given = os.environ.get("CACHECD_RELIABILITY_REPORT") or None
+    return Path(given).absolute() if given else None
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from tests.faults.write_report import write_report
 
+    report = report_path(session.config)
+    if report is None:
+        return
     collected: set[str] = _state["collected"]
     modules = {n.split("::")[0].rsplit("/", 1)[-1] for n in collected}
     every_module = {p.name for p in HERE.glob("test_s*.py")}
@@ -171,7 +185,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             and collected <= set(FIGURES.outcomes) and exitstatus != pytest.ExitCode.INTERRUPTED)
     if full:
         wall = (_state["t1"] or 0) - (_state["t0"] or 0)
-        write_report(REPORT, FIGURES, wall)
+        write_report(report, FIGURES, wall)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

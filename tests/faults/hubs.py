@@ -11,22 +11,33 @@ import asyncio
 import time
 from typing import Any
 
+from aiohttp import web
+
 from tests.fakes.fake_hub import FakeHub, FakeHubThread
 from tests.fakes.fault_proxy import FaultProxy
 
+# As fake_hub.ARRIVAL: a typed request key where aiohttp has them, else a string.
+_SENDING: Any = (web.RequestKey("t_sending", float) if hasattr(web, "RequestKey")
+                 else "t_sending")
+
 
 class RecordingHub(FakeHub):
-    """FakeHub that also times each stall: from the last byte sent to the client hanging up."""
+    """FakeHub that also times each stall: from just before the bytes ahead of it were sent to
+    the client hanging up. Stamped before the send, so a loaded machine that delays this thread
+    can only lengthen a window, never shorten it below the client's own timeout."""
 
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.stalls: list[tuple[float, float]] = []
 
+    async def _write(self, request: Any, resp: Any, body: memoryview) -> None:
+        request[_SENDING] = time.monotonic()  # a cut body is one chunk: this is its last send
+        await super()._write(request, resp, body)
+
     async def _fault(self, request: Any, what: str) -> None:
-        t0 = time.monotonic()
         await super()._fault(request, what)
         if what == "stall":
-            self.stalls.append((t0, time.monotonic()))
+            self.stalls.append((request[_SENDING], time.monotonic()))
 
 
 class HubThread(FakeHubThread):

@@ -4,14 +4,14 @@ experts is refused with a one-line error."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cachecd.errors import NotStreamable, RepoNotAllowed
-from tests.harness import TINY_REPO, Installed, short_tmp
+from tests.harness import TINY_REPO, Installed
+from tests.lora import write_adapter
 
 PROMPT = "Experts stream from the hub into a verified cache, layer after layer."
 N = 20
@@ -93,26 +93,6 @@ def test_a_model_file_is_refused_with_or_without_trust(installed_module: Install
         assert not marker.exists()
     finally:
         code.unlink()
-
-
-def write_adapter(tiny_dir: Path, keys: list[str]) -> Path:
-    """A LoRA adapter as mlx_lm.lora saves one, trained on nothing: random B so it changes logits."""
-    import mlx.core as mx
-    import mlx_lm
-    from mlx.utils import tree_flatten
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-
-    params = {"rank": 4, "scale": 20.0, "dropout": 0.0, "keys": keys}
-    model, _ = mlx_lm.load(str(tiny_dir))
-    linear_to_lora_layers(model, 2, params)
-    mx.random.seed(0)
-    weights = {k: (mx.random.normal(v.shape) * 0.05 if k.endswith("lora_b") else v)
-               for k, v in tree_flatten(model.parameters()) if k.endswith(("lora_a", "lora_b"))}
-    out = short_tmp("cdad")
-    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
-    (out / "adapter_config.json").write_text(json.dumps(
-        {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": params}))
-    return out
 
 
 def test_adapters(installed_module: Installed, tiny_dir: Path, tiny_resident: Any) -> None:

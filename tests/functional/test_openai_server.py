@@ -4,14 +4,17 @@ and its greedy text is mlx-lm's on the fully resident checkpoint."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.harness import TINY_REPO, Installed, OpenAIServer, run_cli
+from tests.lora import write_adapter
 
 openai = pytest.importorskip("openai")
 
@@ -166,3 +169,32 @@ def test_the_prompt_cache_keeps_to_its_byte_bound(installed_module: Installed,
         assert seen and all("Prompt Cache: 0 sequences" in line for line in seen), seen
     finally:
         assert bound.stop() == 0
+
+
+def test_an_adapter_serves_its_text(installed_module: Installed, tiny_dir: Any) -> None:
+    """--adapter-path (mlx_lm.lora's format, on resident weights): the answers are mlx-lm's with
+    that adapter, request after request (the generation thread loads the model, as in
+    mlx_lm.server: loaded elsewhere, its first request died on another thread's MLX stream)."""
+    import shutil
+
+    import mlx_lm
+
+    adapter = write_adapter(tiny_dir, ["self_attn.o_proj", "mlp.shared_experts.down_proj"])
+    srv = OpenAIServer(TINY_REPO, installed_module.socket, "--adapter-path", str(adapter))
+    try:
+        want = resident_text(mlx_lm.load(str(tiny_dir), adapter_path=str(adapter)), PROMPT)
+        with_adapter = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0,
+                                     timeout=120)
+        for _ in range(2):
+            done = with_adapter.completions.create(model=TINY_REPO, prompt=PROMPT, max_tokens=N,
+                                                   temperature=0)
+            assert done.choices[0].text == want, srv.log()[-3000:]
+        # No "model" (as mlx_lm.server's own curl examples): the model as loaded at start.
+        body = json.dumps({"prompt": PROMPT, "max_tokens": N, "temperature": 0}).encode()
+        with urllib.request.urlopen(urllib.request.Request(
+                f"{srv.url}/completions", body, {"Content-Type": "application/json"}),
+                timeout=120) as answer:
+            assert json.load(answer)["choices"][0]["text"] == want, srv.log()[-3000:]
+    finally:
+        assert srv.stop() == 0, srv.log()
+        shutil.rmtree(adapter, ignore_errors=True)

@@ -5,11 +5,15 @@ mlx_lm's ``generate()`` function takes)."""
 
 from __future__ import annotations
 
+import array
+import fcntl
 import json
 import os
 import re
 import subprocess
 import sys
+import termios
+import time
 from typing import Any
 
 from tests.harness import CACHECD, TINY_REPO, Installed, run_cli
@@ -32,6 +36,51 @@ def mlx_lm_generate_cli(model_dir: Any, *args: str) -> str:
     return proc.stdout.removesuffix("\n")
 
 
+class MidText:
+    """A child's stdout that lets its text begin but never end on its own: a one-page pipe
+    filled but for ROOM bytes, so the child blocks writing once it wrote at most ROOM bytes
+    (2000 tokens of the tiny model are 2000 bytes), whatever the load. Linux only (the pipe's
+    size is set with F_SETPIPE_SZ); elsewhere the child's first byte is the cue, which a loaded
+    machine can race."""
+
+    ROOM = 64
+
+    def __init__(self) -> None:
+        self.read_end, self.write_end = os.pipe()
+        self.filler = 0
+        if hasattr(fcntl, "F_SETPIPE_SZ"):
+            size = fcntl.fcntl(self.write_end, fcntl.F_SETPIPE_SZ, 4096)
+            self.filler = os.write(self.write_end, b"." * (size - self.ROOM))
+
+    def __enter__(self) -> MidText:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.read_end)
+        if self.write_end >= 0:
+            os.close(self.write_end)
+
+    def wait_for_text(self, proc: subprocess.Popen[bytes]) -> None:
+        """Until the child has written its first bytes of text (a state, not a time)."""
+        if not self.filler:
+            self.first = os.read(self.read_end, 1)
+            return
+        waiting = array.array("i", [0])
+        while waiting[0] <= self.filler:
+            assert proc.poll() is None, "cachecd run ended before its text began"
+            fcntl.ioctl(self.read_end, termios.FIONREAD, waiting)
+            time.sleep(0.02)
+
+    def read_all(self) -> bytes:
+        """The child's whole stdout (to its exit), without the filler."""
+        os.close(self.write_end)  # else the read below never sees the end of the file
+        self.write_end = -1
+        chunks = [getattr(self, "first", b"")]
+        while chunk := os.read(self.read_end, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)[self.filler:]
+
+
 def test_chat_template_by_default_as_mlx_lm_generate(installed_module: Installed,
                                                      tiny_dir: Any) -> None:
     args = ["--prompt", PROMPT, "--max-tokens", "9"]
@@ -52,17 +101,25 @@ def test_max_tokens_and_its_alias(installed_module: Installed, tiny_resident: An
     assert run_json(installed_module, "--prompt", PROMPT, "--max-new", "7")["tokens"] == got["tokens"]
 
 
-def test_sampling_is_seeded(installed_module: Installed, tiny_resident: Any) -> None:
-    import mlx.core as mx
-    from mlx_lm import generate
-    from mlx_lm.sample_utils import make_sampler
-
+def test_sampling_is_seeded(installed_module: Installed) -> None:
+    """The same seed samples the same text, another seed other text (which text: mlx_lm.generate's,
+    the next test)."""
     args = ["--prompt", PROMPT, "--max-tokens", "12", "--temp", "1.5", "--top-p", "0.95"]
     seven = run_json(installed_module, *args, "--seed", "7")
-    mx.random.seed(7)  # mlx_lm.generate's --seed: the same draws, so the same text
-    assert seven["text"] == generate(*tiny_resident, PROMPT, max_tokens=12,
-                                     sampler=make_sampler(1.5, 0.95))
+    assert run_json(installed_module, *args, "--seed", "7")["tokens"] == seven["tokens"]
     assert run_json(installed_module, *args, "--seed", "8")["tokens"] != seven["tokens"]
+
+
+def test_sampled_text_is_mlx_lm_generates_for_the_same_flags(installed_module: Installed,
+                                                              tiny_dir: Any) -> None:
+    """--temp/--top-p/--seed: the text `python -m mlx_lm generate` prints for the same flags on
+    the resident checkpoint (it seeds before it loads the model, so must we)."""
+    for seed in ("42", "3"):
+        args = ["--prompt", PROMPT, "--max-tokens", "12", "--temp", "0.8", "--top-p", "0.9",
+                "--seed", seed]
+        ours = run_cli("run", "--model", TINY_REPO, "--socket", str(installed_module.socket),
+                       *args).stdout
+        assert ours.removesuffix("\n") == mlx_lm_generate_cli(tiny_dir, *args), seed
 
 
 def test_prompt_from_stdin_with_prefill_progress(installed_module: Installed,
@@ -96,15 +153,16 @@ def test_the_text_ends_its_line_when_interrupted(installed_module: Installed) ->
 
     # A suite started in the background by a script runs with SIGINT ignored, which a child
     # inherits, and Python then installs no KeyboardInterrupt: give the child Ctrl-C back.
-    proc = subprocess.Popen([*CACHECD, "run", "--model", TINY_REPO, "--socket",
-                             str(installed_module.socket), "--prompt", PROMPT, "--max-tokens",
-                             "2000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    assert proc.stdout is not None
-    first = os.read(proc.stdout.fileno(), 1)  # the text has begun
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    text = (first + out).decode(errors="replace")
+    with MidText() as stdout:
+        proc = subprocess.Popen([*CACHECD, "run", "--model", TINY_REPO, "--socket",
+                                 str(installed_module.socket), "--prompt", PROMPT,
+                                 "--max-tokens", "2000"], stdout=stdout.write_end,
+                                stderr=subprocess.PIPE,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        stdout.wait_for_text(proc)
+        proc.send_signal(signal.SIGINT)
+        text = stdout.read_all().decode(errors="replace")
+    err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130, err
     assert text and text.endswith("\n"), repr(text[-40:])
     done = run_cli("run", "--model", TINY_REPO, "--socket", str(installed_module.socket),

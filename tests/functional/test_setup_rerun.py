@@ -104,3 +104,13 @@ def test_installed_weights_are_as_private_as_the_cache(own_hub: LoggedHub, base:
     wrong = {n: f"{m:o}" for n, m in again.items()
              if m != (0o700 if (installs / n).is_dir() else 0o600)}
     assert not wrong, wrong
+
+
+def test_status_says_a_reused_manifest_was_built_here(own_hub: LoggedHub, base: Path) -> None:
+    """The second setup reuses the manifest the first built: `status` must not call it shipped
+    (a trust label must be true)."""
+    setup(own_hub, base, "--build-manifest")
+    setup(own_hub, base)
+    out = run_cli("status", "--socket", str(base / "run" / "s.sock")).stdout
+    line = next(x for x in out.splitlines() if x.strip().startswith("manifest"))
+    assert "built on this machine" in line and "shipped" not in line, out
