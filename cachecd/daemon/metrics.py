@@ -112,6 +112,7 @@ _SHARE_COUNTERS = {
     "connections_idle_timed_out": "Kept-alive share connections closed after their idle "
                                   "deadline.",
     "connections_body_timed_out": "Share requests whose body did not arrive in time.",
+    "connections_malformed": "Share requests that could not be parsed (answered 400).",
 }
 _SHARE_GAUGES = {
     "connections": "Open share connections (--share).",

@@ -21,7 +21,8 @@ door keeps the share's connections within a budget of file descriptors:
   answer; when every connection holds a request under way or just answered, the newcomer is
   closed at once. A request under way is never cut by a newcomer.
 - What the door does is counted (``connections_*`` in the share's status) and logged at most one
-  line per ``LOG_EVERY_S``, however many connections a flood opens.
+  line per ``LOG_EVERY_S``, however many connections a flood opens; so is a request aiohttp
+  cannot parse (``connections_malformed``), which it would log a line for each.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ import resource
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from cachecd import constants
@@ -120,7 +123,8 @@ class ShareDoor:
 
     def admit(self, server: web.Server) -> asyncio.BaseProtocol:
         """A protocol factory: the connection's fate is decided once its address is known."""
-        return _Conn(server(), self)  # type: ignore[arg-type]
+        handler = _Quiet(self, server, loop=asyncio.get_running_loop(), access_log=None)
+        return _Conn(handler, self)
 
     @web.middleware
     async def middleware(
@@ -217,6 +221,21 @@ class ShareDoor:
 
     def status(self) -> dict[str, int]:
         return {"connections": len(self._open), "connection_limit": self.limit}
+
+
+class _Quiet(RequestHandler):
+    """aiohttp's handler, whose malformed requests are counted by the door, not logged each."""
+
+    def __init__(self, door: ShareDoor, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._door = door
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        exc = kw.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            self._door.note("malformed")  # already answered 4xx; a stranger's junk, counted
+            return
+        super().log_exception(*args, **kw)
 
 
 class _Conn(asyncio.Protocol):

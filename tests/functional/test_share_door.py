@@ -240,3 +240,15 @@ def test_a_wrong_token_gets_its_401_and_the_connection_closed(sharer):
                 break
             got += chunk
     assert got.startswith(b"HTTP/1.1 401") and b"Connection: close" in got, got[:200]
+
+
+def test_malformed_requests_are_counted_not_logged_each(low_sharer):
+    d = low_sharer
+    junk = b"GET /metrics HTTP/1.1\r\nHost: x\r\nnot a header line\r\n\r\n"
+    before = d.log_path.stat().st_size
+    for _ in range(400):  # one connection each, as a scanner sends them
+        with socket.create_connection(("127.0.0.1", d.share_port), timeout=10) as s:
+            s.sendall(junk)
+            assert s.recv(65536).split(b" ")[1] == b"400"
+    assert d.log_path.stat().st_size - before < 4096, d.log()[-2000:]
+    assert _share_status(d)["connections_malformed"] >= 400
