@@ -116,3 +116,23 @@ def test_adapters(installed_module: Installed, tiny_dir: Path, tiny_resident: An
     finally:
         shutil.rmtree(resident_only, ignore_errors=True)
         shutil.rmtree(on_experts, ignore_errors=True)
+
+
+def test_long_prompt_prefills_layer_by_layer(installed_module: Installed, tiny_resident: Any) -> None:
+    """``mlx_lm.generate`` / ``stream_generate`` with a prompt of several prefill steps: the
+    steps run layer by layer (one pass), and every token and logprob is mlx-lm's at that step."""
+    from mlx_lm import generate, stream_generate
+
+    from cachecd_engine import load
+
+    prompt, step = PROMPT * 3, 32  # about 210 tokens: 6 steps and the last token's
+    model, tokenizer = load(TINY_REPO, socket=installed_module.socket)
+    want = [(r.token, r.logprobs[r.token].item()) for r in stream_generate(
+        *tiny_resident, prompt, max_tokens=N, prefill_step_size=step)]
+    got = [(r.token, r.logprobs[r.token].item()) for r in stream_generate(
+        model, tokenizer, prompt, max_tokens=N, prefill_step_size=step)]
+    assert got == want and model.deferral.passes == 1 and model.deferral.held_steps >= 6
+    assert generate(model, tokenizer, prompt, max_tokens=N, prefill_step_size=step) == \
+        generate(*tiny_resident, prompt, max_tokens=N, prefill_step_size=step)
+    assert model.deferral.passes == 2
+    model.bank.source.close()

@@ -170,7 +170,8 @@ def test_prefill_script_reads_each_expert_once_layer_by_layer(
     assert "bitwise the resident model's" in out
     layers = re.findall(r"layers TTFT .*? = (\d+\.\d+)x one pass", out)
     steps = re.findall(r"steps  TTFT .*? = (\d+\.\d+)x one pass", out)
-    assert layers == ["1.00", "1.00"] and all(float(s) > 1.5 for s in steps), out
+    assert len(layers) == len(steps) == 2, out
+    assert all(float(x) <= 1.0 for x in layers) and all(float(x) > 1.5 for x in steps), out
     assert RATIO_LINE.match(out.strip().splitlines()[-1])
 
 
