@@ -1,6 +1,6 @@
 """Scenario 4: a stalled upstream. The read timeout fires within its setting + 1 s, the total
 deadline bounds the retries, the client gets 504 upstream_timeout (retryable) and /healthz keeps
-answering the whole time, never held by the stall (its worst latency goes to the report)."""
+answering in < 100 ms the whole time."""
 
 from __future__ import annotations
 
@@ -15,10 +15,6 @@ from tests.faults.support import Model, fetch_verified
 
 READ_S, TOTAL_S = 1.5, 5.0
 ENV = {"CACHECD_READ_TIMEOUT": str(READ_S), "CACHECD_TOTAL_TIMEOUT": str(TOTAL_S)}
-# A probe the stall held would wait about the stall's length (READ_S); on a loaded machine a free
-# one waits what the scheduler makes it (110 ms seen with other suites running), so the bar that
-# tells the two apart is half the stall, not a fixed latency.
-HELD_BY_THE_STALL_MS = READ_S * 1000 / 2
 
 
 def _stall_windows(hub, at_least: int = 1) -> list[float]:  # type: ignore[no-untyped-def]
@@ -42,7 +38,7 @@ def test_mid_body_stall_times_out_and_the_retry_serves_good_bytes(small: Model, 
     FIGURES.setting("s04.read_timeout_setting_s", READ_S)
     FIGURES.peak("s04.read_timeout_fired_after_s_max", max(windows))
     assert READ_S - 0.1 <= windows[0] <= READ_S + 1.0, windows
-    assert record_health("s04", health) < HELD_BY_THE_STALL_MS, health
+    assert record_health("s04", health) < 100, health
     assert health["fails"] == 0
 
 
@@ -65,7 +61,7 @@ def test_persistent_stall_gives_504_within_the_total_deadline(small: Model, pool
     assert len(windows) >= 2  # retried, and bounded by the deadline
     assert all(w <= READ_S + 1.0 for w in windows), windows
     assert took <= TOTAL_S + 1.0, took
-    assert record_health("s04", health) < HELD_BY_THE_STALL_MS, health
+    assert record_health("s04", health) < 100, health
     assert health["fails"] == 0
     with d.client() as c:  # nothing was cached and nothing is stuck
         assert c.stats()["store"]["entries"] == 0 and c.stats()["inflight"] == 0
@@ -88,4 +84,4 @@ def test_proxy_that_never_forwards_headers_times_out_then_recovers(small: Model,
     FIGURES.set("s04.proxy_stalls", proxy.toxic_hits)
     assert proxy.toxic_hits >= 2
     assert took <= TOTAL_S + 1.0, took
-    assert record_health("s04", health) < HELD_BY_THE_STALL_MS, health
+    assert record_health("s04", health) < 100, health

@@ -25,7 +25,7 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "s03": ("truncated body / RST", "bounded retries; temp deleted; reservation released; "
             "fds and tasks back to baseline"),
     "s04": ("stall / timeout", "read timeout fires within setting + 1 s; total deadline; "
-            "504 upstream_timeout retryable; /healthz answers throughout, never held by the stall"),
+            "504 upstream_timeout retryable; /healthz < 100 ms throughout"),
     "s05": ("429 / 5xx storm", "no request within 2 s of a 429 (Retry-After: 2); peak in flight "
             "<= limit; 401/403/404 not retried"),
     "s06": ("same expert, many clients", "64 clients: one upstream GET, same bytes; on failure "
