@@ -151,9 +151,6 @@ class Store:
         no lock (the ledger swaps a digest's set, never changes it in place)."""
         return source in self.ledger.sources.get(digest, ())
 
-    def sources_of(self, digest: str) -> set[str]:
-        return set(self.ledger.sources.get(digest, ()))
-
     def add_source(self, digest: str, source: str, origin: bytes = ORIGIN_SOURCE) -> bool:
         """Bytes read from ``source`` hashed to ``digest``, which is cached: record it (durably
         first), so the blob serves that source's experts too; no second copy. False if the blob
