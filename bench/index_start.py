@@ -1,7 +1,7 @@
 """Opening a K3-sized cache: 82,432 indexed blobs, after a clean stop and after a crash.
 
 Builds a cache dir holding K3's number of routed experts (92 layers x 896) as blob files with an
-LMDB row, an access count and a coverage row each, as a daemon leaves them after warming the
+LMDB row, a source row, an access count and a coverage row each, as a daemon leaves them after warming the
 whole model. The blobs hold 32 bytes each: what opening costs grows with the number of files
 and rows (a directory walk, a stat per file, the index read, the policy built), not with their
 size. Then, alternating, in this process (page cache hot after the warm-up round):
@@ -28,6 +28,7 @@ import xxhash
 from _common import add_common_args, alternate, median
 
 from cachecd import constants
+from cachecd.store import sources
 from cachecd.store.index import Entry
 from cachecd.store.recovery import CLEAN_KEY
 from cachecd.store.store import Store
@@ -53,6 +54,9 @@ def build(cache: Path, n: int) -> None:
             layer, expert = divmod(i, constants.K3_EXPERTS_PER_LAYER)
             store.index.record_access(digest, MODEL, layer + 1, expert, time.time() - n + i)
         store.index.put_entries(rows).result()
+        # Each blob's source key, as a commit records it (store/sources.py); the key's value
+        # does not matter to the open, only the rows' number.
+        sources.put(store.index, [(d, d, sources.ORIGIN_SOURCE) for d in rows]).result()
     finally:
         store.close_sync()
 

@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -150,9 +150,6 @@ class Store:
         source key, ``manifest.provenance``): only then is it a hit for that expert. In memory,
         no lock (the ledger swaps a digest's set, never changes it in place)."""
         return source in self.ledger.sources.get(digest, ())
-
-    def sources_of(self, digest: str) -> set[str]:
-        return set(self.ledger.sources.get(digest, ()))
 
     def add_source(self, digest: str, source: str, origin: bytes = ORIGIN_SOURCE) -> bool:
         """Bytes read from ``source`` hashed to ``digest``, which is cached: record it (durably
@@ -405,6 +402,10 @@ class Store:
         source: tuple[str, bytes],
         writer: BlobWriter | None = None,
     ) -> Entry:
+        # The source first: "those shard bytes hash to this digest" is true whatever becomes of
+        # the file, and a blob that recovery adopts after a crash before its row (a stray) then
+        # still serves the expert it was verified as (sources.py).
+        self._index_write(digest, lambda: sources.put(self.index, [(digest, *source)]))
         if writer is not None:
             dir_index = writer.finish()
         else:
@@ -412,7 +413,7 @@ class Store:
         crash_point("before_index_commit")
         entry = Entry(dir_index, nbytes, time.time())
         try:
-            self._put_row(digest, entry, source)
+            self._index_write(digest, lambda: self.index.put_entry(digest, entry, source))
         except BaseException:
             # The row did not commit: take the file back so it neither counts as a stray nor
             # eats disk outside the budget.
@@ -420,16 +421,16 @@ class Store:
             raise
         return entry
 
-    def _put_row(self, digest: str, entry: Entry, source: tuple[str, bytes]) -> None:
+    def _index_write(self, digest: str, submit: Callable[[], Future[None]]) -> None:
         try:
-            self.index.put_entry(digest, entry, source).result()
+            submit().result()
         except errors.IndexFull:
             # The map is at its ceiling: evict a slice of the cache (deletes may use the map's
             # slack), then try once more; if that is not enough the caller gets a 507.
             if not self.evict_sync(nbytes=max(self.budget.used // 64, 1)):
                 raise
             log.warning("event=index_full_evicted digest=%s", digest)
-            self.index.put_entry(digest, entry, source).result()
+            submit().result()
 
     # ---- access, pins, eviction --------------------------------------------------------
 

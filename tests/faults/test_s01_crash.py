@@ -154,8 +154,8 @@ def test_write_order_under_strace(small: Model, pool) -> None:  # type: ignore[n
     with d.client() as c:
         fetch_verified(c, small, layer, [expert])
     assert d.stop() == 0
-    events = _write_events(trace.read_text(errors="replace"), entry.digest_hex)
-    steps = ("fsync:tmp", "rename", "fsync:dir", "row")
+    events = _write_events(trace.read_text(errors="replace"), entry.digest_hex, entry.source)
+    steps = ("source", "fsync:tmp", "rename", "fsync:dir", "row")
     order = [events.index(w) for w in steps]
     assert order == sorted(order), events
     assert "sync:mdb" in events[order[-1]:], events  # the row's txn is synced after it is written
@@ -168,14 +168,16 @@ def test_write_order_under_strace(small: Model, pool) -> None:  # type: ignore[n
     FIGURES.set("s01.strace_order", " < ".join(_STEP_NAMES[name] for _, name in seen))
 
 
-_STEP_NAMES = {"fsync:tmp": "fsync(tmp)", "rename": "rename", "fsync:dir": "fsync(dir)",
+_STEP_NAMES = {"source": "LMDB source written", "fsync:tmp": "fsync(tmp)", "rename": "rename", "fsync:dir": "fsync(dir)",
                "row": "LMDB row written", "sync:mdb": "LMDB fsync"}
 
 
-def _write_events(text: str, digest: str) -> list[str]:
-    """fsync:tmp, rename, fsync:dir, row (an LMDB page write holding the digest), sync:mdb;
+def _write_events(text: str, digest: str, source: str) -> list[str]:
+    """source (an LMDB page write holding the digest and its source key: the blob's provenance,
+    written first), fsync:tmp, rename, fsync:dir, row (one holding the digest alone), sync:mdb;
     mkdir (the blob's fan-out dir) and fsync:blobs (of blobs/, which holds it)."""
     raw = "".join(f"\\x{digest[i:i + 2]}" for i in range(0, 32, 2))
+    raw_source = raw + "".join(f"\\x{source[i:i + 2]}" for i in range(0, 32, 2))
     kind: dict[str, str | None] = {}
     events: list[str] = []
     for line in text.splitlines():
@@ -195,6 +197,8 @@ def _write_events(text: str, digest: str) -> list[str]:
             k = kind[m.group(2)]
             if m.group(1) in ("fsync", "fdatasync"):
                 events.append(f"fsync:{k}" if k != "mdb" else "sync:mdb")
+            elif k == "mdb" and raw_source in line:
+                events.append("source")
             elif k == "mdb" and raw in line:
                 events.append("row")
         elif re.search(r"\brename(at2?)?\(.*" + digest, line):

@@ -36,7 +36,7 @@ class GatedUpstream:
         self.gates: dict[str, asyncio.Event] = {}
 
     async def fetch_experts(self, manifest: Any, entries: list[Expert], on_verified: Any,
-                            spool: Any = None) -> dict[Any, Any]:
+                            spool: Any = None, on_peer_verified: Any = None) -> dict[Any, Any]:
         async def one(e: Expert) -> None:
             await self.gates[e.digest_hex].wait()
             await on_verified(e, memoryview(e.data))
