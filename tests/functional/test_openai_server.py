@@ -71,7 +71,10 @@ def test_completion_equals_resident_mlx_lm_streamed_and_not(client: Any, tiny_re
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
-    assert "cachecd" in chunks[-1].usage.model_extra
+    streamed = chunks[-1].usage.model_extra["cachecd"]
+    # the same prompt again: mlx-lm's prompt cache holds all of it but the last token
+    assert streamed["prompt_tokens_prefilled"] == 1, streamed
+    assert streamed["prompt_tokens_cached"] == chunks[-1].usage.prompt_tokens - 1, streamed
 
 
 def test_chat_equals_resident_mlx_lm_streamed_and_not(client: Any, tiny_resident: Any) -> None:
