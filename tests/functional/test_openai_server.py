@@ -232,6 +232,8 @@ def test_a_follow_up_prefills_only_its_new_tokens(installed_module: Installed) -
                                               temperature=0, seed=0)
         answers = (one, two, again, seeded)
         assert two.choices[0].message.content == again.choices[0].message.content
+        assert seeded.choices[0].message.content == nothing_kept.chat.completions.create(
+            model=TINY_REPO, messages=other, max_tokens=2, temperature=0).choices[0].message.content
         views = [r.usage.model_extra["cachecd"] for r in answers]
         for r, v in zip(answers, views, strict=True):
             assert v["prompt_tokens_cached"] == r.usage.prompt_tokens_details.cached_tokens
