@@ -142,8 +142,10 @@ class Served:
 
 
 @contextlib.contextmanager
-def served_checkpoint(base: str, repo: str, **tiny_opts: Any) -> Iterator[Served]:
-    """Write a tiny-model checkpoint, serve it, build its manifest; clean everything at the end."""
+def served_checkpoint(base: str, repo: str, written: Callable[[Path], None] | None = None,
+                      **tiny_opts: Any) -> Iterator[Served]:
+    """Write a tiny-model checkpoint (``written`` may change its files then), serve it, build its
+    manifest; clean everything at the end."""
     from cachecd.testbed.tiny_model import write_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="cd-bench-", dir=base))
@@ -152,6 +154,8 @@ def served_checkpoint(base: str, repo: str, **tiny_opts: Any) -> Iterator[Served
     try:
         t0 = time.perf_counter()
         write_tiny_model(work / "hub" / repo, **tiny_opts)
+        if written is not None:
+            written(work / "hub" / repo)
         hub = HubProcess(work / "hub")
         manifest_path = work / "bench.manifest"
         run_cli(

@@ -207,7 +207,7 @@ class CachecdHandler(APIHandler):
     def generate_response(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         response = super().generate_response(*args, **kwargs)
         if not self.stream:  # the headers are still open: mlx-lm ends them after this answer
-            view = self.provider.views.view(self.window)
+            view = self._view(response["usage"])
             response["usage"]["cachecd"] = view
             self.send_header("X-Cachecd-Fetched-Experts", str(view["experts_fetched"]))
             self.send_header("X-Cachecd-Other-Requests", str(view["other_requests"]))
@@ -215,8 +215,14 @@ class CachecdHandler(APIHandler):
 
     def completion_usage_response(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         response = super().completion_usage_response(*args, **kwargs)
-        response["usage"]["cachecd"] = self.provider.views.view(self.window)
+        response["usage"]["cachecd"] = self._view(response["usage"])
         return response
+
+    def _view(self, usage: dict[str, Any]) -> dict[str, float | int]:
+        """The request's view, with its prompt split as mlx-lm's usage counts it (the tokens its
+        prompt cache held, in ``prompt_tokens_details``, were not prefilled again)."""
+        cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        return self.provider.views.view(self.window, usage["prompt_tokens"], cached)
 
     def _installed_model(self, name: str) -> bool:
         """Whether ``name`` can be served; if not, answered with an error that says why. Checked

@@ -21,6 +21,7 @@ openai = pytest.importorskip("openai")
 PROMPT = "Experts stream from the hub into a verified cache, layer after layer."
 CHAT = [{"role": "user", "content": "Which experts does this token need?"}]
 N = 24
+TOP_K, MOE_LAYERS = 4, 5  # the tiny model: 4 of 32 experts a token, 6 layers, the first dense
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,10 @@ def test_completion_equals_resident_mlx_lm_streamed_and_not(client: Any, tiny_re
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
-    assert "cachecd" in chunks[-1].usage.model_extra
+    streamed = chunks[-1].usage.model_extra["cachecd"]
+    # the same prompt again: mlx-lm's prompt cache holds all of it but the last token
+    assert streamed["prompt_tokens_prefilled"] == 1, streamed
+    assert streamed["prompt_tokens_cached"] == chunks[-1].usage.prompt_tokens - 1, streamed
 
 
 def test_chat_equals_resident_mlx_lm_streamed_and_not(client: Any, tiny_resident: Any) -> None:
@@ -198,3 +202,55 @@ def test_an_adapter_serves_its_text(installed_module: Installed, tiny_dir: Any) 
     finally:
         assert srv.stop() == 0, srv.log()
         shutil.rmtree(adapter, ignore_errors=True)
+
+
+def test_a_follow_up_prefills_only_its_new_tokens(installed_module: Installed) -> None:
+    """A chat's second turn takes the first turn's KV caches from mlx-lm's prompt cache: only
+    its new tokens go through the model (each routes to top_k experts in each MoE layer, so
+    ``expert_rows`` counts the tokens that went through), and it reads fewer experts than
+    the same full prompt sent to a server that keeps no prompt cache. Small prefill steps (16
+    tokens) and --ram 0 (a pool of two experts) make each step read its experts anew."""
+    flags = ("--ram", "0", "--prefill-step-size", "16")
+    keeps = OpenAIServer(TINY_REPO, installed_module.socket, *flags)
+    fresh = OpenAIServer(TINY_REPO, installed_module.socket, *flags, "--prompt-cache-size", "0")
+    try:
+        chat, nothing_kept = (openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0,
+                                            timeout=120) for s in (keeps, fresh))
+        first = [{"role": "user", "content": "Tell me which experts a long prompt reads. " * 4}]
+        one = chat.chat.completions.create(model=TINY_REPO, messages=first, max_tokens=N,
+                                           temperature=0)
+        turn = [*first, {"role": "assistant", "content": one.choices[0].message.content},
+                {"role": "user", "content": "And the next turn?"}]
+        two = chat.chat.completions.create(model=TINY_REPO, messages=turn, max_tokens=2,
+                                           temperature=0)
+        again = nothing_kept.chat.completions.create(model=TINY_REPO, messages=turn,
+                                                     max_tokens=2, temperature=0)
+        # a seed makes mlx-lm serve the request alone (generate_step's path, not the batch's)
+        # (another next turn: this one's own prompt is cached now, all but its last token)
+        other = [*turn[:2], {"role": "user", "content": "Or another next turn?"}]
+        seeded = chat.chat.completions.create(model=TINY_REPO, messages=other, max_tokens=2,
+                                              temperature=0, seed=0)
+        answers = (one, two, again, seeded)
+        assert two.choices[0].message.content == again.choices[0].message.content
+        assert seeded.choices[0].message.content == nothing_kept.chat.completions.create(
+            model=TINY_REPO, messages=other, max_tokens=2, temperature=0).choices[0].message.content
+        views = [r.usage.model_extra["cachecd"] for r in answers]
+        for r, v in zip(answers, views, strict=True):
+            assert v["prompt_tokens_cached"] == r.usage.prompt_tokens_details.cached_tokens
+            assert v["prompt_tokens_cached"] + v["prompt_tokens_prefilled"] == r.usage.prompt_tokens
+            # every token that went through routes to TOP_K experts a MoE layer (the layer-major
+            # prefill of generate_step's path skips the last layer for all but the last token)
+            rows = (v["prompt_tokens_prefilled"] + r.usage.completion_tokens) * TOP_K
+            assert rows * (MOE_LAYERS - 1) < v["expert_rows"] <= rows * MOE_LAYERS, (v, r.usage)
+            assert 0 < v["experts_read"] <= v["experts_routed"], v
+        # the first turn's prompt and answer came from the cache; only the rest was prefilled
+        # (the tiny tokenizer's bytes round-trip: the answer is tokenized back as generated)
+        assert views[1]["prompt_tokens_cached"] == one.usage.prompt_tokens + N, views[1]
+        assert views[3]["prompt_tokens_cached"] == views[1]["prompt_tokens_cached"], views
+        assert views[2]["prompt_tokens_cached"] == 0, views[2]
+        for follow_up in (views[1], views[3]):
+            assert follow_up["experts_read"] * 3 < views[2]["experts_read"], views
+            assert follow_up["bytes_from_daemon"] * 3 < views[2]["bytes_from_daemon"], views
+    finally:
+        assert keeps.stop() == 0, keeps.log()
+        assert fresh.stop() == 0, fresh.log()

@@ -175,6 +175,16 @@ def test_prefill_script_reads_each_expert_once_layer_by_layer(
     assert RATIO_LINE.match(out.strip().splitlines()[-1])
 
 
+def test_batching_script_ends_with_its_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    _load("batching").main(["--tiny-experts", "--experts", "8", "--layers", "3", "--top-k", "2",
+                            "--prompt", "4", "--tokens", "3", "--streams", "1,2", "--skew", "0.2"])
+    last = _last_line(capsys)
+    assert re.fullmatch(r"batching streams=1,2 tok_s=\S+ resident_tok_s=\S+ ratio=\S+ "
+                        r"bytes_per_token=\d+,\d+ read_vs_one=1\.000,\S+ "
+                        r"routed_share=1\.000,\S+ same=1,1 dtype=float32 device=(cpu|gpu)",
+                        last), last
+
+
 def test_index_start_script_ends_with_the_crash_open_time(capsys: pytest.CaptureFixture[str]) -> None:
     _load("index_start").main(["--experts", "300", "--rounds", "1"])
     assert re.fullmatch(r"crash_open_s=\d+\.\d{3}", _last_line(capsys))

@@ -24,7 +24,7 @@ def test_load_takes_mlx_lm_loads_arguments_then_engine_keywords() -> None:
         (p.name, p.default, p.kind) for p in theirs]
     extra = ours[len(theirs):]
     assert {p.name for p in extra} == {"socket", "ram_bytes", "expert_memory", "stats", "trace",
-                                       "prefetch", "speculate", "pipeline"}
+                                       "prefetch", "speculate", "pipeline", "layer_major"}
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extra)
 
 
