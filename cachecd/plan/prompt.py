@@ -13,6 +13,10 @@ to ``E (1 - (1 - k/E)^r)`` distinct experts of ``E`` (``distinct``), the prompt 
   ``E(L)``.
 - The last layer's experts are read for the last token only (the steps before it feed nothing
   there: ``prefill``'s invariant).
+A step routing to more experts than the pool holds runs in groups of half the pool
+(``calls.run_groups``), each a call of its own that reads; else a step is one call, and reads
+where it routes to experts the pool does not hold yet (the first step of a layer whose routed
+experts it holds: about one a layer).
 
 Cold: every distinct routed expert fetched from the Hub first (a resolve per shard,
 ``MAX_PARALLEL_FETCHES`` at a time), the re-reads from the page cache. Warm: every read off the
@@ -56,6 +60,8 @@ class PromptReads:
     routed: list[float]  # distinct experts each MoE layer routes to over the prompt
     slots: int  # the pool's
     steps: int
+    calls: float = 0.0  # MoE layer calls (a step's groups each one)
+    miss_calls: float = 0.0  # of which read experts
 
     @property
     def reads(self) -> float:
@@ -78,17 +84,26 @@ def prompt_reads(manifest: Manifest, top_k: int, tokens: int, step: int,
     layers = manifest.moe_layers
     last = max(layers)
     per, routed = [], []
+    out = PromptReads(per, routed, slots, len(rows))
     for layer in layers:
         used = rows[-1:] if layer == last else rows  # the last layer: the last token's only
         whole = distinct(e, top_k, sum(used))
         each = [distinct(e, top_k, r) for r in used]
         if slots >= whole:
             reads = whole
+            out.miss_calls += 1
         else:  # each step keeps what the step before left in the pool
             reads = max(whole, sum(each) - (len(each) - 1) * slots)
+            out.miss_calls += sum(groups(x, slots) for x in each)
+        out.calls += sum(groups(x, slots) for x in each)
         per.append(reads)
         routed.append(whole)
-    return PromptReads(per, routed, slots, len(rows))
+    return out
+
+
+def groups(experts: float, slots: int) -> int:
+    """The calls a step routing to ``experts`` makes with a pool of ``slots``."""
+    return 1 if experts <= slots else math.ceil(experts / max(1, slots // 2))
 
 
 def expert_bytes(manifest: Manifest) -> float:
@@ -110,13 +125,12 @@ def prefill_compute_s(manifest: Manifest, top_k: int, tokens: int, step: int,
 def project(manifest: Manifest, machine: Any, reads: PromptReads, compute_s: float,
             costs: Any, pool_bytes: int, tokens: int) -> dict[str, Any]:
     """The prompt's first token cold, warm and from the pool (seconds; None where a rate is
-    not measured), and what it reads."""
+    not measured), and what it reads. From the pool, no call reads."""
     from cachecd.plan.speed import page_share, queue_depth, read_s
 
     b = expert_bytes(manifest)
     layers = len(manifest.moe_layers)
-    calls = reads.steps * layers
-    base = compute_s + calls * costs.call_s + layers * costs.miss_call_s
+    base = compute_s + reads.calls * costs.call_s + reads.miss_calls * costs.miss_call_s
     share = page_share(machine, pool_bytes, manifest.expert_bytes_total)
 
     def from_disk(nbytes: float) -> float | None:
@@ -126,14 +140,18 @@ def project(manifest: Manifest, machine: Any, reads: PromptReads, compute_s: flo
 
     warm = from_disk(reads.reads * b)
     held = min(reads.slots, reads.unique)
-    pool = from_disk(max(0.0, reads.reads - held) * b)
+    left = max(0.0, reads.reads - held)
+    pool = from_disk(left * b)
+    if pool is not None:  # the calls that read: as many fewer as the reads
+        pool -= reads.miss_calls * costs.miss_call_s * (1 - left / reads.reads)
     hub = None
     if machine.hub_rate and machine.resolve_s is not None:
         resolves = math.ceil(len(manifest.shards) / constants.MAX_PARALLEL_FETCHES)
         again = read_s((reads.reads - reads.unique) * b, machine.page_rate) or 0.0
         hub = base + resolves * machine.resolve_s + reads.unique * b / machine.hub_rate + again
     return {
-        "tokens": tokens, "steps": reads.steps, "slots": reads.slots,
+        "tokens": tokens, "steps": reads.steps, "slots": reads.slots, "calls": reads.calls,
+        "miss_calls": reads.miss_calls,
         "pool_holds_a_layer": reads.fits,
         "routed_experts": round(reads.unique, 1), "reads": round(reads.reads, 1),
         "read_bytes": int(reads.reads * b), "routed_bytes": int(reads.unique * b),

@@ -64,13 +64,22 @@ def test_the_first_token_is_compute_plus_the_reads_over_their_rates(tiny: Manife
     calls = Calls(call_s=0.001, miss_call_s=0.002)
     got = project(tiny, m, reads, 0.5, calls, pool_bytes=10 << 10, tokens=200)
     b = expert_bytes(tiny)
-    base = 0.5 + reads.steps * 5 * 0.001 + 5 * 0.002
+    # A layer's steps: 12 of 16 tokens (28.2 experts: 6 groups of half the pool's 10 slots),
+    # one of 7 (17.5: 4 groups), the last token's (4: one call); the last layer: that one only.
+    # Every call reads.
+    assert reads.calls == reads.miss_calls == 4 * (12 * 6 + 4 + 1) + 1
+    base = 0.5 + reads.calls * 0.001 + reads.miss_calls * 0.002
     t = got["first_token_s"]
     assert t["warm"] == pytest.approx(base + reads.reads * b / (8 * GB))  # all in the page cache
-    assert t["pool"] == pytest.approx(base + (reads.reads - 10) * b / (8 * GB))
+    left = reads.reads - 10
+    assert t["pool"] == pytest.approx(base + left * b / (8 * GB)
+                                      - reads.miss_calls * 0.002 * 10 / reads.reads)
     shards = -(-len(tiny.shards) // 8)
     assert t["cold"] == pytest.approx(base + shards * 0.1 + reads.unique * b / (0.5 * GB)
                                       + (reads.reads - reads.unique) * b / (8 * GB))
     assert got["note"] and "docs/engine.md" in got["note"]
-    fits = project(tiny, m, prompt_reads(tiny, 4, 200, 16, slots=160), 0.5, calls, 1 << 30, 200)
-    assert fits["note"] is None and fits["first_token_s"]["pool"] == pytest.approx(base)
+    whole = prompt_reads(tiny, 4, 200, 16, slots=160)
+    assert whole.calls == 4 * 14 + 1 and whole.miss_calls == 5  # a layer's first step reads
+    fits = project(tiny, m, whole, 0.5, calls, 1 << 30, 200)
+    assert fits["note"] is None
+    assert fits["first_token_s"]["pool"] == pytest.approx(0.5 + whole.calls * 0.001)
