@@ -83,7 +83,8 @@ def prompt_reads(manifest: Manifest, top_k: int, tokens: int, step: int,
     rows = steps_of(tokens, step)
     layers = manifest.moe_layers
     last = max(layers)
-    per, routed = [], []
+    per: list[float] = []
+    routed: list[float] = []
     out = PromptReads(per, routed, slots, len(rows))
     for layer in layers:
         used = rows[-1:] if layer == last else rows  # the last layer: the last token's only
