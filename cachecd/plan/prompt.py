@@ -13,6 +13,9 @@ to ``E (1 - (1 - k/E)^r)`` distinct experts of ``E`` (``distinct``), the prompt 
   ``E(L)``.
 - The last layer's experts are read for the last token only (the steps before it feed nothing
   there: ``prefill``'s invariant).
+- mlx-lm's loop runs the next token's forward before it yields the first (``generate_step``
+  queues it first), so its ``k`` experts a layer are read before the first token too, unless
+  the pool holds every expert the prompt routed to.
 A step routing to more experts than the pool holds runs in groups of half the pool
 (``calls.run_groups``), each a call of its own that reads; else a step is one call, and reads
 where it routes to experts the pool does not hold yet (the first step of a layer whose routed
@@ -62,10 +65,11 @@ class PromptReads:
     steps: int
     calls: float = 0.0  # MoE layer calls (a step's groups each one)
     miss_calls: float = 0.0  # of which read experts
+    next_reads: float = 0.0  # the next token's, read before the first is yielded
 
     @property
     def reads(self) -> float:
-        return sum(self.per_layer)
+        return sum(self.per_layer) + self.next_reads
 
     @property
     def unique(self) -> float:
@@ -99,6 +103,10 @@ def prompt_reads(manifest: Manifest, top_k: int, tokens: int, step: int,
         out.calls += sum(groups(x, slots) for x in each)
         per.append(reads)
         routed.append(whole)
+    out.calls += len(layers)  # the next token's forward
+    if slots < out.unique:
+        out.next_reads = float(top_k * len(layers))
+        out.miss_calls += len(layers)
     return out
 
 

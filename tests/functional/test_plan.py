@@ -168,7 +168,7 @@ def test_plan_projects_the_first_token_of_a_long_prompt(doctor_json: Path) -> No
         assert small["first_token_s"][case] > big["first_token_s"][case]
         assert longer["first_token_s"][case] > small["first_token_s"][case]
     # The pool holding every routed expert: the compute and the calls alone.
-    assert big["first_token_s"]["pool"] == pytest.approx(0.1 + (4 * 14 + 1) * 0.0005)
+    assert big["first_token_s"]["pool"] == pytest.approx(0.1 + (4 * 14 + 1 + 5) * 0.0005)
     table = run_cli("plan", *common, "--prompt-tokens", "200", "--pool", "100KiB",
                     timeout=120).stdout
     assert "prompt of 200 tokens (14 steps of 16, layer by layer)" in table, table

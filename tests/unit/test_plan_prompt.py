@@ -66,8 +66,10 @@ def test_the_first_token_is_compute_plus_the_reads_over_their_rates(tiny: Manife
     b = expert_bytes(tiny)
     # A layer's steps: 12 of 16 tokens (28.2 experts: 6 groups of half the pool's 10 slots),
     # one of 7 (17.5: 4 groups), the last token's (4: one call); the last layer: that one only.
-    # Every call reads.
-    assert reads.calls == reads.miss_calls == 4 * (12 * 6 + 4 + 1) + 1
+    # Every call reads; then the next token's forward, which mlx-lm runs before it yields the
+    # first: a call a layer, 4 experts each read again.
+    assert reads.calls == reads.miss_calls == 4 * (12 * 6 + 4 + 1) + 1 + 5
+    assert reads.next_reads == 5 * 4
     base = 0.5 + reads.calls * 0.001 + reads.miss_calls * 0.002
     t = got["first_token_s"]
     assert t["warm"] == pytest.approx(base + reads.reads * b / (8 * GB))  # all in the page cache
@@ -79,7 +81,8 @@ def test_the_first_token_is_compute_plus_the_reads_over_their_rates(tiny: Manife
                                       + (reads.reads - reads.unique) * b / (8 * GB))
     assert got["note"] and "docs/engine.md" in got["note"]
     whole = prompt_reads(tiny, 4, 200, 16, slots=160)
-    assert whole.calls == 4 * 14 + 1 and whole.miss_calls == 5  # a layer's first step reads
+    # A layer's first step reads; the next token's experts are all in the pool.
+    assert whole.calls == 4 * 14 + 1 + 5 and whole.miss_calls == 5 and whole.next_reads == 0
     fits = project(tiny, m, whole, 0.5, calls, 1 << 30, 200)
     assert fits["note"] is None
     assert fits["first_token_s"]["pool"] == pytest.approx(0.5 + whole.calls * 0.001)
