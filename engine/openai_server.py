@@ -45,6 +45,7 @@ from cachecd.errors import CachecdError, ConfigInvalid
 from cachecd_client import Client
 from cachecd_engine.bank import EngineStats
 from cachecd_engine.pipeline import launched_group, rank_path
+from cachecd_engine.prefill_progress import LayerLog, watch
 from cachecd_engine.registered import check_name, load
 from cachecd_engine.request_view import RequestViews
 from cachecd_engine.run import cold_cost_notice
@@ -100,6 +101,8 @@ class StreamedModelProvider(ModelProvider):
         except BaseException:
             _close(model)
             raise
+        # A layer-by-layer prefill's progress in the log (its keepalives come all the same).
+        watch(model, LayerLog(self.stats, model.bank.source.client))
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         draft = _load_draft(draft_model_path, tokenizer)

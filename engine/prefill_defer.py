@@ -17,8 +17,10 @@ Invariants:
   reports progress; any call that is not held back first runs what is held (with it, if it is
   the same cache's next step; before it otherwise), so nothing reads a cache that is behind.
 - The loop's progress callback still hears from it during a pass: once a layer, with the
-  figures it last reported (the server's keepalive comments keep coming), unless ``on_layer``
-  is set (``cachecd run`` prints layers done).
+  figures it last reported (the server's keepalive comments keep coming). ``on_layer``, where
+  set, hears first: ``(0, layers)`` as a pass starts, then ``(layers done, layers)`` after each
+  layer (``cachecd run``, ``warm --prompts`` and the server's log show layers done); while the
+  pass runs ``running`` is True.
 - If the layer-major run fails, what was held is dropped (the caches are as partial as a
   failed step leaves them in mlx-lm's loop) and the error goes to the caller.
 """
@@ -107,9 +109,10 @@ class Deferral:
                         "reviewed for layer-by-layer prefill (mlx-lm %s)", _mlx_lm_version())
         self.held: list[mx.array] = []
         self.cache: list[Any] | None = None
-        # Called with (layers done, layers) after each layer of a pass; if None, the loop's
-        # own progress callback is called again with what it last reported.
+        # Called with (0, layers) as a pass starts and (layers done, layers) after each layer,
+        # before the loop's own progress callback is called again with what it last reported.
         self.on_layer: Callable[[int, int], None] | None = None
+        self.running = False  # a pass is running (the loop's callback hears it again per layer)
         self._progress: tuple[Callable[[int, int], None], int, int] | None = None
         self.passes = 0  # layer-major runs
         self.held_steps = 0  # steps held back, in all
@@ -150,10 +153,17 @@ class Deferral:
             self._progress = None
 
     def _per_layer(self) -> Callable[[int, int], None] | None:
-        if self.on_layer is not None or self._progress is None:
-            return self.on_layer
-        callback, done, total = self._progress
-        return lambda _layer, _layers: callback(done, total)
+        on_layer, loop = self.on_layer, self._progress
+        if loop is None:
+            return on_layer
+
+        def both(layer: int, layers: int) -> None:
+            if on_layer is not None:
+                on_layer(layer, layers)
+            callback, done, total = loop
+            callback(done, total)
+
+        return both
 
     def run(self, last: mx.array | None = None) -> mx.array:
         """Run what is held (and ``last``) layer-major; the logits of the last step."""
@@ -161,7 +171,13 @@ class Deferral:
         on_layer, self.held, self.cache, self._progress = self._per_layer(), [], None, None
         assert self.driver is not None and cache is not None
         self.passes += 1
-        return prefill(self.driver, steps, cache, self.bank, on_layer)
+        self.running = True
+        try:
+            if self.on_layer is not None:
+                self.on_layer(0, self.driver.num_layers)
+            return prefill(self.driver, steps, cache, self.bank, on_layer)
+        finally:
+            self.running = False
 
 
 def _mlx_lm_version() -> str:

@@ -137,34 +137,35 @@ def cold_cost_notice(client: Any, repo: str) -> str:
 
 class PrefillProgress:
     """mlx-lm's ``prompt_progress_callback``: a stderr line after each step of a prefill longer
-    than one step (after each layer when it runs layer by layer), with the experts read through
-    the daemon and fetched from the Hub so far."""
+    than one step (after each layer when it runs layer by layer: ``prefill_progress``), with the
+    experts read through the daemon and fetched from the Hub so far."""
 
     def __init__(self, stats: Any, client: Any, step: int, prefix: str = "") -> None:
+        from cachecd_engine.prefill_progress import LayerFigures
+
         self.stats, self.client, self.step, self.prefix = stats, client, step, prefix
         self.deferral: Any = None  # the model's, when its prefill runs layer by layer
         self.t0 = time.perf_counter()
         self.fetched0 = client.upstream_fetches
+        self.figures = LayerFigures(stats, client)
 
     def __call__(self, done: int, total: int) -> None:
-        held = self.deferral is not None and self.deferral.held
-        if total <= self.step or done == 0 or held:  # a held-back step has not run yet
+        # A held-back step has not run yet; during a pass the layer lines say where it is.
+        busy = self.deferral is not None and (self.deferral.held or self.deferral.running)
+        if total <= self.step or done == 0 or busy:
             return
-        self._line(f"prefill {done}/{total} tokens")
+        s = self.stats
+        print(f"{self.prefix}prefill {done}/{total} tokens: {s.source_hits} experts read "
+              f"through the daemon ({format_size(s.source_bytes)}), "
+              f"{self.client.upstream_fetches - self.fetched0} fetched from the Hub, "
+              f"{time.perf_counter() - self.t0:.1f} s", file=sys.stderr, flush=True)
 
     def layer(self, done: int, layers: int) -> None:
         """A layer-by-layer prefill (``prefill_defer``): a line after each layer."""
-        took = time.perf_counter() - self.t0
-        rate = self.stats.source_bytes / took if took > 0 else 0.0
-        self._line(f"prefill layer {done}/{layers}",
-                   f", {format_size(int(rate))}/s, about {took / done * (layers - done):.0f} s left")
-
-    def _line(self, head: str, tail: str = "") -> None:
-        s = self.stats
-        print(f"{self.prefix}{head}: {s.source_hits} experts read "
-              f"through the daemon ({format_size(s.source_bytes)}), "
-              f"{self.client.upstream_fetches - self.fetched0} fetched from the Hub, "
-              f"{time.perf_counter() - self.t0:.1f} s{tail}", file=sys.stderr, flush=True)
+        if done == 0:
+            self.figures.start()
+        else:
+            print(self.prefix + self.figures.line(done, layers), file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -250,13 +251,13 @@ def _generate(args: argparse.Namespace, model: Any, tokenizer: Any, stats: Any, 
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
+    from cachecd_engine.prefill_progress import watch
+
     client = model.bank.source.client
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     progress = PrefillProgress(stats, client, args.prefill_step_size, prefix)
-    deferral = getattr(model, "deferral", None)
-    if deferral is not None and deferral.on:
-        progress.deferral = deferral
-        deferral.on_layer = progress.layer
+    if watch(model, progress.layer):
+        progress.deferral = model.deferral
     records: list[dict[str, Any]] = []
     t0, last, fetched = time.perf_counter(), None, client.upstream_fetches
     try:

@@ -48,7 +48,7 @@ from cachecd.ctl.warm_batches import Outcome, plan_batches, run_batches
 from cachecd.errors import CachecdError, InvalidRequest
 from cachecd.report.coverage import access_array, served_mask, trace_weighted, warm_order
 from cachecd.sizes import format_size
-from cachecd_engine.run import add_chat_flag, add_trust_flag
+from cachecd_engine.run import PREFILL_STEP, add_chat_flag, add_trust_flag
 
 __all__ = ["fit_room", "plan_batches", "read_prompts", "register", "warm"]
 
@@ -76,6 +76,9 @@ def register(sub: Any) -> None:
     src.add_argument("--bytes", metavar="SIZE", help="the most-used missing experts up to SIZE, e.g. 20GB")
     p.add_argument("--max-tokens", "--max-new", dest="max_new", type=int, default=4,
                    help="tokens generated per prompt (--prompts)")
+    p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
+                   help="prompt tokens per prefill step (--prompts; default %(default)s, as "
+                        "cachecd run)")
     p.add_argument("--save-trace", metavar="FILE",
                    help="keep the routing of --prompts as a trace (default: not kept)")
     add_chat_flag(p)
@@ -233,21 +236,28 @@ def _warm_prompts(args: argparse.Namespace, client: Any, before: Snapshot) -> in
     from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
     from mlx_lm import stream_generate
 
+    from cachecd_engine.bank import EngineStats
+    from cachecd_engine.prefill_progress import LayerPostfix, watch
     from cachecd_engine.run import load, prompt_input
     from cachecd_engine.trace import TraceRecorder
 
     prompts = read_prompts(args.prompts)
-    model, tokenizer = load(args.model, args.socket, trust_remote_code=args.trust_remote_code)
+    stats = EngineStats()
+    model, tokenizer = load(args.model, args.socket, trust_remote_code=args.trust_remote_code,
+                            stats=stats)
     model.bank.source.client.warming = True  # the daemon counts these reads as warm, not use
     recorder = TraceRecorder(args.save_trace, args.model.partition("@")[0], append=True)
     model.bank.trace = recorder
     start_bytes = client.stats()["counters"].get("fetched_bytes", 0)
     outcome, t0 = Outcome(), time.monotonic()
     bar = tqdm(total=len(prompts), unit="prompt", desc="warm", disable=None, file=sys.stderr)
+    beside = LayerPostfix(stats, model.bank.source.client, bar)  # a pass in layer order
+    watch(model, beside)
     try:
-        for prompt in prompts:
+        for beside.prompt, prompt in enumerate(prompts, 1):
             text = prompt_input(tokenizer, prompt, args.chat)
-            for _ in stream_generate(model, tokenizer, text, max_tokens=args.max_new):
+            for _ in stream_generate(model, tokenizer, text, max_tokens=args.max_new,
+                                     prefill_step_size=args.prefill_step_size):
                 pass
             fetched = client.stats()["counters"].get("fetched_bytes", 0) - start_bytes
             bar.set_postfix_str(f"fetched {format_size(fetched)}")

@@ -27,6 +27,7 @@ BUDGET_SHARES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)  # of the exper
 POOL_SHARES = (0.25, 0.5, 1.0, 2.0)  # of the recommended pool
 GOOD_ENOUGH = 0.95  # the recommended budget: the least that reaches this share of the best
 FLAT_TOKENS = 32
+PREFILL_STEP = 2048  # mlx-lm's prefill_step_size
 
 
 def register(sub: Any) -> None:
@@ -54,6 +55,14 @@ def register(sub: Any) -> None:
                    "the traces' or the model type's)")
     p.add_argument("--tokens", type=int, default=FLAT_TOKENS,
                    help="tokens of flat routing counted")
+    p.add_argument("--prompt-tokens", type=int, metavar="N",
+                   help="project the time to the first token of a prompt of N tokens, "
+                        "prefilled layer by layer (cold, warm, from the pool)")
+    p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
+                   help="prompt tokens per prefill step (default %(default)s, as cachecd run)")
+    p.add_argument("--prefill-ms", type=float,
+                   help="the prompt's compute in ms (default: the probe's routed experts "
+                        "for one step's rows, scaled by the prompt's tokens)")
     p.add_argument("--socket", help="the daemon's socket, for a model it serves (default: "
                    "CACHECD_SOCKET or the config's)")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -72,7 +81,9 @@ def plan_command(args: argparse.Namespace) -> int:
         compute_ms=args.compute_ms, call_ms=args.call_ms, dtype=args.dtype,
         cache_dir=args.cache_dir,
         budgets=[parse_size(args.budget, "--budget")] if args.budget else [],
-        pools=[parse_size(args.pool, "--pool")] if args.pool else [])
+        pools=[parse_size(args.pool, "--pool")] if args.pool else [],
+        prompt=PromptArgs(args.prompt_tokens, args.prefill_step_size, args.prefill_ms)
+        if args.prompt_tokens else None)
     if args.png:
         Path(args.png).write_bytes(render_png(result))
     print(json.dumps(result, indent=1) if args.json else render_table(result))
@@ -105,6 +116,13 @@ def _doctor(args: argparse.Namespace) -> dict[str, Any]:
 
 
 @dataclass
+class PromptArgs:
+    tokens: int
+    step: int = PREFILL_STEP
+    compute_ms: float | None = None  # given; None: the probe's
+
+
+@dataclass
 class Inputs:
     manifest: Manifest
     machine: Any  # speed.Machine
@@ -119,7 +137,8 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
                compute_ms: float | None = None, call_ms: list[float] | None = None,
                dtype: str = "float32",
                cache_dir: str | None = None, budgets: list[int] | None = None,
-               pools: list[int] | None = None, seed: int = 0) -> dict[str, Any]:
+               pools: list[int] | None = None, seed: int = 0,
+               prompt: PromptArgs | None = None) -> dict[str, Any]:
     from cachecd.plan import routing
     from cachecd.plan.simulate import slot_bytes
     from cachecd.plan.speed import Machine, first_token_s
@@ -148,7 +167,7 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
                  sorted({max(1, int(pool * s)) for s in POOL_SHARES} | set(pools or []))]
     token_bytes = int(rows[0]["bytes_per_token"])
     first = first_token_s(compute_s, token_bytes, len(manifest.shards), machine)
-    return {
+    result = {
         "format": PLAN_FORMAT, "version": 1,
         "model": {"repo": manifest.repo, "revision": manifest.revision,
                   "quant_format": manifest.quant_format, "moe_layers": len(manifest.moe_layers),
@@ -170,8 +189,33 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
         "first_token_s": first,
         "recommended": {"budget": best["budget"], "pool_bytes": pool,
                         "tok_s_cold": best["tok_s_cold"], "tok_s_warm": best["tok_s_warm"]},
-        "elapsed_s": round(time.perf_counter() - t0, 3),
     }
+    if prompt is not None:
+        result["prompt"] = project_prompt(inputs, top_k, prompt, (pools or [pool])[0], dtype)
+    result["elapsed_s"] = round(time.perf_counter() - t0, 3)
+    return result
+
+
+def project_prompt(inp: Inputs, top_k: int, prompt: PromptArgs, pool: int,
+                   dtype: str) -> dict[str, Any]:
+    """The first token of a prompt of ``prompt.tokens`` (``cachecd.plan.prompt``)."""
+    from cachecd.plan import prompt as first
+    from cachecd.plan.simulate import pool_slots
+    from cachecd.plan.speed import Calls
+
+    m = inp.manifest
+    if prompt.tokens < 1 or prompt.step < 1:
+        raise InvalidRequest("--prompt-tokens and --prefill-step-size must be >= 1")
+    slots = pool_slots(pool, inp.slot_bytes, top_k, m.n_experts)
+    reads = first.prompt_reads(m, top_k, prompt.tokens, prompt.step, slots)
+    compute = (prompt.compute_ms / 1e3 if prompt.compute_ms is not None else
+               first.prefill_compute_s(m, top_k, prompt.tokens, prompt.step, dtype))
+    out = first.project(m, inp.machine, reads, compute, inp.costs or Calls(), pool,
+                        prompt.tokens)
+    out.update(pool_bytes=pool, step=prompt.step,
+               compute_source="given" if prompt.compute_ms is not None else
+               f"probe ({dtype}, the routed experts only)")
+    return out
 
 
 def _costs(manifest: Manifest, top_k: int, compute_ms: float | None,

@@ -29,14 +29,16 @@ def expert_dims(manifest: Manifest) -> tuple[int, int]:
     return rows["down_proj"], rows["gate_proj"]
 
 
-def moe_layer_s(manifest: Manifest, top_k: int, dtype: str = "float32", reps: int = 5) -> float:
-    """Median seconds of one MoE layer's call for one token, after two warm-up calls."""
+def moe_layer_s(manifest: Manifest, top_k: int, dtype: str = "float32", reps: int = 5,
+                rows: int = 1) -> float:
+    """Median seconds of one MoE layer's call for ``rows`` tokens (one: a decode token; a
+    prefill step's rows: ``prompt``), after two warm-up calls."""
     import mlx.core as mx
 
     glu = _template(manifest, top_k, dtype)
     dt = getattr(mx, dtype)
-    x = mx.random.normal((1, 1, expert_dims(manifest)[0])).astype(dt)
-    idx = mx.arange(top_k, dtype=mx.uint32).reshape(1, 1, top_k)
+    x = mx.random.normal((1, rows, expert_dims(manifest)[0])).astype(dt)
+    idx = mx.broadcast_to(mx.arange(top_k, dtype=mx.uint32), (1, rows, top_k))
     times = []
     for i in range(reps + 2):
         t0 = time.perf_counter()

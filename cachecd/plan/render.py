@@ -52,7 +52,28 @@ def render_table(plan: dict[str, Any]) -> str:
               f"recommended: --budget {format_size(rec['budget'])}, pool "
               f"{format_size(rec['pool_bytes'])}: {_tps(rec['tok_s_cold'])} tok/s cold, "
               f"{_tps(rec['tok_s_warm'])} warm"]
+    if plan.get("prompt"):
+        lines += ["", *prompt_lines(plan["prompt"])]
     return "\n".join(lines)
+
+
+def _secs(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3g} s"
+
+
+def prompt_lines(p: dict[str, Any]) -> list[str]:
+    """The first token of a prompt of ``p['tokens']`` tokens (``plan --prompt-tokens``)."""
+    t = p["first_token_s"]
+    lines = [f"prompt of {p['tokens']} tokens ({p['steps']} steps of {p['step']}, layer by "
+             f"layer), pool {format_size(p['pool_bytes'])} ({p['slots']} slots): reads "
+             f"{p['reads']:.0f} experts ({format_size(p['read_bytes'])}), "
+             f"{p['routed_experts']:.0f} distinct ({format_size(p['routed_bytes'])}); "
+             f"compute {p['compute_s']:.3g} s ({p['compute_source']})",
+             f"first token: {_secs(t['cold'])} cold from the Hub, {_secs(t['warm'])} warm "
+             f"from disk, {_secs(t['pool'])} from the pool"]
+    if p["note"]:
+        lines.append(f"note: {p['note']}")
+    return lines
 
 
 def render_png(plan: dict[str, Any], dpi: int = 100) -> bytes:

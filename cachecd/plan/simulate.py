@@ -153,11 +153,15 @@ def replay(manifest: Manifest, work: Workload, slots: int, budget: int, passes: 
     return out
 
 
+QUEUED = object()  # the output a call's queued work computes, as the bank's fences hold it
+
+
 def through_pool(table: Any, layer: int, ids: list[int]) -> tuple[list[list[int]], list[int]]:
     """One layer call as the bank makes it (see the module docstring): (the experts of each
     request it makes of the daemon, one per group with a miss, in the order asked; the experts
     the pool held)."""
-    table.clear_fences()  # the call's routing read-back evaluated every queued reader of a slot
+    # The call's routing read-back evaluated every queued reader of a slot (all fenced QUEUED).
+    table.clear_fences([QUEUED])
     ids = sorted(set(ids))  # calls.distinct
     if len(ids) <= table.capacity:
         groups = [ids]
@@ -172,7 +176,7 @@ def through_pool(table: Any, layer: int, ids: list[int]) -> tuple[list[list[int]
         hits += held
         if claimed:
             requests.append(list(claimed))
-        table.fence([*held.values(), *claimed.values()], layer)  # its queued work reads them
+        table.fence([*held.values(), *claimed.values()], QUEUED)  # its queued work reads them
     return requests, hits
 
 

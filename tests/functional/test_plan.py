@@ -145,3 +145,31 @@ def test_the_engine_probe_reads_its_misses_through_a_daemon_serving_the_model(
     # Its blobs found in the cache dir: the same calls with them dropped from the page cache.
     assert got.cold_miss_s is None and got.cold_rate(GB) is None
     assert cold.cold_miss_s is not None and 0 < (cold.cold_rate(GB) or 0) <= GB
+
+
+def test_plan_projects_the_first_token_of_a_long_prompt(doctor_json: Path) -> None:
+    """--prompt-tokens N: the first token of a prompt prefilled layer by layer, cold, warm and
+    from the pool, grows with the prompt and shrinks with a pool that holds a layer's experts."""
+    from cachecd.plan.prompt import distinct
+
+    common = ("--model", TINY_REPO, "--doctor", str(doctor_json), "--top-k", "4",
+              "--compute-ms", "10", "--call-ms", "0.5", "2", "--prefill-step-size", "16",
+              "--prefill-ms", "100")
+
+    def prompt(tokens: int, pool: str) -> dict:
+        return _plan(*common, "--prompt-tokens", str(tokens), "--pool", pool)["prompt"]
+
+    small, big = prompt(200, "100KiB"), prompt(200, "10MiB")
+    assert small["slots"] == 15 and big["slots"] == 160 and big["pool_holds_a_layer"]
+    assert big["reads"] == pytest.approx(4 * distinct(32, 4, 200) + 4, abs=0.1)  # once each
+    assert small["reads"] > 2 * big["reads"] and "docs/engine.md" in small["note"]
+    longer = prompt(400, "100KiB")
+    for case in ("cold", "warm", "pool"):
+        assert small["first_token_s"][case] > big["first_token_s"][case]
+        assert longer["first_token_s"][case] > small["first_token_s"][case]
+    # The pool holding every routed expert: the compute and the calls alone.
+    assert big["first_token_s"]["pool"] == pytest.approx(0.1 + (4 * 14 + 1 + 5) * 0.0005)
+    table = run_cli("plan", *common, "--prompt-tokens", "200", "--pool", "100KiB",
+                    timeout=120).stdout
+    assert "prompt of 200 tokens (14 steps of 16, layer by layer)" in table, table
+    assert "cold from the Hub" in table and "note: the pool holds 15 experts" in table

@@ -201,3 +201,13 @@ def test_layout_check_core(tmp_path: Path) -> None:
     heads = bench.headers_of(m)
     assert sorted(heads) == sorted(m.shards)
     _finite_positive(*bench.measure(m, heads, runs=1))
+
+
+def test_prompt_check_script_ends_with_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    _load("prompt_check").main(["--models", "tiny", "--tokens", "40", "--step", "8",
+                                "--rounds", "1"])
+    out = capsys.readouterr().out
+    reads = re.findall(r"reads +projected +(\d+\.\d) +measured +(\d+\.\d)", out)
+    assert len(reads) == 2 and all(float(p) > 0 and float(m) > 0 for p, m in reads), out
+    assert len(re.findall(r"first token (warm|cold) s +projected", out)) == 4, out
+    assert RATIO_LINE.match(out.strip().splitlines()[-1])

@@ -1,0 +1,96 @@
+"""Prefill progress in layer order: a layer-by-layer prefill's figures (``prefill_defer``'s
+``on_layer``) as one line: layers done of all, experts read through the daemon and fetched from
+the Hub, bytes, seconds, rate and time left.
+
+``cachecd run`` prints the line after each layer; ``cachecd warm --prompts`` shows it beside its
+bar (a bar on a terminal only, as its bar); ``cachecd openai`` logs it (``LayerLog``: the first
+and the last layer of a pass, and at most one line every ``LOG_EVERY_S`` between).
+
+Invariants:
+- The figures are differences from the pass's start (``on_layer(0, layers)``): nothing here
+  resets the engine's counters (the server's per-request views read the same ones).
+- A line reports and never raises into the pass for want of a figure: an engine without a
+  daemon client counts no fetches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from cachecd.sizes import format_size
+
+log = logging.getLogger(__name__)
+
+LOG_EVERY_S = 5.0  # the server's log: one line at most this often between a pass's first and last
+
+
+class LayerFigures:
+    """The engine's counters (``EngineStats``) and its daemon client's fetches since a pass
+    started."""
+
+    def __init__(self, stats: Any, client: Any) -> None:
+        self.stats, self.client = stats, client
+        self.start()
+
+    def _fetched(self) -> int:
+        return int(getattr(self.client, "upstream_fetches", 0))
+
+    def start(self) -> None:
+        s = self.stats
+        self.t0, self.hits0, self.bytes0 = time.perf_counter(), s.source_hits, s.source_bytes
+        self.fetched0 = self._fetched()
+
+    def line(self, done: int, layers: int) -> str:
+        took = time.perf_counter() - self.t0
+        nbytes = self.stats.source_bytes - self.bytes0
+        rate = nbytes / took if took > 0 else 0.0
+        left = took / done * (layers - done) if done else 0.0
+        return (f"prefill layer {done}/{layers}: {self.stats.source_hits - self.hits0} experts "
+                f"read through the daemon ({format_size(nbytes)}), "
+                f"{self._fetched() - self.fetched0} fetched from the Hub, {took:.1f} s, "
+                f"{format_size(int(rate))}/s, about {left:.0f} s left")
+
+
+class LayerLog:
+    """``on_layer`` for the server: its log's line for a pass (INFO), the first and the last
+    layer always, one every ``LOG_EVERY_S`` at most between (K3's 92 layers would be 92 lines
+    a prompt; a pass of a few seconds says where it is once)."""
+
+    def __init__(self, stats: Any, client: Any, prefix: str = "") -> None:
+        self.figures, self.prefix = LayerFigures(stats, client), prefix
+        self.last = 0.0
+
+    def __call__(self, done: int, layers: int) -> None:
+        now = time.monotonic()
+        if done == 0:
+            self.figures.start()
+            return
+        if done in (1, layers) or now - self.last >= LOG_EVERY_S:
+            self.last = now
+            log.info("%s%s", self.prefix, self.figures.line(done, layers))
+
+
+class LayerPostfix:
+    """``on_layer`` for ``cachecd warm --prompts``: the line beside its bar of prompts (tqdm's
+    postfix: nothing where the bar is off, off a terminal)."""
+
+    def __init__(self, stats: Any, client: Any, bar: Any) -> None:
+        self.figures, self.bar = LayerFigures(stats, client), bar
+        self.prompt = 0  # the prompt being prefilled, from 1
+
+    def __call__(self, done: int, layers: int) -> None:
+        if done == 0:
+            self.figures.start()
+        else:
+            self.bar.set_postfix_str(f"prompt {self.prompt}: {self.figures.line(done, layers)}")
+
+
+def watch(model: Any, on_layer: Any) -> bool:
+    """Set ``on_layer`` on ``model``'s deferral where its prefill runs layer by layer."""
+    deferral = getattr(model, "deferral", None)
+    if deferral is None or not deferral.on:
+        return False
+    deferral.on_layer = on_layer
+    return True
