@@ -234,8 +234,10 @@ def _text(value: Any, key: str) -> str:
 
 def _endpoint(value: Any, key: str) -> str:
     url = _text(value, key)
-    if not re.match(r"^https?://[^/\s]+", url):  # a bare host:port fails later as a lost connection
-        raise ConfigInvalid(f"{key}: expected a URL like http://HOST:PORT, got {value!r}")
+    # A bare host:port would fail later as a lost connection; file:// names a local folder source.
+    if not re.match(r"^(https?://[^/\s]+|file:///?\S)", url):
+        raise ConfigInvalid(
+            f"{key}: expected a URL like http://HOST:PORT (or file:///DIR), got {value!r}")
     return url
 
 
