@@ -57,7 +57,7 @@ def register(sub: Any) -> None:
                    help="tokens of flat routing counted")
     p.add_argument("--prompt-tokens", type=int, metavar="N",
                    help="project the time to the first token of a prompt of N tokens, "
-                        "prefilled layer by layer (cold, warm, from the pool)")
+                        "prefilled layer by layer (cold, warm, from the pool); default: none, no prompt projected")
     p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
                    help="prompt tokens per prefill step (default %(default)s, as cachecd run)")
     p.add_argument("--prefill-ms", type=float,

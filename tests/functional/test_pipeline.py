@@ -159,7 +159,11 @@ def test_two_ranks_generate_what_one_machine_does(ranks: Ranks, installed_module
         assert [t["per_rank"][r]["layer_calls"] for r in (0, 1)] == [moe[0], moe[1]]
         assert t["layer_calls"] == moe[0] + moe[1]
     assert sum(t["per_rank"][r]["source_hits"] for t in got["per_token"] for r in (0, 1)) > 0
-    assert all(t["fetched_upstream"] == 0 for t in got["per_token"])  # all warmed by the trace
+    # All decode tokens warmed by the trace. The first token's may fetch: the one-machine run
+    # prefilled layer by layer, where the last layer's experts of the prompt's earlier steps are
+    # never read (nor recorded), while a pipelined model prefills on mlx-lm's loop, whose streamed
+    # last layer reads them (docs/engine.md, "Prefill layer by layer").
+    assert all(t["fetched_upstream"] == 0 for t in got["per_token"][1:])
     assert "rank 0: cache:" in two.stderr and "rank 1: cache:" in two.stderr
 
     out = ranks.base / "logits-{rank}.npz"
