@@ -36,9 +36,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import ArraysCache, KVCache
 
 from cachecd_engine.prefill import Driver, driver_for, prefill
+from cachecd_engine.speculate import plain_caches
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +69,6 @@ def loop_reviewed() -> bool:
     return _MODEL_CALL is not None and _source_sha256(generate_step) == REVIEWED_SHA256
 
 
-def _plain(cache: Any) -> bool:
-    if not isinstance(cache, list) or not cache:
-        return False
-    for c in cache:
-        if type(c) is KVCache:
-            continue
-        if type(c) is ArraysCache and c.lengths is None and c.left_padding is None:
-            continue
-        return False
-    return True
-
-
 def dropped_by_caller(frame: FrameType | None, inputs: Any, cache: Any, extra: bool) -> bool:
     """True when ``frame`` (the model call's caller) is generate_step's prefill loop, which
     drops the output, under the conditions the module docstring lists."""
@@ -94,7 +82,7 @@ def dropped_by_caller(frame: FrameType | None, inputs: Any, cache: Any, extra: b
     if outer.f_locals.get("kv_bits") is not None:
         return False
     return isinstance(inputs, mx.array) and inputs.ndim == 2 and inputs.shape[0] == 1 \
-        and _plain(cache)
+        and isinstance(cache, list) and plain_caches(cache)
 
 
 class Deferral:

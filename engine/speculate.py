@@ -57,8 +57,11 @@ class Missed(Exception):
     """A layer call could not run on the device map (its kernel needs the host): step again."""
 
 
-def restorable(inputs: mx.array, cache: Any) -> bool:
-    if inputs.ndim != 2 or inputs.shape != (1, 1) or not cache:
+def plain_caches(cache: Any) -> bool:
+    """Non-empty, and only plain ``KVCache``s and unpadded ``ArraysCache``s: the caches whose
+    state is just their arrays and offset (what a snapshot restores, what a held-back prefill
+    step may leave behind)."""
+    if not cache:
         return False
     for c in cache:
         if type(c) is KVCache:
@@ -67,6 +70,10 @@ def restorable(inputs: mx.array, cache: Any) -> bool:
             continue
         return False
     return True
+
+
+def restorable(inputs: mx.array, cache: Any) -> bool:
+    return inputs.ndim == 2 and inputs.shape == (1, 1) and plain_caches(cache)
 
 
 def snapshot(cache: list[Any]) -> list[Any]:
