@@ -16,7 +16,7 @@ greedy decode (a 4-token prompt that differs every round, so the routing does to
   pc-spec:   the same as pc with speculative steps (what a miss costs when one is tried);
   pc-hostwrite: pc with misses written into slots from the host, as on unified memory (on
              CUDA the engine reads them into pinned memory and copies them to the GPU:
-             ``cachecd_engine.cuda_memory``; elsewhere pc-hostwrite is pc).
+             ``cachecd_engine.pool.cuda_memory``; elsewhere pc-hostwrite is pc).
 Every case must emit the resident model's tokens. Activations are ``--dtype`` (float32 by
 default: MLX's CPU quantized matmul is ~10x slower in bf16; experts stay mxfp4 either way).
 
@@ -165,7 +165,7 @@ def fill_pool(model: Any, served: Served) -> None:
 
 
 def load_case(name: str, served: Served, sock: Path, small: int, dtype: Any) -> Any:
-    from cachecd_engine import cuda_memory
+    from cachecd_engine.pool import cuda_memory
     from cachecd_engine.run import load
 
     if name == "resident":
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny-experts", action="store_true",
                     help="the tiny model's 6.5 KB experts (for the smoke test; says nothing of K3)")
     args = ap.parse_args(argv)
-    from cachecd_engine.speculate import speculate_by_default
+    from cachecd_engine.pool.speculate import speculate_by_default
 
     names = [n for n in args.cases.split(",") if n]
     if "resident" not in names or set(names) - set(CASES):

@@ -129,7 +129,7 @@ def replayed_hits(served: Any, slots: int, args: Any) -> float:
     warm decode steps of the measured rounds. Equal to the measured rate where the replay
     drives the slot table as the engine does."""
     from cachecd.plan.simulate import through_pool
-    from cachecd_engine.slots import SlotTable
+    from cachecd_engine.pool.slots import SlotTable
     from cachecd_engine.trace import read_calls
 
     layers = len(served.manifest.moe_layers)

@@ -92,7 +92,7 @@ from cachecd.store.policies import EvictionPolicy, make_policy  # noqa: E402
 
 K3_EXPERT_BYTES = 17_547_264
 K3_TOKEN = 92 * 16  # experts one decoded K3 token routes to
-K3_GROUP = (4 << 30) // 2 // K3_EXPERT_BYTES  # experts a stack buffer holds (engine/memory.py)
+K3_GROUP = (4 << 30) // 2 // K3_EXPERT_BYTES  # experts a stack buffer holds (engine/pool/memory.py)
 TOKENS_WORTH = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
 FRACTIONS = (0.10, 0.25)  # of all experts
 CANDIDATES = ("lru", "lfuda", "wlfu")  # cachecd.store.policies names: what DEFAULT_POLICY can be

@@ -3,7 +3,7 @@ the optimum for the same requests.
 
 This replays the tier as it was until 2026-12-04, beside the stack buffers: admission optional,
 a miss read into a stack buffer whether or not the tier keeps it. The engine now keeps one pool
-of slots (``cachecd_engine.slots.SlotTable``) where every miss needs a slot, so the pool admits
+of slots (``cachecd_engine.pool.slots.SlotTable``) where every miss needs a slot, so the pool admits
 by use counts (scratch slots for the rest); its replay is ``tests/unit/test_pool.py``'s
 ``_replay``. The policy rankings here still rank the policy that orders the pool's kept part.
 

@@ -149,7 +149,7 @@ HF_HOME: str = hf_constants.HF_HOME
 # (either case, lowercase first) -> {"http": url, "https": url, "all": url, "no": hosts}.
 PROXIES: dict[str, str] = urllib.request.getproxies_environment()
 
-# The engine's kernel model (cachecd_engine.dispatch): MLX's own TF32 switch (unset: on), and
+# The engine's kernel model (cachecd_engine.pool.dispatch): MLX's own TF32 switch (unset: on), and
 # the explicit flag that runs an MLX whose Metal dispatch is not modelled, with a warning.
 MLX_ENABLE_TF32: str | None = os.environ.get("MLX_ENABLE_TF32")
 ALLOW_UNMODELLED_MLX: bool = os.environ.get("CACHECD_ALLOW_UNMODELLED_MLX", "") not in ("", "0")

@@ -27,15 +27,15 @@ from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from cachecd import errors
 from cachecd.manifest.manifest import EXPERT_RE, Manifest
-from cachecd_engine.bank import EngineStats, ExpertBank, ExpertSource
 from cachecd_engine.formats import quant_spec
-from cachecd_engine.memory import PoolSizer, default_pool_bytes
 from cachecd_engine.pipeline import barrier, weights_of_rank
-from cachecd_engine.prefetch import install_prefetch, read_ahead_by_default
+from cachecd_engine.pool.bank import EngineStats, ExpertBank, ExpertSource
+from cachecd_engine.pool.memory import PoolSizer, default_pool_bytes
+from cachecd_engine.pool.prefetch import read_ahead_by_default
+from cachecd_engine.pool.slots import DEFAULT_POLICY
+from cachecd_engine.pool.speculate import Speculator, speculate_by_default
 from cachecd_engine.prefill_defer import Deferral
-from cachecd_engine.slots import DEFAULT_POLICY
-from cachecd_engine.speculate import Speculator, speculate_by_default
-from cachecd_engine.streamed_moe import StreamedSwitchGLU, install_streamed_banks
+from cachecd_engine.streamed_moe import StreamedSwitchGLU, install_prefetch, install_streamed_banks
 from cachecd_engine.tokenizer import tokenizer_options
 
 # Model types whose MoE layers expose ``mlp.switch_mlp`` as a SwitchGLU (the hook point).

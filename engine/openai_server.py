@@ -43,8 +43,8 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from cachecd.errors import CachecdError, ConfigInvalid
 from cachecd_client import Client
-from cachecd_engine.bank import EngineStats
 from cachecd_engine.pipeline import launched_group, rank_path
+from cachecd_engine.pool.bank import EngineStats
 from cachecd_engine.prefill_progress import LayerLog, watch
 from cachecd_engine.registered import check_name, load
 from cachecd_engine.request_view import RequestViews

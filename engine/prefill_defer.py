@@ -37,8 +37,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from cachecd_engine.pool.speculate import plain_caches
 from cachecd_engine.prefill import Driver, driver_for, prefill
-from cachecd_engine.speculate import plain_caches
 
 log = logging.getLogger(__name__)
 

@@ -172,8 +172,8 @@ def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from cachecd_client import resolve_model
-    from cachecd_engine.bank import EngineStats
     from cachecd_engine.pipeline import launched_group, shared_seed
+    from cachecd_engine.pool.bank import EngineStats
 
     args.model = resolve_model(args.model, args.socket)
     group = launched_group()

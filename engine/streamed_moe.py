@@ -24,8 +24,9 @@ import numpy as np
 from mlx import nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
 
-from cachecd_engine.bank import ExpertBank
 from cachecd_engine.formats import QuantSpec
+from cachecd_engine.pool.bank import ExpertBank
+from cachecd_engine.pool.prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class StreamedSwitchGLU(nn.Module):
         object.__setattr__(self, "_glu", template)
         object.__setattr__(self, "_bank", bank)
         bank.attach(template)
-        self.prefetcher: Any = None  # set by cachecd_engine.prefetch.install_prefetch
+        self.prefetcher: Any = None  # set by install_prefetch
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         bank: ExpertBank = self._bank
@@ -115,3 +116,37 @@ def install_streamed_banks(model: nn.Module, bank: ExpertBank) -> list[int]:
             layers.append(idx)
     log.debug("streamed banks installed layers=%d", len(layers))
     return layers
+
+
+# Prefetch hooks: the model side of pool.prefetch (its MoE modules call the guess; the
+# parameter tree is unchanged: the modules change class, not contents).
+def _prefetching_class(base: type) -> type:
+    class PrefetchingMoE(base):  # type: ignore[misc, valid-type]
+        def __call__(self, x: mx.array) -> mx.array:
+            glu = self.switch_mlp
+            if isinstance(glu, StreamedSwitchGLU) and glu.prefetcher is not None:
+                glu.prefetcher.guess(glu.layer, x)
+            return super().__call__(x)
+
+    PrefetchingMoE.__name__ = f"Prefetching{base.__name__}"
+    return PrefetchingMoE
+
+
+def install_prefetch(model: Any, bank: ExpertBank) -> Prefetcher:
+    """Make each streamed MoE layer hint the next MoE layer's likely experts."""
+    # Keyed by each bank's own layer number: a pipelined model's ``layers`` start mid-model.
+    moes = [
+        (layer.mlp.switch_mlp.layer, layer.mlp)
+        for layer in model.layers
+        if isinstance(getattr(layer.mlp, "switch_mlp", None), StreamedSwitchGLU)
+    ]
+    next_gates = {moes[j][0]: moes[j + 1] for j in range(len(moes) - 1)}
+    prefetcher = Prefetcher(bank, next_gates)
+    classes: dict[type, type] = {}
+    for _, moe in moes:
+        base = type(moe)
+        if base.__name__.startswith("Prefetching"):
+            continue
+        moe.__class__ = classes.setdefault(base, _prefetching_class(base))
+        object.__setattr__(moe.switch_mlp, "prefetcher", prefetcher)
+    return prefetcher

@@ -236,7 +236,7 @@ def _warm_prompts(args: argparse.Namespace, client: Any, before: Snapshot) -> in
     from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
     from mlx_lm import stream_generate
 
-    from cachecd_engine.bank import EngineStats
+    from cachecd_engine.pool.bank import EngineStats
     from cachecd_engine.prefill_progress import LayerPostfix, watch
     from cachecd_engine.run import load, prompt_input
     from cachecd_engine.trace import TraceRecorder

@@ -9,6 +9,6 @@ token's time), ``probe`` (the compute of a MoE layer, measured), ``plan`` (the c
 ``render`` (table, JSON, PNG).
 
 Invariant: the figures a plan uses are the doctor's (measured now or read from its JSON) and the
-engine's own rules (``cachecd_engine.memory.pool_bytes_for``, ``SlotTable``, the store's
+engine's own rules (``cachecd_engine.pool.memory.pool_bytes_for``, ``SlotTable``, the store's
 policies); a projection never uses a constant tuned to a machine.
 """

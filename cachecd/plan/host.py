@@ -1,6 +1,6 @@
 """The machine's memory, swap and MLX device, as the doctor reports them.
 
-Memory is measured by the engine's own functions (``cachecd_engine.memory``), so a plan built
+Memory is measured by the engine's own functions (``cachecd_engine.pool.memory``), so a plan built
 from these figures sizes the pool exactly as the engine would on this machine.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 
 def memory_figures() -> dict[str, Any]:
-    from cachecd_engine import memory
+    from cachecd_engine.pool import memory
 
     total, available = memory.physical_memory(), memory.available_memory()
     swap_total, swap_used = swap()

@@ -5,7 +5,7 @@ doctor's figures (``--doctor FILE``, or measured now) and the compute per token 
 ``--compute-ms``): hit rates against disk budget and pool size (``simulate``: the engine's slot
 table and the store's policy), tok/s cold and warm (``speed``), the first cold token's time from
 the Hub, and a recommended budget and pool. The pool recommended is the engine's default for
-the doctor's figures (``cachecd_engine.memory.pool_bytes_for``): what ``cachecd run`` takes.
+the doctor's figures (``cachecd_engine.pool.memory.pool_bytes_for``): what ``cachecd run`` takes.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
                     "cold_rate": costs.cold_rate or None,
                     "source": compute_src},
         "pool": {"bytes": pool, "slot_bytes": inputs.slot_bytes,
-                 "rule": "cachecd_engine.memory.pool_bytes_for (the engine's default)"},
+                 "rule": "cachecd_engine.pool.memory.pool_bytes_for (the engine's default)"},
         "budgets": rows, "pools": pool_rows,
         "first_token_s": first,
         "recommended": {"budget": best["budget"], "pool_bytes": pool,
@@ -247,7 +247,7 @@ def _costs(manifest: Manifest, top_k: int, compute_ms: float | None,
 def recommended_pool(machine: Any, manifest: Manifest) -> int:
     """The engine's default pool (``pool_bytes_for``) for the doctor's figures, measured as the
     loader measures it: once the resident model holds its memory."""
-    from cachecd_engine.memory import pool_bytes_for
+    from cachecd_engine.pool.memory import pool_bytes_for
 
     available = max(0, machine.available - manifest.resident_bytes_total)
     return pool_bytes_for(machine.total, available, 0, machine.gpu)

@@ -277,8 +277,8 @@ def _streamed_calls(manifest: Manifest, source: Any, top_k: int, dtype: str, rep
     import mlx.core as mx
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from cachecd_engine.bank import ExpertBank
     from cachecd_engine.formats import quant_spec
+    from cachecd_engine.pool.bank import ExpertBank
     from cachecd_engine.streamed_moe import StreamedSwitchGLU, as_template
 
     spec = quant_spec(manifest.quant_format)

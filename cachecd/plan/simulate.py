@@ -1,5 +1,5 @@
 """A workload's calls through the engine's pool of slots and then the daemon's disk budget,
-with their own code: ``cachecd_engine.slots.SlotTable`` (the pool's policy and admission) and
+with their own code: ``cachecd_engine.pool.slots.SlotTable`` (the pool's policy and admission) and
 ``cachecd.store.policies`` (the store's eviction), driven as the engine and the store drive
 them.
 
@@ -101,7 +101,7 @@ class DiskSim:
 def slot_bytes(manifest: Manifest) -> int:
     """One slot's memory, by the pool's rule (``PoolMemory.slot_nbytes``)."""
     from cachecd_engine.formats import StackLayout, quant_spec
-    from cachecd_engine.pool import PoolMemory
+    from cachecd_engine.pool.arrays import PoolMemory
 
     layout = StackLayout.of(manifest.expert(manifest.moe_layers[0], 0))
     return PoolMemory.slot_nbytes(quant_spec(manifest.quant_format), layout)
@@ -111,7 +111,7 @@ def pool_slots(pool_bytes: int, slot_bytes: int, top_k: int, experts: int) -> in
     """The slots a default-sized pool of ``pool_bytes`` has, by the bank's and the loader's
     rule (``ExpertBank._slots_for``): at least two decode calls' worth, at most the experts the
     model has (more would stay empty)."""
-    from cachecd_engine.bank import MIN_SLOTS
+    from cachecd_engine.pool.bank import MIN_SLOTS
 
     return min(max(MIN_SLOTS, 2 * top_k, pool_bytes // slot_bytes), experts)
 
@@ -120,7 +120,7 @@ def replay(manifest: Manifest, work: Workload, slots: int, budget: int, passes: 
            seed: int = 0, warm_tokens: int = 2) -> Counted:
     """The workload through a pool of ``slots`` and a disk budget of ``budget`` bytes; the
     counts of its last pass (traces) or of its tokens after warm-up (flat routing)."""
-    from cachecd_engine.slots import SlotTable
+    from cachecd_engine.pool.slots import SlotTable
 
     size_of = _sizes(manifest)
     table, disk = SlotTable(slots), DiskSim(budget)

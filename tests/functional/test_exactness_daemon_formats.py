@@ -119,7 +119,7 @@ def test_logits_bitwise_through_daemon_cold_warm_small_and_big_pool(served: Serv
 
     from cachecd.manifest.manifest import Manifest
     from cachecd_engine.formats import StackLayout, quant_spec
-    from cachecd_engine.pool import PoolMemory
+    from cachecd_engine.pool.arrays import PoolMemory
     from cachecd_engine.run import load
 
     with served.daemon.client() as c:

@@ -22,7 +22,7 @@ from cachecd.testbed.tiny_k2 import K2Options, k2_tensor_values, tensor_defs, wr
 from cachecd_engine.formats import StackLayout, quant_spec, stack_from_blobs
 from cachecd_engine.loader import load
 from cachecd_engine.local_source import LocalSource, manifest_from_dir
-from cachecd_engine.pool import PoolMemory
+from cachecd_engine.pool.arrays import PoolMemory
 from tests.exactness import assert_bitwise, make_resident_dir, run_logits
 from tests.harness import expert_bytes_from_files
 from tests.unit.test_formats import fp8_reference

@@ -53,7 +53,7 @@ def _check_rows(plan: dict, compute_s: float, call_s: float = 0.0, miss_s: float
 
 
 def test_plan_on_the_tiny_model_with_flat_routing(doctor_json: Path, tmp_path: Path) -> None:
-    from cachecd_engine.memory import pool_bytes_for
+    from cachecd_engine.pool.memory import pool_bytes_for
 
     png = tmp_path / "curve.png"
     plan = _plan("--model", TINY_REPO, "--doctor", str(doctor_json), "--top-k", "4",

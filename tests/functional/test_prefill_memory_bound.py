@@ -92,9 +92,9 @@ def test_fp8_prefill_counts_the_bf16_stack_in_the_bound(k2_fp8_layer: Any) -> No
     """fp8 experts are dequantized to bf16 for the kernel (as mlx-lm keeps them) when a slot is
     filled: the pool counts them, what dequantizing takes on the way is bounded
     (``pool.DERIVE_CHUNK``), and the logits are mlx-lm's."""
-    from cachecd_engine.dispatch import current_backend
     from cachecd_engine.formats import StackLayout, quant_spec
-    from cachecd_engine.pool import DERIVE_CHUNK, PoolMemory
+    from cachecd_engine.pool.arrays import DERIVE_CHUNK, PoolMemory
+    from cachecd_engine.pool.dispatch import current_backend
 
     full, manifest = k2_fp8_layer
     tokens = np.random.default_rng(0).integers(0, 384, size=TOKENS).tolist()

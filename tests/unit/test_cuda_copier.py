@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from cachecd_engine import cuda_memory, dispatch
-from cachecd_engine.bank import ExpertBank
 from cachecd_engine.formats import QUANT_SPECS
+from cachecd_engine.pool import cuda_memory, dispatch
+from cachecd_engine.pool.bank import ExpertBank
 from tests.inprocess_model import DictSource
 
 SPEC = QUANT_SPECS["mxfp4-pack-quantized"]

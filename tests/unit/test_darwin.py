@@ -280,7 +280,7 @@ def test_on_darwin_available_memory_is_physical_memory_less_what_mlx_holds(
     """macOS has no /proc/meminfo: the pool's default size comes from sysconf and MLX."""
     import mlx.core as mx
 
-    from cachecd_engine import memory
+    from cachecd_engine.pool import memory
 
     monkeypatch.setattr(memory, "sys", SimpleNamespace(platform="darwin"))
     monkeypatch.setattr(memory, "Path", None)  # any read of /proc would fail loudly

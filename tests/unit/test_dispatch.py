@@ -20,8 +20,8 @@ import pytest
 from packaging.requirements import Requirement
 
 from cachecd.errors import DispatchUnmodelled
-from cachecd_engine import dispatch
-from cachecd_engine.dispatch import (
+from cachecd_engine.pool import dispatch
+from cachecd_engine.pool.dispatch import (
     Fit,
     Gather,
     Group,
@@ -291,7 +291,7 @@ def test_an_unmodelled_mlx_runs_only_with_the_flag_and_a_warning(
     with pytest.raises(DispatchUnmodelled, match="MLX_ENABLE_TF32=0"):
         metal_backend("0.32.2", "applegpu_g17s", "26.2", "0", False)
     assert metal_backend("0.32.2", "applegpu_g16s", "26.2", "0", False) == "metal"  # no NAX
-    with caplog.at_level(logging.WARNING, logger="cachecd_engine.dispatch"):
+    with caplog.at_level(logging.WARNING, logger="cachecd_engine.pool.dispatch"):
         assert metal_backend("0.32.4", "applegpu_g17s", "26.2", None, True) == "metal-nax"
     assert "event=unmodelled_mlx mlx 0.32.4" in caplog.text
 

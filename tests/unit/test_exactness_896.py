@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cachecd_engine.bank import EngineStats, ExpertBank
-from cachecd_engine.dispatch import current_backend
 from cachecd_engine.formats import QUANT_SPECS
+from cachecd_engine.pool.bank import EngineStats, ExpertBank
+from cachecd_engine.pool.dispatch import current_backend
 from cachecd_engine.streamed_moe import install_streamed_banks
 from tests.exactness import assert_bitwise, run_logits
 from tests.inprocess_model import DictSource, build_resident, serialize_experts

@@ -23,8 +23,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"cachecd": "cachecd", "cachecd_client": "client", "cachecd_engine": "engine"}
 
 _BASE = {"cachecd.errors", "cachecd.constants"}
+# The engine's own layers below the rest of it.
+ENGINE_LAYERS = {"cachecd_engine.pool", "cachecd_engine.formats"}
 # Layer -> the layers it may import. A layer is a subpackage of cachecd, a module at the top of
-# cachecd ("cachecd" is its __init__), or the client or the engine.
+# cachecd ("cachecd" is its __init__), or the client or the engine (whose pool room and formats are
+# layers of their own).
 LAYERS: dict[str, set[str]] = {
     "cachecd.errors": set(),
     "cachecd.constants": set(),
@@ -40,13 +43,18 @@ LAYERS: dict[str, set[str]] = {
     "cachecd.config": _BASE | {"cachecd.store"},
     "cachecd.report": _BASE | {"cachecd.sizes", "cachecd.config", "cachecd.manifest"},
     "cachecd_client": _BASE | {"cachecd.config", "cachecd.protocol"},
+    "cachecd_engine.formats": _BASE | {"cachecd.manifest"},
+    # The pool's room: nothing in it imports the model wrapper, the sources or the front doors.
+    "cachecd_engine.pool": _BASE | {"cachecd.store", "cachecd_engine.formats"},
     "cachecd_engine": _BASE | {"cachecd.durable", "cachecd.sizes", "cachecd.config", "cachecd.manifest",
-                               "cachecd.store", "cachecd_client"},
+                               "cachecd.store", "cachecd_client", "cachecd_engine.formats",
+                               "cachecd_engine.pool"},
     "cachecd.daemon": _BASE | {"cachecd.durable", "cachecd.config", "cachecd.protocol",
                                "cachecd.manifest", "cachecd.store", "cachecd.upstream",
                                "cachecd.report"},
     "cachecd.ctl": _BASE | {"cachecd.sizes", "cachecd.config", "cachecd.manifest", "cachecd.store",
-                            "cachecd.report", "cachecd_client", "cachecd_engine"},
+                            "cachecd.report", "cachecd_client", "cachecd_engine",
+                            "cachecd_engine.pool"},
     "cachecd.service": _BASE | {"cachecd.durable", "cachecd.config", "cachecd.daemon",
                                 "cachecd.ctl", "cachecd_client"},
     "cachecd.setup": _BASE | {"cachecd.durable", "cachecd.sizes", "cachecd.config", "cachecd.manifest",
@@ -55,7 +63,7 @@ LAYERS: dict[str, set[str]] = {
     "cachecd.lanhub": _BASE | {"cachecd.manifest"},
     "cachecd.plan": _BASE | {"cachecd.durable", "cachecd.sizes", "cachecd.config", "cachecd.manifest",
                              "cachecd.store", "cachecd.report", "cachecd_client",
-                             "cachecd_engine"},
+                             "cachecd_engine", "cachecd_engine.pool", "cachecd_engine.formats"},
     "cachecd.testbed": _BASE | {"cachecd.sizes", "cachecd.config", "cachecd.manifest", "cachecd_client"},
     "cachecd.cli": _BASE | {"cachecd", "cachecd.hub_errors", "cachecd.cli_help"},  # names its command modules as strings (importlib)
 }
@@ -106,6 +114,9 @@ def imports_of(module: str, path: Path, known: set[str], root: Path) -> Iterable
 def layer_of(module: str, known: set[str]) -> str:
     """The package a module belongs to: cachecd.X for cachecd/X/..., else the module itself."""
     top, _, rest = module.partition(".")
+    if top == "cachecd_engine":
+        head = ".".join(module.split(".")[:2])
+        return head if head in ENGINE_LAYERS else top
     if top != "cachecd":
         return top
     head = f"cachecd.{rest.partition('.')[0]}" if rest else "cachecd"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachecd_engine import memory
+from cachecd_engine.pool import memory
 
 GIB = 1 << 30
 

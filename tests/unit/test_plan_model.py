@@ -81,7 +81,7 @@ def test_a_token_is_compute_plus_each_source_bytes_over_its_rate() -> None:
 def test_the_recommended_pool_is_the_engines_default(monkeypatch: pytest.MonkeyPatch,
                                                      tiny: Manifest) -> None:
     from cachecd.plan.plan import recommended_pool
-    from cachecd_engine import memory
+    from cachecd_engine.pool import memory
 
     m = _machine(total=128 << 30, available=100 << 30)
     monkeypatch.setattr(memory, "physical_memory", lambda: 128 << 30)
@@ -127,9 +127,9 @@ def test_the_replay_moves_the_pool_as_the_engines_bank_does(tiny: Manifest, tmp_
 
     from cachecd.plan.probe import _expert_bytes, _FileSource, expert_dims
     from cachecd.plan.simulate import slot_bytes, through_pool
-    from cachecd_engine.bank import ExpertBank
     from cachecd_engine.formats import quant_spec
-    from cachecd_engine.slots import SlotTable
+    from cachecd_engine.pool.bank import ExpertBank
+    from cachecd_engine.pool.slots import SlotTable
     from cachecd_engine.streamed_moe import StreamedSwitchGLU, as_template
 
     rng = np.random.default_rng(11)

@@ -14,10 +14,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cachecd_engine.bank import EngineStats, ExpertBank
-from cachecd_engine.cuda_memory import Copier
 from cachecd_engine.formats import QUANT_SPECS
-from cachecd_engine.slots import SlotTable
+from cachecd_engine.pool.bank import EngineStats, ExpertBank
+from cachecd_engine.pool.cuda_memory import Copier
+from cachecd_engine.pool.slots import SlotTable
 from cachecd_engine.streamed_moe import install_streamed_banks
 from tests.exactness import assert_bitwise, run_logits
 from tests.inprocess_model import DictSource, build_resident, serialize_experts

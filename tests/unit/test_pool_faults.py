@@ -31,13 +31,13 @@ from mlx_lm.utils import load_model
 from cachecd import errors
 from cachecd.testbed.tiny_k2 import K2Options, write_tiny_k2
 from cachecd.testbed.tiny_model import write_tiny_model
-from cachecd_engine import pool
-from cachecd_engine.fill import Filler
 from cachecd_engine.formats import StackLayout, quant_spec
 from cachecd_engine.loader import load
 from cachecd_engine.local_source import LocalSource, manifest_from_dir
-from cachecd_engine.pool import PoolMemory
-from cachecd_engine.slots import SlotTable
+from cachecd_engine.pool import arrays as pool
+from cachecd_engine.pool.arrays import PoolMemory
+from cachecd_engine.pool.fill import Filler
+from cachecd_engine.pool.slots import SlotTable
 from tests.exactness import assert_bitwise, run_logits
 
 PROMPT = [(7 * i + 3) % 300 for i in range(16)]

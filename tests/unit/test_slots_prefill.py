@@ -3,7 +3,7 @@ and those of the layer under way last (``SlotTable.prefill_layer``)."""
 
 from __future__ import annotations
 
-from cachecd_engine.slots import SlotTable
+from cachecd_engine.pool.slots import SlotTable
 
 
 def _full(table: SlotTable, layout: dict[int, list[int]]) -> None:

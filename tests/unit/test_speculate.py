@@ -12,10 +12,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from cachecd_engine.bank import EngineStats, ExpertBank
 from cachecd_engine.formats import QUANT_SPECS
 from cachecd_engine.loader import streamed_classes
-from cachecd_engine.speculate import Speculator, restorable
+from cachecd_engine.pool.bank import EngineStats, ExpertBank
+from cachecd_engine.pool.speculate import Speculator, restorable
 from cachecd_engine.streamed_moe import install_streamed_banks
 from tests.exactness import assert_bitwise, run_logits
 from tests.inprocess_model import DictSource, build_resident, serialize_experts

@@ -19,11 +19,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import kimi_k3
 
 from cachecd import errors
-from cachecd_engine.bank import MIN_SLOTS, EngineStats, ExpertBank
-from cachecd_engine.dispatch import current_backend
 from cachecd_engine.formats import QUANT_SPECS
-from cachecd_engine.prefetch import install_prefetch
-from cachecd_engine.streamed_moe import StreamedSwitchGLU, install_streamed_banks
+from cachecd_engine.pool.bank import MIN_SLOTS, EngineStats, ExpertBank
+from cachecd_engine.pool.dispatch import current_backend
+from cachecd_engine.streamed_moe import StreamedSwitchGLU, install_prefetch, install_streamed_banks
 from tests.exactness import assert_bitwise
 from tests.exactness import run_logits as shared_run_logits
 from tests.inprocess_model import DictSource, build_resident, serialize_experts

@@ -13,23 +13,21 @@ Invariants:
 - Read-ahead never takes a slot that queued work reads, and never delays a demanded expert: a
   guess is read on background threads, and a call waits only for the reads of experts it
   routes to.
-- The model's parameter tree is unchanged (the MoE modules change class, not contents).
+- The model's MoE modules call ``guess`` (``cachecd_engine.streamed_moe.install_prefetch``).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx import nn
 
 from cachecd import errors
-from cachecd_engine.bank import ExpertBank
-from cachecd_engine.dispatch import SORT_ROWS
-from cachecd_engine.streamed_moe import StreamedSwitchGLU
+from cachecd_engine.pool.bank import ExpertBank
+from cachecd_engine.pool.dispatch import SORT_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -108,35 +106,3 @@ class Prefetcher:
             self.bank.source.prefetch(next_layer, ids)
         except (errors.CachecdError, OSError, RuntimeError) as exc:  # never break a token
             log.debug("prefetch hint failed layer=%d err=%s", next_layer, exc)
-
-
-def _prefetching_class(base: type) -> type:
-    class PrefetchingMoE(base):  # type: ignore[misc, valid-type]
-        def __call__(self, x: mx.array) -> mx.array:
-            glu = self.switch_mlp
-            if isinstance(glu, StreamedSwitchGLU) and glu.prefetcher is not None:
-                glu.prefetcher.guess(glu.layer, x)
-            return super().__call__(x)
-
-    PrefetchingMoE.__name__ = f"Prefetching{base.__name__}"
-    return PrefetchingMoE
-
-
-def install_prefetch(model: Any, bank: ExpertBank) -> Prefetcher:
-    """Make each streamed MoE layer hint the next MoE layer's likely experts."""
-    # Keyed by each bank's own layer number: a pipelined model's ``layers`` start mid-model.
-    moes = [
-        (layer.mlp.switch_mlp.layer, layer.mlp)
-        for layer in model.layers
-        if isinstance(getattr(layer.mlp, "switch_mlp", None), StreamedSwitchGLU)
-    ]
-    next_gates = {moes[j][0]: moes[j + 1] for j in range(len(moes) - 1)}
-    prefetcher = Prefetcher(bank, next_gates)
-    classes: dict[type, type] = {}
-    for _, moe in moes:
-        base = type(moe)
-        if base.__name__.startswith("Prefetching"):
-            continue
-        moe.__class__ = classes.setdefault(base, _prefetching_class(base))
-        object.__setattr__(moe.switch_mlp, "prefetcher", prefetcher)
-    return prefetcher

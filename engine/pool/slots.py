@@ -1,6 +1,6 @@
 """Which expert each slot of the pool holds, which slots are free, and which may be taken.
 
-The pool (``cachecd_engine.pool``) is one stack of slots shared by every MoE layer; this table
+The pool (``cachecd_engine.pool.arrays``) is one stack of slots shared by every MoE layer; this table
 is its bookkeeping, with no MLX in it.
 
 Invariants:

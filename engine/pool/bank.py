@@ -33,13 +33,13 @@ import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from cachecd import errors
-from cachecd_engine import dispatch
-from cachecd_engine.calls import allow_sorted, distinct, local_slots, run_groups
-from cachecd_engine.fill import Filler
 from cachecd_engine.formats import ExpertLayout, Piece, QuantSpec, StackLayout, pieces
-from cachecd_engine.memory import PoolSizer
-from cachecd_engine.pool import PoolMemory
-from cachecd_engine.slots import DEFAULT_POLICY, Key, SlotTable
+from cachecd_engine.pool import dispatch
+from cachecd_engine.pool.arrays import PoolMemory
+from cachecd_engine.pool.calls import allow_sorted, distinct, local_slots, run_groups
+from cachecd_engine.pool.fill import Filler
+from cachecd_engine.pool.memory import PoolSizer
+from cachecd_engine.pool.slots import DEFAULT_POLICY, Key, SlotTable
 
 Targets = Sequence[Sequence[memoryview]]  # per expert, the buffers its bytes fill in order
 MIN_SLOTS = 2  # one group computes while the next is read
@@ -123,7 +123,7 @@ class ExpertBank:
         self._templates: list[SwitchGLU] = []
         self._pieces: dict[Key, tuple[Piece, ...]] = {}
         self.sizer: PoolSizer | None = None  # set when the pool's size is the measured default
-        self.speculator: Any = None  # cachecd_engine.speculate.Speculator, when steps speculate
+        self.speculator: Any = None  # cachecd_engine.pool.speculate.Speculator, when steps speculate
         # Set only by prefill.prefill around calls whose expert output nothing reads.
         self.discarding = False
         self.min_slots = MIN_SLOTS  # the least a default-sized pool gets (the loader: 2 calls)

@@ -31,8 +31,8 @@ import mlx.core as mx
 import numpy as np
 
 from cachecd import errors
-from cachecd_engine.cuda_memory import Copier
-from cachecd_engine.slots import Key
+from cachecd_engine.pool.cuda_memory import Copier
+from cachecd_engine.pool.slots import Key
 
 # The bank is passed in as ``Any``: it imports this module, so this one may not import it back.
 ExpertBank = Any

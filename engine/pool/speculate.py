@@ -38,10 +38,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from cachecd_engine import dispatch
-from cachecd_engine.bank import ExpertBank
-from cachecd_engine.calls import allow_sorted, distinct
-from cachecd_engine.dispatch import current_backend
+from cachecd_engine.pool import dispatch
+from cachecd_engine.pool.bank import ExpertBank
+from cachecd_engine.pool.calls import allow_sorted, distinct
+from cachecd_engine.pool.dispatch import current_backend
 
 
 def speculate_by_default() -> bool:
