@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import deepseek_v3, kimi_k3
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+from cachecd import errors
+from cachecd_engine.pool.chunks import ChunkBatch
+from cachecd_engine.pool.speculate import plain_caches, restore, snapshot
 
 
 @dataclass
@@ -136,17 +141,11 @@ def prefill(driver: Driver, steps: list[mx.array], cache: list[Any], bank: Any =
         for i in range(n):
             if bank is not None:
                 bank.prefill_at(i)
-            for j, c in enumerate(chunks):
-                # The last layer's output of a step before the last feeds nothing (no cache,
-                # no logits), as mlx-lm's lazy loop never computes it: its experts are not read.
-                unread = bank is not None and i == n - 1 and j < len(chunks) - 1
-                if unread:
-                    bank.discarding = True
-                try:
-                    driver.layer(i, c, cache)
-                finally:
-                    if unread:
-                        bank.discarding = False
+            if (bank is not None and i < n - 1 and len(chunks) > 1 and bank.groups_chunks()
+                    and plain_caches([cache[i]])):
+                _layer_together(driver, i, chunks, cache, bank)
+            else:
+                _layer_in_turn(driver, i, chunks, cache, bank, last=i == n - 1)
             # As mlx-lm evaluates each step's cache: the layer's state, and what the next needs.
             last = chunks if i < n - 1 else chunks[-1:]  # the others' outputs are not needed
             mx.eval(cache[i].state, [a for c in last for a in c.arrays()])
@@ -156,3 +155,55 @@ def prefill(driver: Driver, steps: list[mx.array], cache: list[Any], bank: Any =
         if bank is not None:
             bank.prefill_at(None)
     return driver.head(chunks[-1])
+
+
+def _layer_in_turn(driver: Driver, i: int, chunks: list[Chunk], cache: list[Any], bank: Any,
+                   last: bool) -> None:
+    """Layer ``i`` for each chunk in turn, each call reading what the pool lacks."""
+    for j, c in enumerate(chunks):
+        # The last layer's output of a step before the last feeds nothing (no cache, no
+        # logits), as mlx-lm's lazy loop never computes it: its experts are not read.
+        unread = bank is not None and last and j < len(chunks) - 1
+        if unread:
+            bank.discarding = True
+        try:
+            driver.layer(i, c, cache)
+        finally:
+            if unread:
+                bank.discarding = False
+
+
+def _layer_together(driver: Driver, i: int, chunks: list[Chunk], cache: list[Any],
+                    bank: Any) -> None:
+    """Layer ``i`` for windows of chunks whose expert calls are computed together
+    (``pool.chunks``): each chunk runs the layer once to collect its call (its expert output
+    answered with zeros: only its cache writes count, and the cache is then put back), the
+    calls are computed group by group (each group of experts read once for the window), and
+    the chunks run the layer again from where they were, each call answered with its output.
+    A window's outputs take at most a quarter of the pool's memory (at least one chunk)."""
+    bound = bank.window_nbytes or (bank.memory.nbytes // 4 if bank.memory is not None else 1)
+    start = 0
+    while start < len(chunks):
+        snap = snapshot([cache[i]])
+        saved = [(c.h, copy.copy(c.blocks), dict(c.masks)) for c in chunks[start:]]
+        batch = bank.chunks = ChunkBatch(bank, i)
+        end = start
+        try:
+            while end < len(chunks):
+                driver.layer(i, chunks[end], cache)
+                end += 1
+                if batch.output_nbytes() >= bound:
+                    break
+            if batch.calls:  # else no MoE call (a dense layer): those outputs were real
+                restore([cache[i]], snap)
+                for c, (h, blocks, masks) in zip(chunks[start:end], saved, strict=False):
+                    c.h, c.blocks, c.masks = h, blocks, masks
+                batch.compute()
+                for c in chunks[start:end]:
+                    driver.layer(i, c, cache)
+                if not batch.done():
+                    raise errors.Internal(f"a grouped prefill pass of layer {i} served "
+                                          f"{batch.served} of {len(batch.calls)} calls")
+        finally:
+            bank.chunks = None
+        start = end

@@ -76,6 +76,8 @@ class StreamedSwitchGLU(nn.Module):
         bank: ExpertBank = self._bank
         if bank.discarding:  # an output nothing reads (prefill.py): no read-back, no read
             return mx.zeros((*indices.shape, x.shape[-1]), x.dtype)
+        if bank.chunks is not None:  # a layer's prefill chunks together (pool.chunks)
+            return bank.chunks.call(self.layer, self._glu, x, indices)
         if bank.speculator is not None and bank.speculator.active:
             return bank.speculator.layer_call(self.layer, self._glu, x, indices)
         guess = self.prefetcher.take(self.layer) if self.prefetcher is not None else None

@@ -37,6 +37,7 @@ from cachecd_engine.formats import ExpertLayout, Piece, QuantSpec, StackLayout, 
 from cachecd_engine.pool import dispatch
 from cachecd_engine.pool.arrays import PoolMemory
 from cachecd_engine.pool.calls import allow_sorted, distinct, local_slots, run_groups
+from cachecd_engine.pool.chunks import ChunkBatch
 from cachecd_engine.pool.fill import Filler
 from cachecd_engine.pool.memory import PoolSizer
 from cachecd_engine.pool.slots import DEFAULT_POLICY, Key, SlotTable
@@ -126,6 +127,9 @@ class ExpertBank:
         self.speculator: Any = None  # cachecd_engine.pool.speculate.Speculator, when steps speculate
         # Set only by prefill.prefill around calls whose expert output nothing reads.
         self.discarding = False
+        # Set only by prefill.prefill while a layer's chunks go through it together (``chunks``).
+        self.chunks: ChunkBatch | None = None
+        self.window_nbytes: int | None = None  # a window's outputs at most (None: pool / 4)
         self.min_slots = MIN_SLOTS  # the least a default-sized pool gets (the loader: 2 calls)
         self.max_slots = 0  # if set: the experts the model has (more slots would stay empty)
         self.fill = Filler(self, readers)
@@ -227,6 +231,12 @@ class ExpertBank:
         experts of the layers before it first, and this layer's last (``SlotTable``)."""
         if self.table is not None:
             self.table.prefill_layer = layer
+
+    def groups_chunks(self) -> bool:
+        """Whether a prefill pass should take a layer's chunks together (``chunks``): only
+        where the pool holds fewer experts than a layer has (otherwise each is read once
+        already, and the chunks' second pass through the layer would be work for nothing)."""
+        return self.table is not None and 0 < self.capacity < self.experts_per_layer
 
     def holds(self, layer: int, expert: int) -> bool:
         return self.table is not None and (layer, expert) in self.table

@@ -9,6 +9,7 @@ output fences them); every row meets the kernel the resident call takes, with du
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -19,38 +20,66 @@ from mlx_lm.models.switch_layers import SwitchGLU
 ExpertBank = Any
 
 
+@dataclass
+class Call:
+    """One layer call's rows: mlx-lm's ``switch_mlp(x, indices)`` with the routing read back."""
+
+    glu: SwitchGLU
+    x: mx.array
+    routed: np.ndarray
+    target: str  # the kernel the resident call takes (``dispatch.resident_kernel``)
+
+
 def run_groups(bank: ExpertBank, layer: int, glu: SwitchGLU, x: mx.array, routed: np.ndarray,
                ids: list[int], target: str) -> mx.array:
     """A call over more experts than the pool holds (or one that needs dummy rows to keep
-    its kernel), group by group: half the pool a group, so one computes while the next is
-    read; experts already held go first. Rows are ordered by group, then slot."""
+    its kernel), group by group (``run_calls``)."""
+    return run_calls(bank, layer, [Call(glu, x, routed, target)], ids)[0]
+
+
+def run_calls(bank: ExpertBank, layer: int, calls: list[Call], ids: list[int]) -> list[mx.array]:
+    """Calls of one layer (one, or every prefill chunk's) over the experts ``ids`` they route
+    to, group by group: half the pool a group when ``ids`` do not fit, so one computes while
+    the next is read; experts already held go first. Each group is read once for all the
+    calls' rows; within a call, rows are ordered by group, then slot, and put back after."""
     assert bank.table is not None
     table = bank.table
     size = max(1, bank.capacity // 2) if len(ids) > bank.capacity else len(ids)
     order = sorted(ids, key=lambda e: (layer, e) not in table)  # stable: held first
     group = np.zeros(max(ids) + 1, np.int64)
     group[np.asarray(order)] = np.arange(len(order)) // size
-    flat = routed.reshape(-1)
-    group_of_row = group[flat]
-    k = routed.shape[-1]
-    xs = mx.expand_dims(x, (-2, -3)).flatten(0, -3)  # [tokens, 1, D]
-    outs, parts = [], []
+    flats = [c.routed.reshape(-1) for c in calls]
+    group_of_rows = [group[flat] for flat in flats]
+    xss = [mx.expand_dims(c.x, (-2, -3)).flatten(0, -3) for c in calls]  # [tokens, 1, D]
+    outs: list[list[mx.array]] = [[] for _ in calls]
+    parts: list[list[np.ndarray]] = [[] for _ in calls]
     for g, start in enumerate(range(0, len(order), size)):
         slots = bank.acquire(layer, order[start:start + size])
-        rows = np.nonzero(group_of_row == g)[0]
-        slot_of_row = local_slots(flat[rows], slots)
-        by_slot = np.argsort(slot_of_row, kind="stable")
-        rows, idx = rows[by_slot], slot_of_row[by_slot]
-        y = _project(bank, glu, xs, rows, idx, k, target, routed.size)
-        mx.async_eval(y)  # computes while the next group is read
-        table.fence(slots.values(), y)
-        outs.append(y)
-        parts.append(rows)
+        ys = []
+        for j, c in enumerate(calls):
+            rows = np.nonzero(group_of_rows[j] == g)[0]
+            if rows.size == 0:
+                continue
+            slot_of_row = local_slots(flats[j][rows], slots)
+            by_slot = np.argsort(slot_of_row, kind="stable")
+            rows, idx = rows[by_slot], slot_of_row[by_slot]
+            y = _project(bank, c.glu, xss[j], rows, idx, c.routed.shape[-1], c.target,
+                         c.routed.size)
+            outs[j].append(y)
+            parts[j].append(rows)
+            ys.append(y)
+        mx.async_eval(ys)  # computes while the next group is read
+        table.fence(slots.values(), ys)
+    return [_assemble(o, p, c.routed.shape) for o, p, c in zip(outs, parts, calls, strict=True)]
+
+
+def _assemble(outs: list[mx.array], parts: list[np.ndarray], shape: tuple[int, ...]) -> mx.array:
+    """A call's group outputs back in the resident row order and shape."""
     perm = np.concatenate(parts)
     inv = np.empty_like(perm)
     inv[perm] = np.arange(perm.size)
     y = mx.concatenate(outs, axis=0)[mx.array(inv)]
-    return mx.unflatten(y, 0, routed.shape).squeeze(-2)
+    return mx.unflatten(y, 0, shape).squeeze(-2)
 
 
 def _project(bank: ExpertBank, glu: SwitchGLU, xs: mx.array, rows: np.ndarray,

@@ -205,3 +205,50 @@ def test_the_loop_hears_from_each_layer(checkpoint: tuple[Path, Any, Any]) -> No
     total = len(prompt)
     steps = [(0, total), (16, total), (32, total), (48, total)]
     assert heard == steps + [(48, total)] * layers + [(total, total)]
+
+
+def _small_pool(model: Any, fraction: int) -> Any:
+    bank = model.bank
+    bank.resize(max(2, bank.experts_per_layer // fraction) * bank.slot_nbytes)
+    assert bank.capacity < bank.experts_per_layer and bank.groups_chunks()
+    return bank
+
+
+def test_a_pool_smaller_than_a_layer_reads_each_expert_once(
+        checkpoint: tuple[Path, Any, Any]) -> None:
+    """A pool of a third of a layer's experts: a prompt of 5 steps reads each routed expert of
+    each layer once (the layer's calls of every step computed together, each group of experts
+    read once for all their rows), and its logits and cache are bitwise mlx-lm's; in turn (the
+    way before) reads some again. In windows of one step the answer is the same."""
+    full, manifest, reference = checkpoint
+    rng = np.random.default_rng(6)
+    reads = {}
+    for together in (True, False):
+        with LocalSource(manifest, full, verify=False) as source:
+            model, _ = load(full, source, ram_bytes=1, prefetch=False, speculate=False)
+            bank = _small_pool(model, 3)
+            bank.window_nbytes = 1 << 40
+            if not together:
+                bank.groups_chunks = lambda: False
+            prompt = rng.integers(0, 384, size=5 * 16 + 1).tolist()
+            for _ in generate_step(mx.array(prompt), model, max_tokens=0, prefill_step_size=16,
+                                   prompt_cache=make_prompt_cache(model)):
+                pass
+            reads[together] = Counter((layer, e) for layer, ids in source.calls for e in ids)
+            model.bank.close()
+    once = reads[True]
+    assert once and max(once.values()) == 1, f"read twice: {[k for k, n in once.items() if n > 1]}"
+    assert sum(reads[False].values()) > sum(once.values())
+
+    with LocalSource(manifest, full, verify=False) as source:
+        model, _ = load(full, source, ram_bytes=1, prefetch=False, speculate=False)
+        bank = _small_pool(model, 3)
+        for window, step, steps in ((1 << 40, 16, 5), (1 << 40, 7, 2), (1, 16, 3)):
+            bank.window_nbytes = window
+            prompt = rng.integers(0, 384, size=steps * step + 1).tolist()
+            ref_logits, ref_cache = generate(reference, prompt, step)
+            logits, cache = generate(model, prompt, step)
+            what = f"window {window}, step {step} x {steps}"
+            assert_bitwise(ref_logits, logits, f"{what}: logits")
+            assert_bitwise(cache_arrays(ref_cache), cache_arrays(cache), f"{what}: cache")
+        model.bank.close()
