@@ -266,3 +266,4 @@ def warm_disk(sock: Path, served: Served) -> None:
     with Client(sock) as c:
         for layer in m.moe_layers:
             c.experts(served.repo, layer, list(range(m.experts_per_layer)))
+        c.stats()  # a miss is answered before its blob is committed: status waits for those

@@ -9,7 +9,11 @@ then the last token's) at each ``--steps`` size by:
   resident: ``mlx_lm.utils.load_model(checkpoint)``, every weight in memory;
   layers:   the engine, its pool one layer's experts (empty at the start), prefill layer by
             layer (``cachecd_engine.prefill_defer``, the default);
-  steps:    the same, step by step (``load(layer_major=False)``: mlx-lm's order, today's path).
+  steps:    the same, step by step (``load(layer_major=False)``: mlx-lm's order).
+With ``--pool-layers F`` below 1 the pool holds F of a layer's experts (a small Mac's case):
+  layers:   a layer's calls of every step taken together (``cachecd_engine.pool.chunks``: each
+            group of experts read once for every step's rows);
+  inturn:   layer by layer, each step's call in turn (the way before ``pool.chunks``).
 Each streamed prefill's last logits must be the resident model's at the same step size, bitwise.
 
 Per step size and case it prints the time to first token (TTFT); the bytes read from the daemon
@@ -21,7 +25,7 @@ step. Activations are ``--dtype`` (float32 by default: MLX's CPU quantized matmu
 in bf16; experts stay mxfp4 either way).
 
     python bench/prefill.py [--tokens 8192] [--steps 2048,512] [--experts 64] [--layers 4]
-        [--top-k 16] [--dtype float32|bfloat16] [--rounds 1] [--dir /tmp]
+        [--top-k 16] [--dtype float32|bfloat16] [--pool-layers 1.0] [--rounds 1] [--dir /tmp]
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 REPO = "bench/k3-prefill"
-CASES = ("resident", "layers", "steps")
+CASES = ("resident", "layers", "steps", "inturn")
 
 
 def prefill(model: Any, prompt: list[int], step: int) -> tuple[float, np.ndarray]:
@@ -68,22 +72,24 @@ def prefill(model: Any, prompt: list[int], step: int) -> tuple[float, np.ndarray
     return took, np.array(last[-1].astype(mx.float32))
 
 
-def streamed(served: Served, sock: Any, layer_major: bool, dtype: Any) -> Any:
-    """The engine with a pool of one layer's experts, nothing in it yet."""
+def streamed(served: Served, sock: Any, name: str, dtype: Any, fraction: float) -> Any:
+    """The engine with a pool of ``fraction`` of one layer's experts, nothing in it yet."""
     from cachecd_engine.run import load
 
     m = served.manifest
-    pool = int(m.sizes.max()) * m.experts_per_layer + 1
-    model, _ = load(served.repo, sock, ram_bytes=pool, prefetch=False, speculate=False,
-                    layer_major=layer_major)
-    assert model.bank.capacity == m.experts_per_layer
+    slots = max(2, int(m.experts_per_layer * fraction))
+    model, _ = load(served.repo, sock, ram_bytes=int(m.sizes.max()) * slots + 1, prefetch=False,
+                    speculate=False, layer_major=name != "steps")
+    assert model.bank.capacity == slots
+    if name == "inturn":
+        model.bank.groups_chunks = lambda: False
     model.set_dtype(dtype)
     return model
 
 
-def run_case(served: Served, sock: Any, layer_major: bool, dtype: Any, prompt: list[int],
-             step: int) -> dict[str, Any]:
-    model = streamed(served, sock, layer_major, dtype)
+def run_case(served: Served, sock: Any, name: str, dtype: Any, prompt: list[int],
+             step: int, fraction: float) -> dict[str, Any]:
+    model = streamed(served, sock, name, dtype, fraction)
     routed: set[tuple[int, int]] = set()
     model.bank.trace = lambda layer, ids: routed.update((layer, int(e)) for e in np.unique(ids))
     try:
@@ -106,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=4, help="model layers (the first is dense)")
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--pool-layers", type=float, default=1.0,
+                    help="the pool, in layers' worth of experts (below 1: a small Mac's case)")
     ap.add_argument("--tiny-experts", action="store_true",
                     help="the tiny model's 6.5 KB experts (for the smoke test; says nothing of K3)")
     args = ap.parse_args(argv)
@@ -114,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     opts: dict[str, Any] = dict(experts=args.experts, layers=args.layers, top_k=args.top_k,
                                 shard_bytes=4_000_000_000, **shape)
     dtype = getattr(mx, args.dtype)
+    cases = CASES[1:] if args.pool_layers < 1 else CASES[1:3]
     results: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with served_checkpoint(args.dir, REPO, **opts) as served:
         with installed(served) as (sock, cache_dir):
@@ -128,8 +137,9 @@ def main(argv: list[str] | None = None) -> None:
                     took, logits = prefill(resident, prompt, step)
                     results.setdefault(("resident", step), []).append({"s": took,
                                                                        "logits": logits})
-                    for name in CASES[1:]:
-                        got = run_case(served, sock, name == "layers", dtype, prompt, step)
+                    for name in cases:
+                        got = run_case(served, sock, name, dtype, prompt, step,
+                                       args.pool_layers)
                         results.setdefault((name, step), []).append(got)
                         if not np.array_equal(got["logits"].view(np.uint32),
                                               logits.view(np.uint32)):
@@ -139,22 +149,23 @@ def main(argv: list[str] | None = None) -> None:
     m = served.manifest
     print(f"prefill: {args.layers - 1} MoE layers x {args.experts} experts of "
           f"{int(m.sizes[0])} B, top-{args.top_k}, a prompt of {args.tokens} tokens, pool of "
-          f"one layer's experts ({args.experts}), page cache behind it, activations "
+          f"{args.pool_layers:g} layer's experts ({max(2, int(args.experts * args.pool_layers))}"
+          f" slots), page cache behind it, activations "
           f"{args.dtype}, backend {mx.default_device()}, rounds={args.rounds}; every streamed "
           f"prefill's logits bitwise the resident model's at its step size")
     print(f"info: raw parallel preadv {rate / GIB:.2f} GiB/s")
-    ratio = report(results, steps, rate)
+    ratio = report(results, steps, rate, cases)
     print(f"ratio={ratio:.3f}")
 
 
 def report(results: dict[tuple[str, int], list[dict[str, Any]]], steps: list[int],
-           rate: float) -> float:
+           rate: float, cases: tuple[str, ...]) -> float:
     """Print each case's figures; return the layer-by-layer bar at the largest step."""
     bar_at: dict[int, float] = {}
     for step in steps:
         res_s = median([r["s"] for r in results[("resident", step)]])
         print(f"step {step:5d} resident TTFT {res_s:.2f} s")
-        for name in CASES[1:]:
+        for name in cases:
             rs = results[(name, step)]
             took, read = median([r["s"] for r in rs]), rs[-1]["read"]
             # One pass: every expert the prompt routes to at this step (step by step computes
@@ -164,7 +175,7 @@ def report(results: dict[tuple[str, int], list[dict[str, Any]]], steps: list[int
             raw = read / rate
             bar = took / (raw + res_s)
             bar_at[step] = bar if name == "layers" else bar_at.get(step, 0.0)
-            print(f"step {step:5d} {name:6s} TTFT {took:.2f} s; read {read / 1e6:.0f} MB = "
+            print(f"step {step:5d} {name:8s} TTFT {took:.2f} s; read {read / 1e6:.0f} MB = "
                   f"{read / one:.2f}x one pass over the {routed} routed experts "
                   f"({one / 1e6:.0f} MB); raw read {raw:.2f} s; TTFT / (raw read + resident) "
                   f"= {bar:.2f}; expert wait {rs[-1]['wait_s']:.2f} s, routing read-backs "

@@ -157,6 +157,9 @@ def prefill(driver: Driver, steps: list[mx.array], cache: list[Any], bank: Any =
     return driver.head(chunks[-1])
 
 
+WINDOW_NBYTES = 1 << 30  # the expert outputs a window of chunks may hold at least (K3: 4.6k tokens)
+
+
 def _layer_in_turn(driver: Driver, i: int, chunks: list[Chunk], cache: list[Any], bank: Any,
                    last: bool) -> None:
     """Layer ``i`` for each chunk in turn, each call reading what the pool lacks."""
@@ -180,8 +183,10 @@ def _layer_together(driver: Driver, i: int, chunks: list[Chunk], cache: list[Any
     answered with zeros: only its cache writes count, and the cache is then put back), the
     calls are computed group by group (each group of experts read once for the window), and
     the chunks run the layer again from where they were, each call answered with its output.
-    A window's outputs take at most a quarter of the pool's memory (at least one chunk)."""
-    bound = bank.window_nbytes or (bank.memory.nbytes // 4 if bank.memory is not None else 1)
+    A window's outputs take at most ``WINDOW_NBYTES`` or a quarter of the pool's memory,
+    whichever is more (at least one chunk)."""
+    pool = bank.memory.nbytes if bank.memory is not None else 0
+    bound = bank.window_nbytes or max(WINDOW_NBYTES, pool // 4)
     start = 0
     while start < len(chunks):
         snap = snapshot([cache[i]])

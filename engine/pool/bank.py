@@ -129,7 +129,7 @@ class ExpertBank:
         self.discarding = False
         # Set only by prefill.prefill while a layer's chunks go through it together (``chunks``).
         self.chunks: ChunkBatch | None = None
-        self.window_nbytes: int | None = None  # a window's outputs at most (None: pool / 4)
+        self.window_nbytes: int | None = None  # a window's outputs at most (None: prefill's default)
         self.min_slots = MIN_SLOTS  # the least a default-sized pool gets (the loader: 2 calls)
         self.max_slots = 0  # if set: the experts the model has (more slots would stay empty)
         self.fill = Filler(self, readers)

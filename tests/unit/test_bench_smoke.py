@@ -168,11 +168,25 @@ def test_prefill_script_reads_each_expert_once_layer_by_layer(
                            "--tokens", "40", "--steps", "8,4"])
     out = capsys.readouterr().out
     assert "bitwise the resident model's" in out
-    layers = re.findall(r"layers TTFT .*? = (\d+\.\d+)x one pass", out)
-    steps = re.findall(r"steps  TTFT .*? = (\d+\.\d+)x one pass", out)
+    layers = re.findall(r"layers +TTFT .*? = (\d+\.\d+)x one pass", out)
+    steps = re.findall(r"steps +TTFT .*? = (\d+\.\d+)x one pass", out)
     assert len(layers) == len(steps) == 2, out
     assert all(float(x) <= 1.0 for x in layers) and all(float(x) > 1.5 for x in steps), out
     assert RATIO_LINE.match(out.strip().splitlines()[-1])
+
+
+def test_prefill_script_with_half_a_layer_reads_each_expert_once(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A pool of half a layer's experts: the layer's steps taken together read each routed
+    expert once; in turn they read some again."""
+    _load("prefill").main(["--tiny-experts", "--experts", "8", "--layers", "3", "--top-k", "4",
+                           "--tokens", "40", "--steps", "8", "--pool-layers", "0.5"])
+    out = capsys.readouterr().out
+    assert "bitwise the resident model's" in out and "0.5 layer's experts (4 slots)" in out, out
+    layers = re.findall(r"layers +TTFT .*? = (\d+\.\d+)x one pass", out)
+    inturn = re.findall(r"inturn +TTFT .*? = (\d+\.\d+)x one pass", out)
+    assert len(layers) == len(inturn) == 1, out
+    assert float(layers[0]) <= 1.0 < float(inturn[0]), out
 
 
 def test_batching_script_ends_with_its_summary(capsys: pytest.CaptureFixture[str]) -> None:
