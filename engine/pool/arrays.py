@@ -182,6 +182,19 @@ class PoolMemory:
             written += rows.nbytes
         return written
 
+    def swap(self, pairs: list[tuple[int, int]]) -> int:
+        """Exchange the bytes (and derived arrays) of each pair of slots; the bytes written.
+        No queued work may read either slot (``SlotTable.swap``'s rule)."""
+        if not pairs:
+            return 0
+        a = [p[0] for p in pairs]
+        b = [p[1] for p in pairs]
+        written = 0
+        for rows in [*self._rows.values(), *self._derived_rows.values()]:
+            rows[a + b] = rows[b + a]  # numpy reads the right side whole before writing
+            written += 2 * len(pairs) * rows.shape[1]
+        return written
+
     def copy_from(self, other: PoolMemory, moves: dict[int, int]) -> int:
         """Copy slots of ``other`` into this pool (old slot -> new slot); the bytes copied."""
         if not moves:

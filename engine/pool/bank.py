@@ -80,6 +80,9 @@ class EngineStats:
     copied_bytes: int = 0  # bytes written: reads (into slots, or staging and the copy to the GPU),
     #                        derived arrays, resizes; a hit writes none
     staged: int = 0  # experts read ahead
+    padded_rows: int = 0  # dummy rows added to keep the resident kernel (dispatch)
+    windowed: int = 0  # calls gathered over a window of the pool as large as a layer (Metal)
+    swapped: int = 0  # slots whose contents moved to bring a call within one window
     readback_s: float = 0.0  # blocked reading back the routing (it runs what came before)
     wait_s: float = 0.0  # blocked getting experts into slots (reads, queued readers of a slot)
     plan_s: float = 0.0  # the bank's own host work: lookups, policy, indices, building the call
@@ -271,6 +274,9 @@ class ExpertBank:
         whole = len(ids) <= table.capacity
         fit = self.fit(target, routed.size, routed.size) if whole else None
         s.plan_s += time.perf_counter() - t0
+        span = dispatch.window(self.backend, table.capacity, self.experts_per_layer)
+        if fit is not None and fit.pad and span is not None:
+            return self._run_windowed(layer, glu, x, routed, ids, target, span)
         if fit is None or fit.pad:
             return run_groups(self, layer, glu, x, routed, ids, target)
         slots = self.acquire(layer, ids)
@@ -282,6 +288,70 @@ class ExpertBank:
         s.groups += 1
         s.plan_s += time.perf_counter() - t1
         return y
+
+    def _run_windowed(self, layer: int, glu: SwitchGLU, x: mx.array, routed: np.ndarray,
+                      ids: list[int], target: str, span: int) -> mx.array:
+        """A call over a window of ``span`` slots (``dispatch.window``): its experts brought
+        within one window by swapping slots, then gathered over that slice of the pool."""
+        slots = self.acquire(layer, ids)
+        t1 = time.perf_counter()
+        start = self._gather_into_window(slots, span)
+        fit = dispatch.fit(self.backend, self.spec.mode is not None, target, routed.size, span,
+                           routed.size >= dispatch.SORT_ROWS)
+        if start is None or fit.pad:  # a read-ahead in the way: the call as before
+            self.stats.plan_s += time.perf_counter() - t1
+            return run_groups(self, layer, glu, x, routed, ids, target)
+        assert self.memory is not None and self.table is not None
+        local = {e: s - start for e, s in slots.items()}
+        try:
+            for proj, arrays in self.memory.arrays.items():
+                module = getattr(glu, proj)
+                for name, arr in arrays.items():
+                    setattr(module, name, arr[start:start + span])  # a view: no copy
+            allow_sorted(glu, fit.sorted)
+            y = glu(x, mx.array(local_slots(routed, local)))
+        finally:
+            self._hold(glu)
+        self.table.fence(slots.values(), y)
+        mx.async_eval(y)
+        self.stats.groups += 1
+        self.stats.windowed += 1
+        self.stats.plan_s += time.perf_counter() - t1
+        return y
+
+    def _gather_into_window(self, slots: dict[int, int], span: int) -> int | None:
+        """The start of a window of ``span`` slots holding every slot of ``slots`` (updated in
+        place), after swapping the ones outside with slots inside that this call does not use
+        (their queued readers evaluated first); None if slots being read ahead are in the way."""
+        assert self.memory is not None and self.table is not None
+        table, used = self.table, sorted(slots.values())
+        best, lo = (0, 0), 0
+        for hi in range(len(used)):  # the window holding the most of the call's slots
+            while used[hi] - used[lo] >= span:
+                lo += 1
+            if hi - lo + 1 > best[0]:
+                best = (hi - lo + 1, used[lo])
+        start = min(best[1], table.capacity - span)
+        inside = set(range(start, start + span))
+        out = [s for s in used if s not in inside]
+        if not out:
+            return start
+        mine = set(used)
+        spare = [s for s in range(start, start + span) if s not in mine and not table.filling(s)]
+        if len(spare) < len(out):
+            return None
+        pairs = list(zip(out, spare, strict=False))
+        fences = table.fences_of([s for pair in pairs for s in pair])
+        if fences:
+            mx.eval(fences)
+            table.clear_fences(fences)
+        table.swap(pairs)
+        self.stats.copied_bytes += self.memory.swap(pairs)
+        self.stats.swapped += len(pairs)
+        moved = dict(pairs)
+        for e, s in slots.items():
+            slots[e] = moved.get(s, s)
+        return start
 
     def fit(self, target: str, rows: int, call_rows: int) -> dispatch.Fit:
         """How ``rows`` rows of a call over ``call_rows`` reach ``target`` with the pool as the

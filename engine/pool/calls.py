@@ -88,6 +88,7 @@ def _project(bank: ExpertBank, glu: SwitchGLU, xs: mx.array, rows: np.ndarray,
     (the last row again) where the resident kernel needs them; the dummies are dropped."""
     fit = bank.fit(target, rows.size, call_rows)
     if fit.pad:
+        bank.stats.padded_rows += fit.pad
         rows = np.concatenate([rows, np.full(fit.pad, rows[-1])])
         idx = np.concatenate([idx, np.full(fit.pad, idx[-1], np.uint32)])
     x, ix = xs[mx.array(rows // k)], mx.array(idx)

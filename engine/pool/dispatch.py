@@ -247,6 +247,21 @@ def check_plan(backend: str, quantized: bool, counts: list[int], groups: list[Gr
         raise DispatchUnmodelled(f"{backend}: the groups end at expert {pos} of {len(counts)}")
 
 
+def window(backend: str, capacity: int, resident_experts: int) -> int | None:
+    """The slots a call's weight stack should span on this backend, if not the whole pool.
+
+    On Metal E is the stack's first dimension, so a pool bigger than a layer would move a
+    prefill call's rows per expert (``B // E``) below the resident call's, and only dummy rows
+    could bring them back (a 192-token K3 chunk with a ~64 GB pool: 9.5x the rows). A call whose
+    slots lie within ``resident_experts`` contiguous slots instead gathers over that slice of
+    the pool (a view, no copy): E is then the resident call's own, so the call meets the
+    resident kernel and tile with no dummy row and the sorted flag as mlx-lm sets it. CUDA's
+    and the CPU's kernels do not look at E: None there, and where the pool is no bigger."""
+    if backend in ("metal", "metal-nax") and 0 < resident_experts < capacity:
+        return resident_experts
+    return None
+
+
 def max_stack(backend: str, quantized: bool) -> int | None:
     """The most experts a weight stack may hold for every kernel to take it: CUDA's grouped gemm
     (float, sorted rows) refuses more than 1,024 groups (``cutlass_grouped_gemm_unaligned``)."""

@@ -301,10 +301,37 @@ class SlotTable:
         self.capacity = capacity
         return moves
 
+    def swap(self, pairs: list[tuple[int, int]]) -> None:
+        """Exchange what each pair of slots holds (an expert, or nothing): the bank moves the
+        bytes the same way (``PoolMemory.swap``). Neither slot may be filling or fenced (the
+        caller evaluates their readers first); the policy sees no change (same experts)."""
+        for a, b in pairs:
+            assert a not in self._filling and b not in self._filling, "swap of a filling slot"
+            assert a not in self._fence and b not in self._fence, "swap of a fenced slot"
+            ka, kb = self._owner[a], self._owner[b]
+            self._owner[a], self._owner[b] = kb, ka
+            for key, slot in ((ka, b), (kb, a)):
+                if key is not None:
+                    self._slot[key] = slot
+            sa, sb = a in self._scratch, b in self._scratch
+            if sa != sb:
+                del self._scratch[a if sa else b]
+                self._scratch[b if sa else a] = None
+            if (ka is None) != (kb is None):
+                self._free.remove(a if ka is None else b)
+                self._free.append(b if ka is None else a)
+                self._free.sort(reverse=True)  # pop() hands out the lowest first
+        if pairs:
+            self.version += 1
+
     def fence(self, slots: Iterable[int], output: Any) -> None:
         """Queued work computing ``output`` reads these slots."""
         for slot in slots:
             self._fence[slot] = output
+
+    def fences_of(self, slots: Iterable[int]) -> list[Any]:
+        """The outputs of queued work that reads any of these slots (each once)."""
+        return list({id(o): o for s in slots if (o := self._fence.get(s)) is not None}.values())
 
     def fenced(self) -> list[Any]:
         """The outputs of queued work that reads any slot (each once)."""

@@ -32,6 +32,7 @@ from cachecd_engine.pool.dispatch import (
     plan_groups,
     resident_kernel,
     tf32_enabled,
+    window,
 )
 
 BACKENDS = dispatch.BACKENDS
@@ -306,3 +307,25 @@ def test_mlx_on_macos_is_pinned_to_the_modelled_releases() -> None:
     assert allowed and set(allowed) <= set(dispatch.MODELLED_MLX), allowed
     # mlx-lm 0.32 asks for mlx >= 0.32.2 on macOS: the pin must leave it a release.
     assert any(darwin[0].specifier.contains(v) for v in dispatch.MODELLED_MLX if v >= "0.32.2")
+
+
+@pytest.mark.parametrize("backend", ["metal", "metal-nax"])
+@pytest.mark.parametrize(("tokens", "flat_rows"), [(256, 3.56), (512, 1.78), (2048, 1.0)])
+def test_a_window_of_one_layer_keeps_the_resident_kernel_without_dummy_rows(
+        backend: str, tokens: int, flat_rows: float) -> None:
+    """K3's prefill calls (top-16 of 896) with a ~64 GB pool (3,650 slots of 17.5 MB): over the
+    whole pool a call needs dummy rows to keep the resident rhs kernel (3.56x the rows at 256
+    tokens, 1.78x at 512); gathered over a window of 896 slots (``window``) it meets the
+    resident kernel, tile and sorted flag with none. CUDA's and the CPU's kernels do not look
+    at E: no window there."""
+    rows, resident, pool = tokens * 16, 896, 3650
+    target = resident_kernel(backend, True, rows, resident)
+    assert target.startswith("gather_qmm_rhs")
+    flat = dispatch.fit(backend, True, target, rows, pool, True)
+    assert round((rows + flat.pad) / rows, 2) == flat_rows
+    span = window(backend, pool, resident)
+    assert span == resident
+    assert dispatch.fit(backend, True, target, rows, span, True) == Fit(sorted=True, pad=0)
+    assert kernel(backend, True, Gather(rows, span, True)) == target
+    assert window(backend, resident, resident) is None  # a pool of one layer: E is already it
+    assert window("cuda", pool, resident) is None and window("cpu", pool, resident) is None

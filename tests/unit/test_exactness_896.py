@@ -4,7 +4,8 @@ The prompts are the cases where a shrunk weight stack changes what MLX's dispatc
 one token, one token repeated 60 times (960 rows over 16 experts; resident B / E = 1, a
 16-expert stack 60), two tokens alternating, and 250 random tokens (nearly every expert). Each
 runs with a pool of slots that holds every expert of both MoE layers (E = 1,792 for the kernel
-decision), and with one that holds 80, so the long prompts run in groups of 40; the plans are
+decision; planned for Metal, each long call gathers over a window of 896 slots), and with one
+that holds 80, so the long prompts run in groups of 40; the plans are
 made for this machine's backend and, on this CPU, for Metal's (with and without neural
 accelerators) and CUDA's dispatch too (their flags and dummy rows must not move a logit here, as
 the CPU computes each row alike; on those GPUs they are what keeps each row's kernel).
@@ -46,7 +47,8 @@ def reference() -> dict[str, tuple[list[np.ndarray], list[int]]]:
 
 @pytest.mark.parametrize(
     ("backend", "pool_experts"),
-    [("cpu", 2 * EXPERTS), ("cpu", 80), ("metal", 80), ("metal-nax", 80), ("cuda", 80)],
+    [("cpu", 2 * EXPERTS), ("cpu", 80), ("metal", 80), ("metal-nax", 80), ("cuda", 80),
+     ("metal", 2 * EXPERTS), ("metal-nax", 2 * EXPERTS)],
 )
 def test_streamed_896_experts_bitwise(blobs, reference, backend: str, pool_experts: int) -> None:  # type: ignore[no-untyped-def]
     if current_backend() not in ("cpu", backend):
@@ -69,4 +71,10 @@ def test_streamed_896_experts_bitwise(blobs, reference, backend: str, pool_exper
             assert prefill / moe_layers > 700
             split = bank.stats.groups > bank.stats.layer_calls
             assert split == (pool_experts < EXPERTS)
+            if backend.startswith("metal") and pool_experts > EXPERTS:
+                # A pool of two layers: each prefill call gathers over a window of one layer's
+                # slots (the resident call's E), with no dummy row (a flat pool pads 4,000
+                # rows to 7,168: test_dispatch.py).
+                assert bank.stats.windowed == moe_layers and bank.stats.padded_rows == 0
+                assert bank.stats.swapped > 0  # the earlier prompts scattered some experts
     assert bank.capacity == pool_experts
