@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+from mlx import nn
 from mlx_lm.models import deepseek_v3, kimi_k3
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
 from cachecd import errors
 from cachecd_engine.pool.chunks import ChunkBatch
-from cachecd_engine.pool.speculate import plain_caches, restore, snapshot
 
 
 @dataclass
@@ -68,6 +68,9 @@ class KimiK3Layers:
         tm = self.tm
         blocks = kimi_k3.ResidualBlocks(tm.args.rms_norm_eps) if tm.use_attn_res else None
         return Chunk(tm.embed_tokens(inputs), blocks)
+
+    def module(self, i: int) -> Any:
+        return self.tm.layers[self.tm.start_idx + i]
 
     def layer(self, i: int, c: Chunk, cache: list[Any]) -> None:
         tm = self.tm
@@ -109,6 +112,9 @@ class DeepseekV3Layers:
     def start(self, inputs: mx.array) -> Chunk:
         return Chunk(self.tm.embed_tokens(inputs))
 
+    def module(self, i: int) -> Any:
+        return self.tm.pipeline_layers[i]
+
     def layer(self, i: int, c: Chunk, cache: list[Any]) -> None:
         if i == 0:
             c.masks["attn"] = create_attention_mask(c.h, cache[0], return_array=True)
@@ -141,8 +147,7 @@ def prefill(driver: Driver, steps: list[mx.array], cache: list[Any], bank: Any =
         for i in range(n):
             if bank is not None:
                 bank.prefill_at(i)
-            if (bank is not None and i < n - 1 and len(chunks) > 1 and bank.groups_chunks()
-                    and plain_caches([cache[i]])):
+            if bank is not None and i < n - 1 and len(chunks) > 1 and bank.groups_chunks():
                 _layer_together(driver, i, chunks, cache, bank)
             else:
                 _layer_in_turn(driver, i, chunks, cache, bank, last=i == n - 1)
@@ -179,19 +184,23 @@ def _layer_in_turn(driver: Driver, i: int, chunks: list[Chunk], cache: list[Any]
 def _layer_together(driver: Driver, i: int, chunks: list[Chunk], cache: list[Any],
                     bank: Any) -> None:
     """Layer ``i`` for windows of chunks whose expert calls are computed together
-    (``pool.chunks``): each chunk runs the layer once to collect its call (its expert output
-    answered with zeros: only its cache writes count, and the cache is then put back), the
-    calls are computed group by group (each group of experts read once for the window), and
-    the chunks run the layer again from where they were, each call answered with its output.
-    A window's outputs take at most ``WINDOW_NBYTES`` or a quarter of the pool's memory,
-    whichever is more (at least one chunk)."""
+    (``pool.chunks``): each chunk runs the layer once, its attention's output recorded and its
+    expert call collected (answered with zeros: that run's layer output is thrown away; the
+    cache writes are the attention's and stand); the calls are computed group by group (each
+    group of experts read once for the window); then each chunk runs the layer again from where
+    it was, its attention answered with the recorded output (no second attention, no second
+    cache write) and its expert call with its output. A window's outputs take at most
+    ``WINDOW_NBYTES`` or a quarter of the pool's memory, whichever is more (at least one
+    chunk)."""
     pool = bank.memory.nbytes if bank.memory is not None else 0
     bound = bank.window_nbytes or max(WINDOW_NBYTES, pool // 4)
+    module = driver.module(i)
+    attention = module.self_attn
     start = 0
     while start < len(chunks):
-        snap = snapshot([cache[i]])
-        saved = [(c.h, copy.copy(c.blocks), dict(c.masks)) for c in chunks[start:]]
+        saved = [(c.h, copy.copy(c.blocks)) for c in chunks[start:]]
         batch = bank.chunks = ChunkBatch(bank, i)
+        record = module.self_attn = _Attention(attention)
         end = start
         try:
             while end < len(chunks):
@@ -200,15 +209,47 @@ def _layer_together(driver: Driver, i: int, chunks: list[Chunk], cache: list[Any
                 if batch.output_nbytes() >= bound:
                     break
             if batch.calls:  # else no MoE call (a dense layer): those outputs were real
-                restore([cache[i]], snap)
-                for c, (h, blocks, masks) in zip(chunks[start:end], saved, strict=False):
-                    c.h, c.blocks, c.masks = h, blocks, masks
+                masks = [c.masks for c in chunks[start:end]]
+                for c, (h, blocks) in zip(chunks[start:end], saved, strict=False):
+                    c.h, c.blocks, c.masks = h, blocks, dict(c.masks)
                 batch.compute()
-                for c in chunks[start:end]:
+                record.replaying = True
+                for c, m in zip(chunks[start:end], masks, strict=True):
                     driver.layer(i, c, cache)
-                if not batch.done():
+                    c.masks = m  # as the first run made them (the replay's were not used)
+                if not batch.done() or record.left():
                     raise errors.Internal(f"a grouped prefill pass of layer {i} served "
                                           f"{batch.served} of {len(batch.calls)} calls")
         finally:
             bank.chunks = None
+            module.self_attn = attention
         start = end
+
+
+class _Attention(nn.Module):
+    """A layer's attention, recorded on the first run of a window's chunks and replayed in the
+    same order on the second (an ``nn.Module``, so it takes the attention's place in the layer's
+    tree for the pass and gives it back after)."""
+
+    def __init__(self, attention: Any) -> None:
+        super().__init__()
+        object.__setattr__(self, "_inner", attention)
+        object.__setattr__(self, "_outputs", [])
+        object.__setattr__(self, "_next", 0)
+        object.__setattr__(self, "replaying", False)
+
+    def __setattr__(self, key: str, val: Any) -> None:
+        object.__setattr__(self, key, val)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
+        if not self.replaying:
+            out = self._inner(*args, **kwargs)
+            self._outputs.append(out)
+            return out
+        if self._next >= len(self._outputs):
+            raise errors.Internal("a grouped prefill pass replayed more attention calls than it ran")
+        self._next += 1
+        return self._outputs[self._next - 1]
+
+    def left(self) -> int:
+        return len(self._outputs) - self._next

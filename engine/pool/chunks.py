@@ -3,13 +3,13 @@
 A layer-major prefill (``cachecd_engine.prefill``) runs every chunk of a prompt through layer L
 before layer L+1. When the pool holds fewer experts than the layer routes to over the prompt,
 running the chunks' calls one after another reads an expert again for every chunk that routes
-to it after the pool gave it up. A ``ChunkBatch`` instead takes the layer's calls in three
-passes: ``collect`` (each chunk's call is recorded, its routing read back, and it answers
-zeros: that pass's layer outputs are thrown away, only the caches' writes, redone identically
-after a restore, were needed to reach the next chunk's input), ``compute`` (the calls' rows
-group by group through ``calls.run_calls``: each group of experts in slots once, every call's
-rows for it computed), and ``serve`` (the chunks run the layer again and each call is answered
-with its computed output).
+to it after the pool gave it up. A ``ChunkBatch`` instead takes
+the layer's calls in three passes: ``collect`` (each chunk's call is recorded, its routing read
+back, and it answers zeros: the prefill throws that run's layer output away, keeping the
+attention's output and cache writes), ``compute`` (the calls' rows group by group through
+``calls.run_calls``: each group of experts in slots once, every call's rows for it computed),
+and ``serve`` (the chunks run the layer again, their attention replayed, and each call is
+answered with its computed output).
 
 Invariants:
 - A served output is the one computed for exactly that call: the served call's input and
