@@ -197,7 +197,10 @@ class ExpertBank:
 
     def resize(self, pool_bytes: int) -> None:
         """Give the pool ``pool_bytes``: the experts the policy keeps are copied into the new
-        slots, so nothing already local is read again; every output stays the same."""
+        slots, so nothing already local is read again; every output stays the same. The pool
+        is rebuilt one tensor at a time (``PoolMemory.resize``), never old and new at once:
+        the layers' modules let go of the old arrays first (a placeholder each), then take the
+        new ones. On CUDA the slots move by the copy engine (the filler's copier)."""
         self.pool_bytes = pool_bytes
         if self.memory is None or self.table is None:
             return
@@ -205,10 +208,13 @@ class ExpertBank:
         if slots == self.table.capacity:
             return
         self.settle()
-        old = self.memory
         moves = self.table.resize(slots)
-        self.memory = PoolMemory(self.spec, old.layout, slots, self.backend)
-        self.stats.copied_bytes += self.memory.copy_from(old, moves)
+        placeholder = mx.zeros((0,), mx.uint8)
+        for glu in self._templates:
+            for proj, arrays in self.memory.arrays.items():
+                for name in arrays:
+                    setattr(getattr(glu, proj), name, placeholder)
+        self.stats.copied_bytes += self.memory.resize(slots, moves, self.fill.copier)
         for glu in self._templates:
             self._hold(glu)
 
