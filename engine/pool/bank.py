@@ -80,8 +80,12 @@ class EngineStats:
     #                        derived arrays, resizes; a hit writes none
     staged: int = 0  # experts read ahead
     readback_s: float = 0.0  # blocked reading back the routing (it runs what came before)
-    wait_s: float = 0.0  # blocked getting experts into slots (reads, queued readers of a slot)
-    plan_s: float = 0.0  # the bank's own host work: lookups, policy, indices, building the call
+    wait_s: float = 0.0  # blocked getting experts into slots: reads (demand, and read-ahead a
+    #                      call needs), derived arrays
+    readers_s: float = 0.0  # evaluating queued readers of slots about to be refilled (earlier
+    #                         calls' compute, e.g. the previous group's)
+    plan_s: float = 0.0  # the bank's own host work: the slot table and its policy, indices,
+    #                      building the call
 
     def reset(self) -> None:
         for name, value in asdict(EngineStats()).items():

@@ -138,6 +138,36 @@ def test_a_slot_is_not_refilled_while_a_queued_call_reads_it(blobs, monkeypatch)
     assert_bitwise(_resident_outputs(CALLS), got)
 
 
+def test_expert_wait_counts_neither_queued_readers_nor_the_tables_work(blobs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The second call needs the slots the queued first call reads: evaluating that call is
+    earlier compute (``readers_s``), not a wait for expert bytes (``wait_s``). The filler's
+    clock moves only while that evaluation runs (5 s by this clock), so each second is seen
+    where it was counted."""
+    from types import SimpleNamespace
+
+    from cachecd_engine.pool import fill
+
+    monkeypatch.setattr(mx, "async_eval", lambda *a: None)  # keep the first call queued
+    model, bank = _bank(blobs, slots=4)
+    (l1, e1), (l2, e2) = CALLS
+    x, routed = _inputs(e1)
+    bank.run(l1, model.layers[l1].mlp.switch_mlp._glu, x, routed)
+    clock = SimpleNamespace(t=0.0)
+    monkeypatch.setattr(fill, "time", SimpleNamespace(perf_counter=lambda: clock.t))
+    real_eval = mx.eval
+
+    def evaluate(*arrays: object) -> None:
+        real_eval(*arrays)
+        clock.t += 5.0
+
+    monkeypatch.setattr(mx, "eval", evaluate)
+    bank.stats.reset()
+    x, routed = _inputs(e2)
+    bank.run(l2, model.layers[l2].mlp.switch_mlp._glu, x, routed)
+    s = bank.stats
+    assert (s.readers_s, s.wait_s, s.source_hits) == (5.0, 0.0, 4)
+
+
 def test_read_ahead_never_takes_a_slot_a_queued_call_reads(blobs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(mx, "async_eval", lambda *a: None)
     model, bank = _bank(blobs, slots=6)
