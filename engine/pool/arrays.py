@@ -198,21 +198,19 @@ class PoolMemory:
         never at both pools (a shrink comes exactly when memory is short). The kernel's arrays
         (``arrays``) are made anew: the caller must hold no other reference to the old ones
         (the bank hands its modules placeholders first). With ``copier`` (CUDA) the slots move
-        by the GPU's copy engine where they live, not through the host."""
+        by the GPU's copy engine where they live, not through the host. An exception on the way
+        (an allocation refused) leaves tensors of both sizes: the caller drops the pool."""
         self.arrays = {}  # the kernel's views share the old buffers
         runs = _runs(moves)
         copied = 0
         for key in list(self.raw):
-            old, old_rows = self.raw.pop(key), self._rows.pop(key)
-            self.raw[key], self._rows[key], n = _moved(old, old_rows, slots, runs, copier)
-            del old, old_rows  # the old tensor is released before the next one is made
-            mx.clear_cache()  # MLX's allocator would keep it (Metal, CUDA)
+            self.raw[key], self._rows[key], n = _moved(self.raw[key], self._rows[key], slots,
+                                                       runs, copier)
+            mx.clear_cache()  # the old tensor, released: MLX's allocator would keep it
             copied += n
         for proj in list(self.derived):
-            old, old_rows = self.derived.pop(proj), self._derived_rows.pop(proj)
-            self.derived[proj], self._derived_rows[proj], n = _moved(old, old_rows, slots,
-                                                                     runs, copier)
-            del old, old_rows
+            self.derived[proj], self._derived_rows[proj], n = _moved(
+                self.derived[proj], self._derived_rows[proj], slots, runs, copier)
             mx.clear_cache()
             copied += n
         self.slots = slots

@@ -204,7 +204,9 @@ class ExpertBank:
         slots, so nothing already local is read again; every output stays the same. The pool
         is rebuilt one tensor at a time (``PoolMemory.resize``), never old and new at once:
         the layers' modules let go of the old arrays first (a placeholder each), then take the
-        new ones. On CUDA the slots move by the copy engine (the filler's copier)."""
+        new ones. On CUDA the slots move by the copy engine (the filler's copier). A resize
+        that fails part way (an allocation refused) drops the pool: every output stays the
+        same, what it held is read again."""
         self.pool_bytes = pool_bytes
         if self.memory is None or self.table is None:
             return
@@ -218,7 +220,13 @@ class ExpertBank:
             for proj, arrays in self.memory.arrays.items():
                 for name in arrays:
                     setattr(getattr(glu, proj), name, placeholder)
-        self.stats.copied_bytes += self.memory.resize(slots, moves, self.fill.copier)
+        try:
+            self.stats.copied_bytes += self.memory.resize(slots, moves, self.fill.copier)
+        except BaseException:
+            # Some tensors have the new size and some the old: nothing in the pool can be used.
+            # The next call allocates it anew (empty) and reads again what it needs.
+            self.memory = self.table = None
+            raise
         for glu in self._templates:
             self._hold(glu)
 

@@ -317,3 +317,31 @@ def test_on_cuda_a_resize_moves_slots_by_the_copy_engine(blobs) -> None:  # type
     assert copier.copied == bank.stats.copied_bytes - before == kept
     got, _ = run_logits(model, PROMPT, toks, steps=3)
     assert_bitwise(ref, got)
+
+
+def test_a_resize_that_fails_part_way_drops_the_pool_and_changes_no_logit(blobs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The third tensor's new array is refused (memory is short: that is when a shrink comes).
+    Some tensors then have the new size and some the old, so the bank drops the pool; the same
+    model serves the next request bitwise from a new pool of the size asked for."""
+    from cachecd_engine.pool import arrays
+
+    ref, toks = run_logits(build_resident(FMT), PROMPT, steps=3)
+    model, bank = _bank(blobs, slots=40)
+    run_logits(model, PROMPT, toks, steps=3)
+    made = []
+    real = arrays._aligned
+
+    def refuse_the_third(*a: object) -> mx.array:
+        made.append(a)
+        if len(made) == 3:
+            raise MemoryError("refused")
+        return real(*a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(arrays, "_aligned", refuse_the_third)
+    one = bank.source.entry(1, 0).nbytes  # type: ignore[attr-defined]
+    with pytest.raises(MemoryError):
+        bank.resize(30 * one)
+    assert bank.memory is None and bank.table is None
+    got, _ = run_logits(model, PROMPT, toks, steps=3)
+    assert_bitwise(ref, got)
+    assert bank.capacity == 30
