@@ -20,16 +20,20 @@ greedy decode (a 4-token prompt that differs every round, so the routing does to
 Every case must emit the resident model's tokens. Activations are ``--dtype`` (float32 by
 default: MLX's CPU quantized matmul is ~10x slower in bf16; experts stay mxfp4 either way).
 
-Per streamed token it prints: the token's seconds; blocked in routing read-backs (which run
-the compute queued before them); expert wait (every wait for expert bytes: demand reads,
-read-ahead reads a call needs, queued readers of a slot about to be refilled, derived arrays,
-resizes); the bank's own host work; bytes read from the daemon and bytes the host wrote into
-memory (each counted where it happens: the bytes ``preadv`` returned, derived arrays, resizes;
-a hit writes none); host overhead = token - resident token - expert wait (what the engine adds
-beyond compute and I/O), as a share of the token; for the pc cases the bar of issue 25:
-token / (raw read time of the bytes read + resident token), the raw read time measured here as
-parallel ``preadv`` of page-cached blobs into touched buffers. The last line is
-ratio = (ram case the backend runs by default) / resident tok/s.
+Per streamed token, each part counted where it happens, it prints distributions over every
+streamed token (median [p10, p90]; never medians of parts added and subtracted): the token's
+seconds and the resident model's same token (same round and position, so the two pair); blocked
+in routing read-backs (which run the compute queued before them); queued readers evaluated (a
+claim about to refill slots that queued calls read evaluates them first: earlier calls' compute,
+e.g. the previous group's); expert wait (only waits for expert bytes: demand reads, read-ahead a
+call needs, derived arrays); the bank's own host work (the slot table and its policy, indices,
+building the call); bytes needed (experts read on demand and read-ahead that was used), read
+(read-ahead never used included) and written into memory by the host (the bytes ``preadv``
+returned, derived arrays, resizes; a hit writes none); host overhead = token - resident token
+- expert wait (what the engine adds beyond compute and I/O), and its share of the token; for
+the pc cases the bar of issue 25: token / (raw read time of the needed bytes + resident token),
+the raw read time measured here as parallel ``preadv`` of page-cached blobs into touched
+buffers. The last line is ratio = (ram case the backend runs by default) / resident tok/s.
 
     python bench/k3_decode.py [--experts 64] [--layers 6] [--top-k 16] [--tokens 8]
         [--rounds 3] [--small 1GiB] [--dtype float32|bfloat16] [--cases resident,ram,...]
@@ -41,7 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,7 +82,7 @@ ENGINE = {  # pool, read-ahead, speculative steps
     "pc-spec": ("small", False, True),
     "pc-hostwrite": ("small", False, False),
 }
-STATS = ("readback_s", "wait_s", "plan_s", "source_bytes", "copied_bytes", "experts_routed",
+STATS = ("readback_s", "readers_s", "wait_s", "plan_s", "source_bytes", "copied_bytes", "experts_routed",
          "ram_hits", "staged_hits", "source_hits", "staged")
 
 
@@ -185,35 +189,60 @@ def load_case(name: str, served: Served, sock: Path, small: int, dtype: Any) -> 
     return model
 
 
-def report(cases: dict[str, Case], rate: float) -> None:
+def spread(values: Sequence[float], scale: float = 1e3, fmt: str = ".2f") -> str:
+    """Median [p10, p90] of per-token values (ms by default)."""
+    p10, p50, p90 = np.percentile(np.asarray(values, dtype=np.float64) * scale, [10, 50, 90])
+    return f"{p50:{fmt}} [{p10:{fmt}}, {p90:{fmt}}]"
+
+
+def per_token(c: Case, resident: list[float], expert_bytes: int,
+              rate: float) -> dict[str, list[float]]:
+    """Each token's parts, counted where they happen, paired with the resident model's same
+    token (same round, same position: the rounds' prompts and tokens are the same)."""
+    t = {k: np.asarray(v, dtype=np.float64) for k, v in c.per_token.items()}
+    res = np.asarray(resident, dtype=np.float64)
+    needed = (t["source_hits"] + t["staged_hits"]) * expert_bytes  # demand + read ahead used
+    out = {"s": t["s"], "resident": res, "readback_s": t["readback_s"],
+           "readers_s": t["readers_s"], "wait_s": t["wait_s"], "plan_s": t["plan_s"],
+           "rest": t["s"] - t["readback_s"] - t["readers_s"] - t["wait_s"] - t["plan_s"],
+           "host": t["s"] - res - t["wait_s"], "needed": needed, "raw": needed / rate}
+    out["host_share"] = out["host"] / t["s"]
+    out["bar"] = t["s"] / (out["raw"] + res)
+    return {k: v.tolist() for k, v in out.items()}
+
+
+def report(cases: dict[str, Case], rate: float, expert_bytes: int) -> None:
     ref = median(cases["resident"].tps) if "resident" in cases else 0.0
-    res_s = 1 / ref if ref else 0.0
     for name, c in cases.items():
         ratio = f" (x{median(c.tps) / ref:.3f})" if ref else ""
         print(f"{name:9s} tok/s={median(c.tps):.3f}{ratio} s/token={1 / median(c.tps):.4f}")
+    print("per token, median [p10, p90] over every streamed token (ms unless said)")
+    resident = cases["resident"].per_token["s"]
     for name, c in cases.items():
         if name == "resident":
             continue
-        s = {k: median(v) for k, v in c.per_token.items()}
-        raw = s["source_bytes"] / rate
-        host = s["s"] - res_s - s["wait_s"]
+        d, s = per_token(c, resident, expert_bytes, rate), c.per_token
         spec = getattr(c.model.bank.speculator, "kept", None)
-        print(f"{name:9s} per token: {s['s'] * 1e3:.2f} ms = read-backs {s['readback_s'] * 1e3:.2f}"
-              f" + expert wait {s['wait_s'] * 1e3:.2f} + bank host work {s['plan_s'] * 1e3:.2f}"
-              f" + rest {(s['s'] - s['readback_s'] - s['wait_s'] - s['plan_s']) * 1e3:.2f} ms; "
-              f"resident token {res_s * 1e3:.2f} ms")
-        print(f"{name:9s} experts/token: {s['experts_routed']:.0f} routed, {s['ram_hits']:.1f} in "
-              f"the pool, {s['staged_hits']:.1f} read ahead (of {s['staged']:.1f}), "
-              f"{s['source_hits']:.1f} read on demand; read {s['source_bytes'] / 1e6:.1f} MB, "
-              f"copied {s['copied_bytes'] / 1e6:.1f} MB"
+        print(f"{name:9s} token {spread(d['s'])}; resident token {spread(d['resident'])}")
+        print(f"{name:9s}   read-backs {spread(d['readback_s'])}, queued readers evaluated "
+              f"{spread(d['readers_s'])}, expert wait {spread(d['wait_s'])}, bank host work "
+              f"{spread(d['plan_s'])}, rest {spread(d['rest'])}")
+        print(f"{name:9s}   experts: routed {spread(s['experts_routed'], 1, '.0f')}, in the "
+              f"pool {spread(s['ram_hits'], 1, '.1f')}, read ahead and used "
+              f"{spread(s['staged_hits'], 1, '.1f')} (read ahead {spread(s['staged'], 1, '.1f')})"
+              f", read on demand {spread(s['source_hits'], 1, '.1f')}"
               + (f"; speculative steps kept {spec}, missed {c.model.bank.speculator.missed}"
                  if spec is not None else ""))
-        line = (f"{name:9s} host overhead (token - resident - expert wait) {host * 1e3:.2f} ms = "
-                f"{host / s['s']:.1%} of the token")
+        unused = sum(s["source_bytes"]) - sum(d["needed"])
+        print(f"{name:9s}   MB: needed {spread(d['needed'], 1e-6, '.1f')}, read "
+              f"{spread(s['source_bytes'], 1e-6, '.1f')}, copied "
+              f"{spread(s['copied_bytes'], 1e-6, '.1f')}; read ahead and never used "
+              f"{max(0.0, unused) / 1e6:.1f} MB over {len(d['s'])} tokens")
+        line = (f"{name:9s}   host overhead (token - resident token - expert wait) "
+                f"{spread(d['host'])} = {spread(d['host_share'], 100, '.1f')} % of the token")
         if ENGINE[name][0] == "small":
-            bar = s["s"] / (raw + res_s) if raw + res_s else 0.0
-            line += (f"; raw read of the bytes read {raw * 1e3:.2f} ms; token / (raw read + "
-                     f"resident token) = {bar:.2f} (bar <= 1.3)")
+            line += (f"; raw read of the needed bytes {spread(d['raw'])}; token / (raw read + "
+                     f"resident token) {spread(d['bar'], 1)} (bar <= 1.3)")
         print(line)
     print(f"info: raw parallel preadv {rate / GIB:.2f} GiB/s")
 
@@ -262,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{int(m.sizes[0])} B, top-{args.top_k}, {args.tokens} tokens a round, prompts that "
           f"differ by round, rounds={args.rounds}, activations {args.dtype}, pc pool "
           f"{args.small}, backend {mx.default_device()}; the same tokens from every case")
-    report(cases, rate)
+    report(cases, rate, int(m.sizes[0]))
     head = "ram-spec" if speculate_by_default() else "ram"
     if head in cases:
         print(f"ratio={median(cases[head].tps) / median(cases['resident'].tps):.3f}")

@@ -16,11 +16,13 @@ from typing import Any
 def memory_figures() -> dict[str, Any]:
     from cachecd_engine.pool import memory
 
-    total, available = memory.physical_memory(), memory.available_memory()
+    # total: a container's cgroup limit where it is less than physical memory
+    total, available = memory.machine_memory(), memory.available_memory()
+    gpu, gpu_free = memory.gpu_memory(), memory.gpu_available()
     swap_total, swap_used = swap()
     return {"total_bytes": total, "available_bytes": available, "swap_total_bytes": swap_total,
-            "swap_used_bytes": swap_used, "gpu_bytes": memory.gpu_memory(),
-            "default_pool_bytes": memory.pool_bytes_for(total, available, 0, memory.gpu_memory())}
+            "swap_used_bytes": swap_used, "gpu_bytes": gpu, "gpu_free_bytes": gpu_free,
+            "default_pool_bytes": memory.pool_bytes_for(total, available, 0, gpu, gpu_free)}
 
 
 def swap() -> tuple[int | None, int | None]:

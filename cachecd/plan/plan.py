@@ -250,7 +250,9 @@ def recommended_pool(machine: Any, manifest: Manifest) -> int:
     from cachecd_engine.pool.memory import pool_bytes_for
 
     available = max(0, machine.available - manifest.resident_bytes_total)
-    return pool_bytes_for(machine.total, available, 0, machine.gpu)
+    gpu_free = (None if machine.gpu_free is None else
+                max(0, machine.gpu_free - manifest.resident_bytes_total))
+    return pool_bytes_for(machine.total, available, 0, machine.gpu, gpu_free)
 
 
 def project_row(inp: Inputs, work: Any, pool: int, budget: int, seed: int) -> dict[str, Any]:

@@ -50,6 +50,7 @@ class Machine:
     request_s: float = 0.0  # the daemon's round trip for a layer call's experts; 0: not measured
     cold_by_depth: tuple[tuple[int, float], ...] = ()  # (queue depth, bytes/s), the doctor's
     per_expert_s: float = 0.0  # the daemon's cost per expert of a request beyond the first
+    gpu_free: int | None = None  # a discrete GPU's free memory when the doctor ran
 
     def cold_at(self, depth: float) -> float:
         """The cold rate at the deepest queue the doctor measured that is not deeper."""
@@ -71,7 +72,7 @@ class Machine:
         per = max(0.0, daemon.get("per_expert_s", 0.0) - one)
         return cls(int(mem["total_bytes"]), int(mem["available_bytes"]), mem.get("gpu_bytes"),
                    cold[qd], page, net.get("range_rate"), net.get("resolve_s"), request,
-                   tuple(sorted(cold.items())), per)
+                   tuple(sorted(cold.items())), per, mem.get("gpu_free_bytes"))
 
 
 def read_s(nbytes: float, rate: float | None) -> float | None:

@@ -35,6 +35,7 @@ from cachecd_engine.formats import (
     derive_work_nbytes,
     finish,
 )
+from cachecd_engine.pool.cuda_memory import Copier
 
 _MX_DTYPES = {
     np.dtype(np.uint8): mx.uint8,
@@ -116,20 +117,27 @@ class PoolMemory:
         self.raw: dict[Key, mx.array] = {}
         self._rows: dict[Key, np.ndarray] = {}  # uint8 [slots, tensor bytes] views of raw
         for s in layout.slots:
-            arr = _aligned((slots, *s.shape), _MX_DTYPES[s.np_dtype], slots * s.nbytes)
-            self.raw[s.key] = arr
-            self._rows[s.key] = host_bytes(arr).reshape(slots, -1)
-        self.arrays: Arrays = finish(spec, layout, self.raw)  # lazy views, derived replaced
+            self.raw[s.key], self._rows[s.key] = _slots_array(
+                (slots, *s.shape), _MX_DTYPES[s.np_dtype], slots * s.nbytes)
         self.derived: dict[str, mx.array] = {}  # projection -> its derived array [slots, ...]
         self._derived_rows: dict[str, np.ndarray] = {}
         name = DERIVED.get(spec.fmt)
-        for proj, arrays in self.arrays.items():
-            if name is not None:
+        if name is not None:
+            for proj, arrays in finish(spec, layout, self.raw).items():
                 lazy = arrays[name]
-                arr = _aligned(lazy.shape, lazy.dtype, lazy.nbytes)
-                self.derived[proj] = arrays[name] = arr
-                self._derived_rows[proj] = host_bytes(arr).reshape(slots, -1)
-        mx.eval([a for proj in self.arrays.values() for a in proj.values()])
+                self.derived[proj], self._derived_rows[proj] = _slots_array(
+                    lazy.shape, lazy.dtype, lazy.nbytes)
+        self.arrays: Arrays = self._views()
+
+    def _views(self) -> Arrays:
+        """The kernel's arrays: lazy views of the raw slots, derived ones replaced, evaluated."""
+        arrays = finish(self.spec, self.layout, self.raw)
+        name = DERIVED.get(self.spec.fmt)
+        for proj, derived in self.derived.items():
+            assert name is not None
+            arrays[proj][name] = derived
+        mx.eval([a for proj in arrays.values() for a in proj.values()])
+        return arrays
 
     @staticmethod
     def slot_nbytes(spec: QuantSpec, layout: StackLayout) -> int:
@@ -195,14 +203,63 @@ class PoolMemory:
             written += 2 * len(pairs) * rows.shape[1]
         return written
 
-    def copy_from(self, other: PoolMemory, moves: dict[int, int]) -> int:
-        """Copy slots of ``other`` into this pool (old slot -> new slot); the bytes copied."""
-        if not moves:
-            return 0
-        old, new = list(moves), list(moves.values())
+    def resize(self, slots: int, moves: dict[int, int], copier: Copier | None = None) -> int:
+        """Give the pool ``slots`` slots, the experts of ``moves`` (old slot -> new slot, in
+        order, as ``SlotTable.resize`` returns them) kept; the bytes copied. One tensor at a
+        time: its new array is filled from the old one and the old one released before the
+        next tensor's is made, so memory peaks at the larger of the two pools plus one tensor,
+        never at both pools (a shrink comes exactly when memory is short). The kernel's arrays
+        (``arrays``) are made anew: the caller must hold no other reference to the old ones
+        (the bank hands its modules placeholders first). With ``copier`` (CUDA) the slots move
+        by the GPU's copy engine where they live, not through the host. An exception on the way
+        (an allocation refused) leaves tensors of both sizes: the caller drops the pool."""
+        self.arrays = {}  # the kernel's views share the old buffers
+        runs = _runs(moves)
         copied = 0
-        for dst, src in [*((r, other._rows[k]) for k, r in self._rows.items()),
-                         *((r, other._derived_rows[p]) for p, r in self._derived_rows.items())]:
-            dst[new] = src[old]
-            copied += len(new) * dst.shape[1]
+        for key in list(self.raw):
+            self.raw[key], self._rows[key], n = _moved(self.raw[key], self._rows[key], slots,
+                                                       runs, copier)
+            mx.clear_cache()  # the old tensor, released: MLX's allocator would keep it
+            copied += n
+        for proj in list(self.derived):
+            self.derived[proj], self._derived_rows[proj], n = _moved(
+                self.derived[proj], self._derived_rows[proj], slots, runs, copier)
+            mx.clear_cache()
+            copied += n
+        self.slots = slots
+        self.arrays = self._views()
         return copied
+
+
+def _slots_array(shape: tuple[int, ...], dtype: mx.Dtype,
+                 nbytes: int) -> tuple[mx.array, np.ndarray]:
+    """A slot array ``[slots, ...]`` (``_aligned``) and its host view, one row a slot."""
+    arr = _aligned(shape, dtype, nbytes)
+    return arr, host_bytes(arr).reshape(shape[0], -1)
+
+
+def _runs(moves: dict[int, int]) -> list[tuple[int, int, int]]:
+    """``moves`` as (old slot, new slot, count) runs of consecutive slots: one copy a run."""
+    runs: list[tuple[int, int, int]] = []
+    for old, new in sorted(moves.items()):
+        if runs and runs[-1][0] + runs[-1][2] == old and runs[-1][1] + runs[-1][2] == new:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((old, new, 1))
+    return runs
+
+
+def _moved(old: mx.array, old_rows: np.ndarray, slots: int, runs: list[tuple[int, int, int]],
+           copier: Copier | None) -> tuple[mx.array, np.ndarray, int]:
+    """A new slot array of ``slots`` rows holding ``old``'s rows of ``runs``; the bytes copied.
+    Row runs are copied as slices (a fancy index would make a temporary copy of them all)."""
+    row = old_rows.shape[1]
+    arr, rows = _slots_array((slots, *old.shape[1:]), old.dtype, slots * row)
+    if copier is not None and copier.on:
+        for o, n, k in runs:
+            copier.copy(int(rows[n].ctypes.data), int(old_rows[o].ctypes.data), k * row)
+        if copier.wait():
+            return arr, rows, sum(k for _, _, k in runs) * row
+    for o, n, k in runs:  # unified memory, or the copier gave up
+        rows[n : n + k] = old_rows[o : o + k]
+    return arr, rows, sum(k for _, _, k in runs) * row

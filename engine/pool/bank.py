@@ -84,8 +84,12 @@ class EngineStats:
     windowed: int = 0  # calls gathered over a window of the pool as large as a layer (Metal)
     swapped: int = 0  # slots whose contents moved to bring a call within one window
     readback_s: float = 0.0  # blocked reading back the routing (it runs what came before)
-    wait_s: float = 0.0  # blocked getting experts into slots (reads, queued readers of a slot)
-    plan_s: float = 0.0  # the bank's own host work: lookups, policy, indices, building the call
+    wait_s: float = 0.0  # blocked getting experts into slots: reads (demand, and read-ahead a
+    #                      call needs), derived arrays
+    readers_s: float = 0.0  # evaluating queued readers of slots about to be refilled (earlier
+    #                         calls' compute, e.g. the previous group's)
+    plan_s: float = 0.0  # the bank's own host work: the slot table and its policy, indices,
+    #                      building the call
 
     def reset(self) -> None:
         for name, value in asdict(EngineStats()).items():
@@ -204,7 +208,12 @@ class ExpertBank:
 
     def resize(self, pool_bytes: int) -> None:
         """Give the pool ``pool_bytes``: the experts the policy keeps are copied into the new
-        slots, so nothing already local is read again; every output stays the same."""
+        slots, so nothing already local is read again; every output stays the same. The pool
+        is rebuilt one tensor at a time (``PoolMemory.resize``), never old and new at once:
+        the layers' modules let go of the old arrays first (a placeholder each), then take the
+        new ones. On CUDA the slots move by the copy engine (the filler's copier). A resize
+        that fails part way (an allocation refused) drops the pool: every output stays the
+        same, what it held is read again."""
         self.pool_bytes = pool_bytes
         if self.memory is None or self.table is None:
             return
@@ -212,10 +221,19 @@ class ExpertBank:
         if slots == self.table.capacity:
             return
         self.settle()
-        old = self.memory
         moves = self.table.resize(slots)
-        self.memory = PoolMemory(self.spec, old.layout, slots, self.backend)
-        self.stats.copied_bytes += self.memory.copy_from(old, moves)
+        placeholder = mx.zeros((0,), mx.uint8)
+        for glu in self._templates:
+            for proj, arrays in self.memory.arrays.items():
+                for name in arrays:
+                    setattr(getattr(glu, proj), name, placeholder)
+        try:
+            self.stats.copied_bytes += self.memory.resize(slots, moves, self.fill.copier)
+        except BaseException:
+            # Some tensors have the new size and some the old: nothing in the pool can be used.
+            # The next call allocates it anew (empty) and reads again what it needs.
+            self.memory = self.table = None
+            raise
         for glu in self._templates:
             self._hold(glu)
 
@@ -343,8 +361,10 @@ class ExpertBank:
         pairs = list(zip(out, spare, strict=False))
         fences = table.fences_of([s for pair in pairs for s in pair])
         if fences:
+            t0 = time.perf_counter()
             mx.eval(fences)
             table.clear_fences(fences)
+            self.stats.readers_s += time.perf_counter() - t0
         table.swap(pairs)
         self.stats.copied_bytes += self.memory.swap(pairs)
         self.stats.swapped += len(pairs)

@@ -58,8 +58,11 @@ class Filler:
         t0 = time.perf_counter()
         memory, table = self.bank.pool(layer, ids[0])
         stats = self.bank.stats
+        plan0, readers0 = stats.plan_s, stats.readers_s  # counted where they happen, below
         self.sweep()
+        t1 = time.perf_counter()
         held = table.use(layer, ids)
+        stats.plan_s += time.perf_counter() - t1
         again = [e for e, slot in held.items() if slot in self._reads
                  and not self.finish(slot)]  # read-ahead that failed: read it now
         for e in again:
@@ -74,10 +77,15 @@ class Filler:
         except BaseException:
             self._undo()
             raise
+        t1 = time.perf_counter()
         table.filled(claimed.values())  # the commit: bytes and derived arrays in place
         stats.ram_hits += len(held) - len(staged)
         stats.staged_hits += len(staged)
-        stats.wait_s += time.perf_counter() - t0
+        t2 = time.perf_counter()
+        stats.plan_s += t2 - t1
+        # Expert wait: reads, read-ahead a call needs, derived arrays; not the table's and the
+        # policy's host work (plan_s) nor earlier calls' compute evaluated here (readers_s).
+        stats.wait_s += (t2 - t0) - (stats.plan_s - plan0) - (stats.readers_s - readers0)
         return {**held, **claimed}
 
     def _claim(self, layer: int, ids: list[int], keep: set[int]) -> dict[int, int]:
@@ -85,7 +93,9 @@ class Filler:
         is evaluated first), then ones read-ahead is filling (after those reads land)."""
         table = self.bank.table
         assert table is not None
+        t0 = time.perf_counter()
         slots = table.claim(layer, ids, keep, take_fenced=False, use=True).slots
+        self.bank.stats.plan_s += time.perf_counter() - t0
         rest = [e for e in ids if e not in slots]
         if rest:
             slots.update(self._claim_fenced(layer, rest, keep))
@@ -101,11 +111,15 @@ class Filler:
     def _claim_fenced(self, layer: int, ids: list[int], keep: set[int]) -> dict[int, int]:
         """Slots for ``ids`` that queued work may still read: that work is evaluated first, and
         its fences cleared only once that evaluation has returned."""
-        table = self.bank.table
+        table, stats = self.bank.table, self.bank.stats
+        t0 = time.perf_counter()
         claim = table.claim(layer, ids, keep, use=True)
+        t1 = time.perf_counter()
+        stats.plan_s += t1 - t0
         if claim.fences:
-            mx.eval(claim.fences)
+            mx.eval(claim.fences)  # earlier calls' compute, not a wait for expert bytes
             table.clear_fences(claim.fences)
+            stats.readers_s += time.perf_counter() - t1
         return claim.slots
 
     def _undo(self) -> None:

@@ -274,16 +274,18 @@ def test_launchctl_command_lines_for_every_state_name_the_plists_label(tmp_path:
 # the engine's memory defaults ---------------------------------------------------------------------
 
 
-def test_on_darwin_available_memory_is_physical_memory_less_what_mlx_holds(
+def test_on_darwin_without_vm_stat_available_memory_is_physical_memory_less_what_mlx_holds(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """macOS has no /proc/meminfo: the pool's default size comes from sysconf and MLX."""
+    """macOS has no /proc/meminfo; where ``vm_stat`` cannot be read either (its parsing is
+    tests/unit/test_memory.py's), the pool's default size comes from sysconf and MLX."""
     import mlx.core as mx
 
-    from cachecd_engine.pool import memory
+    from cachecd_engine.pool import machine, memory
 
     monkeypatch.setattr(memory, "sys", SimpleNamespace(platform="darwin"))
     monkeypatch.setattr(memory, "Path", None)  # any read of /proc would fail loudly
+    monkeypatch.setattr(machine, "darwin_available", lambda total: None)
     held = mx.zeros((1 << 20,), dtype=mx.uint8)
     mx.eval(held)
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

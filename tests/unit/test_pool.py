@@ -138,6 +138,36 @@ def test_a_slot_is_not_refilled_while_a_queued_call_reads_it(blobs, monkeypatch)
     assert_bitwise(_resident_outputs(CALLS), got)
 
 
+def test_expert_wait_counts_neither_queued_readers_nor_the_tables_work(blobs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The second call needs the slots the queued first call reads: evaluating that call is
+    earlier compute (``readers_s``), not a wait for expert bytes (``wait_s``). The filler's
+    clock moves only while that evaluation runs (5 s by this clock), so each second is seen
+    where it was counted."""
+    from types import SimpleNamespace
+
+    from cachecd_engine.pool import fill
+
+    monkeypatch.setattr(mx, "async_eval", lambda *a: None)  # keep the first call queued
+    model, bank = _bank(blobs, slots=4)
+    (l1, e1), (l2, e2) = CALLS
+    x, routed = _inputs(e1)
+    bank.run(l1, model.layers[l1].mlp.switch_mlp._glu, x, routed)
+    clock = SimpleNamespace(t=0.0)
+    monkeypatch.setattr(fill, "time", SimpleNamespace(perf_counter=lambda: clock.t))
+    real_eval = mx.eval
+
+    def evaluate(*arrays: object) -> None:
+        real_eval(*arrays)
+        clock.t += 5.0
+
+    monkeypatch.setattr(mx, "eval", evaluate)
+    bank.stats.reset()
+    x, routed = _inputs(e2)
+    bank.run(l2, model.layers[l2].mlp.switch_mlp._glu, x, routed)
+    s = bank.stats
+    assert (s.readers_s, s.wait_s, s.source_hits) == (5.0, 0.0, 4)
+
+
 def test_read_ahead_never_takes_a_slot_a_queued_call_reads(blobs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(mx, "async_eval", lambda *a: None)
     model, bank = _bank(blobs, slots=6)
@@ -237,3 +267,81 @@ def test_each_miss_is_copied_as_soon_as_its_read_lands(blobs) -> None:  # type: 
     for b in multi:  # landed, its copies, landed, its copies, ...: never two landings in a row
         words = b[1:]
         assert words[0] == "landed" and "landed landed" not in " ".join(words), b
+
+
+def _pool_peak_over(bank: ExpertBank, pool_bytes: int) -> int:
+    """MLX's peak memory during ``bank.resize(pool_bytes)``, above what it held before."""
+    mx.synchronize()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    bank.resize(pool_bytes)
+    return mx.get_peak_memory() - before
+
+
+@pytest.mark.parametrize("new_slots", [30, 52])
+def test_a_resize_never_holds_the_old_and_the_new_pool_at_once(blobs, new_slots: int) -> None:  # type: ignore[no-untyped-def]
+    """The pool is rebuilt one tensor at a time: shrinking 40 slots to 30 (or growing to 52)
+    peaks at the larger pool plus one tensor, not at both pools (70 or 92 slots' worth), and
+    the experts kept still compute what the resident layer computes."""
+    model, bank = _bank(blobs, slots=40)
+    ref, toks = run_logits(build_resident(FMT), PROMPT, steps=3)
+    run_logits(model, PROMPT, toks, steps=3)  # fills the pool
+    assert bank.memory is not None and bank.table is not None and len(bank.table) == 40
+    old = bank.memory.nbytes
+    biggest = max(a.nbytes for a in bank.memory.raw.values()) * max(40, new_slots) // 40
+    one = bank.source.entry(1, 0).nbytes  # type: ignore[attr-defined]
+    peak = _pool_peak_over(bank, new_slots * one)
+    new = bank.memory.nbytes
+    assert bank.capacity == new_slots and new == old * new_slots // 40
+    assert peak <= max(old, new) - old + biggest + 4096, (peak, old, new, biggest)
+    hits = bank.stats.ram_hits
+    got, _ = run_logits(model, PROMPT, toks, steps=3)  # the same tokens again: kept experts hit
+    assert_bitwise(ref, got)
+    assert bank.stats.ram_hits > hits
+
+
+def test_on_cuda_a_resize_moves_slots_by_the_copy_engine(blobs) -> None:  # type: ignore[no-untyped-def]
+    """With the copier on (CUDA), the kept slots move by ``cudaMemcpyAsync`` from the old
+    tensor's slots to the new one's, one copy a run of consecutive slots, not through host
+    views of the GPU's pages; the outputs stay the resident model's."""
+    model, bank = _bank(blobs, slots=40)
+    ref, toks = run_logits(build_resident(FMT), PROMPT, steps=3)
+    run_logits(model, PROMPT, toks, steps=3)
+    copier = bank.fill.copier = _HostCopier()
+    one = bank.source.entry(1, 0).nbytes  # type: ignore[attr-defined]
+    assert bank.memory is not None
+    before = bank.stats.copied_bytes
+    bank.resize(30 * one)
+    kept = 30 * one  # every slot was full: 30 experts' bytes move
+    assert copier.copied == bank.stats.copied_bytes - before == kept
+    got, _ = run_logits(model, PROMPT, toks, steps=3)
+    assert_bitwise(ref, got)
+
+
+def test_a_resize_that_fails_part_way_drops_the_pool_and_changes_no_logit(blobs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The third tensor's new array is refused (memory is short: that is when a shrink comes).
+    Some tensors then have the new size and some the old, so the bank drops the pool; the same
+    model serves the next request bitwise from a new pool of the size asked for."""
+    from cachecd_engine.pool import arrays
+
+    ref, toks = run_logits(build_resident(FMT), PROMPT, steps=3)
+    model, bank = _bank(blobs, slots=40)
+    run_logits(model, PROMPT, toks, steps=3)
+    made = []
+    real = arrays._aligned
+
+    def refuse_the_third(*a: object) -> mx.array:
+        made.append(a)
+        if len(made) == 3:
+            raise MemoryError("refused")
+        return real(*a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(arrays, "_aligned", refuse_the_third)
+    one = bank.source.entry(1, 0).nbytes  # type: ignore[attr-defined]
+    with pytest.raises(MemoryError):
+        bank.resize(30 * one)
+    assert bank.memory is None and bank.table is None
+    got, _ = run_logits(model, PROMPT, toks, steps=3)
+    assert_bitwise(ref, got)
+    assert bank.capacity == 30
