@@ -18,6 +18,12 @@ Invariants:
   afterwards: the fd cache checks the row on every hit, and a request that opened a blob before
   its quarantine landed opens its experts again before it answers.
 - Access stats are recorded once per distinct expert per request.
+- A model installed from another endpoint than the daemon's gets no miss fetched (409
+  ``endpoint_mismatch``, prefetch hints dropped) unless ``allow_other_endpoint``; its hits are
+  served.
+- ``reservations_full`` reaches a caller only where retrying can help: a request whose own
+  experts, with the pinned bytes, exceed the whole budget gets ``budget_too_small`` (not
+  retryable) naming the budget that would serve it.
 """
 
 from __future__ import annotations
@@ -31,11 +37,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cachecd import constants
-from cachecd.config import Settings
+from cachecd.config import Settings, settings_summary
 from cachecd.daemon.metrics import Latencies
 from cachecd.daemon.misses import MissFiller, flight_key
 from cachecd.daemon.registry import RegisteredModel, Registry
-from cachecd.errors import ExpertNotFound, InvalidRequest
+from cachecd.errors import (
+    BudgetTooSmall,
+    EndpointMismatch,
+    ExpertNotFound,
+    InvalidRequest,
+    ReservationsFull,
+)
 from cachecd.manifest.headers import keep_dir
 from cachecd.report.coverage import HitHistory
 from cachecd.store.blob_fds import BlobFds
@@ -128,8 +140,45 @@ class Daemon:
             self.counters["expert_hits"] += len(distinct) - len(missing)
             self.history.record(model.manifest.key, len(distinct) - len(missing), len(missing))
         if need:  # all hits: nothing can have changed since the look-up above (no await)
-            await self.misses.fill(model, need)
+            self.check_endpoint(model)
+            try:
+                await self.misses.fill(model, need)
+            except ReservationsFull as exc:
+                raise self._budget_error(model, distinct, exc) from None
         return missing
+
+    def check_endpoint(self, model: RegisteredModel) -> None:
+        """Refuse to fetch a model's experts from another endpoint than it was installed from,
+        unless told (``--allow-other-endpoint``)."""
+        here = self.settings.endpoint
+        if model.other_endpoint(here) and not self.settings.allow_other_endpoint:
+            raise EndpointMismatch(
+                f"{model.name} was installed from {model.endpoint}, and this daemon fetches from "
+                f"{here}: its experts that are not cached are not fetched from {here} unless you "
+                f"say so: restart the daemon with --endpoint {model.endpoint} (cachecd stop; "
+                f"cachecd serve --endpoint {model.endpoint}), or re-run `cachecd setup --stream "
+                f"{model.name} --endpoint {here}` to install it from {here}, or start the daemon "
+                "with --allow-other-endpoint (its bytes are verified against its manifest either "
+                "way)")
+
+    def _budget_error(self, model: RegisteredModel, entries: list[ExpertEntry],
+                      exc: ReservationsFull) -> ReservationsFull:
+        """``exc`` as it is, where retrying can help (others' fetches and requests hold the
+        room); ``BudgetTooSmall`` where this request's experts and the pins exceed the budget."""
+        from cachecd.manifest.step_need import flag_size
+
+        stats = self.store.stats()
+        limit, pinned = stats.get("budget", 0), stats.get("pinned_bytes", 0)
+        need = sum(e.nbytes for e in entries)
+        if not limit or need + pinned <= limit:
+            return exc
+        pins = f", {pinned} of them pinned (cachecd unpin frees them)" if pinned else ""
+        return BudgetTooSmall(
+            f"{model.name}: this request needs {len(entries)} experts of layer {entries[0].layer} "
+            f"on disk at once ({need} bytes), and the budget is {limit} bytes{pins}: retrying "
+            f"does not help; restart the daemon with --budget {flag_size(need + pinned)} or "
+            "more (cachecd stop; cachecd serve --budget ...), or lower --prefill-step-size of "
+            "cachecd run, warm or openai (a shorter step routes to fewer experts a layer)")
 
     async def open_experts(self, repo: str, layer: Any, ids: list[Any]) -> list[OpenedExpert]:
         """One opened blob per id, in order, uses recorded; the caller closes every fd."""
@@ -249,6 +298,8 @@ class Daemon:
 
     def prefetch(self, repo: str, layer: Any, ids: list[Any]) -> int:
         model = self.model(repo)
+        if model.other_endpoint(self.settings.endpoint) and not self.settings.allow_other_endpoint:
+            return 0  # a hint is no word to fetch from elsewhere; a demand says why not
         return self.misses.prefetch(model, self.entries(model, layer, ids))
 
     def status(self) -> dict[str, Any]:
@@ -261,6 +312,7 @@ class Daemon:
             "models_dir": str(self.settings.models_dir),
             "endpoint": self.settings.endpoint,
             "offline": self.settings.offline,
+            "settings": settings_summary(self.settings),
             "store": self.store.stats(),
             "inflight": self.misses.inflight,
             "counters": dict(self.counters) | dict(self.misses.counters),
