@@ -7,6 +7,7 @@ and the local hub.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -25,6 +26,8 @@ from tests.harness import (
     short_tmp,
     stop_daemon,
 )
+
+RUN = ("run", "--model", TINY_REPO, "--prompt", "Hello", "--max-tokens", "1")
 
 
 def token_file(base: Path) -> Path:
@@ -68,7 +71,7 @@ def setup(base: Path, endpoint: str, manifest: Path, *extra: str,
           check: bool = True) -> subprocess.CompletedProcess[str]:
     return run_cli("setup", "--stream", TINY_REPO, "--endpoint", endpoint,
                    "--socket", str(base / "run" / "s.sock"), "--manifest", str(manifest),
-                   *extra, check=check)
+                   "--models-dir", str(base / "models"), *extra, check=check)
 
 
 def status(socket: Path) -> str:
@@ -80,7 +83,7 @@ def test_what_setup_was_told_comes_back_at_a_bare_serve_and_in_the_service_unit(
     socket, token = base / "run" / "s.sock", token_file(base)
     share, peer = f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
     out = setup(base, hub.url, tiny_manifest_path, "--cache-dir", str(base / "cache"),
-                "--models-dir", str(base / "models"), "--budget", "64MiB",
+                "--budget", "64MiB",
                 "--share", share, "--share-token-file", str(token),
                 "--peer", peer, "--peer-token-file", str(token)).stdout
     assert "recorded" in out, out
@@ -134,10 +137,9 @@ def test_a_model_is_fetched_only_from_the_endpoint_it_was_installed_from(
             assert "event=endpoint_mismatch" in said and hub.url in said, said
             assert f"installed from {hub.url}, not {other.url}" in status(socket)
             mark = other.mark()
-            warm = run_cli("warm", "--top", "2", "--model", TINY_REPO, "--socket", str(socket),
-                           check=False)
-            line = warm.stderr.strip().splitlines()[-1]
-            assert warm.returncode == 1 and line.startswith("cachecd: endpoint_mismatch:"), warm
+            ran = run_cli(*RUN, "--socket", str(socket), check=False)
+            line = ran.stderr.strip().splitlines()[-1]
+            assert ran.returncode == 1 and line.startswith("cachecd: endpoint_mismatch:"), ran
             assert hub.url in line and other.url in line and "--allow-other-endpoint" in line
             assert not [r for r in other.requests(mark) if "/resolve/" in r[1]]
         finally:
@@ -148,7 +150,7 @@ def test_a_model_is_fetched_only_from_the_endpoint_it_was_installed_from(
         daemon = bare_serve(socket, "--endpoint", other.url, "--allow-other-endpoint", log=log)
         try:
             mark = other.mark()
-            run_cli("warm", "--top", "2", "--model", TINY_REPO, "--socket", str(socket))
+            run_cli(*RUN, "--socket", str(socket))
             assert [r for r in other.requests(mark) if "/resolve/" in r[1]]
         finally:
             daemon.terminate()
@@ -198,20 +200,28 @@ def test_a_budget_below_one_prefill_step_is_refused_at_setup_and_named_at_run(
     need, socket = largest_layer_bytes(tiny_manifest_path), base / "run" / "s.sock"
     small = setup(base, hub.url, tiny_manifest_path, "--cache-dir", str(base / "cache"),
                   "--budget", "100KiB", check=False)
+    assert small.returncode == 1, small.stdout + small.stderr
     line = small.stderr.strip().splitlines()[-1]
-    assert small.returncode == 1 and line.startswith("cachecd: config_invalid:"), small
-    assert f"of layer 1 ({format_size(need)})" in line or f"({format_size(need)})" in line, line
+    assert line.startswith("cachecd: config_invalid:"), line
+    assert f"({format_size(need)})" in line, line
     assert "smallest working budget is" in line and "--budget" in line, line
     assert not socket.exists()  # refused before a daemon was started
 
-    # A daemon told the same budget by hand starts, says so, and a prompt names the fix.
-    setup(base, hub.url, tiny_manifest_path, "--cache-dir", str(base / "cache"))
+    # The budget named works: a prompt's prefill runs within it.
+    named = re.search(r"pass --budget (\S+) or more", line)
+    assert named, line
+    setup(base, hub.url, tiny_manifest_path, "--cache-dir", str(base / "cache"),
+          "--budget", named.group(1))
+    prompt = "the quick brown fox jumps over the lazy dog " * 8
+    run_cli("run", "--model", TINY_REPO, "--socket", str(socket), "--prompt", prompt,
+            "--max-tokens", "2")
     run_cli("stop", "--socket", str(socket))
+
+    # A daemon told a smaller budget by hand starts, says so, and a prompt names the fix.
     log = base / "serve.log"
     daemon = bare_serve(socket, "--budget", "100KiB", log=log)
     try:
         assert "event=budget_too_small" in log.read_text()
-        prompt = "the quick brown fox jumps over the lazy dog " * 8
         ran = run_cli("run", "--model", TINY_REPO, "--socket", str(socket), "--prompt", prompt,
                       "--max-tokens", "1", check=False)
         last = ran.stderr.strip().splitlines()[-1]
