@@ -63,10 +63,15 @@ def register(sub: Any) -> None:
     p.add_argument("--share", metavar="HOST:PORT",
                    help="the daemon serves its verified experts to peers on HOST:PORT "
                         "(docs/sharing.md; default: off)")
-    p.add_argument("--share-token-file", metavar="FILE", help="with --share: the peers' token")
+    p.add_argument("--share-token-file", metavar="FILE",
+                   help="with --share: the token peers must send (default: none; required "
+                        "with --share)")
     p.add_argument("--peer", dest="peers", action="append", metavar="URL",
-                   help="the daemon asks this peer's --share before the Hub (repeatable)")
-    p.add_argument("--peer-token-file", metavar="FILE", help="with --peer: the peers' token")
+                   help="the daemon asks this peer's --share before the Hub (repeatable; "
+                        "default: no peers)")
+    p.add_argument("--peer-token-file", metavar="FILE",
+                   help="with --peer: the token the peers' --share-token-file holds (default: "
+                        "none; required with --peer)")
     p.add_argument("--no-start", action="store_true", help="do not start a daemon when none runs")
     p.add_argument("--pipeline", metavar="R/N",
                    help="install rank R of N machines that pipeline the model (mlx.launch): its "
