@@ -165,20 +165,15 @@ class Daemon:
                       exc: ReservationsFull) -> ReservationsFull:
         """``exc`` as it is, where retrying can help (others' fetches and requests hold the
         room); ``BudgetTooSmall`` where this request's experts and the pins exceed the budget."""
-        from cachecd.manifest.step_need import flag_size
+        from cachecd.manifest.step_need import request_too_big
 
         stats = self.store.stats()
         limit, pinned = stats.get("budget", 0), stats.get("pinned_bytes", 0)
         need = sum(e.nbytes for e in entries)
         if not limit or need + pinned <= limit:
             return exc
-        pins = f", {pinned} of them pinned (cachecd unpin frees them)" if pinned else ""
-        return BudgetTooSmall(
-            f"{model.name}: this request needs {len(entries)} experts of layer {entries[0].layer} "
-            f"on disk at once ({need} bytes), and the budget is {limit} bytes{pins}: retrying "
-            f"does not help; restart the daemon with --budget {flag_size(need + pinned)} or "
-            "more (cachecd stop; cachecd serve --budget ...), or lower --prefill-step-size of "
-            "cachecd run, warm or openai (a shorter step routes to fewer experts a layer)")
+        return BudgetTooSmall(request_too_big(model.name, len(entries), entries[0].layer, need,
+                                              limit, pinned))
 
     async def open_experts(self, repo: str, layer: Any, ids: list[Any]) -> list[OpenedExpert]:
         """One opened blob per id, in order, uses recorded; the caller closes every fd."""

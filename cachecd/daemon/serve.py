@@ -61,16 +61,16 @@ def add_daemon_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds a peer may take to connect, to start answering, or with no "
                         f"byte coming (a stall), before the Hub is asked instead; a peer that "
                         f"keeps sending is waited for (default: {constants.PEER_DEADLINE_S:g})")
-    p.add_argument("--allow-other-endpoint", action="store_const", const=True, default=None,
-                   help="fetch the experts of a model installed from another endpoint from this "
-                        "daemon's --endpoint (verified against its manifest all the same); "
-                        "without it such a model's misses are refused (endpoint_mismatch) and "
-                        "only its cached experts are served (default: off)")
     p.add_argument("--peer-min-rate", metavar="RATE",
                    help="a peer's request may take --peer-deadline plus its bytes at RATE (e.g. "
                         "1MiB/s), no longer; a peer that sends slower is dropped for the Hub and "
                         f"not asked for {constants.PEER_SKIP_S / 60:g} minutes (default: "
                         f"{constants.PEER_MIN_RATE >> 20}MiB/s)")
+    p.add_argument("--allow-other-endpoint", action="store_const", const=True, default=None,
+                   help="fetch the experts of a model installed from another endpoint from this "
+                        "daemon's --endpoint (verified against its manifest all the same); "
+                        "without it such a model's misses are refused (endpoint_mismatch) and "
+                        "only its cached experts are served (default: off)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -87,3 +87,14 @@ def too_small(budget: int, need: StepNeed, model: str) -> str:
             f"layer {need.layer} ({format_size(need.nbytes)}), and they must all be on disk "
             f"at once; the smallest working budget is {flag_size(need.nbytes)}: pass --budget "
             f"{flag_size(need.nbytes)} or more (or 0: no budget beyond the free space)")
+
+
+def request_too_big(model: str, experts: int, layer: int, need: int, budget: int,
+                    pinned: int) -> str:
+    """Why one request can never be served within ``budget``, and the two fixes."""
+    pins = f", {format_size(pinned)} of it pinned (cachecd unpin frees it)" if pinned else ""
+    return (f"{model}: this request needs {experts} experts of layer {layer} on disk at once "
+            f"({format_size(need)}), and the budget is {format_size(budget)}{pins}: retrying "
+            f"does not help; restart the daemon with --budget {flag_size(need + pinned)} or "
+            "more (cachecd stop; cachecd serve --budget ...), or lower --prefill-step-size of "
+            "cachecd run, warm or openai (a shorter step routes to fewer experts a layer)")

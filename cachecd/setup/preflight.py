@@ -6,6 +6,9 @@
 - A budget too small for one prefill step of the model (``manifest.step_need``) is refused, once
   the model's config.json (its top-k) is installed and before its resident weights are fetched;
   the budget is the running daemon's where one answers, else the one setup would start it with.
+
+After registering, setup says which recorded settings the daemon already running does not run
+with (``not_yet_running``): they apply from its next start, never silently.
 """
 
 from __future__ import annotations
@@ -72,3 +75,15 @@ def check_budget(settings: Settings, status: dict[str, Any] | None, manifest: An
         where = (f"the daemon on {settings.socket} runs with it; stop it (cachecd stop) and run "
                  "setup again with a larger --budget" if status else "")
         raise ConfigInvalid(too_small(budget, need, manifest.key) + (f"; {where}" if where else ""))
+
+
+def not_yet_running(settings: Settings, status: dict[str, Any] | None,
+                    told: dict[str, Any]) -> list[str]:
+    """What setup recorded that the daemon already running does not run with (it started
+    before): those apply from its next start."""
+    from cachecd.config import settings_summary
+
+    running_with = (status or {}).get("settings") or {}
+    wanted = settings_summary(settings)
+    return [f"{key} {wanted[key]} (it runs with {running_with[key]})" for key in sorted(told)
+            if key in running_with and key in wanted and running_with[key] != wanted[key]]

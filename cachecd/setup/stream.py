@@ -425,6 +425,9 @@ def run(args: argparse.Namespace) -> int:
     if told := record.told(settings, given):
         print(f"recorded {', '.join(sorted(told))} for later starts of this daemon in "
               f"{record.record(settings.socket, told)}")
+        if later := preflight.not_yet_running(settings, status, told):
+            print(f"the daemon on {settings.socket} started before, so these apply from its next "
+                  f"start (cachecd stop, then cachecd serve): {'; '.join(later)}")
     used = sum(f.stat().st_size for f in local.rglob("*") if f.is_file())
     full = sum(f.size for f in manifest.files.values())
     print(f"installed {local} ({format_size(used)} on disk, fetched {format_size(small + resident)} "

@@ -113,6 +113,12 @@ def test_what_setup_was_told_comes_back_at_a_bare_serve_and_in_the_service_unit(
         assert "differs from this unit in 2 setting(s)" in other, other
         assert f"#   endpoint: running {hub.url}, unit http://127.0.0.1:9" in other, other
         assert f"#   budget: running {64 << 20}, unit {1 << 30}" in other, other
+
+        # The next setup keeps what the first recorded, and says what waits for a restart.
+        again = run_cli("setup", "--stream", TINY_REPO, "--socket", str(socket),
+                        "--manifest", str(tiny_manifest_path), "--budget", "128MiB").stdout
+        assert f"budget {128 << 20} (it runs with {64 << 20})" in again, again
+        assert f"endpoint    {hub.url}" in status(socket)
     finally:
         daemon.terminate()
         daemon.wait(30)
