@@ -164,8 +164,8 @@ class ReservationsFull(CachecdError):
 
 
 class BudgetTooSmall(ReservationsFull):
-    """A request needs more bytes on disk at once than the budget can ever give it (its own
-    experts, with what is pinned): retrying does not help; the message names the budget that
+    """A request needs more bytes on disk at once than the whole budget (its own experts, one
+    layer's of a prefill step): retrying does not help; the message names the budget that
     would, and the smaller prefill step that needs less."""
 
     code, retryable = "budget_too_small", False

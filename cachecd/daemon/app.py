@@ -21,9 +21,10 @@ Invariants:
 - A model installed from another endpoint than the daemon's gets no miss fetched (409
   ``endpoint_mismatch``, prefetch hints dropped) unless ``allow_other_endpoint``; its hits are
   served.
-- ``reservations_full`` reaches a caller only where retrying can help: a request whose own
-  experts, with the pinned bytes, exceed the whole budget gets ``budget_too_small`` (not
-  retryable) naming the budget that would serve it.
+- ``reservations_full`` says "Retry shortly" only where waiting can help (others' fetches and
+  requests hold the room); where pins take it, it names unpin; a request whose own experts
+  exceed the whole budget gets ``budget_too_small`` (not retryable) naming the budget that
+  would serve it and ``--prefill-step-size``.
 """
 
 from __future__ import annotations
@@ -163,8 +164,9 @@ class Daemon:
 
     def _budget_error(self, model: RegisteredModel, entries: list[ExpertEntry],
                       exc: ReservationsFull) -> ReservationsFull:
-        """``exc`` as it is, where retrying can help (others' fetches and requests hold the
-        room); ``BudgetTooSmall`` where this request's experts and the pins exceed the budget."""
+        """``exc`` as it is, where waiting can help (others' fetches and requests hold the room);
+        else what to do: unpin (the pins take the room) or ``BudgetTooSmall`` (this request's
+        experts alone exceed the budget)."""
         from cachecd.manifest.step_need import request_too_big
 
         stats = self.store.stats()
@@ -172,8 +174,13 @@ class Daemon:
         need = sum(e.nbytes for e in entries)
         if not limit or need + pinned <= limit:
             return exc
+        if need <= limit:  # the pins take the room: unpinning helps, waiting does not
+            return ReservationsFull(
+                f"{model.name}: this request needs {need} bytes of experts on disk at once, and "
+                f"{pinned} of the budget's {limit} bytes are pinned: unpin some (cachecd unpin) "
+                "or raise --budget, then ask again")
         return BudgetTooSmall(request_too_big(model.name, len(entries), entries[0].layer, need,
-                                              limit, pinned))
+                                              limit))
 
     async def open_experts(self, repo: str, layer: Any, ids: list[Any]) -> list[OpenedExpert]:
         """One opened blob per id, in order, uses recorded; the caller closes every fd."""

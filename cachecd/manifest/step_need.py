@@ -89,12 +89,10 @@ def too_small(budget: int, need: StepNeed, model: str) -> str:
             f"{flag_size(need.nbytes)} or more (or 0: no budget beyond the free space)")
 
 
-def request_too_big(model: str, experts: int, layer: int, need: int, budget: int,
-                    pinned: int) -> str:
+def request_too_big(model: str, experts: int, layer: int, need: int, budget: int) -> str:
     """Why one request can never be served within ``budget``, and the two fixes."""
-    pins = f", {format_size(pinned)} of it pinned (cachecd unpin frees it)" if pinned else ""
     return (f"{model}: this request needs {experts} experts of layer {layer} on disk at once "
-            f"({format_size(need)}), and the budget is {format_size(budget)}{pins}: retrying "
-            f"does not help; restart the daemon with --budget {flag_size(need + pinned)} or "
+            f"({format_size(need)}), more than the whole budget of {format_size(budget)}: "
+            f"retrying does not help; restart the daemon with --budget {flag_size(need)} or "
             "more (cachecd stop; cachecd serve --budget ...), or lower --prefill-step-size of "
             "cachecd run, warm or openai (a shorter step routes to fewer experts a layer)")
