@@ -1,11 +1,19 @@
-"""Daemon and client settings: argv > ``CACHECD_*`` environment > TOML file > constants.
+"""Daemon and client settings: argv > ``CACHECD_*`` environment > what ``cachecd setup`` recorded
+> TOML file > constants.
 
 Validated once, at start; a bad value raises ``ConfigInvalid`` naming the key and where it came
 from. Besides ``constants``, this is the only module that reads ``os.environ``.
+
+Setup's record (``recorded_path``) is a TOML file of ``RECORDED_KEYS`` only, beside the config
+file, one per daemon socket: what setup was told on its command line, so that every later start
+of that daemon (a bare ``serve``, ``service render/install``, the next ``setup``) comes back with
+it. It outranks the config file because it is the user's latest word; it never names the socket
+(it is found by it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
@@ -69,6 +77,9 @@ class Settings:
     peer_token_file: Path | None = None
     peer_deadline: float = constants.PEER_DEADLINE_S
     peer_min_rate: int = constants.PEER_MIN_RATE  # bytes/s: a request may take deadline + bytes/this
+    # Fetch the experts of a model installed from another endpoint from this one (bytes are
+    # verified against its manifest either way); off: such misses are refused (endpoint_mismatch).
+    allow_other_endpoint: bool = False
 
     @property
     def data_socket(self) -> Path:
@@ -263,7 +274,11 @@ _FIELDS = {
     "peer_token_file": _path,
     "peer_deadline": _seconds,
     "peer_min_rate": lambda v, k: _positive_rate(v, k),
+    "allow_other_endpoint": _bool,
 }
+# What `cachecd setup` records of its command line for later starts of the same daemon.
+RECORDED_KEYS = ("endpoint", "cache_dirs", "models_dir", "budget", "share", "share_token_file",
+                 "peers", "peer_token_file")
 
 
 _FLAGS = {"cache_dirs": "--cache-dir", "manifests": "--manifest", "peers": "--peer"}  # repeatable flags' names
@@ -304,6 +319,33 @@ def _toml_layer(path: Path | None, explicit: bool = True, named: bool = False) -
     return {k: (v, f"{path}:{k}") for k, v in data.items()}
 
 
+def recorded_path(config_file: Path, socket: Path) -> Path:
+    """Where setup records its settings for the daemon on ``socket``: beside the config file
+    (so a service, which is given the config file's path, finds it too); ``setup.toml`` for
+    the default socket, ``setup-<hash of the socket's path>.toml`` for any other."""
+    socket = Path(socket).expanduser().absolute()
+    if socket == constants.DEFAULT_SOCKET.absolute():
+        return config_file.parent / "setup.toml"
+    return config_file.parent / f"setup-{hashlib.sha256(str(socket).encode()).hexdigest()[:12]}.toml"
+
+
+def active_config_file(environ: Mapping[str, str] | None = None) -> Path:
+    environ = os.environ if environ is None else environ
+    return Path(environ.get("CACHECD_CONFIG", str(constants.DEFAULT_CONFIG_FILE)))
+
+
+def _recorded_layer(config_file: Path, merged: Mapping[str, Any]) -> dict[str, Any]:
+    """Setup's record for the socket the other layers name (``recorded_path``)."""
+    socket = (_path(*merged["socket"]) if "socket" in merged else constants.DEFAULT_SOCKET)
+    layer = _toml_layer(recorded_path(config_file, socket), explicit=False)
+    extra = set(layer) - set(RECORDED_KEYS)
+    if extra:
+        raise ConfigInvalid(f"{recorded_path(config_file, socket)}: {', '.join(sorted(extra))} "
+                            f"cannot be recorded there (only {', '.join(RECORDED_KEYS)}); "
+                            "remove the line, or move it to the config file")
+    return layer
+
+
 def load_settings(
     argv_values: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
@@ -314,19 +356,41 @@ def load_settings(
     explicit = config_file is not None or "CACHECD_CONFIG" in environ
     named = config_file is None and "CACHECD_CONFIG" in environ
     if config_file is None:
-        config_file = Path(environ.get("CACHECD_CONFIG", str(constants.DEFAULT_CONFIG_FILE)))
-    merged: dict[str, Any] = {}
-    merged.update(_toml_layer(config_file, explicit, named))
-    merged.update(_env_layer(environ))
+        config_file = active_config_file(environ)
+    argv: dict[str, Any] = {}
     for key, value in (argv_values or {}).items():
         if value is not None and key in _FIELDS:
-            merged[key] = (value, _FLAGS.get(key, f"--{key.replace('_', '-')}"))
+            argv[key] = (value, _FLAGS.get(key, f"--{key.replace('_', '-')}"))
+    merged: dict[str, Any] = {}
+    merged.update(_toml_layer(config_file, explicit, named))
+    env = _env_layer(environ)
+    merged.update(_recorded_layer(config_file, {**merged, **env, **argv}))
+    merged.update(env)
+    merged.update(argv)
     settings = Settings()
     for key, (value, origin) in merged.items():
         setattr(settings, key, _FIELDS[key](value, origin))
     if "models_dir" not in merged and "cache_dirs" in merged:  # as MODELS_DIR_HELP says
         settings.models_dir = _not_a_file(settings.cache_dirs[0].parent / "models", "models_dir")
     return settings
+
+
+def settings_summary(settings: Settings) -> dict[str, Any]:
+    """What a daemon started with ``settings`` does differently from another: the running
+    daemon's status carries it, and ``service install --dry-run`` compares it with the unit's."""
+    return {
+        "endpoint": settings.endpoint,
+        "cache_dirs": [str(Path(d).absolute()) for d in settings.cache_dirs],
+        "models_dir": str(Path(settings.models_dir).absolute()),
+        "budget": settings.budget,
+        "share": settings.share,
+        "peers": list(settings.peers),
+        "policy": settings.policy,
+        "max_parallel": settings.max_parallel,
+        "offline": settings.offline,
+        "scrub_rate": settings.scrub_rate,
+        "allow_other_endpoint": settings.allow_other_endpoint,
+    }
 
 
 # What --models-dir is when not given (load_settings' rule), for every command that takes it.

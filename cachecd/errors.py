@@ -163,6 +163,22 @@ class ReservationsFull(CachecdError):
     code, http_status, retryable = "reservations_full", 507, True
 
 
+class BudgetTooSmall(ReservationsFull):
+    """A request needs more bytes on disk at once than the whole budget (its own experts, one
+    layer's of a prefill step): retrying does not help; the message names the budget that
+    would, and the smaller prefill step that needs less."""
+
+    code, retryable = "budget_too_small", False
+
+
+class EndpointMismatch(CachecdError):
+    """A model was installed from one endpoint and the daemon fetches from another: its missing
+    experts are not fetched from there until the user says so (the message names both endpoints,
+    ``serve --allow-other-endpoint`` and re-running setup with the new endpoint)."""
+
+    code, http_status = "endpoint_mismatch", 409
+
+
 class IndexFull(CachecdError):
     code, http_status, retryable = "index_full", 507, True
 

@@ -44,6 +44,18 @@ def daemon_log_dir() -> Iterator[Path]:
     shutil.rmtree(logs, ignore_errors=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def config_file() -> Iterator[Path]:
+    """Commands read an empty config file of the suite's own, and `cachecd setup` records what it
+    was told beside it (config.recorded_path), never in the user's ~/.config/cachecd."""
+    path, before = short_tmp("cdcfg") / "config.toml", os.environ.get("CACHECD_CONFIG")
+    path.write_text("")
+    os.environ["CACHECD_CONFIG"] = str(path)
+    yield path
+    os.environ.pop("CACHECD_CONFIG") if before is None else os.environ.update(CACHECD_CONFIG=before)
+    shutil.rmtree(path.parent, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def hub_root() -> Iterator[Path]:
     from cachecd.testbed.tiny_model import write_tiny_model

@@ -105,10 +105,24 @@ def render_status(info: dict[str, Any]) -> str:
             lines.append(_cached_line(m))
         if "manifest_origin" in m:
             lines.append(manifest_line(m))
+        lines += endpoint_lines(m, info)
     for repo, why in info.get("refused_models", {}).items():
         lines.append(f"refused     {repo}: {why}")
     lines += _attention(store, counters, info.get("scrub"))
     return "\n".join(lines)
+
+
+def endpoint_lines(model: dict[str, Any], info: dict[str, Any]) -> list[str]:
+    """A model installed from another endpoint than the daemon's, and what that means."""
+    theirs, here = model.get("endpoint"), str(info.get("endpoint") or "")
+    if not theirs or theirs.rstrip("/") == here.rstrip("/"):
+        return []
+    allowed = (info.get("settings") or {}).get("allow_other_endpoint")
+    then = ("its missing experts are fetched from this daemon's endpoint "
+            "(--allow-other-endpoint)" if allowed else
+            "its missing experts are NOT fetched (endpoint_mismatch): run the daemon with "
+            f"--endpoint {theirs}, or --allow-other-endpoint")
+    return [f"  endpoint  installed from {theirs}, not {here}: {then}"]
 
 
 def _sharing_lines(info: dict[str, Any]) -> list[str]:

@@ -18,6 +18,13 @@ Invariants:
   afterwards: the fd cache checks the row on every hit, and a request that opened a blob before
   its quarantine landed opens its experts again before it answers.
 - Access stats are recorded once per distinct expert per request.
+- A model installed from another endpoint than the daemon's gets no miss fetched (409
+  ``endpoint_mismatch``, prefetch hints dropped) unless ``allow_other_endpoint``; its hits are
+  served.
+- ``reservations_full`` says "Retry shortly" only where waiting can help (others' fetches and
+  requests hold the room); where pins take it, it names unpin; a request whose own experts
+  exceed the whole budget gets ``budget_too_small`` (not retryable) naming the budget that
+  would serve it and ``--prefill-step-size``.
 """
 
 from __future__ import annotations
@@ -31,11 +38,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cachecd import constants
-from cachecd.config import Settings
+from cachecd.config import Settings, settings_summary
 from cachecd.daemon.metrics import Latencies
 from cachecd.daemon.misses import MissFiller, flight_key
 from cachecd.daemon.registry import RegisteredModel, Registry
-from cachecd.errors import ExpertNotFound, InvalidRequest
+from cachecd.errors import (
+    BudgetTooSmall,
+    EndpointMismatch,
+    ExpertNotFound,
+    InvalidRequest,
+    ReservationsFull,
+)
 from cachecd.manifest.headers import keep_dir
 from cachecd.report.coverage import HitHistory
 from cachecd.store.blob_fds import BlobFds
@@ -128,8 +141,46 @@ class Daemon:
             self.counters["expert_hits"] += len(distinct) - len(missing)
             self.history.record(model.manifest.key, len(distinct) - len(missing), len(missing))
         if need:  # all hits: nothing can have changed since the look-up above (no await)
-            await self.misses.fill(model, need)
+            self.check_endpoint(model)
+            try:
+                await self.misses.fill(model, need)
+            except ReservationsFull as exc:
+                raise self._budget_error(model, distinct, exc) from None
         return missing
+
+    def check_endpoint(self, model: RegisteredModel) -> None:
+        """Refuse to fetch a model's experts from another endpoint than it was installed from,
+        unless told (``--allow-other-endpoint``)."""
+        here = self.settings.endpoint
+        if model.other_endpoint(here) and not self.settings.allow_other_endpoint:
+            raise EndpointMismatch(
+                f"{model.name} was installed from {model.endpoint}, and this daemon fetches from "
+                f"{here}: its experts that are not cached are not fetched from {here} unless you "
+                f"say so: restart the daemon with --endpoint {model.endpoint} (cachecd stop; "
+                f"cachecd serve --endpoint {model.endpoint}), or re-run `cachecd setup --stream "
+                f"{model.name} --endpoint {here}` to install it from {here}, or start the daemon "
+                "with --allow-other-endpoint (its bytes are verified against its manifest either "
+                "way)")
+
+    def _budget_error(self, model: RegisteredModel, entries: list[ExpertEntry],
+                      exc: ReservationsFull) -> ReservationsFull:
+        """``exc`` as it is, where waiting can help (others' fetches and requests hold the room);
+        else what to do: unpin (the pins take the room) or ``BudgetTooSmall`` (this request's
+        experts alone exceed the budget)."""
+        from cachecd.manifest.step_need import request_too_big
+
+        stats = self.store.stats()
+        limit, pinned = stats.get("budget", 0), stats.get("pinned_bytes", 0)
+        need = sum(e.nbytes for e in entries)
+        if not limit or need + pinned <= limit:
+            return exc
+        if need <= limit:  # the pins take the room: unpinning helps, waiting does not
+            return ReservationsFull(
+                f"{model.name}: this request needs {need} bytes of experts on disk at once, and "
+                f"{pinned} of the budget's {limit} bytes are pinned: unpin some (cachecd unpin) "
+                "or raise --budget, then ask again")
+        return BudgetTooSmall(request_too_big(model.name, len(entries), entries[0].layer, need,
+                                              limit))
 
     async def open_experts(self, repo: str, layer: Any, ids: list[Any]) -> list[OpenedExpert]:
         """One opened blob per id, in order, uses recorded; the caller closes every fd."""
@@ -249,6 +300,8 @@ class Daemon:
 
     def prefetch(self, repo: str, layer: Any, ids: list[Any]) -> int:
         model = self.model(repo)
+        if model.other_endpoint(self.settings.endpoint) and not self.settings.allow_other_endpoint:
+            return 0  # a hint is no word to fetch from elsewhere; a demand says why not
         return self.misses.prefetch(model, self.entries(model, layer, ids))
 
     def status(self) -> dict[str, Any]:
@@ -261,6 +314,7 @@ class Daemon:
             "models_dir": str(self.settings.models_dir),
             "endpoint": self.settings.endpoint,
             "offline": self.settings.offline,
+            "settings": settings_summary(self.settings),
             "store": self.store.stats(),
             "inflight": self.misses.inflight,
             "counters": dict(self.counters) | dict(self.misses.counters),

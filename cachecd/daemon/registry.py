@@ -24,6 +24,11 @@ The daemon keeps its own copy of each manifest under ``models_dir/manifests`` so
 survives the caller's temp files; ``origin`` says where the caller got it (``built``,
 ``shipped``, a path or an ``hf://`` URL), for ``status``.
 
+Each registration records the endpoint it was installed from (``endpoint``: what setup was given;
+the daemon's own for ``serve --manifest``; None for one registered before this was recorded). A
+daemon whose endpoint differs fetches none of that model's missing experts unless started with
+``--allow-other-endpoint`` (``Daemon.ensure``: 409 ``endpoint_mismatch``); hits are served.
+
 A registration may name a range of layers (``setup --pipeline R/N``: the layers mlx-lm gives that
 pipeline rank); an expert of any other layer is refused (403 ``layer_not_served``) before any
 I/O, so a rank's daemon only ever fetches and holds its own layers' experts.
@@ -96,6 +101,7 @@ class RegisteredModel:
     origin: str | None = None  # where the registering caller got the manifest
     layout_checked: bool = False  # its ranges agree with the shards' headers: experts may flow
     record_key: str = ""  # its record's key in the index (``REPO@COMMIT``; ``REPO`` before 30)
+    endpoint: str | None = None  # where it was installed from (None: not recorded)
     _served: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -151,7 +157,12 @@ class RegisteredModel:
             "manifest_origin": self.origin,
             "manifest_made": m.made,
             "layout_checked": self.layout_checked,
+            "endpoint": self.endpoint,
         }
+
+    def other_endpoint(self, endpoint: str) -> bool:
+        """Whether it was installed from another endpoint than ``endpoint``."""
+        return self.endpoint is not None and not same_endpoint(self.endpoint, endpoint)
 
 
 class Registry:
@@ -186,7 +197,8 @@ class Registry:
         local = Path(record["local_dir"]) if record.get("local_dir") else None
         layers, pipeline = check_restriction(record.get("layers"), record.get("pipeline"))
         model = RegisteredModel(manifest, path, local, layers, pipeline, record.get("origin"),
-                                record_key=record.get("key") or manifest.repo)
+                                record_key=record.get("key") or manifest.repo,
+                                endpoint=record.get("endpoint"))
         manifest.source = _label(model.origin, str(path))
         model.layout_checked = record.get("layout_checked") == await asyncio.to_thread(
             manifest.content_sha256)
@@ -196,11 +208,13 @@ class Registry:
 
     async def register(self, manifest_bytes: bytes, source: str, local_dir: str | None,
                        layers: Any = None, pipeline: Any = None,
-                       origin: str | None = None) -> RegisteredModel:
+                       origin: str | None = None,
+                       endpoint: str | None = None) -> RegisteredModel:
         """Register (or re-register, replacing the registration of that repo at that commit) a
         model; another revision of the repo stays registered beside it;
         ``layers`` ``[start, end)`` restricts the experts served, ``pipeline`` ``[rank, size]``
-        says which pipeline rank those layers are; ``origin`` where the caller got it."""
+        says which pipeline rank those layers are; ``origin`` where the caller got it;
+        ``endpoint`` where it was installed from."""
         layers, pipeline = check_restriction(layers, pipeline)
         manifest = await asyncio.to_thread(Manifest.from_bytes, manifest_bytes,
                                            _label(origin, source))
@@ -224,12 +238,13 @@ class Registry:
             "pipeline": list(pipeline) if pipeline else None,
             "origin": origin,
             "layout_checked": content if checked else None,
+            "endpoint": endpoint,
         }
         self._store.put_model(key, record)
         if legacy is not None:
             self._store.delete_model(manifest.repo)
         model = RegisteredModel(manifest, path, Path(local_dir) if local_dir else None, layers,
-                                pipeline, origin, checked, record_key=key)
+                                pipeline, origin, checked, record_key=key, endpoint=endpoint)
         self._models[(manifest.repo, manifest.revision)] = model
         self.refused.pop(key, None)
         self.refused.pop(manifest.repo, None)
@@ -352,6 +367,11 @@ class Registry:
     def all(self) -> list[RegisteredModel]:
         """In the order they were registered (at start: the index's order)."""
         return list(self._models.values())
+
+
+def same_endpoint(a: str, b: str) -> bool:
+    """One endpoint written two ways (a trailing slash) is the same endpoint."""
+    return a.rstrip("/") == b.rstrip("/")
 
 
 def _same_revision(commit: str, rev: str) -> bool:

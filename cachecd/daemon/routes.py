@@ -144,13 +144,17 @@ async def register_model(request: web.Request) -> web.Response:
             raise InvalidRequest(f"cannot read manifest {path}: {exc.strerror}") from None
         source, local_dir = path, body.get("local_dir")
         layers, pipeline = body.get("layers"), body.get("pipeline")
-        origin = body.get("origin")
+        origin, endpoint = body.get("origin"), body.get("endpoint")
         if origin is not None and (not isinstance(origin, str) or len(origin) > 1000):
             raise InvalidRequest("origin must be a string (where the manifest came from)")
+        if endpoint is not None and (not isinstance(endpoint, str) or len(endpoint) > 2000):
+            raise InvalidRequest("endpoint must be a string (the endpoint it was installed from)")
     else:
         data, source, local_dir = await request.read(), "<upload>", request.query.get("local_dir")
-        layers = pipeline = origin = None
-    model = await d.registry.register(data, source, local_dir, layers, pipeline, origin)
+        layers = pipeline = origin = endpoint = None
+    # Installed from where the caller says, else from where this daemon fetches.
+    model = await d.registry.register(data, source, local_dir, layers, pipeline, origin,
+                                      endpoint or d.settings.endpoint)
     return web.json_response(model.describe(), status=201)
 
 

@@ -66,12 +66,17 @@ def add_daemon_arguments(p: argparse.ArgumentParser) -> None:
                         "1MiB/s), no longer; a peer that sends slower is dropped for the Hub and "
                         f"not asked for {constants.PEER_SKIP_S / 60:g} minutes (default: "
                         f"{constants.PEER_MIN_RATE >> 20}MiB/s)")
+    p.add_argument("--allow-other-endpoint", action="store_const", const=True, default=None,
+                   help="fetch the experts of a model installed from another endpoint from this "
+                        "daemon's --endpoint (verified against its manifest all the same); "
+                        "without it such a model's misses are refused (endpoint_mismatch) and "
+                        "only its cached experts are served (default: off)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     keys = ("cache_dirs", "budget", "socket", "endpoint", "manifests", "models_dir", "policy",
             "max_parallel", "offline", "scrub_rate", "share", "share_token_file", "peers",
-            "peer_token_file", "peer_deadline", "peer_min_rate")
+            "peer_token_file", "peer_deadline", "peer_min_rate", "allow_other_endpoint")
     return load_settings({k: getattr(args, k, None) for k in keys})
 
 
@@ -159,6 +164,9 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     await adopt_pre_provenance(store, daemon.registry.all())  # once, after a schema-1 index
     for path in settings.manifests:
         await _register_or_refuse(daemon, Path(path))
+    for line in start_warnings(daemon):
+        log.warning(line)
+        print(f"cachecd: warning: {line}", file=sys.stderr, flush=True)
     control = bind_private_socket(settings.socket)
     data = bind_private_socket(settings.data_socket)
     handler_args: dict[str, Any] = {"access_log": None}
@@ -189,6 +197,31 @@ def tokens(settings: Settings) -> tuple[str | None, str | None]:
     return share, peer
 
 
+def start_warnings(daemon: Any) -> list[str]:
+    """What a user must hear at start about the registered models: one installed from another
+    endpoint (its misses are refused, or fetched from here if allowed), a budget too small for
+    one prefill step of one (``manifest.step_need``)."""
+    from cachecd.manifest.step_need import step_need, too_small, top_k_in
+
+    here, budget = daemon.settings.endpoint, daemon.settings.budget
+    out = []
+    for model in daemon.registry.all():
+        if model.other_endpoint(here):
+            then = ("its experts that are not cached are fetched from here "
+                    "(--allow-other-endpoint)" if daemon.settings.allow_other_endpoint else
+                    "its experts that are not cached are NOT fetched (endpoint_mismatch) until "
+                    f"the daemon runs with --endpoint {model.endpoint} or --allow-other-endpoint, "
+                    f"or setup is re-run with --endpoint {here}")
+            out.append(f"event=endpoint_mismatch model={model.name} installed_from="
+                       f"{model.endpoint} endpoint={here}: {then}")
+        if budget:
+            need = step_need(model.manifest, top_k_in(model.local_dir), served=model.served_rows())
+            if need.nbytes > budget:
+                out.append(f"event=budget_too_small model={model.name}: "
+                           f"{too_small(budget, need, model.name)}")
+    return out
+
+
 async def _register_or_refuse(daemon: Any, path: Path) -> None:
     """A bad --manifest refuses that model only; the daemon still serves the others."""
     from cachecd.errors import CachecdError
@@ -196,7 +229,8 @@ async def _register_or_refuse(daemon: Any, path: Path) -> None:
 
     try:
         model = await daemon.registry.register(await asyncio.to_thread(read_manifest_file, path),
-                                               str(path), None, origin=str(path.resolve()))
+                                               str(path), None, origin=str(path.resolve()),
+                                               endpoint=daemon.settings.endpoint)
         daemon.registry.at_start.add(model.repo)
     except (CachecdError, OSError) as exc:
         reason = exc.message if isinstance(exc, CachecdError) else f"cannot read {path}: {exc}"

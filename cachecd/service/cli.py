@@ -1,7 +1,8 @@
 """``cachecd service render|install|uninstall|status|logs``: the daemon under launchd or systemd.
 
 Invariants: ``--dry-run`` changes nothing (it may ask the manager read-only questions) and prints
-the file and the exact commands a real run executes; install and uninstall are idempotent
+the file and the exact commands a real run executes, and for install what differs from the
+daemon running on the unit's socket (``differ``); install and uninstall are idempotent
 (install twice leaves the same file and one running daemon, uninstall when absent succeeds with a
 note); a daemon started outside the manager on the same socket (``cachecd setup --stream`` starts
 one) is stopped with SIGTERM, so it drains, before the managed one starts; nothing is written or
@@ -28,6 +29,7 @@ from cachecd.errors import (
     ServiceCommandFailed,
     ServiceManagerUnavailable,
 )
+from cachecd.service.differ import describe
 from cachecd.service.manager import Command, Launchd, Manager, manager_for
 from cachecd.service.render import ServiceSpec, build_spec
 
@@ -113,6 +115,9 @@ def install(args: argparse.Namespace) -> int:
     rogue = _unmanaged_pid(spec.socket, None if reason else mgr.managed_pid())
     if args.dry_run:
         _print_install_plan(mgr, spec, text, changed, rogue, commands, reason)
+        from cachecd.daemon.serve import settings_from_args
+
+        print("\n".join(describe(settings_from_args(args), spec.socket)))
         return 0
     _make_dirs(mgr, spec)
     if changed:

@@ -36,7 +36,7 @@ from cachecd.errors import (
 from cachecd.manifest.repo_ref import is_commit, parse_ref
 from cachecd.manifest.sha256 import file_sha256
 from cachecd.service.render import sharing_arguments
-from cachecd.setup import pipeline
+from cachecd.setup import pipeline, preflight, record
 from cachecd.setup.delta import compare, copy_if_same, installed_before
 from cachecd.setup.resident import make_private
 from cachecd.sizes import format_size
@@ -60,6 +60,18 @@ def register(sub: Any) -> None:
     p.add_argument("--budget", help="disk budget for a daemon this command starts (default: 0, "
                    "the free space)")
     p.add_argument("--models-dir", help=MODELS_DIR_HELP)
+    p.add_argument("--share", metavar="HOST:PORT",
+                   help="the daemon serves its verified experts to peers on HOST:PORT "
+                        "(docs/sharing.md; default: off)")
+    p.add_argument("--share-token-file", metavar="FILE",
+                   help="with --share: the token peers must send (default: none; required "
+                        "with --share)")
+    p.add_argument("--peer", dest="peers", action="append", metavar="URL",
+                   help="the daemon asks this peer's --share before the Hub (repeatable; "
+                        "default: no peers)")
+    p.add_argument("--peer-token-file", metavar="FILE",
+                   help="with --peer: the token the peers' --share-token-file holds (default: "
+                        "none; required with --peer)")
     p.add_argument("--no-start", action="store_true", help="do not start a daemon when none runs")
     p.add_argument("--pipeline", metavar="R/N",
                    help="install rank R of N machines that pipeline the model (mlx.launch): its "
@@ -69,6 +81,15 @@ def register(sub: Any) -> None:
                    help="the tokenizer runs code its repo ships (Kimi's tokenization_kimi.py): "
                         "load it once now, as pinned by sha256 in the manifest")
     p.set_defaults(func=run)
+    p.epilog = ("What setup is told (--endpoint, --cache-dir, --models-dir, --budget, --share, "
+                "--peer and their token files) is recorded beside the config file for the "
+                "daemon on --socket: every later start of it (a bare `cachecd serve`, `cachecd "
+                "service install`, the next setup) uses it unless CACHECD_* or a flag says "
+                "otherwise (docs/daemon.md, Settings).")
+
+
+_RECORDED_FLAGS = ("endpoint", "socket", "cache_dirs", "budget", "models_dir", "share",
+                   "share_token_file", "peers", "peer_token_file")
 
 
 def resolve_commit(repo: str, rev: str, endpoint: str, offline: bool) -> str:
@@ -360,9 +381,12 @@ def wait_healthy(client: Any, proc: subprocess.Popen[bytes], log_path: Path, tim
 
 
 def run(args: argparse.Namespace) -> int:
-
-    settings = load_settings({k: getattr(args, k, None) for k in
-                              ("endpoint", "socket", "cache_dirs", "budget", "models_dir")})
+    given = {k: getattr(args, k, None) for k in _RECORDED_FLAGS}
+    settings = load_settings(given)
+    status = preflight.running(settings)
+    if status is None and not args.no_start:
+        preflight.check_writable(settings.cache_dirs)
+    preflight.check_endpoint(settings, status)
     repo, rev = parse_ref(args.stream)
     rank = pipeline.parse_rank(args.pipeline) if getattr(args, "pipeline", None) else None
     commit = resolve_commit(repo, rev, settings.endpoint, settings.offline)
@@ -384,6 +408,8 @@ def run(args: argparse.Namespace) -> int:
     remote_code = check_tokenizer(manifest, local, args.trust_remote_code)
     keep = text_model_tensors(manifest, local)
     layers = pipeline.rank_layers(local, *rank) if rank is not None else None
+    preflight.check_budget(settings, status, manifest, local,
+                           layers and (layers.start, layers.end))
     if layers is not None:
         keep = pipeline.rank_keep(manifest, keep, layers)
     delta = compare(settings.socket, old, manifest, keep) if old else None
@@ -395,7 +421,13 @@ def run(args: argparse.Namespace) -> int:
     client = ensure_daemon(settings, args)
     with client:
         client.register(manifest_path, local, layers=layers and (layers.start, layers.end),
-                        pipeline=rank, origin=origin)
+                        pipeline=rank, origin=origin, endpoint=settings.endpoint)
+    if told := record.told(settings, given):
+        print(f"recorded {', '.join(sorted(told))} for later starts of this daemon in "
+              f"{record.record(settings.socket, told)}")
+        if later := preflight.not_yet_running(settings, status, told):
+            print(f"the daemon on {settings.socket} started before, so these apply from its next "
+                  f"start (cachecd stop, then cachecd serve): {'; '.join(later)}")
     used = sum(f.stat().st_size for f in local.rglob("*") if f.is_file())
     full = sum(f.size for f in manifest.files.values())
     print(f"installed {local} ({format_size(used)} on disk, fetched {format_size(small + resident)} "

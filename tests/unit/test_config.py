@@ -1,4 +1,5 @@
-"""Settings precedence (argv > CACHECD_* > TOML > defaults) and validation messages."""
+"""Settings precedence (argv > CACHECD_* > setup's record > TOML > defaults) and validation
+messages."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cachecd import constants
-from cachecd.config import load_settings, parse_size
+from cachecd.config import load_settings, parse_size, recorded_path
 from cachecd.errors import ConfigInvalid
 from cachecd.sizes import format_size
 
@@ -22,6 +23,28 @@ def test_precedence_argv_env_toml_defaults(tmp_path: Path) -> None:
     assert s.policy == "lru"  # TOML beats the default
     assert s.max_parallel == constants.MAX_PARALLEL_FETCHES  # the default
     assert s.data_socket == Path("/tmp/from-argv.sock.data")
+
+
+def test_setups_record_sits_between_env_and_toml_for_its_own_socket(tmp_path: Path) -> None:
+    toml = tmp_path / "c.toml"
+    toml.write_text('endpoint = "http://toml:1"\npolicy = "lru"\nbudget = "1GiB"\n')
+    sock = tmp_path / "s.sock"
+    recorded_path(toml, sock).write_text('endpoint = "http://recorded:2"\nbudget = 3\n'
+                                         'peers = ["http://peer:3"]\n')
+    s = load_settings({"socket": str(sock)}, environ={}, config_file=toml)
+    assert (s.endpoint, s.budget, s.peers) == ("http://recorded:2", 3, ["http://peer:3"])
+    assert s.policy == "lru"  # what the record does not hold comes from the TOML file
+    env = {"CACHECD_ENDPOINT": "http://env:4"}
+    assert load_settings({"socket": str(sock)}, environ=env, config_file=toml).endpoint == \
+        "http://env:4"
+    assert load_settings({"socket": str(sock), "endpoint": "http://argv:5"}, environ=env,
+                         config_file=toml).endpoint == "http://argv:5"
+    # Another daemon's socket has a record of its own (none here).
+    other = load_settings({"socket": str(tmp_path / "t.sock")}, environ={}, config_file=toml)
+    assert other.endpoint == "http://toml:1"
+    recorded_path(toml, sock).write_text('policy = "lru"\n')
+    with pytest.raises(ConfigInvalid, match="policy cannot be recorded there"):
+        load_settings({"socket": str(sock)}, environ={}, config_file=toml)
 
 
 def test_cache_dirs_from_env_and_models_dir_follows(tmp_path: Path) -> None:
