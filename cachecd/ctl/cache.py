@@ -175,9 +175,14 @@ def _scrub_lines(scrub: dict[str, Any]) -> list[str]:
         return ["scrub       off (--scrub-rate 0): rot under a running daemon waits for "
                 "`cachecd fsck`"]
     now = scrub.get("pass") or {}
-    lines = [f"scrub       pass {scrub.get('passes', 0) + 1}: {now.get('blobs_done', 0)}/"
-             f"{now.get('blobs_total', 0)} blobs, {format_size(now.get('bytes_done', 0))} of "
-             f"{format_size(now.get('bytes_total', 0))}, at {format_size(scrub['rate'])}/s"]
+    if "resting_until" in scrub:  # every blob scrubbed: the thread sleeps (store/scrub.py)
+        left = max(0.0, scrub["resting_until"] - time.time())
+        lines = [f"scrub       resting: every cached blob scrubbed; the next pass starts when "
+                 f"a blob comes in, or in {left / 60:.0f} min"]
+    else:
+        lines = [f"scrub       pass {scrub.get('passes', 0) + 1}: {now.get('blobs_done', 0)}/"
+                 f"{now.get('blobs_total', 0)} blobs, {format_size(now.get('bytes_done', 0))} "
+                 f"of {format_size(now.get('bytes_total', 0))}, at {format_size(scrub['rate'])}/s"]
     last = scrub.get("last_pass")
     lines.append(f"last scrub  full pass {_ago(last['finished'])} ({last['blobs']} blobs in "
                  f"{last['seconds']:.0f} s), {last['failures']} failed their hash" if last
