@@ -91,18 +91,22 @@ class Client:
     def register(self, manifest: str | Path, local_dir: str | Path | None = None, *,
                  layers: tuple[int, int] | None = None,
                  pipeline: tuple[int, int] | None = None,
-                 origin: str | None = None) -> dict[str, Any]:
+                 origin: str | None = None,
+                 names: list[str] | None = None) -> dict[str, Any]:
         """Register a model by its manifest file (the daemon keeps its own copy).
 
         ``layers`` ``(start, end)`` restricts the daemon to those layers' experts (others are
         refused with ``LayerNotServed``); ``pipeline`` ``(rank, size)`` names the pipeline rank
         whose layers they are (``cachecd setup --pipeline``); ``origin`` says where the manifest
-        came from (``built``, ``shipped``, the file or ``hf://`` URL given), for ``status``."""
+        came from (``built``, ``shipped``, the file or ``hf://`` URL given), for ``status``;
+        ``names`` the revision names (branch, tag) it was installed as: ``ORG/NAME@v2`` then
+        names it, as its commit does (a name moves from another revision of the repo)."""
         body = {"manifest": str(Path(manifest).resolve()),
                 "local_dir": str(local_dir) if local_dir else None,
                 "layers": list(layers) if layers else None,
                 "pipeline": list(pipeline) if pipeline else None,
-                "origin": origin}
+                "origin": origin,
+                "names": names}
         return self._control.request("POST", "/v1/models", body)
 
     def remove(self, model: str, *, experts: bool = False) -> dict[str, Any]:

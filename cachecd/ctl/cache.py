@@ -94,8 +94,9 @@ def render_status(info: dict[str, Any]) -> str:
         lines += _scrub_lines(info["scrub"])
     lines += _sharing_lines(info)
     for m in info.get("models", []):
-        lines.append(f"model       {m['repo']}@{m['revision'][:12]} {m['experts_total']} experts, "
-                     f"{format_size(m['expert_bytes_total'])} of experts")
+        names = f" ({', '.join(m['names'])})" if m.get("names") else ""
+        lines.append(f"model       {m['repo']}@{m['revision'][:12]}{names} {m['experts_total']} "
+                     f"experts, {format_size(m['expert_bytes_total'])} of experts")
         if m.get("layers"):
             rank = m.get("pipeline")
             of = f" (pipeline rank {rank['rank']} of {rank['size']})" if rank else ""

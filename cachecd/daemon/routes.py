@@ -137,20 +137,21 @@ async def register_model(request: web.Request) -> web.Response:
         path = body.get("manifest")
         if not isinstance(path, str):
             raise InvalidRequest("POST /v1/models takes {\"manifest\": PATH, \"local_dir\": DIR, "
-                                 "\"layers\": [START, END], \"pipeline\": [RANK, SIZE]}")
+                                 "\"layers\": [START, END], \"pipeline\": [RANK, SIZE], "
+                                 "\"names\": [REV, ...]}")
         try:
             data = await asyncio.to_thread(_read_file, path)
         except OSError as exc:
             raise InvalidRequest(f"cannot read manifest {path}: {exc.strerror}") from None
         source, local_dir = path, body.get("local_dir")
         layers, pipeline = body.get("layers"), body.get("pipeline")
-        origin = body.get("origin")
+        origin, names = body.get("origin"), body.get("names")
         if origin is not None and (not isinstance(origin, str) or len(origin) > 1000):
             raise InvalidRequest("origin must be a string (where the manifest came from)")
     else:
         data, source, local_dir = await request.read(), "<upload>", request.query.get("local_dir")
-        layers = pipeline = origin = None
-    model = await d.registry.register(data, source, local_dir, layers, pipeline, origin)
+        layers = pipeline = origin = names = None
+    model = await d.registry.register(data, source, local_dir, layers, pipeline, origin, names)
     return web.json_response(model.describe(), status=201)
 
 

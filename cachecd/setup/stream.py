@@ -71,6 +71,12 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+def revision_names(rev: str, commit: str) -> list[str]:
+    """The branch or tag ``rev`` names, for the daemon to take as a name of ``commit`` (none
+    when ``rev`` is the commit or a prefix of it)."""
+    return [] if commit.startswith(rev) else [rev]
+
+
 def resolve_commit(repo: str, rev: str, endpoint: str, offline: bool) -> str:
     if is_commit(rev):
         return rev
@@ -395,14 +401,14 @@ def run(args: argparse.Namespace) -> int:
     client = ensure_daemon(settings, args)
     with client:
         client.register(manifest_path, local, layers=layers and (layers.start, layers.end),
-                        pipeline=rank, origin=origin)
+                        pipeline=rank, origin=origin, names=revision_names(rev, commit))
     used = sum(f.stat().st_size for f in local.rglob("*") if f.is_file())
     full = sum(f.size for f in manifest.files.values())
     print(f"installed {local} ({format_size(used)} on disk, fetched {format_size(small + resident)} "
           f"now) of a {format_size(full)} model: {used / full:.1%}")
     trust = " --trust-remote-code" if remote_code else ""
     # With another revision registered beside it, a bare ORG/NAME no longer names one.
-    name = f"{repo}@{commit[:12]}" if old else repo
+    name = f"{repo}@{rev if revision_names(rev, commit) else commit[:12]}" if old else repo
     if layers is not None:
         print(pipeline.rank_report(manifest, layers))
         print(f"run it on every machine at once: mlx.launch --hostfile hosts.json -- cachecd run "
