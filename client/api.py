@@ -76,9 +76,10 @@ class Client:
         """The daemon's health (``{"ok": true, "pid": ...}``)."""
         return self._control.request("GET", "/healthz")
 
-    def stats(self) -> dict[str, Any]:
-        """Daemon status: store usage, counters, upstream stats, registered models."""
-        return self._control.request("GET", "/v1/status")
+    def stats(self, verbose: bool = False) -> dict[str, Any]:
+        """Daemon status: store usage, counters, upstream stats, registered models (each with
+        its experts cached and pinned; ``verbose``: the pinned ones' ``[layer, expert]``)."""
+        return self._control.request("GET", "/v1/status?verbose=1" if verbose else "/v1/status")
 
     def models(self) -> list[dict[str, Any]]:
         """The registered models."""

@@ -34,6 +34,8 @@ def register(sub: Any) -> None:
     p = sub.add_parser("status", help="daemon health, models, disk use, hit rate")
     add_common_arguments(p)
     p.add_argument("--json", action="store_true", help="print the raw status JSON")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="list each model's pinned experts by layer")
     p.set_defaults(func=status)
     for name, helptext in (("pin", "fetch and pin experts so they are never evicted"),
                            ("unpin", "let pinned experts be evicted again")):
@@ -64,7 +66,7 @@ def register(sub: Any) -> None:
 
 def status(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        info = client.stats()
+        info = client.stats(verbose=args.verbose or args.json)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -104,6 +106,7 @@ def render_status(info: dict[str, Any]) -> str:
                          f"{m['experts_served']} experts, {format_size(m['expert_bytes_served'])}")
         if "experts_cached" in m:
             lines.append(_cached_line(m))
+        lines += _pinned_lines(m)
         if "manifest_origin" in m:
             lines.append(manifest_line(m))
     for repo, why in info.get("refused_models", {}).items():
@@ -126,15 +129,23 @@ def _sharing_lines(info: dict[str, Any]) -> list[str]:
                      f"{share.get('connection_limit', 0)}, {closed} closed by the door, "
                      f"{share.get('connections_refused', 0)} turned away")
     for peer in info.get("peers", []):
-        why = peer.get("skipped_because") or "it served wrong bytes"
-        state = (f"SKIPPED for {peer['skipped_for_s']:.0f}s more: {why}"
-                 if peer["skipped_for_s"] else "asked before the Hub")
-        lines.append(f"peer        {peer['url']} {state}")
+        lines.append(f"peer        {peer['url']} {_peer_state(peer)}")
     if info.get("peers"):
         lines.append(f"  from peers {up.get('peer_experts', 0)} experts, "
                      f"{format_size(up.get('peer_bytes', 0))}; {up.get('peer_lies', 0)} times "
                      "wrong bytes")
     return lines
+
+
+def _peer_state(peer: dict[str, Any]) -> str:
+    """Skipped (wrong bytes, too slow), down (its last request failed), or asked first."""
+    if peer["skipped_for_s"]:
+        why = peer.get("skipped_because") or "it served wrong bytes"
+        return f"SKIPPED for {peer['skipped_for_s']:.0f}s more: {why}"
+    if "down_because" in peer:
+        return (f"DOWN for {peer['down_for_s']:.0f}s: {peer['down_because']}; the Hub serves "
+                f"meanwhile, and the peer is asked again at each miss (check it, or --peer)")
+    return "asked before the Hub"
 
 
 def manifest_line(m: dict[str, Any]) -> str:
@@ -160,6 +171,20 @@ def _cached_line(m: dict[str, Any]) -> str:
     share = m["expert_bytes_cached"] / total if total else 0.0
     return (f"  cached    {m['experts_cached']}/{served} experts, "
             f"{format_size(m['expert_bytes_cached'])} of {format_size(total)} ({share:.1%})")
+
+
+def _pinned_lines(m: dict[str, Any]) -> list[str]:
+    """A model's pinned experts: how many and their bytes; by layer when asked (--verbose)."""
+    if not m.get("experts_pinned"):
+        return []
+    lines = [f"  pinned    {m['experts_pinned']} experts, {format_size(m['expert_bytes_pinned'])}: "
+             f"never evicted (`cachecd unpin` lets them go)"]
+    by_layer: dict[int, list[int]] = {}
+    for layer, expert in m.get("pinned", []):
+        by_layer.setdefault(layer, []).append(expert)
+    lines += [f"    layer {layer}: {', '.join(map(str, experts))}"
+              for layer, experts in sorted(by_layer.items())]
+    return lines
 
 
 def _ago(when: float) -> str:

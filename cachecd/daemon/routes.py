@@ -24,7 +24,13 @@ from cachecd.daemon import metrics as prom
 from cachecd.daemon.peer import peer_cred
 from cachecd.daemon.removal import remove_model
 from cachecd.errors import CachecdError, Forbidden, Internal, InvalidRequest, NotFound
-from cachecd.report.coverage import access_array, cached_mask, coverage_report, pack_detail
+from cachecd.report.coverage import (
+    access_array,
+    cached_mask,
+    coverage_report,
+    pack_detail,
+    pinned_mask,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,19 +109,30 @@ async def status(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     await d.misses.settled()  # what was handed out is in the store before it is reported
     info = d.status()
-    await asyncio.to_thread(_add_coverage, d, info["models"])
+    verbose = request.query.get("verbose") == "1"
+    await asyncio.to_thread(_add_coverage, d, info["models"], verbose)
     return web.json_response(info)
 
 
-def _add_coverage(d: Any, models: list[dict[str, Any]]) -> None:
-    """Each model's experts cached, of those the daemon serves (a thread: K3 has 82,432)."""
+def _add_coverage(d: Any, models: list[dict[str, Any]], verbose: bool = False) -> None:
+    """Each model's experts cached and pinned, of those the daemon serves (a thread: K3 has
+    82,432); ``verbose``: the pinned ones' [layer, expert] too."""
     by_name = {(m.repo, m.manifest.revision): m for m in d.registry.all()}
+    pins = d.store.pins()
     for row in models:
         model = by_name.get((row["repo"], row["revision"]))
-        if model is not None:
-            cached = cached_mask(model.manifest, d.store.has_source) & model.served_rows()
-            row["experts_cached"] = int(cached.sum())
-            row["expert_bytes_cached"] = int(model.manifest.sizes[cached].sum())
+        if model is None:
+            continue
+        m = model.manifest
+        cached = cached_mask(m, d.store.has_source) & model.served_rows()
+        row["experts_cached"] = int(cached.sum())
+        row["expert_bytes_cached"] = int(m.sizes[cached].sum())
+        pinned = pinned_mask(m, pins) & model.served_rows()
+        row["experts_pinned"] = int(pinned.sum())
+        row["expert_bytes_pinned"] = int(m.sizes[pinned].sum())
+        if verbose:
+            row["pinned"] = [[int(m.layer_ids[i]), int(m.expert_ids[i])]
+                             for i in pinned.nonzero()[0]]
 
 
 async def metrics(request: web.Request) -> web.Response:
