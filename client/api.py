@@ -21,7 +21,7 @@ from cachecd.config import data_socket_path, load_settings
 from cachecd.errors import ExpertSizeMismatch, InvalidRequest, ModelNotFound
 from cachecd.protocol import MAX_FDS_PER_FRAME
 from cachecd_client.transport import ControlTransport, DataTransport, Target, parallel_preadv
-from cachecd_client.waits import WaitWatch
+from cachecd_client.waits import WaitProgress, WaitWatch
 
 
 def default_socket() -> Path:
@@ -247,6 +247,12 @@ class Client:
             finally:
                 for fd in fds:
                     os.close(fd)
+
+    def on_wait(self, progress: Callable[[WaitProgress], None] | None) -> None:
+        """While a read waits on the daemon's fetches (a cold layer's misses), call ``progress``
+        about every second from a watcher thread with its figures (``WaitProgress``: fetched of
+        those under way, bytes, rate, time left); None: stop."""
+        self._waits.progress = progress
 
     def close(self) -> None:
         self._waits.close()

@@ -135,6 +135,12 @@ def _add_coverage(d: Any, models: list[dict[str, Any]], verbose: bool = False) -
                              for i in pinned.nonzero()[0]]
 
 
+async def fetches(request: web.Request) -> web.Response:
+    """The fetches under way and done (``MissFiller.fetching``): cheap, for a client that shows
+    progress while a read waits (``cachecd_client.waits``); ``/v1/status`` says more."""
+    return web.json_response(request.app[DAEMON].misses.fetching())
+
+
 async def metrics(request: web.Request) -> web.Response:
     await request.app[DAEMON].misses.settled()  # as status: what was handed out is counted
     body = prom.render(request.app[METRICS])
@@ -323,6 +329,7 @@ def build_app(daemon: Any, client_max_size: int, door: Any = None) -> web.Applic
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/status", status)
+    app.router.add_get("/v1/fetches", fetches)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/models", register_model)
     app.router.add_get(base, model_info)
