@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cachecd.errors import CachecdError
+from cachecd.errors import CachecdError, NotFound
 
 log = logging.getLogger("cachecd_client")
 
@@ -128,7 +128,10 @@ class WaitWatch:
             self._control = ControlTransport(self._socket, 5.0)
         try:
             return dict(self._control.request("GET", "/v1/fetches"))
-        except (CachecdError, OSError):  # an older daemon, or one too busy: no progress then
+        except NotFound:  # a daemon from before the route: it never will say
+            self.progress = None
+            return None
+        except (CachecdError, OSError):  # one too busy to say: no progress this time
             return None
 
     def _upstream(self) -> str:
