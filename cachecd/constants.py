@@ -132,6 +132,13 @@ SCRUB_MIN_BLOB_COST = 4096
 # of its rate, and catches up afterwards: demand comes first, and a pass still ends within
 # (cache bytes / rate) plus this, however busy the daemon is.
 SCRUB_DEFER_S = 2.0
+# A pass starts at most this often unless a blob was added since the last one began: a cache a
+# pass covers in less (a small one: at 4 MiB/s, 30 passes a second) is re-hashed hourly, and an
+# idle daemon's scrub sleeps in between instead of spinning (issue 36 saw 7-8% of a core). A
+# blob is also hashed at its first open a day after its last hash (REVERIFY_AFTER_S).
+SCRUB_REST_S = float(os.environ.get("CACHECD_SCRUB_REST_S") or 3600.0)  # env: tests only
+# At most one ``scrub_pass_done`` log line this often; it says how many passes it covers.
+SCRUB_LOG_EVERY_S = 60.0
 # Files quarantine/ keeps per cache dir, for a look at what rotted; older ones are deleted. Their
 # bytes count against the budget while kept, so a failing disk cannot grow the cache past it.
 QUARANTINE_KEEP = 4

@@ -21,7 +21,7 @@ from cachecd.config import data_socket_path, load_settings
 from cachecd.errors import ExpertSizeMismatch, InvalidRequest, ModelNotFound
 from cachecd.protocol import MAX_FDS_PER_FRAME
 from cachecd_client.transport import ControlTransport, DataTransport, Target, parallel_preadv
-from cachecd_client.waits import WaitWatch
+from cachecd_client.waits import WaitProgress, WaitWatch
 
 
 def default_socket() -> Path:
@@ -76,9 +76,10 @@ class Client:
         """The daemon's health (``{"ok": true, "pid": ...}``)."""
         return self._control.request("GET", "/healthz")
 
-    def stats(self) -> dict[str, Any]:
-        """Daemon status: store usage, counters, upstream stats, registered models."""
-        return self._control.request("GET", "/v1/status")
+    def stats(self, verbose: bool = False) -> dict[str, Any]:
+        """Daemon status: store usage, counters, upstream stats, registered models (each with
+        its experts cached and pinned; ``verbose``: the pinned ones' ``[layer, expert]``)."""
+        return self._control.request("GET", "/v1/status?verbose=1" if verbose else "/v1/status")
 
     def models(self) -> list[dict[str, Any]]:
         """The registered models."""
@@ -91,7 +92,8 @@ class Client:
     def register(self, manifest: str | Path, local_dir: str | Path | None = None, *,
                  layers: tuple[int, int] | None = None,
                  pipeline: tuple[int, int] | None = None,
-                 origin: str | None = None, endpoint: str | None = None) -> dict[str, Any]:
+                 origin: str | None = None, endpoint: str | None = None,
+                 names: list[str] | None = None) -> dict[str, Any]:
         """Register a model by its manifest file (the daemon keeps its own copy).
 
         ``layers`` ``(start, end)`` restricts the daemon to those layers' experts (others are
@@ -99,12 +101,14 @@ class Client:
         whose layers they are (``cachecd setup --pipeline``); ``origin`` says where the manifest
         came from (``built``, ``shipped``, the file or ``hf://`` URL given), for ``status``;
         ``endpoint`` the endpoint it was installed from (default: the daemon's own): a daemon on
-        another endpoint fetches none of its experts unless told (``EndpointMismatch``)."""
+        another endpoint fetches none of its experts unless told (``EndpointMismatch``);
+        ``names`` the revision names (branch, tag) it was installed as: ``ORG/NAME@v2`` then
+        names it, as its commit does (a name moves from another revision of the repo)."""
         body = {"manifest": str(Path(manifest).resolve()),
                 "local_dir": str(local_dir) if local_dir else None,
                 "layers": list(layers) if layers else None,
                 "pipeline": list(pipeline) if pipeline else None,
-                "origin": origin, "endpoint": endpoint}
+                "origin": origin, "endpoint": endpoint, "names": names}
         return self._control.request("POST", "/v1/models", body)
 
     def remove(self, model: str, *, experts: bool = False) -> dict[str, Any]:
@@ -244,6 +248,12 @@ class Client:
             finally:
                 for fd in fds:
                     os.close(fd)
+
+    def on_wait(self, progress: Callable[[WaitProgress], None] | None) -> None:
+        """While a read waits on the daemon's fetches (a cold layer's misses), call ``progress``
+        about every second from a watcher thread with its figures (``WaitProgress``: fetched of
+        those under way, bytes, rate, time left); None: stop."""
+        self._waits.progress = progress
 
     def close(self) -> None:
         self._waits.close()

@@ -6,6 +6,11 @@ the Hub, bytes, seconds, rate and time left.
 bar (a bar on a terminal only, as its bar); ``cachecd openai`` logs it (``LayerLog``: the first
 and the last layer of a pass, and at most one line every ``LOG_EVERY_S`` between).
 
+Between those lines a layer's read can wait on the Hub for long (a cold prompt's first layers:
+tens of seconds); ``wait_line`` says how that wait goes (the daemon client's ``on_wait``, about
+once a second): experts fetched of those under way, bytes, rate and time left. ``run`` prints
+it, ``warm --prompts`` shows it beside its bar.
+
 Invariants:
 - The figures are differences from the pass's start (``on_layer(0, layers)``): nothing here
   resets the engine's counters (the server's per-request views read the same ones).
@@ -85,6 +90,19 @@ class LayerPostfix:
             self.figures.start()
         else:
             self.bar.set_postfix_str(f"prompt {self.prompt}: {self.figures.line(done, layers)}")
+
+    def wait(self, progress: Any) -> None:
+        """The daemon client's ``on_wait``: a layer's wait on the Hub, beside the bar."""
+        self.bar.set_postfix_str(f"prompt {self.prompt}: {wait_line(progress)}")
+
+
+def wait_line(p: Any) -> str:
+    """A read waiting on the daemon (``cachecd_client.waits.WaitProgress``), as one line."""
+    left = f"about {p.left_s:.0f} s left" if p.left_s is not None else "no byte in yet"
+    return (f"layer {p.layer}: waiting {p.waited_s:.0f} s on the daemon for {p.routed} experts "
+            f"routed: {p.fetched} of {p.fetched + p.fetching} fetched from the Hub "
+            f"({format_size(p.fetched_bytes)} of {format_size(p.fetched_bytes + p.fetching_bytes)}), "
+            f"{format_size(int(p.rate))}/s, {left}")
 
 
 def watch(model: Any, on_layer: Any) -> bool:

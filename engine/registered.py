@@ -58,7 +58,8 @@ def load(
     and ``mlx_lm.server`` work unchanged on the result.
 
     ``path_or_hf_repo`` is an ORG/NAME installed with ``cachecd setup --stream``; ``revision``, if
-    given, must be the commit setup pinned. An adapter may change resident weights only
+    given, must be the commit setup pinned (or 7+ of its first hex digits), or the branch or
+    tag setup was given for it (``setup --stream ORG/NAME@v2``: ``revision="v2"``). An adapter may change resident weights only
     (``mlx_lm.tuner``'s ``load_adapters``).
 
     ``trust_remote_code=True`` trusts other code than mlx-lm's does. In ``mlx_lm.load`` it lets
@@ -98,7 +99,7 @@ def load(
     source, local_dir = DaemonSource.connect(repo, socket)
     try:
         check_model_file(repo, local_dir, model_config, trust_remote_code)
-        check_revision(repo, source.manifest.revision, revision)
+        check_revision(repo, source.manifest.revision, revision, source.info.get("names") or ())
         check_rank(repo, source.info, group, source.client.socket)
         check_split(repo, source.info, group, local_dir, model_config)
         if adapter_path is not None:
@@ -154,10 +155,10 @@ def check_model_file(repo: str, local_dir: Path, model_config: dict[str, Any] | 
         f"trust_remote_code=True) if you trust it")
 
 
-def check_revision(repo: str, pinned: str, asked: str | None) -> None:
-    # A branch or tag would need the Hub to resolve; setup pinned one commit and the daemon's
-    # manifest verifies that commit's bytes only.
-    if asked is None or (len(asked) >= 7 and pinned.startswith(asked)):
+def check_revision(repo: str, pinned: str, asked: str | None, names: Any = ()) -> None:
+    # A branch or tag is the one setup was given for this install (``names``), never resolved
+    # against the Hub: setup pinned one commit and the daemon's manifest verifies its bytes only.
+    if asked is None or (len(asked) >= 7 and pinned.startswith(asked)) or asked in names:
         return
     raise NotStreamable(
         f"{repo} is installed at commit {pinned}, not revision {asked!r}; run "

@@ -251,13 +251,15 @@ def _generate(args: argparse.Namespace, model: Any, tokenizer: Any, stats: Any, 
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from cachecd_engine.prefill_progress import watch
+    from cachecd_engine.prefill_progress import wait_line, watch
 
     client = model.bank.source.client
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     progress = PrefillProgress(stats, client, args.prefill_step_size, prefix)
     if watch(model, progress.layer):
         progress.deferral = model.deferral
+    if not quiet:  # a cold layer's wait on the Hub, about once a second
+        client.on_wait(lambda p: print(prefix + wait_line(p), file=sys.stderr, flush=True))
     records: list[dict[str, Any]] = []
     t0, last, fetched = time.perf_counter(), None, client.upstream_fetches
     try:

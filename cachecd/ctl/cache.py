@@ -34,6 +34,8 @@ def register(sub: Any) -> None:
     p = sub.add_parser("status", help="daemon health, models, disk use, hit rate")
     add_common_arguments(p)
     p.add_argument("--json", action="store_true", help="print the raw status JSON")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="list each model's pinned experts by layer")
     p.set_defaults(func=status)
     for name, helptext in (("pin", "fetch and pin experts so they are never evicted"),
                            ("unpin", "let pinned experts be evicted again")):
@@ -64,7 +66,7 @@ def register(sub: Any) -> None:
 
 def status(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        info = client.stats()
+        info = client.stats(verbose=args.verbose or args.json)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -94,8 +96,9 @@ def render_status(info: dict[str, Any]) -> str:
         lines += _scrub_lines(info["scrub"])
     lines += _sharing_lines(info)
     for m in info.get("models", []):
-        lines.append(f"model       {m['repo']}@{m['revision'][:12]} {m['experts_total']} experts, "
-                     f"{format_size(m['expert_bytes_total'])} of experts")
+        names = f" ({', '.join(m['names'])})" if m.get("names") else ""
+        lines.append(f"model       {m['repo']}@{m['revision'][:12]}{names} {m['experts_total']} "
+                     f"experts, {format_size(m['expert_bytes_total'])} of experts")
         if m.get("layers"):
             rank = m.get("pipeline")
             of = f" (pipeline rank {rank['rank']} of {rank['size']})" if rank else ""
@@ -103,6 +106,7 @@ def render_status(info: dict[str, Any]) -> str:
                          f"{m['experts_served']} experts, {format_size(m['expert_bytes_served'])}")
         if "experts_cached" in m:
             lines.append(_cached_line(m))
+        lines += _pinned_lines(m)
         if "manifest_origin" in m:
             lines.append(manifest_line(m))
         lines += endpoint_lines(m, info)
@@ -139,15 +143,23 @@ def _sharing_lines(info: dict[str, Any]) -> list[str]:
                      f"{share.get('connection_limit', 0)}, {closed} closed by the door, "
                      f"{share.get('connections_refused', 0)} turned away")
     for peer in info.get("peers", []):
-        why = peer.get("skipped_because") or "it served wrong bytes"
-        state = (f"SKIPPED for {peer['skipped_for_s']:.0f}s more: {why}"
-                 if peer["skipped_for_s"] else "asked before the Hub")
-        lines.append(f"peer        {peer['url']} {state}")
+        lines.append(f"peer        {peer['url']} {_peer_state(peer)}")
     if info.get("peers"):
         lines.append(f"  from peers {up.get('peer_experts', 0)} experts, "
                      f"{format_size(up.get('peer_bytes', 0))}; {up.get('peer_lies', 0)} times "
                      "wrong bytes")
     return lines
+
+
+def _peer_state(peer: dict[str, Any]) -> str:
+    """Skipped (wrong bytes, too slow), down (its last request failed), or asked first."""
+    if peer["skipped_for_s"]:
+        why = peer.get("skipped_because") or "it served wrong bytes"
+        return f"SKIPPED for {peer['skipped_for_s']:.0f}s more: {why}"
+    if "down_because" in peer:
+        return (f"DOWN for {peer['down_for_s']:.0f}s: {peer['down_because']}; the Hub serves "
+                f"meanwhile, and the peer is asked again at each miss (check it, or --peer)")
+    return "asked before the Hub"
 
 
 def manifest_line(m: dict[str, Any]) -> str:
@@ -175,6 +187,20 @@ def _cached_line(m: dict[str, Any]) -> str:
             f"{format_size(m['expert_bytes_cached'])} of {format_size(total)} ({share:.1%})")
 
 
+def _pinned_lines(m: dict[str, Any]) -> list[str]:
+    """A model's pinned experts: how many and their bytes; by layer when asked (--verbose)."""
+    if not m.get("experts_pinned"):
+        return []
+    lines = [f"  pinned    {m['experts_pinned']} experts, {format_size(m['expert_bytes_pinned'])}: "
+             f"never evicted (`cachecd unpin` lets them go)"]
+    by_layer: dict[int, list[int]] = {}
+    for layer, expert in m.get("pinned", []):
+        by_layer.setdefault(layer, []).append(expert)
+    lines += [f"    layer {layer}: {', '.join(map(str, experts))}"
+              for layer, experts in sorted(by_layer.items())]
+    return lines
+
+
 def _ago(when: float) -> str:
     seconds = max(0.0, time.time() - when)
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
@@ -189,9 +215,14 @@ def _scrub_lines(scrub: dict[str, Any]) -> list[str]:
         return ["scrub       off (--scrub-rate 0): rot under a running daemon waits for "
                 "`cachecd fsck`"]
     now = scrub.get("pass") or {}
-    lines = [f"scrub       pass {scrub.get('passes', 0) + 1}: {now.get('blobs_done', 0)}/"
-             f"{now.get('blobs_total', 0)} blobs, {format_size(now.get('bytes_done', 0))} of "
-             f"{format_size(now.get('bytes_total', 0))}, at {format_size(scrub['rate'])}/s"]
+    if "resting_until" in scrub:  # every blob scrubbed: the thread sleeps (store/scrub.py)
+        left = max(0.0, scrub["resting_until"] - time.time())
+        lines = [f"scrub       resting: every cached blob scrubbed; the next pass starts when "
+                 f"a blob comes in, or in {left / 60:.0f} min"]
+    else:
+        lines = [f"scrub       pass {scrub.get('passes', 0) + 1}: {now.get('blobs_done', 0)}/"
+                 f"{now.get('blobs_total', 0)} blobs, {format_size(now.get('bytes_done', 0))} "
+                 f"of {format_size(now.get('bytes_total', 0))}, at {format_size(scrub['rate'])}/s"]
     last = scrub.get("last_pass")
     lines.append(f"last scrub  full pass {_ago(last['finished'])} ({last['blobs']} blobs in "
                  f"{last['seconds']:.0f} s), {last['failures']} failed their hash" if last

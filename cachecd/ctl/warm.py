@@ -253,6 +253,7 @@ def _warm_prompts(args: argparse.Namespace, client: Any, before: Snapshot) -> in
     bar = tqdm(total=len(prompts), unit="prompt", desc="warm", disable=None, file=sys.stderr)
     beside = LayerPostfix(stats, model.bank.source.client, bar)  # a pass in layer order
     watch(model, beside)
+    model.bank.source.client.on_wait(beside.wait)  # and a layer's wait on the Hub
     try:
         for beside.prompt, prompt in enumerate(prompts, 1):
             text = prompt_input(tokenizer, prompt, args.chat)

@@ -95,11 +95,19 @@ class MissFiller:
         self._commits: set[asyncio.Task[None]] = set()
         self._commits_started: set[asyncio.Task[None]] = set()  # past the wait for their download
         self._uses_after_commit: Counter[str] = Counter()
+        self._downloading: dict[str, int] = {}  # flight key -> bytes: claimed, not served yet
         self.counters: Counter[str] = Counter()
 
     @property
     def inflight(self) -> int:
         return len(self._flights)
+
+    def fetching(self) -> dict[str, int]:
+        """What a waiting client's progress line reads (``GET /v1/fetches``): the experts being
+        fetched now and their bytes, and those fetched since the daemon started."""
+        return {"experts": len(self._downloading), "bytes": sum(self._downloading.values()),
+                "fetched_experts": self.counters["fetched_experts"],
+                "fetched_bytes": self.counters["fetched_bytes"]}
 
     def missing(self, entries: Iterable[ExpertEntry]) -> list[ExpertEntry]:
         """The entries that are not hits: a blob counts for an expert only if it was verified as
@@ -176,6 +184,8 @@ class MissFiller:
             else:
                 self.counters["coalesced_waiters"] += 1
             waits.append(fut)
+        for entry, _ in new.values():
+            self._downloading[flight_key(entry)] = entry.nbytes
         if new:
             self._spawn(self._fetch_group(model, [e for e, _ in new.values()],
                                           {d: f for d, (_, f) in new.items()}))
@@ -222,6 +232,7 @@ class MissFiller:
                 reservation.release()
             for entry in entries:
                 self._settle(flight_key(entry), Internal("fetch ended without a result"), own)
+                self._downloading.pop(flight_key(entry), None)
 
     async def _fetch_reserved(self, model, to_fetch, reservations, own) -> None:  # type: ignore[no-untyped-def]
         spool = _Spool(self._store)
@@ -310,6 +321,7 @@ class MissFiller:
     def _served(self, entry: ExpertEntry) -> None:
         self.counters["fetched_experts"] += 1
         self.counters["fetched_bytes"] += entry.nbytes
+        self._downloading.pop(flight_key(entry), None)
         self._settle(flight_key(entry), None)
 
     def _settle(self, key: str, exc: CachecdError | None,

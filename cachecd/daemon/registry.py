@@ -2,8 +2,8 @@
 
 A registration is one repo at one commit; several revisions of a repo may be registered at once
 (an update beside the installed one), each keyed ``ORG/NAME@COMMIT`` in the index. A request names
-one as ``ORG/NAME@REV`` (the commit or 7+ of its first hex digits) or as a bare ``ORG/NAME`` while
-only one revision of it is registered; a bare name with several is refused with the list
+one as ``ORG/NAME@REV`` (the commit, 7+ of its first hex digits, or a branch or tag name setup was
+given for it: ``model_names``) or as a bare ``ORG/NAME`` while only one revision of it is registered; a bare name with several is refused with the list
 (``invalid_request``), never resolved by a guess.
 
 Invariant: the daemon fetches nothing it cannot verify, so a repo without a registered manifest
@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from cachecd.daemon import model_names
 from cachecd.daemon.layout_gate import LayoutGate, in_thread
 from cachecd.durable import write_atomic
 from cachecd.errors import (
@@ -102,11 +103,16 @@ class RegisteredModel:
     layout_checked: bool = False  # its ranges agree with the shards' headers: experts may flow
     record_key: str = ""  # its record's key in the index (``REPO@COMMIT``; ``REPO`` before 30)
     endpoint: str | None = None  # where it was installed from (None: not recorded)
+    names: tuple[str, ...] = ()  # revision names (branches, tags) setup installed it as
     _served: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def repo(self) -> str:
         return self.manifest.repo
+
+    @property
+    def commit(self) -> str:
+        return self.manifest.revision
 
     @property
     def name(self) -> str:
@@ -142,6 +148,7 @@ class RegisteredModel:
         return {
             "repo": m.repo,
             "revision": m.revision,
+            "names": list(self.names),
             "model_type": m.model_type,
             "quant_format": m.quant_format,
             "manifest": str(self.manifest_path),
@@ -198,7 +205,8 @@ class Registry:
         layers, pipeline = check_restriction(record.get("layers"), record.get("pipeline"))
         model = RegisteredModel(manifest, path, local, layers, pipeline, record.get("origin"),
                                 record_key=record.get("key") or manifest.repo,
-                                endpoint=record.get("endpoint"))
+                                endpoint=record.get("endpoint"),
+                                names=tuple(record.get("names") or ()))
         manifest.source = _label(model.origin, str(path))
         model.layout_checked = record.get("layout_checked") == await asyncio.to_thread(
             manifest.content_sha256)
@@ -208,14 +216,16 @@ class Registry:
 
     async def register(self, manifest_bytes: bytes, source: str, local_dir: str | None,
                        layers: Any = None, pipeline: Any = None,
-                       origin: str | None = None,
-                       endpoint: str | None = None) -> RegisteredModel:
+                       origin: str | None = None, endpoint: str | None = None,
+                       names: Any = None) -> RegisteredModel:
         """Register (or re-register, replacing the registration of that repo at that commit) a
         model; another revision of the repo stays registered beside it;
         ``layers`` ``[start, end)`` restricts the experts served, ``pipeline`` ``[rank, size]``
         says which pipeline rank those layers are; ``origin`` where the caller got it;
-        ``endpoint`` where it was installed from."""
+        ``endpoint`` where it was installed from; ``names`` the revision names (``v2``,
+        ``main``) it answers to from now on, besides its commit."""
         layers, pipeline = check_restriction(layers, pipeline)
+        given = model_names.check_names(names)
         manifest = await asyncio.to_thread(Manifest.from_bytes, manifest_bytes,
                                            _label(origin, source))
         content = await asyncio.to_thread(manifest.content_sha256)
@@ -224,6 +234,7 @@ class Registry:
         if legacy is not None and legacy.get("revision") != manifest.revision:
             legacy = None
         before = self._store.get_model(key) or legacy or {}
+        known: list[str] = list(before.get("names") or ())
         checked = await self._check_on_use(manifest, before.get("layout_checked") == content)
         self._dir.mkdir(parents=True, exist_ok=True)
         name = f"{manifest.repo.replace('/', '--')}--{manifest.revision}.manifest"
@@ -239,12 +250,15 @@ class Registry:
             "origin": origin,
             "layout_checked": content if checked else None,
             "endpoint": endpoint,
+            "names": list(dict.fromkeys([*given, *known])),
         }
+        self._take_names(manifest.repo, manifest.revision, given)
         self._store.put_model(key, record)
         if legacy is not None:
             self._store.delete_model(manifest.repo)
         model = RegisteredModel(manifest, path, Path(local_dir) if local_dir else None, layers,
-                                pipeline, origin, checked, record_key=key, endpoint=endpoint)
+                                pipeline, origin, checked, record_key=key, endpoint=endpoint,
+                                names=tuple(dict.fromkeys([*given, *known])))
         self._models[(manifest.repo, manifest.revision)] = model
         self.refused.pop(key, None)
         self.refused.pop(manifest.repo, None)
@@ -252,6 +266,17 @@ class Registry:
                  manifest.repo, manifest.revision, manifest.n_experts,
                  model.scope().replace(" ", "_"), checked)
         return model
+
+    def _take_names(self, repo: str, commit: str, names: tuple[str, ...]) -> None:
+        """A name registered with ``commit`` leaves the repo's other registrations (a branch
+        moved on), in memory and in their records."""
+        for (r, other), m in self._models.items():
+            if r != repo or other == commit or not set(m.names) & set(names):
+                continue
+            m.names = tuple(n for n in m.names if n not in names)
+            record = self._store.get_model(m.record_key)
+            if record is not None:
+                self._store.put_model(m.record_key, {**record, "names": list(m.names)})
 
     async def _check_on_use(self, manifest: Manifest, layout_known: bool) -> bool:
         """A manifest the Hub's metadata or the shards' headers contradict is refused
@@ -331,14 +356,14 @@ class Registry:
             return None
         for key in self.refused:
             k_repo, _, k_rev = key.partition("@")
-            if k_repo == repo and (not rev or _same_revision(k_rev, rev)):
+            if k_repo == repo and (not rev or model_names.names_rev(k_rev, rev)):
                 return key
         return None
 
     def matching(self, repo: str, rev: str = "") -> list[RegisteredModel]:
-        """The registrations of ``repo`` (at ``rev``: a commit, or 7+ of its first hex digits)."""
-        return [m for (r, commit), m in self._models.items()
-                if r == repo and (not rev or _same_revision(commit, rev))]
+        """The registrations of ``repo`` (at ``rev``: a commit, 7+ of its first hex digits, or a
+        revision name it was installed as)."""
+        return [m for m in self._models.values() if model_names.matches(m, repo, rev)]
 
     def get(self, spec: str) -> RegisteredModel:
         """The registration ``ORG/NAME`` or ``ORG/NAME@REV`` names. A bare name with several
@@ -352,17 +377,10 @@ class Registry:
             names = ", ".join(m.name for m in found)
             raise InvalidRequest(f"{len(found)} revisions of {repo} are registered ({names}): "
                                  f"name one with {repo}@REV")
-        others = self.matching(repo)
-        if others:
-            raise RepoNotAllowed(f"{repo} is not registered at {rev}; registered: "
-                                 f"{', '.join(m.name for m in others)}; run `cachecd setup "
-                                 f"--stream {spec}` to install that revision")
         refused = self._refused_key(spec)
         why = self.refused.get(refused) if refused else None
         hint = f" (its manifest was refused: {why})" if why else ""
-        raise RepoNotAllowed(
-            f"no manifest is registered for {spec}{hint}; run `cachecd setup --stream {spec}`"
-        )
+        raise RepoNotAllowed(model_names.miss_message(spec, repo, rev, self.all(), hint))
 
     def all(self) -> list[RegisteredModel]:
         """In the order they were registered (at start: the index's order)."""
@@ -372,7 +390,3 @@ class Registry:
 def same_endpoint(a: str, b: str) -> bool:
     """One endpoint written two ways (a trailing slash) is the same endpoint."""
     return a.rstrip("/") == b.rstrip("/")
-
-
-def _same_revision(commit: str, rev: str) -> bool:
-    return commit == rev or (len(rev) >= 7 and commit.startswith(rev))

@@ -24,7 +24,13 @@ from cachecd.daemon import metrics as prom
 from cachecd.daemon.peer import peer_cred
 from cachecd.daemon.removal import remove_model
 from cachecd.errors import CachecdError, Forbidden, Internal, InvalidRequest, NotFound
-from cachecd.report.coverage import access_array, cached_mask, coverage_report, pack_detail
+from cachecd.report.coverage import (
+    access_array,
+    cached_mask,
+    coverage_report,
+    pack_detail,
+    pinned_mask,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,19 +109,36 @@ async def status(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     await d.misses.settled()  # what was handed out is in the store before it is reported
     info = d.status()
-    await asyncio.to_thread(_add_coverage, d, info["models"])
+    verbose = request.query.get("verbose") == "1"
+    await asyncio.to_thread(_add_coverage, d, info["models"], verbose)
     return web.json_response(info)
 
 
-def _add_coverage(d: Any, models: list[dict[str, Any]]) -> None:
-    """Each model's experts cached, of those the daemon serves (a thread: K3 has 82,432)."""
+def _add_coverage(d: Any, models: list[dict[str, Any]], verbose: bool = False) -> None:
+    """Each model's experts cached and pinned, of those the daemon serves (a thread: K3 has
+    82,432); ``verbose``: the pinned ones' [layer, expert] too."""
     by_name = {(m.repo, m.manifest.revision): m for m in d.registry.all()}
+    pins = d.store.pins()
     for row in models:
         model = by_name.get((row["repo"], row["revision"]))
-        if model is not None:
-            cached = cached_mask(model.manifest, d.store.has_source) & model.served_rows()
-            row["experts_cached"] = int(cached.sum())
-            row["expert_bytes_cached"] = int(model.manifest.sizes[cached].sum())
+        if model is None:
+            continue
+        m = model.manifest
+        cached = cached_mask(m, d.store.has_source) & model.served_rows()
+        row["experts_cached"] = int(cached.sum())
+        row["expert_bytes_cached"] = int(m.sizes[cached].sum())
+        pinned = pinned_mask(m, pins) & model.served_rows()
+        row["experts_pinned"] = int(pinned.sum())
+        row["expert_bytes_pinned"] = int(m.sizes[pinned].sum())
+        if verbose:
+            row["pinned"] = [[int(m.layer_ids[i]), int(m.expert_ids[i])]
+                             for i in pinned.nonzero()[0]]
+
+
+async def fetches(request: web.Request) -> web.Response:
+    """The fetches under way and done (``MissFiller.fetching``): cheap, for a client that shows
+    progress while a read waits (``cachecd_client.waits``); ``/v1/status`` says more."""
+    return web.json_response(request.app[DAEMON].misses.fetching())
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -137,24 +160,25 @@ async def register_model(request: web.Request) -> web.Response:
         path = body.get("manifest")
         if not isinstance(path, str):
             raise InvalidRequest("POST /v1/models takes {\"manifest\": PATH, \"local_dir\": DIR, "
-                                 "\"layers\": [START, END], \"pipeline\": [RANK, SIZE]}")
+                                 "\"layers\": [START, END], \"pipeline\": [RANK, SIZE], "
+                                 "\"names\": [REV, ...]}")
         try:
             data = await asyncio.to_thread(_read_file, path)
         except OSError as exc:
             raise InvalidRequest(f"cannot read manifest {path}: {exc.strerror}") from None
         source, local_dir = path, body.get("local_dir")
         layers, pipeline = body.get("layers"), body.get("pipeline")
-        origin, endpoint = body.get("origin"), body.get("endpoint")
+        origin, endpoint, names = body.get("origin"), body.get("endpoint"), body.get("names")
         if origin is not None and (not isinstance(origin, str) or len(origin) > 1000):
             raise InvalidRequest("origin must be a string (where the manifest came from)")
         if endpoint is not None and (not isinstance(endpoint, str) or len(endpoint) > 2000):
             raise InvalidRequest("endpoint must be a string (the endpoint it was installed from)")
     else:
         data, source, local_dir = await request.read(), "<upload>", request.query.get("local_dir")
-        layers = pipeline = origin = endpoint = None
+        layers = pipeline = origin = endpoint = names = None
     # Installed from where the caller says, else from where this daemon fetches.
     model = await d.registry.register(data, source, local_dir, layers, pipeline, origin,
-                                      endpoint or d.settings.endpoint)
+                                      endpoint or d.settings.endpoint, names)
     return web.json_response(model.describe(), status=201)
 
 
@@ -309,6 +333,7 @@ def build_app(daemon: Any, client_max_size: int, door: Any = None) -> web.Applic
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/status", status)
+    app.router.add_get("/v1/fetches", fetches)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/models", register_model)
     app.router.add_get(base, model_info)

@@ -48,6 +48,15 @@ def cached_mask(manifest: Manifest, has: Callable[[str, str], bool]) -> np.ndarr
                        dtype=bool, count=manifest.n_experts)
 
 
+def pinned_mask(manifest: Manifest, pins: set[str]) -> np.ndarray:
+    """Which experts' blobs are pinned (``Store.pins``: digests, kept through any eviction)."""
+    if not pins:
+        return np.zeros(manifest.n_experts, dtype=bool)
+    hexes = manifest.digests.tobytes().hex()
+    return np.fromiter((hexes[i * 32:(i + 1) * 32] in pins for i in range(manifest.n_experts)),
+                       dtype=bool, count=manifest.n_experts)
+
+
 def served_mask(manifest: Manifest, layers: tuple[int, int] | None) -> np.ndarray:
     """Per row: whether its layer is in ``[start, end)`` (every row when ``layers`` is None)."""
     lids = manifest.layer_ids

@@ -92,6 +92,12 @@ _RECORDED_FLAGS = ("endpoint", "socket", "cache_dirs", "budget", "models_dir", "
                    "share_token_file", "peers", "peer_token_file")
 
 
+def revision_names(rev: str, commit: str) -> list[str]:
+    """The branch or tag ``rev`` names, for the daemon to take as a name of ``commit`` (none
+    when ``rev`` is the commit or a prefix of it)."""
+    return [] if commit.startswith(rev) else [rev]
+
+
 def resolve_commit(repo: str, rev: str, endpoint: str, offline: bool) -> str:
     if is_commit(rev):
         return rev
@@ -421,7 +427,8 @@ def run(args: argparse.Namespace) -> int:
     client = ensure_daemon(settings, args)
     with client:
         client.register(manifest_path, local, layers=layers and (layers.start, layers.end),
-                        pipeline=rank, origin=origin, endpoint=settings.endpoint)
+                        pipeline=rank, origin=origin, endpoint=settings.endpoint,
+                        names=revision_names(rev, commit))
     if told := record.told(settings, given):
         print(f"recorded {', '.join(sorted(told))} for later starts of this daemon in "
               f"{record.record(settings.socket, told)}")
@@ -434,7 +441,7 @@ def run(args: argparse.Namespace) -> int:
           f"now) of a {format_size(full)} model: {used / full:.1%}")
     trust = " --trust-remote-code" if remote_code else ""
     # With another revision registered beside it, a bare ORG/NAME no longer names one.
-    name = f"{repo}@{commit[:12]}" if old else repo
+    name = f"{repo}@{rev if revision_names(rev, commit) else commit[:12]}" if old else repo
     if layers is not None:
         print(pipeline.rank_report(manifest, layers))
         print(f"run it on every machine at once: mlx.launch --hostfile hosts.json -- cachecd run "

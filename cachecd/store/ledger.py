@@ -60,6 +60,7 @@ class Ledger:
         # with it. Read without the lock on the hit path (a dict and a set look-up).
         self.sources: dict[str, set[str]] = {}
         self.unlinking: dict[str, threading.Event] = {}
+        self.inserted: list[threading.Event] = []  # each set when a blob comes in (the scrub's)
         self.counters = dict.fromkeys(
             ("hits", "misses", "inserts", "evictions", "bytes_evicted", "quarantined",
              "verified_on_open", "bit_rot_on_open", "missing_on_open"), 0
@@ -146,6 +147,8 @@ class Ledger:
             self.sources[digest] = {source}
             self.policy.on_insert(digest, entry.size)
             self.counters["inserts"] += 1
+            for event in self.inserted:
+                event.set()
             return True
 
     def add_source(self, digest: str, source: str) -> bool:

@@ -20,6 +20,13 @@ Invariants:
   row is deleted by the index's writer thread, the only LMDB writer.
 - Opens, reads and hashing run on the scrub's own thread, never on the event loop. The bytes
   hashed are the ones a hit serves: both go through the page cache.
+- Rest: a pass starts at most every ``constants.SCRUB_REST_S`` unless a blob came into the store
+  since the last one began (the ledger sets ``_wake``). Between passes the thread sleeps on that
+  event: an idle daemon with a small, scrubbed cache does not spin. A pass longer than the rest
+  (a large cache) is followed by the next at once, so the window above holds there.
+- Log: at most one ``scrub_pass_done`` line every ``constants.SCRUB_LOG_EVERY_S``; it says how
+  many passes it covers (``passes``), the last one's blobs, bytes and seconds, and the failures
+  of all of them. Passes held back are logged once the minute is up, resting or not.
 """
 
 from __future__ import annotations
@@ -69,12 +76,18 @@ class Scrubber:
     """Runs passes over the store on its own thread until ``stop``; ``status`` from any thread."""
 
     def __init__(self, store: Store, rate: int, busy: Callable[[], bool] = lambda: False,
-                 *, chunk: int = HASH_CHUNK) -> None:
+                 *, chunk: int = HASH_CHUNK, clock: Callable[[], float] = time.monotonic) -> None:
         self.store, self.rate, self._busy, self._chunk = store, rate, busy, chunk
+        self._clock = clock
         # The burst is what a busy daemon's deferral saves up, and pays back afterwards.
         burst = max(chunk, rate * constants.SCRUB_DEFER_S)
         self._bucket = TokenBucket(rate, burst) if rate > 0 else None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set when a blob comes in (and on stop): end a rest
+        store.ledger.inserted.append(self._wake)
+        self._unlogged: list[dict[str, Any]] = []  # passes done since the last log line
+        self._logged_at: float | None = None
+        self._resting_until: float | None = None  # Unix time, while the thread rests
         self._thread: threading.Thread | None = None
         self._mu = threading.Lock()
         self.counters = dict.fromkeys(("blobs", "bytes", "failures", "missing", "passes",
@@ -93,18 +106,42 @@ class Scrubber:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            began = self._clock()
+            self._wake.clear()  # a blob that comes in from now on calls for another pass
+            scrubbed = 0
             try:
                 scrubbed = self.run_pass()
             except Exception:  # a bug must not end the scrub for the daemon's lifetime
                 log.exception("scrub pass failed")
-                scrubbed = 0
-            if not scrubbed:
-                self._stop.wait(1.0)  # an empty cache: look again in a second
+            # An empty cache waits for its first blob, however short the rest.
+            self._rest(began + max(constants.SCRUB_REST_S, 0.0 if scrubbed else 1.0))
+        self._log_passes()
+
+    def _rest(self, until: float) -> None:
+        """Sleep until ``until`` (on ``clock``), a blob comes in or ``stop``; passes held back
+        from the log are logged once their minute is up."""
+        while not (self._wake.is_set() or self._stop.is_set()):
+            now = self._clock()
+            wait = until - now
+            if wait <= 0:
+                break
+            if self._unlogged:
+                due = self._log_due(now)
+                if due <= 0:
+                    self._log_passes()
+                    continue
+                wait = min(wait, due)
+            with self._mu:
+                self._resting_until = time.time() + (until - now)
+            self._wake.wait(wait)
+        with self._mu:
+            self._resting_until = None
 
     # ---- a pass ------------------------------------------------------------------------
 
@@ -132,9 +169,27 @@ class Scrubber:
             self._last = {"finished": time.time(), "seconds": round(took, 3),
                           "blobs": len(digests), "bytes": self._pass["bytes_done"],
                           "failures": self._pass["failures"]}
-        log.info("event=scrub_pass_done blobs=%d bytes=%d seconds=%.1f failures=%d",
-                 len(digests), self._last["bytes"], took, self._last["failures"])
+            self._unlogged.append(dict(self._last))
+        if self._log_due(self._clock()) <= 0:
+            self._log_passes()
         return len(digests)
+
+    # ---- the log -----------------------------------------------------------------------
+
+    def _log_due(self, now: float) -> float:
+        """Seconds until the next ``scrub_pass_done`` line may go (0 or less: now)."""
+        return 0.0 if self._logged_at is None else self._logged_at + constants.SCRUB_LOG_EVERY_S - now
+
+    def _log_passes(self) -> None:
+        with self._mu:
+            passes, self._unlogged = self._unlogged, []
+        if not passes:
+            return
+        last = passes[-1]
+        log.info("event=scrub_pass_done passes=%d blobs=%d bytes=%d seconds=%.1f failures=%d",
+                 len(passes), last["blobs"], last["bytes"], last["seconds"],
+                 sum(p["failures"] for p in passes))
+        self._logged_at = self._clock()
 
     def scrub_one(self, digest: str) -> int:
         """Hash one blob (paced, below demand) and apply the verdict; returns bytes hashed."""
@@ -227,4 +282,6 @@ class Scrubber:
                 out["last_pass"] = dict(self._last)
             if self._last_failure:
                 out["last_failure"] = dict(self._last_failure)
+            if self._resting_until is not None:
+                out["resting_until"] = self._resting_until
         return out

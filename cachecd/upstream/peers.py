@@ -26,7 +26,9 @@ Invariants:
 - A request's whole time is bounded too, by its bytes at ``min_rate`` plus the deadline
   (``_paced``): a peer that trickles bytes just inside the stall deadline is cut there.
 - A peer that answered wrong bytes, or was cut for sending too slowly, is not asked again for
-  ``skip_s`` (``lies``, ``slow`` count them); ``describe`` says why.
+  ``skip_s`` (``lies``, ``slow`` count them); ``describe`` says why. One whose last request
+  failed (it could not be reached, timed out, refused) is down in ``describe`` from that fault
+  until a request of it is answered again; it is still asked at each miss.
 - A peer's redirect is never followed (a 3xx is a refusal): the bytes come from the URL named.
 """
 
@@ -83,6 +85,7 @@ class Peers:
         self.min_rate = min_rate
         self.skipped_until: dict[str, float] = {}
         self.skipped_why: dict[str, str] = {}
+        self.down: dict[str, tuple[str, float]] = {}  # url -> (why, since: monotonic)
         self._asking: dict[str, dict[object, float]] = {}  # url -> requests under way: start
         self.counters: Counter[str] = Counter()
         self._session: aiohttp.ClientSession | None = None
@@ -110,9 +113,16 @@ class Peers:
             out.append({"url": u,
                         "skipped_for_s": round(max(0.0, self.skipped_until.get(u, 0) - now), 1),
                         "skipped_because": self.skipped_why.get(u, ""),
+                        **self._down(u, now),
                         "in_flight": len(asking),
                         "waiting_s": round(now - min(asking.values()), 1) if asking else 0.0})
         return out
+
+    def _down(self, url: str, now: float) -> dict[str, Any]:
+        if url not in self.down:
+            return {}
+        why, since = self.down[url]
+        return {"down_because": why, "down_for_s": round(now - since, 1)}
 
     async def close(self) -> None:
         if self._session is not None:
@@ -157,6 +167,8 @@ class Peers:
                     if not faulted:  # the requests in flight with it mostly fail the same way
                         self.counters[f"faults_{_kind(exc)}"] += 1
                         log.info("peer unavailable url=%s err=%r", url, exc)
+                        since = self.down.get(url, ("", time.monotonic()))[1]
+                        self.down[url] = (_why(exc), since)
                     faulted = True
 
         reqs = batches(want, parallel=self.max_parallel, max_experts=self.max_experts,
@@ -197,6 +209,7 @@ class Peers:
             if resp.status != 200:
                 raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
                                                   message=resp.reason or "")
+            self.down.pop(url, None)  # it answers
             pieces = self._pieces(url, batch, resp.headers.get(SIZES_HEADER, ""))
             stream = Stream(0, pieces, spool, pool)
             try:
@@ -341,6 +354,18 @@ def _body(batch: list[EntryLike]) -> str:
     """A ``/v2/blobs`` request: each expert's digest and source key, in order."""
     return json.dumps([{"digest": e.xxh3.hex(), "source": getattr(e, "source", "")}
                        for e in batch])
+
+
+def _why(exc: BaseException) -> str:
+    """A fault as ``status`` says it."""
+    if isinstance(exc, TimeoutError):
+        return "no answer within its deadline (--peer-deadline)"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return f"it answered HTTP {exc.status} {exc.message}".rstrip()
+    if isinstance(exc, ValueError):
+        return "its answer was malformed"
+    strerror = getattr(exc, "strerror", None)
+    return f"could not connect ({strerror})" if strerror else "could not connect"
 
 
 def _kind(exc: BaseException) -> str:

@@ -170,10 +170,11 @@ def _holds(d: FaultDaemon, path: Path) -> bool:
 
 def test_rot_under_a_running_daemon_is_never_served_after_the_scrub_passes_it(small: Model, pool) -> None:  # type: ignore[no-untyped-def]
     hub = pool.hub(small)
-    # A fast scrub. The reader below never pauses (an engine decoding), so the daemon keeps the
+    # A fast scrub, pass after pass (no rest between them, as a cache larger than an hour's
+    # scrub has). The reader below never pauses (an engine decoding), so the daemon keeps the
     # blob's fd (closed after BLOB_FDS_IDLE_S without a hit, here 2 s, after the test).
     d = pool.daemon(hub, [small], args=["--scrub-rate", "1MiB"],
-                    env={"CACHECD_BLOB_FDS_IDLE_S": "2"})
+                    env={"CACHECD_BLOB_FDS_IDLE_S": "2", "CACHECD_SCRUB_REST_S": "0"})
     layer, ids, target = small.layers[3], list(range(8)), 5
     entry = small.entry(layer, target)
     with d.client() as c:

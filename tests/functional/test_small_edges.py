@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cachecd.sizes import format_size
 from tests.harness import TINY_REPO, Installed, run_cli, short_tmp
 
 
@@ -59,3 +60,24 @@ def test_prefetch_help_says_its_default_is_off() -> None:
     text = " ".join(run_cli("run", "--help").stdout.split())
     prefetch = text[text.index("--prefetch, --no-prefetch"):][:300]
     assert "(default: off" in prefetch and "GPU" not in prefetch.split("--speculate")[0], prefetch
+
+
+def test_status_shows_the_pins(installed_module: Installed, tiny_manifest: Any) -> None:
+    sock, layers = str(installed_module.socket), tiny_manifest.moe_layers
+    pins = [(layers[0], "0,5"), (layers[1], "3")]
+    for layer, experts in pins:
+        run_cli("pin", "--socket", sock, "--model", TINY_REPO, "--layer", str(layer),
+                "--experts", experts)
+    try:
+        nbytes = sum(tiny_manifest.expert(layer, int(e)).nbytes
+                     for layer, experts in pins for e in experts.split(","))
+        out = run_cli("status", "--socket", sock).stdout
+        assert f"  pinned    3 experts, {format_size(nbytes)}: never evicted" in out, out
+        assert f"layer {layers[0]}:" not in out, out  # the list is --verbose's
+        out = run_cli("status", "--socket", sock, "--verbose").stdout
+        assert f"    layer {layers[0]}: 0, 5\n    layer {layers[1]}: 3" in out, out
+    finally:
+        for layer, experts in pins:
+            run_cli("unpin", "--socket", sock, "--model", TINY_REPO, "--layer", str(layer),
+                    "--experts", experts)
+    assert "pinned" not in run_cli("status", "--socket", sock).stdout

@@ -75,3 +75,28 @@ def test_an_old_group_does_not_fail_a_newer_fetch_of_the_same_expert(tmp_path: P
         await store.close()
 
     asyncio.run(main())
+
+
+def test_fetching_counts_the_experts_under_way_until_each_is_served(tmp_path: Path) -> None:
+    async def main() -> None:
+        store = await Store.open([tmp_path])
+        upstream = GatedUpstream()
+        filler = MissFiller(store, upstream)  # type: ignore[arg-type]
+        a, b = _expert(1), _expert(2)
+        upstream.gates = {a.digest_hex: asyncio.Event(), b.digest_hex: asyncio.Event()}
+        both = asyncio.create_task(filler.fill(Model(), [a, b]))  # type: ignore[arg-type, list-item]
+        await asyncio.sleep(0)
+        assert filler.fetching() == {"experts": 2, "bytes": 6000, "fetched_experts": 0,
+                                     "fetched_bytes": 0}
+        upstream.gates[a.digest_hex].set()
+        while filler.fetching()["experts"] == 2:
+            await asyncio.sleep(0.01)
+        assert filler.fetching() == {"experts": 1, "bytes": 3000, "fetched_experts": 1,
+                                     "fetched_bytes": 3000}
+        upstream.gates[b.digest_hex].set()
+        await both
+        assert filler.fetching()["experts"] == 0 and filler.fetching()["fetched_experts"] == 2
+        await filler.settled()
+        await store.close()
+
+    asyncio.run(main())

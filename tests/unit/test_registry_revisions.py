@@ -77,3 +77,28 @@ def test_a_record_keyed_by_repo_is_served_then_re_keyed(manifests: dict[str, byt
             store.close_sync()
 
     asyncio.run(go())
+
+
+def test_a_revision_name_names_its_commit_moves_with_it_and_survives_a_restart(
+        manifests: dict[str, bytes], tmp_path: Path) -> None:
+    async def go() -> None:
+        store = await Store.open([tmp_path / "cache"])
+        try:
+            reg = Registry(store, tmp_path / "models")
+            await reg.register(manifests[OLD], "old", None, names=["main"])
+            await reg.register(manifests[NEW], "new", None, names=["v2"])
+            assert reg.get(f"{REPO}@main").manifest.revision == OLD
+            assert reg.get(f"{REPO}@v2").manifest.revision == NEW
+            await reg.register(manifests[NEW], "new", None, names=["main"])  # main moved on
+            assert reg.get(f"{REPO}@main").manifest.revision == NEW
+            assert reg.get(f"{REPO}@v2").manifest.revision == NEW
+            with pytest.raises(InvalidRequest, match="names must be"):
+                await reg.register(manifests[NEW], "new", None, names=["no/slash"])
+            again = Registry(store, tmp_path / "models")  # a restart reads the records
+            await again.load_registered()
+            assert {m.manifest.revision: m.names for m in again.all()} == {
+                OLD: (), NEW: ("main", "v2")}
+        finally:
+            store.close_sync()
+
+    asyncio.run(go())

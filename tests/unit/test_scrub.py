@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import xxhash
@@ -196,18 +198,27 @@ def test_a_blob_evicted_while_the_scrub_waits_is_not_missing(tmp_path: Path) -> 
         store.close_sync()
 
 
-def test_the_thread_runs_passes_until_stopped(tmp_path: Path) -> None:
+def test_the_thread_passes_rests_wakes_for_a_new_blob_and_stops(tmp_path: Path) -> None:
     store, _ = _store_with(tmp_path, [2000, 2000])
     scrub = Scrubber(store, rate=64 << 20)
+
+    def until(what: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        for _ in range(1000):
+            if what(status := scrub.status()):
+                return status
+            scrub._stop.wait(0.01)
+        raise AssertionError(scrub.status())
+
     try:
         scrub.start()
-        for _ in range(500):
-            if scrub.status()["passes"] >= 2:
-                break
-            scrub._stop.wait(0.01)
-        assert scrub.status()["passes"] >= 2 and scrub.status()["running"]
+        rested = until(lambda s: "resting_until" in s)
+        assert rested["passes"] == 1 and rested["running"]
+        digest, data = _blob(99, 3000)  # a blob comes in: the rest ends, a pass covers it
+        store.commit_sync(digest, data, store.reserve_sync(len(data)))
+        again = until(lambda s: s["passes"] == 2 and "resting_until" in s)
+        assert again["blobs"] == 5
     finally:
-        scrub.stop()
+        scrub.stop()  # ends the rest at once: it would otherwise last SCRUB_REST_S
         store.close_sync()
     assert not scrub.status()["running"]
 
@@ -236,3 +247,25 @@ def test_a_blob_that_cannot_be_read_counts_as_bad(tmp_path: Path) -> None:
         assert scrub.counters["failures"] == 2 and store.digests() == []
     finally:
         store.close_sync()
+
+
+def test_passes_are_logged_at_most_once_a_minute_each_line_says_how_many(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store, _ = _store_with(tmp_path, [5000, 7000])
+    clock = Clock()
+    scrub = Scrubber(store, rate=1 << 40, clock=clock)
+    caplog.set_level("INFO", logger="cachecd.store.scrub")
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "scrub_pass_done" in r.getMessage()]
+
+    assert scrub.run_pass() == 2
+    assert len(lines()) == 1 and "passes=1 blobs=2 bytes=12000 " in lines()[0]
+    for _ in range(3):  # within the minute: counted, not logged
+        clock.now += 10
+        scrub.run_pass()
+    assert len(lines()) == 1 and scrub.status()["passes"] == 4
+    clock.now += constants.SCRUB_LOG_EVERY_S
+    scrub.run_pass()
+    assert len(lines()) == 2 and "passes=4 blobs=2 bytes=12000 " in lines()[1]
+    store.close_sync()
