@@ -145,7 +145,7 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
     socket = (doctor.get("daemon") or {}).get("socket")  # the daemon the doctor reached
     dirs = [d["path"] for d in doctor["disks"]]
     compute_s, costs, compute_src = _costs(manifest, top_k, compute_ms, call_ms, dtype,
-                                           machine.page_rate, socket, dirs, config)
+                                           machine, socket, dirs, config)
     pool = recommended_pool(machine, manifest)
     inputs = Inputs(manifest, machine, compute_s, pool, slot_bytes(manifest), costs)
     total = manifest.expert_bytes_total
@@ -228,7 +228,7 @@ def project_prompt(inp: Inputs, top_k: int, prompt: PromptArgs, pool: int,
 
 
 def _costs(manifest: Manifest, top_k: int, compute_ms: float | None,
-           call_ms: list[float] | None, dtype: str, page_rate: float, socket: str | None,
+           call_ms: list[float] | None, dtype: str, machine: Any, socket: str | None,
            cache_dirs: list[str], config: dict[str, Any] | None = None,
            ) -> tuple[float, Any, str]:
     """(compute per token, the engine's costs per call as a ``speed.Calls`` without counts,
@@ -244,9 +244,10 @@ def _costs(manifest: Manifest, top_k: int, compute_ms: float | None,
     if compute_ms is not None:
         compute_s, src = compute_ms / 1e3, "given"
     elif config is not None:
-        from cachecd.plan.token_probe import token_s
+        from cachecd.plan.token_probe import MAX_BUILD_BYTES, token_s
 
-        compute_s = token_s(config, manifest, top_k, dtype)
+        room = max(MAX_BUILD_BYTES, machine.available // 2)  # a run loads it all anyway
+        compute_s = token_s(config, manifest, top_k, dtype, max_bytes=room)
         src = (f"measured: a decode token of the model built from its config.json ({dtype}, "
                f"random weights, top-{top_k} experts resident)")
     else:
@@ -256,6 +257,7 @@ def _costs(manifest: Manifest, top_k: int, compute_ms: float | None,
                "give --compute-ms)")
     if call_ms is None:
         assert costs is not None
+        page_rate = machine.page_rate
         return compute_s, Calls(call_s=costs.call_s, miss_call_s=costs.miss_call_s(page_rate),
                                 request_experts=costs.request_experts,
                                 cold_rate=costs.cold_rate(page_rate)), src

@@ -11,9 +11,10 @@ Invariants:
   every expert would need the model's whole size in memory.
 - Nothing here depends on the model's weights: the config and the manifest's shapes are enough,
   so a model not downloaded yet is probed the same way (``hub_model``).
-- A model whose resident weights would take more than ``MAX_BUILD_BYTES`` is built with fewer
-  layers, twice, and the token scaled from the two: its fixed part (embedding, head) and its
-  cost per layer.
+- The model is built whole where its resident weights fit the memory the plan gives it (half
+  the memory available, ``MAX_BUILD_BYTES`` at least): a run loads them all anyway. Else it is
+  built with one layer and with as many as fit, and the token scaled from the two: its fixed
+  part (embedding, head) and its cost per layer.
 - What the engine adds per MoE layer call (its routing read-back, the bank's host work, the
   reads) is not here: ``probe.engine_costs`` measures it and ``speed`` adds it per call.
 """
@@ -69,20 +70,19 @@ def _with_layers(config: dict[str, Any], n: int) -> dict[str, Any]:
 
 
 def token_s(config: dict[str, Any], manifest: Manifest, top_k: int, dtype: str,
-            reps: int = 9) -> float:
-    """Median seconds of a decode token of the whole model (see the module docstring)."""
+            reps: int = 9, max_bytes: int = MAX_BUILD_BYTES) -> float:
+    """Median seconds of a decode token of the whole model (see the module docstring); built
+    whole where its resident weights fit ``max_bytes`` (a run loads them all anyway)."""
     layers = _layers(config)
-    per_layer = manifest.resident_bytes_total / max(1, layers)
-    if manifest.resident_bytes_total <= MAX_BUILD_BYTES or layers <= 2:
+    if manifest.resident_bytes_total <= max_bytes or layers <= 2:
         return _timed(config, manifest, top_k, dtype, reps)
-    # Two truncated builds past the dense layers: their difference is the cost of a layer.
-    small = max(2, min(layers - 1, int(MAX_BUILD_BYTES / 2 / max(1.0, per_layer))))
-    small = min(small, layers - 1)
-    big = min(layers, small + max(1, small // 2))
-    a = _timed(_with_layers(config, small), manifest, top_k, dtype, reps)
+    # Two truncated builds, one layer and as many as fit: their difference is a layer's cost
+    # (the widest gap: the difference's noise is multiplied by layers / gap).
+    per_layer = manifest.resident_bytes_total / layers
+    big = max(2, min(layers - 1, int(max_bytes / per_layer)))
+    a = _timed(_with_layers(config, 1), manifest, top_k, dtype, reps)
     b = _timed(_with_layers(config, big), manifest, top_k, dtype, reps)
-    each = max(0.0, (b - a) / (big - small))
-    return a + (layers - small) * each
+    return a + (layers - 1) * max(0.0, (b - a) / (big - 1))
 
 
 def _top_k_bank(glu: Any, k: int) -> Any:
@@ -124,6 +124,8 @@ def build(config: dict[str, Any], manifest: Manifest, top_k: int, dtype: str) ->
                     class_predicate=lambda _p, m: hasattr(m, "to_quantized")
                     and m.weight.shape[-1] % gs == 0)
     model.set_dtype(getattr(mx, dtype))
+    for layer in model.layers:  # a layer at a time: its float32 init freed before the next
+        mx.eval(layer.parameters())
     mx.eval(model.parameters())
     return model
 
