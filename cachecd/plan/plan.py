@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,6 +22,8 @@ from cachecd import constants
 from cachecd.config import parse_size
 from cachecd.errors import InvalidRequest
 from cachecd.manifest.manifest import Manifest
+
+log = logging.getLogger(__name__)
 
 PLAN_FORMAT = "cachecd-plan"
 BUDGET_SHARES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)  # of the experts' bytes
@@ -240,21 +243,19 @@ def _costs(manifest: Manifest, top_k: int, compute_ms: float | None,
         from cachecd.plan.probe import engine_costs
 
         costs = engine_costs(manifest, top_k, dtype, socket=socket, cache_dirs=cache_dirs)
-    layers = len(manifest.moe_layers)
+    token = None if compute_ms is not None or config is None else \
+        _token_s(config, manifest, top_k, dtype, machine)
     if compute_ms is not None:
         compute_s, src = compute_ms / 1e3, "given"
-    elif config is not None:
-        from cachecd.plan.token_probe import MAX_BUILD_BYTES, token_s
-
-        room = max(MAX_BUILD_BYTES, machine.available // 2)  # a run loads it all anyway
-        compute_s = token_s(config, manifest, top_k, dtype, max_bytes=room)
+    elif isinstance(token, float):
+        compute_s = token
         src = (f"measured: a decode token of the model built from its config.json ({dtype}, "
                f"random weights, top-{top_k} experts resident)")
     else:
         assert costs is not None
-        compute_s = costs.compute_s * layers
-        src = (f"probe ({dtype}, the routed experts only: no config.json known for the model; "
-               "give --compute-ms)")
+        compute_s = costs.compute_s * len(manifest.moe_layers)
+        why = token or "no config.json known for the model"
+        src = f"probe ({dtype}, the routed experts only: {why}; give --compute-ms)"
     if call_ms is None:
         assert costs is not None
         page_rate = machine.page_rate
@@ -262,6 +263,20 @@ def _costs(manifest: Manifest, top_k: int, compute_ms: float | None,
                                 request_experts=costs.request_experts,
                                 cold_rate=costs.cold_rate(page_rate)), src
     return compute_s, Calls(call_s=call_ms[0] / 1e3, miss_call_s=call_ms[1] / 1e3), src
+
+
+def _token_s(config: dict[str, Any], manifest: Manifest, top_k: int, dtype: str,
+             machine: Any) -> float | str:
+    """A whole token's compute (``token_probe``), or why the model could not be built here."""
+    from cachecd.plan.token_probe import MAX_BUILD_BYTES, token_s
+
+    room = max(MAX_BUILD_BYTES, machine.available // 2)  # a run loads it all anyway
+    try:
+        return token_s(config, manifest, top_k, dtype, max_bytes=room)
+    # mlx-lm's classes raise what they raise on a config they do not know.
+    except (ValueError, KeyError, TypeError, AttributeError, ImportError) as exc:
+        log.warning("token_probe_failed repo=%s error=%s", manifest.repo, exc)
+        return f"mlx-lm could not build the model from its config.json ({exc})"
 
 
 def recommended_pool(machine: Any, manifest: Manifest) -> int:
