@@ -85,18 +85,28 @@ def from_hub(repo: str, revision: str, *, endpoint: str | None = None,
     return HubModel(manifest, config, source.fetched, sum(s.file.size for s in plan.shards))
 
 
-def config_of(repo: str, revision: str, sha256: str, *, endpoint: str | None = None,
+def config_of(repo: str, revision: str, sha256: str, *, endpoint: str,
               token: str | None = None) -> dict[str, Any]:
-    """The config.json a manifest pins (``sha256``), from the Hub; ChecksumMismatch where the
-    endpoint serves other bytes."""
-    from cachecd import errors
-    from cachecd.manifest.source import HubSource
+    """The config.json a manifest pins (``sha256``), from the Hub by one GET (no retries: the
+    plan goes on without it); ChecksumMismatch where the endpoint serves other bytes."""
+    from huggingface_hub import get_session, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
 
-    source = HubSource(repo, revision, endpoint=endpoint, token=token)
-    data = b"".join(source.stream("config.json"))
+    from cachecd import errors
+    from cachecd.manifest.source import hub_errors, request_headers
+
+    url = hf_hub_url(repo, "config.json", revision=revision, endpoint=endpoint)
+    headers = request_headers(url, endpoint, build_hf_headers(token=token), {})
+
+    def get() -> bytes:
+        r = get_session().get(url, headers=headers, follow_redirects=True, timeout=10)
+        r.raise_for_status()
+        return bytes(r.content)
+
+    data = hub_errors(f"{repo}@{revision}/config.json", get)
     if hashlib.sha256(data).hexdigest() != sha256:
-        raise errors.ChecksumMismatch(f"{repo}@{revision}/config.json from {source.endpoint} is "
-                                      "not the one the manifest pins")
+        raise errors.ChecksumMismatch(f"{repo}@{revision}/config.json from {endpoint} is not "
+                                      "the one the manifest pins")
     return parse_config(data, repo)
 
 

@@ -37,7 +37,10 @@ class Planned:
                 "fetched_bytes": self.fetched, "shard_bytes": self.shard_bytes}
 
 
-def load(model: str, socket: str | None = None, endpoint: str | None = None) -> Planned:
+def load(model: str, socket: str | None = None, endpoint: str | None = None,
+         need_config: bool = True) -> Planned:
+    """``need_config``: whether a shipped manifest's config.json is worth a request (the plan
+    measures the compute or takes the top-k from it)."""
     from cachecd.manifest.manifest import shipped_manifest
 
     if Path(model).is_file():
@@ -48,8 +51,8 @@ def load(model: str, socket: str | None = None, endpoint: str | None = None) -> 
     shipped = shipped_manifest(model)
     if shipped is not None:
         manifest = Manifest.load(shipped)
-        return Planned(manifest, _pinned_config(manifest, socket, endpoint),
-                       "manifest shipped with cachecd")
+        config = _pinned_config(manifest, socket, endpoint) if need_config else None
+        return Planned(manifest, config, "manifest shipped with cachecd")
     return _from_hub(model, socket, endpoint)
 
 
@@ -83,13 +86,15 @@ def _pinned_config(manifest: Manifest, socket: str | None,
     cannot give it (offline): the plan then says its compute is the routed experts' alone."""
     from huggingface_hub import get_token
 
-    from cachecd.errors import CachecdError
+    from cachecd import constants
     from cachecd.plan.hub_model import config_of
 
+    if constants.HF_HUB_OFFLINE:
+        return None
     try:
         return config_of(manifest.repo, manifest.revision, manifest.config_sha256,
                          endpoint=_endpoint(socket, endpoint), token=get_token())
-    except (CachecdError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - optional: any failure leaves the routed probe
         log.warning("config_unavailable repo=%s error=%s", manifest.repo, exc)
         return None
 

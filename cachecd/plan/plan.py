@@ -83,7 +83,8 @@ def plan_command(args: argparse.Namespace) -> int:
     from cachecd.plan import model_source
     from cachecd.plan.render import render_png, render_table
 
-    model = model_source.load(args.model, args.socket, args.endpoint)
+    need = args.compute_ms is None or (args.top_k is None and not args.trace)
+    model = model_source.load(args.model, args.socket, args.endpoint, need_config=need)
     doctor = _doctor(args)
     result = build_plan(
         model.manifest, doctor, traces=args.trace or [], top_k=args.top_k, tokens=args.tokens,
