@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import LoggedHub, run_cli, short_tmp, stop_daemon
+from tests.harness import HubProcess, LoggedHub, run_cli, short_tmp, stop_daemon
 
 REPO = "me/wide-k3"
 TOP_K = 6
 
 
 @pytest.fixture(scope="module")
-def hub() -> Iterator[LoggedHub]:
+def wide_hub() -> Iterator[LoggedHub]:
     from cachecd.testbed.tiny_model import write_tiny_model
 
     root = short_tmp("cdwide")
@@ -35,13 +35,13 @@ def hub() -> Iterator[LoggedHub]:
 
 
 @pytest.fixture(scope="module")
-def installed(hub: LoggedHub) -> Iterator[Path]:
+def installed(wide_hub: LoggedHub) -> Iterator[Path]:
     """``setup --stream`` (building the manifest), one untimed run to put the experts it routes
     to on disk, and a doctor's JSON of the cache dir (the doctor is not what is checked here:
     a small file keeps it quick). Yields the base dir."""
     base = short_tmp("cdwi")
     sock = base / "s.sock"
-    run_cli("setup", "--stream", REPO, "--build-manifest", "--endpoint", hub.url, "--socket",
+    run_cli("setup", "--stream", REPO, "--build-manifest", "--endpoint", wide_hub.url, "--socket",
             str(sock), "--cache-dir", str(base / "cache"), "--models-dir", str(base / "models"),
             timeout=300)
     _run(sock)
@@ -84,10 +84,11 @@ def test_the_default_plan_is_within_reach_of_a_short_run(installed: Path) -> Non
 
 
 def test_a_model_not_installed_is_planned_from_its_config_and_headers(
-        hub: LoggedHub, installed: Path) -> None:
+        wide_hub: LoggedHub, installed: Path) -> None:
     """No daemon at the socket it asks: the Hub's config.json and shard headers give the same
     experts, bytes and top-k as the manifest setup built, reading only the headers (every shard
     GET a 206, a small share of the shards' bytes)."""
+    hub = wide_hub
     mark = hub.mark()
     plan = _plan("--endpoint", hub.url, "--socket", str(installed / "nobody.sock"),
                  "--doctor", str(installed / "doctor.json"))
@@ -108,3 +109,17 @@ def test_a_model_not_installed_is_planned_from_its_config_and_headers(
                     str(installed / "nobody.sock"), "--doctor",
                     str(installed / "doctor.json"), timeout=300).stdout
     assert "not installed" in table and "top-6 (config.json)" in table, table
+
+
+def test_a_shipped_manifest_takes_its_top_k_from_the_config_it_pins(
+        hub: HubProcess, installed: Path) -> None:
+    """The tiny K3's manifest ships with cachecd, without its config.json: the plan reads the
+    config the manifest pins from the Hub (top-4), where the model type's table says 16."""
+    plan = json.loads(run_cli(
+        "plan", "--model", "cachecd/tiny-k3", "--endpoint", hub.url, "--socket",
+        str(installed / "nobody.sock"), "--doctor", str(installed / "doctor.json"),
+        "--call-ms", "0", "0", "--json", timeout=300).stdout)
+    m = plan["model"]
+    assert (m["top_k"], m["top_k_source"], m["origin"]) == (
+        4, "config.json", "manifest shipped with cachecd")
+    assert plan["compute"]["source"].startswith("measured: a decode token of the model built")
