@@ -17,8 +17,17 @@ Prints projected and measured tok/s and pool hit rates side by side, and the mea
 ratio of each; a projection off by more than 25% is a bug in the plan's model. The last line is
 ``ratio=`` the worst of them (the one farthest from 1).
 
+``--as-user``: the commands as a user runs them, side by side, nothing given to the plan but a
+doctor's JSON of the cache dir: each round ``cachecd run --max-tokens 64 --json`` (its
+``generation_tps``) then ``cachecd plan --json`` (its row for the whole model on disk, warm: the
+run's setting), after one untimed run that puts the routed experts on disk. The plan's compute
+is its own probe (the model built from its config.json), its top-k the config's. Models:
+``tiny``, and ``wide`` (a tiny K3 routing 6 experts a token whose 32,768-token head costs more
+than its routed experts, as tests/functional/test_plan_user.py uses).
+
     python bench/plan_check.py [--models tiny,k3] [--tokens 6] [--rounds 2]
         [--dtype float32|bfloat16] [--compute resident|probe] [--dir /tmp]
+    python bench/plan_check.py --as-user [--models tiny,wide] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -221,6 +230,47 @@ def _vocab(repo_dir: Path) -> int:
     return int(config.get("vocab_size") or config["text_config"]["vocab_size"])
 
 
+USER_MODELS: dict[str, dict[str, Any]] = {
+    "tiny": {}, "wide": dict(top_k=6, vocab_size=32768, hidden=256),
+    "k3": dict(experts=32, layers=6, top_k=16, shard_bytes=4_000_000_000, **K3_SHAPE),
+}
+
+
+def as_user(name: str, args: Any) -> list[tuple[str, float, float]]:
+    """``cachecd run`` and ``cachecd plan`` in turn, as a user runs them (see the docstring)."""
+    import json
+
+    from cachecd.plan.doctor import measure as doctor
+    from tests.harness import run_cli
+
+    def cli(*a: str) -> dict[str, Any]:
+        return dict(json.loads(run_cli(*a, "--json", timeout=1800).stdout))
+
+    with served_checkpoint(args.dir, f"bench/user-{name}", **USER_MODELS[name]) as served:
+        with installed(served) as (sock, cache_dir):
+            report = served.work / "doctor.json"
+            report.write_text(json.dumps(doctor([str(cache_dir)], 16 << 20, 64 << 10,
+                                                socket=str(sock))))
+            run = ("run", "--model", served.repo, "--socket", str(sock), "--prompt",
+                   "Hello there", "--max-tokens", "64")
+            cli(*run)  # untimed: the experts it routes to go on disk
+            runs, plans = [], []
+            for r in range(args.rounds):
+                runs.append(float(cli(*run)["generation_tps"]))
+                plan = cli("plan", "--model", served.repo, "--socket", str(sock), "--doctor",
+                           str(report))
+                plans.append(float(plan["budgets"][-1]["tok_s_warm"]))
+                print(f"  round={r} run={runs[-1]:.2f} tok/s plan={plans[-1]:.2f} tok/s "
+                      f"(compute {plan['compute']['ms_per_token']:.1f} ms, top-"
+                      f"{plan['model']['top_k']} from {plan['model']['top_k_source']})",
+                      flush=True)
+    ratio = median(runs) / median(plans)
+    print(f"{name}: cachecd run {median(runs):.2f} tok/s, cachecd plan {median(plans):.2f} "
+          f"tok/s (medians of {args.rounds}); run/plan {ratio:.3f}; compute source: "
+          f"{plan['compute']['source']}")
+    return [(f"{name} as a user", median(plans), median(runs))]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp", help="where the work dir (removed at the end) goes")
@@ -229,10 +279,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2, help="measured rounds (after a warm-up)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--compute", default="resident", choices=["resident", "probe"])
+    ap.add_argument("--as-user", action="store_true",
+                    help="cachecd plan and cachecd run side by side, as a user runs them")
     args = ap.parse_args(argv)
     out = []
+    if args.as_user and args.models == ap.get_default("models"):
+        args.models = "tiny,wide"
     for name in [n for n in args.models.split(",") if n]:
-        out += check(name, args)
+        out += as_user(name, args) if args.as_user else check(name, args)
     worst = max(out, key=lambda r: abs(np.log(r[2] / r[1])) if r[1] else 0.0)
     print(f"worst: {worst[0]} measured/projected {worst[2] / worst[1]:.3f}")
     print(f"ratio={worst[2] / worst[1]:.3f}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,19 +23,24 @@ from cachecd.config import parse_size
 from cachecd.errors import InvalidRequest
 from cachecd.manifest.manifest import Manifest
 
+log = logging.getLogger(__name__)
+
 PLAN_FORMAT = "cachecd-plan"
 BUDGET_SHARES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)  # of the experts' bytes
 POOL_SHARES = (0.25, 0.5, 1.0, 2.0)  # of the recommended pool
 GOOD_ENOUGH = 0.95  # the recommended budget: the least that reaches this share of the best
-FLAT_TOKENS = 32
+FLAT_TOKENS = 64  # cachecd run's --max-tokens default
 PREFILL_STEP = 2048  # mlx-lm's prefill_step_size
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("plan", help="project tok/s and the disk a model needs on this machine")
     p.add_argument("--model", required=True,
-                   help="a manifest file, a repo whose manifest cachecd ships, or a repo the "
-                        "running daemon serves")
+                   help="a manifest file, a repo whose manifest cachecd ships, a repo the "
+                        "running daemon serves, or any Hub repo ORG/NAME[@REV] (planned from "
+                        "its config.json and its shards' headers: nothing else downloaded)")
+    p.add_argument("--endpoint", help="the Hub for a model not installed (default: the "
+                   "configured one)")
     p.add_argument("--trace", action="append", metavar="FILE",
                    help="routing traces (cachecd run --trace), repeatable (default: flat routing)")
     p.add_argument("--budget", help="a disk budget to project too, e.g. 500GB (default: "
@@ -45,16 +51,18 @@ def register(sub: Any) -> None:
     p.add_argument("--cache-dir", help="the cache dir to measure, or to read from --doctor "
                    f"(default: the doctor's first; measured: {constants.DEFAULT_CACHE_DIR})")
     p.add_argument("--compute-ms", type=float,
-                   help="compute per token in ms (default: measured with one MoE layer)")
+                   help="compute per token in ms (default: measured: a decode token of the "
+                        "model built from its config.json, random weights, this machine)")
     p.add_argument("--call-ms", type=float, nargs=2, metavar=("CALL", "MISS"),
                    help="the engine's own ms per MoE layer call, and what a call with misses "
                         "adds (default: measured with the engine's streamed layer)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="the activations' dtype of the compute probe")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="the probes' dtype (default: the checkpoint's, as cachecd run computes)")
     p.add_argument("--top-k", type=int, help="experts routed per token per layer (default: "
-                   "the traces' or the model type's)")
+                   "the traces', else the model's config.json's)")
     p.add_argument("--tokens", type=int, default=FLAT_TOKENS,
-                   help="tokens of flat routing counted")
+                   help="tokens a run generates, from a fresh pool, under flat routing "
+                        "(default %(default)s, as cachecd run --max-tokens)")
     p.add_argument("--prompt-tokens", type=int, metavar="N",
                    help="project the time to the first token of a prompt of N tokens, "
                         "prefilled layer by layer (cold, warm, from the pool); default: none, no prompt projected")
@@ -72,37 +80,25 @@ def register(sub: Any) -> None:
 
 
 def plan_command(args: argparse.Namespace) -> int:
+    from cachecd.plan import model_source
     from cachecd.plan.render import render_png, render_table
 
-    manifest = load_model(args.model, args.socket)
+    need = args.compute_ms is None or (args.top_k is None and not args.trace)
+    model = model_source.load(args.model, args.socket, args.endpoint, need_config=need)
     doctor = _doctor(args)
     result = build_plan(
-        manifest, doctor, traces=args.trace or [], top_k=args.top_k, tokens=args.tokens,
+        model.manifest, doctor, traces=args.trace or [], top_k=args.top_k, tokens=args.tokens,
         compute_ms=args.compute_ms, call_ms=args.call_ms, dtype=args.dtype,
         cache_dir=args.cache_dir,
         budgets=[parse_size(args.budget, "--budget")] if args.budget else [],
         pools=[parse_size(args.pool, "--pool")] if args.pool else [],
         prompt=PromptArgs(args.prompt_tokens, args.prefill_step_size, args.prefill_ms)
-        if args.prompt_tokens else None)
+        if args.prompt_tokens else None, config=model.config)
+    result["model"].update(model.describe())
     if args.png:
         Path(args.png).write_bytes(render_png(result))
     print(json.dumps(result, indent=1) if args.json else render_table(result))
     return 0
-
-
-def load_model(model: str, socket: str | None = None) -> Manifest:
-    from cachecd.manifest.manifest import shipped_manifest
-
-    if Path(model).is_file():
-        return Manifest.load(model)
-    shipped = shipped_manifest(model)
-    if shipped is not None:
-        return Manifest.load(shipped)
-    from cachecd.config import load_settings
-    from cachecd_client import Client
-
-    with Client(load_settings({"socket": socket}).socket) as client:
-        return Manifest.from_bytes(client.manifest_bytes(model), f"daemon:{model}")
 
 
 def _doctor(args: argparse.Namespace) -> dict[str, Any]:
@@ -135,27 +131,25 @@ class Inputs:
 def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
                top_k: int | None = None, tokens: int = FLAT_TOKENS,
                compute_ms: float | None = None, call_ms: list[float] | None = None,
-               dtype: str = "float32",
+               dtype: str | None = None,
                cache_dir: str | None = None, budgets: list[int] | None = None,
                pools: list[int] | None = None, seed: int = 0,
-               prompt: PromptArgs | None = None) -> dict[str, Any]:
-    from cachecd.plan import routing
+               prompt: PromptArgs | None = None,
+               config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``config``: the model's config.json, where known: its top-k, and the compute of a whole
+    token (``token_probe``); without it the compute is the routed experts' (``probe``)."""
     from cachecd.plan.simulate import slot_bytes
     from cachecd.plan.speed import Machine, first_token_s
+    from cachecd.plan.token_probe import checkpoint_dtype
     t0 = time.perf_counter()
     machine = Machine.from_doctor(doctor, cache_dir)
-    if traces:
-        work = routing.from_traces(manifest, traces)
-    else:
-        k = top_k or routing.TOP_K.get(manifest.model_type)
-        if not k:
-            raise InvalidRequest(f"{manifest.repo} is a {manifest.model_type}: give --top-k")
-        work = routing.flat(manifest, k, tokens, seed)
+    work, top_k_src = _workload(manifest, traces, top_k, tokens, seed, config)
     top_k = top_k or work.top_k
+    dtype = dtype or checkpoint_dtype(config or {}, manifest)
     socket = (doctor.get("daemon") or {}).get("socket")  # the daemon the doctor reached
     dirs = [d["path"] for d in doctor["disks"]]
     compute_s, costs, compute_src = _costs(manifest, top_k, compute_ms, call_ms, dtype,
-                                           machine.page_rate, socket, dirs)
+                                           machine, socket, dirs, config)
     pool = recommended_pool(machine, manifest)
     inputs = Inputs(manifest, machine, compute_s, pool, slot_bytes(manifest), costs)
     total = manifest.expert_bytes_total
@@ -172,6 +166,7 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
         "model": {"repo": manifest.repo, "revision": manifest.revision,
                   "quant_format": manifest.quant_format, "moe_layers": len(manifest.moe_layers),
                   "experts_per_layer": manifest.experts_per_layer, "top_k": top_k,
+                  "top_k_source": top_k_src,
                   "expert_bytes_total": total, "resident_bytes": manifest.resident_bytes_total,
                   "bytes_per_token": token_bytes},
         "workload": work.source,
@@ -194,6 +189,24 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
         result["prompt"] = project_prompt(inputs, top_k, prompt, (pools or [pool])[0], dtype)
     result["elapsed_s"] = round(time.perf_counter() - t0, 3)
     return result
+
+
+def _workload(manifest: Manifest, traces: list[str], top_k: int | None, tokens: int, seed: int,
+              config: dict[str, Any] | None) -> tuple[Any, str]:
+    """The calls (the traces', or flat routing's) and where the top-k came from: --top-k, the
+    traces, the model's config.json, else what cachecd knows of the model type."""
+    from cachecd.plan import routing
+    from cachecd.plan.token_probe import top_k_of
+
+    if traces:
+        work = routing.from_traces(manifest, traces)
+        return work, "--top-k" if top_k else "the traces"
+    for k, src in ((top_k, "--top-k"), (top_k_of(config or {}), "config.json"),
+                   (routing.TOP_K.get(manifest.model_type), f"{manifest.model_type}'s")):
+        if k:
+            return routing.flat(manifest, k, tokens, seed), src
+    raise InvalidRequest(f"{manifest.repo} is a {manifest.model_type} and its config.json is "
+                         "not known here: give --top-k")
 
 
 def project_prompt(inp: Inputs, top_k: int, prompt: PromptArgs, pool: int,
@@ -219,8 +232,9 @@ def project_prompt(inp: Inputs, top_k: int, prompt: PromptArgs, pool: int,
 
 
 def _costs(manifest: Manifest, top_k: int, compute_ms: float | None,
-           call_ms: list[float] | None, dtype: str, page_rate: float, socket: str | None,
-           cache_dirs: list[str]) -> tuple[float, Any, str]:
+           call_ms: list[float] | None, dtype: str, machine: Any, socket: str | None,
+           cache_dirs: list[str], config: dict[str, Any] | None = None,
+           ) -> tuple[float, Any, str]:
     """(compute per token, the engine's costs per call as a ``speed.Calls`` without counts,
     where the compute came from)."""
     from cachecd.plan.speed import Calls
@@ -230,18 +244,40 @@ def _costs(manifest: Manifest, top_k: int, compute_ms: float | None,
         from cachecd.plan.probe import engine_costs
 
         costs = engine_costs(manifest, top_k, dtype, socket=socket, cache_dirs=cache_dirs)
-    layers = len(manifest.moe_layers)
-    if compute_ms is None:
-        assert costs is not None
-        compute_s, src = costs.compute_s * layers, f"probe ({dtype}, the routed experts only)"
-    else:
+    token = None if compute_ms is not None or config is None else \
+        _token_s(config, manifest, top_k, dtype, machine)
+    if compute_ms is not None:
         compute_s, src = compute_ms / 1e3, "given"
+    elif isinstance(token, float):
+        compute_s = token
+        src = (f"measured: a decode token of the model built from its config.json ({dtype}, "
+               f"random weights, top-{top_k} experts resident)")
+    else:
+        assert costs is not None
+        compute_s = costs.compute_s * len(manifest.moe_layers)
+        why = token or "no config.json known for the model"
+        src = f"probe ({dtype}, the routed experts only: {why}; give --compute-ms)"
     if call_ms is None:
         assert costs is not None
+        page_rate = machine.page_rate
         return compute_s, Calls(call_s=costs.call_s, miss_call_s=costs.miss_call_s(page_rate),
                                 request_experts=costs.request_experts,
                                 cold_rate=costs.cold_rate(page_rate)), src
     return compute_s, Calls(call_s=call_ms[0] / 1e3, miss_call_s=call_ms[1] / 1e3), src
+
+
+def _token_s(config: dict[str, Any], manifest: Manifest, top_k: int, dtype: str,
+             machine: Any) -> float | str:
+    """A whole token's compute (``token_probe``), or why the model could not be built here."""
+    from cachecd.plan.token_probe import MAX_BUILD_BYTES, token_s
+
+    room = max(MAX_BUILD_BYTES, machine.available // 2)  # a run loads it all anyway
+    try:
+        return token_s(config, manifest, top_k, dtype, max_bytes=room)
+    # mlx-lm's classes raise what they raise on a config they do not know.
+    except (ValueError, KeyError, TypeError, AttributeError, ImportError) as exc:
+        log.warning("token_probe_failed repo=%s error=%s", manifest.repo, exc)
+        return f"mlx-lm could not build the model from its config.json ({exc})"
 
 
 def recommended_pool(machine: Any, manifest: Manifest) -> int:
@@ -271,7 +307,9 @@ def project_row(inp: Inputs, work: Any, pool: int, budget: int, seed: int) -> di
     warm = token_s(compute, disk_b, hub_b, m, share, calls)
     return {"budget": budget, "pool_bytes": pool, "slots": slots,
             "pool_hit_rate": c.pool_hit_rate, "disk_hit_rate": c.disk_hit_rate,
-            "local_rate": 1 - c.hub_bytes / c.asked_bytes if c.asked_bytes else 1.0,
+            # Of the bytes the run reads into its pool, the share the disk held (not the Hub).
+            "local_rate": 1 - c.hub_bytes / read if (read := c.asked_bytes - c.pool_hit_bytes)
+            else 1.0,
             "bytes_per_token": per(c.asked_bytes), "pool_bytes_per_token": per(c.pool_hit_bytes),
             "disk_bytes_per_token": disk_b, "hub_bytes_per_token": hub_b,
             "page_cache_share": share, "calls_per_token": calls.calls,

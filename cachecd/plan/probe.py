@@ -2,9 +2,10 @@
 quant format, as mlx-lm's ``SwitchGLU`` (the template the engine's bank calls) over ``top_k``
 experts, timed on this machine's default device, times the model's MoE layers.
 
-It measures the routed experts' compute, which is most of a decode token for a model whose
-experts are big (K3's: 17.5 MB each, 16 a layer). Attention, shared experts and dense layers
-are left out: for a model where they matter, give the token's compute (``--compute-ms``).
+It measures the routed experts' compute alone: the plan's compute where the model's config.json
+is not known (a manifest file), and the prompt's prefill probe. Where the config is known the
+plan times the whole token instead (``token_probe``: attention, dense layers, shared experts
+and the head too).
 """
 
 from __future__ import annotations

@@ -21,9 +21,11 @@ def render_table(plan: dict[str, Any]) -> str:
     first = plan["first_token_s"]
     lines = [
         f"model      {m['repo']}@{m['revision'][:12]}: {m['moe_layers']} MoE layers x "
-        f"{m['experts_per_layer']} experts, top-{m['top_k']}, "
+        f"{m['experts_per_layer']} experts, top-{m['top_k']}"
+        f"{' (' + m['top_k_source'] + ')' if m.get('top_k_source') else ''}, "
         f"{format_size(m['expert_bytes_total'])} of experts, "
         f"{format_size(m['bytes_per_token'])} routed a token",
+        *_origin(m),
         f"workload   {plan['workload']}",
         f"machine    memory {format_size(mach['total'])} ({format_size(mach['available'])} "
         f"available); SSD cold {mach['cold_rate'] / 1e9:.2f} GB/s, page cache "
@@ -55,6 +57,16 @@ def render_table(plan: dict[str, Any]) -> str:
     if plan.get("prompt"):
         lines += ["", *prompt_lines(plan["prompt"])]
     return "\n".join(lines)
+
+
+def _origin(m: dict[str, Any]) -> list[str]:
+    """Where the model's figures came from (``plan_command`` adds it; ``build_plan`` does not)."""
+    if not m.get("origin"):
+        return []
+    read = ("" if m.get("fetched_bytes") is None else
+            f" (read {format_size(m['fetched_bytes'])} of the shards' "
+            f"{format_size(m['shard_bytes'])})")
+    return [f"from       {m['origin']}{read}"]
 
 
 def _secs(x: float | None) -> str:

@@ -13,10 +13,13 @@ them.
 - The disk sees only the pool's misses (the engine asks the daemon for nothing else), as the
   store does: the call's experts held from eviction, a hit is an ``on_access``, a miss reserves
   its bytes (the policy's victims are removed), is inserted and then counted as used.
-- Warm: a trace is replayed ``passes`` times and the last pass counted (the cache warmed to
-  the workload); flat routing first asks for every expert once, in a random order (each cache
-  then holds a random set as large as it can), then ``warm_tokens`` tokens, then the counted
-  ones. Under flat routing a warm cache of C of N experts hits about C/N of the time: the next
+- A run: the disk cache outlives a run, the pool does not (each ``cachecd run`` starts with an
+  empty one). So the disk is warmed first: a trace replayed ``passes - 1`` times; under flat
+  routing every expert asked once in a random order (the disk then holds a random set as large
+  as its budget) and ``warm_tokens`` tokens. Then the counted calls (the trace's last pass, or
+  the workload's tokens) start from an EMPTY pool, as a run does: every expert a run uses is
+  read once into its pool, from the disk where the budget held it, else from the Hub. Under
+  flat routing a pool of C of N experts, once full, hits about C/N of the time: the next
   token's experts do not depend on what is cached (a pool of a few tokens' worth hits less:
   when a layer is called its own experts are the ones used longest ago).
 """
@@ -119,7 +122,8 @@ def pool_slots(pool_bytes: int, slot_bytes: int, top_k: int, experts: int) -> in
 def replay(manifest: Manifest, work: Workload, slots: int, budget: int, passes: int = 2,
            seed: int = 0, warm_tokens: int = 2) -> Counted:
     """The workload through a pool of ``slots`` and a disk budget of ``budget`` bytes; the
-    counts of its last pass (traces) or of its tokens after warm-up (flat routing)."""
+    counts of its last pass (traces) or of its tokens after the disk's warm-up (flat routing),
+    each from an empty pool."""
     from cachecd_engine.pool.slots import SlotTable
 
     size_of = _sizes(manifest)
@@ -133,6 +137,8 @@ def replay(manifest: Manifest, work: Workload, slots: int, budget: int, passes: 
         counted_from = len(work.calls) * (passes - 1)
     out = Counted(tokens=work.tokens)
     for i, (layer, ids, decode) in enumerate(calls):
+        if i == counted_from:  # a run starts: its pool is empty, the disk is as it was left
+            table = SlotTable(slots)
         requests, hits = through_pool(table, layer, ids)
         missed = [e for r in requests for e in r]
         disk_hits = [h for r in requests for h in disk.request(layer, r, size_of)]

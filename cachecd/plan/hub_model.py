@@ -1,0 +1,140 @@
+"""A model not installed, planned from the Hub: its config.json and its shards' safetensors
+headers, read by Range requests, with no manifest and no daemon.
+
+Invariants:
+- Only the small files (config.json, the shard index) and each shard's header (its first
+  8 bytes, then its first 8 + N) are read; no tensor's bytes. ``fetched`` counts every
+  body byte read, so the plan can say how little it read against the shards' size.
+- The manifest made here has the experts' true shapes, dtypes, sizes and layout (the headers'),
+  so every figure of a plan (bytes per expert and per token, the pool's slots, the probes'
+  shapes) is the one a built manifest gives; its hashes are placeholders (nothing was hashed),
+  so it is never saved, registered or used to verify a byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from cachecd.manifest.build_plan import (
+    Plan,
+    SourceFile,
+    make_plan,
+    parse_config,
+    quant_format_of,
+    read_small,
+    shard_files,
+)
+from cachecd.manifest.entries import FileInfo, TensorInfo
+from cachecd.manifest.manifest import Manifest
+from cachecd.manifest.safetensors_header import header_length
+
+
+@dataclass
+class HubModel:
+    manifest: Manifest
+    config: dict[str, Any]
+    fetched: int  # body bytes read from the endpoint
+    shard_bytes: int  # the shards' size: what a full pass would read
+
+
+class _Counted:
+    """A ``build_plan.Source`` that counts the body bytes it reads."""
+
+    def __init__(self, source: Any) -> None:
+        self.source, self.repo, self.revision = source, source.repo, source.revision
+        self.fetched = 0
+
+    def list_files(self) -> list[SourceFile]:
+        return list(self.source.list_files())
+
+    def read_head(self, name: str, nbytes: int) -> bytes:
+        data = bytes(self.source.read_head(name, nbytes))
+        self.fetched += len(data)
+        return data
+
+    def stream(self, name: str, start: int = 0) -> Iterator[bytes]:
+        for chunk in self.source.stream(name, start):
+            self.fetched += len(chunk)
+            yield chunk
+
+
+def from_hub(repo: str, revision: str, *, endpoint: str | None = None,
+             token: str | None = None) -> HubModel:
+    """The plan's view of ``repo@revision`` on ``endpoint`` (default: the configured one)."""
+    from cachecd import errors
+    from cachecd.manifest.source import HubSource
+
+    source = _Counted(HubSource(repo, revision, endpoint=endpoint, token=token))
+    files = sorted(source.list_files(), key=lambda f: f.name)
+    by_name = {f.name: f for f in files}
+    if "config.json" not in by_name:
+        raise errors.NotFound(f"{repo}@{revision} has no config.json: not a model repo")
+    config_bytes = read_small(source, by_name["config.json"])
+    config = parse_config(config_bytes, repo)
+    shards = shard_files(source, files, by_name)
+    plan = make_plan(source, shards, {f.name: _header(source, f) for f in shards})
+    if not plan.expert_tensors:
+        raise errors.InvalidRequest(f"{repo}@{source.revision}: no routed expert tensors in its "
+                                    "shards' headers; cachecd streams MoE models only")
+    manifest = _manifest(source, config, config_bytes, files, plan)
+    return HubModel(manifest, config, source.fetched, sum(s.file.size for s in plan.shards))
+
+
+def config_of(repo: str, revision: str, sha256: str, *, endpoint: str,
+              token: str | None = None) -> dict[str, Any]:
+    """The config.json a manifest pins (``sha256``), from the Hub by one GET (no retries: the
+    plan goes on without it); ChecksumMismatch where the endpoint serves other bytes."""
+    from huggingface_hub import get_session, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
+
+    from cachecd import errors
+    from cachecd.manifest.source import hub_errors, request_headers
+
+    url = hf_hub_url(repo, "config.json", revision=revision, endpoint=endpoint)
+    headers = request_headers(url, endpoint, build_hf_headers(token=token), {})
+
+    def get() -> bytes:
+        r = get_session().get(url, headers=headers, follow_redirects=True, timeout=10)
+        r.raise_for_status()
+        return bytes(r.content)
+
+    data = hub_errors(f"{repo}@{revision}/config.json", get)
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise errors.ChecksumMismatch(f"{repo}@{revision}/config.json from {endpoint} is not "
+                                      "the one the manifest pins")
+    return parse_config(data, repo)
+
+
+def _header(source: _Counted, f: SourceFile) -> bytes:
+    """A shard's first 8 + N bytes, exactly: its header's length, then the header (a build's
+    first read of 1 MiB would read a small shard whole)."""
+    n = header_length(source.read_head(f.name, min(f.size, 8)), f.name)
+    return source.read_head(f.name, min(f.size, 8 + n))
+
+
+def _manifest(source: _Counted, config: dict[str, Any], config_bytes: bytes,
+              files: list[SourceFile], plan: Plan) -> Manifest:
+    from cachecd.manifest.build import _expert_entry
+
+    def digest(name: str) -> bytes:  # a placeholder: distinct per tensor, never a hash of bytes
+        return xxhash.xxh3_128_digest(name.encode())
+
+    digests = {t.name: digest(t.name) for s in plan.shards for t in s.tensors}
+    header = {s.file.name: s.header_len for s in plan.shards}
+    infos = [FileInfo(f.name, f.size, f.sha256 or "0" * 64, header.get(f.name, 0))
+             for f in files]
+    resident = [TensorInfo(t.name, t.dtype, t.shape, s.file.name, t.start, t.nbytes,
+                           digests[t.name])
+                for s in plan.shards for t in s.tensors if plan.owner[t.name] is None]
+    experts = [_expert_entry(key, parts, digests, digest(f"expert {key}"))
+               for key, parts in plan.expert_tensors.items()]
+    return Manifest.from_entries(
+        repo=source.repo, revision=source.revision, model_type=config["model_type"],
+        quant_format=quant_format_of(config),
+        config_sha256=hashlib.sha256(config_bytes).hexdigest(), files=infos, experts=experts,
+        resident=resident)
