@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
 import logging
 import re
 import secrets
@@ -44,6 +43,9 @@ from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
+from cachecd.lanhub.answers import bad_request, hf_error
+from cachecd.lanhub.git_routes import GitRoutes
+from cachecd.lanhub.limits import ResolveLimit
 from cachecd.lanhub.mirror import sidecar_path
 from cachecd.lanhub.repo import (
     SHARED_HASHES,
@@ -52,7 +54,6 @@ from cachecd.lanhub.repo import (
     RepoSnapshot,
     model_info_json,
     snapshot,
-    tree_json,
     valid_relpath,
 )
 from cachecd.manifest.repo_ref import REVISION, valid_part
@@ -63,30 +64,9 @@ DEFAULT_URL_TTL_S = 3600.0
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$", re.IGNORECASE | re.ASCII)
 _SIGNED_SNAPSHOTS = 64
 _REVISION = re.compile(REVISION)
+_COMMIT_PREFIX = re.compile(r"[0-9a-f]{7,39}")
 _Handler = Callable[[web.Request], Awaitable[StreamResponse]]
 DATASETS = "datasets"
-
-
-# ---------------------------------------------------------------- errors as responses
-
-
-def _hf_error(
-    cls: type[web.HTTPException],
-    code: str | None,
-    message: str,
-    extra: dict[str, str] | None = None,
-) -> web.HTTPException:
-    """An error the way the Hub sends it: huggingface_hub maps X-Error-Code to its error types."""
-    headers = {"X-Error-Message": message.encode("ascii", "backslashreplace").decode()}
-    if code:
-        headers["X-Error-Code"] = code
-    headers.update(extra or {})
-    body = json.dumps({"error": message})
-    return cls(headers=headers, text=body, content_type="application/json")
-
-
-def _bad_request(message: str) -> web.HTTPException:
-    return _hf_error(web.HTTPBadRequest, None, message)
 
 
 # ---------------------------------------------------------------- signed CDN urls
@@ -150,6 +130,14 @@ def _unsatisfiable(range_header: str | None, size: int) -> bool:
     return int(start) >= size or (end != "" and int(end) < int(start))
 
 
+def _etag_matches(if_none_match: str | None, etag: str) -> bool:
+    """RFC 9110's weak comparison of ``If-None-Match`` with the ETag the answer would carry."""
+    if not if_none_match:
+        return False
+    given = [t.strip().removeprefix("W/") for t in if_none_match.split(",")]
+    return "*" in given or etag.removeprefix("W/") in given
+
+
 def _unchanged(f: RepoFile) -> bool:
     try:
         st = f.real.stat()
@@ -165,8 +153,9 @@ class _Hub:
     """Request handlers over one root folder."""
 
     def __init__(self, root: Path, token: str | None, signer: UrlSigner, hashes: HashCache,
-                 gated: frozenset[str] = frozenset()) -> None:
+                 gated: frozenset[str] = frozenset(), limit: ResolveLimit | None = None) -> None:
         self.root = root.resolve()
+        self.limit = limit
         self.token = token
         self.gated = gated
         self.signer = signer
@@ -182,9 +171,9 @@ class _Hub:
         # DIR/datasets/ holds the dataset repos, so no model org is named "datasets" (as on HF).
         kind = request.match_info.get("kind", "")
         if not (valid_part(org) and valid_part(name)) or (not kind and org == DATASETS):
-            raise _hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
+            raise hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
         if repo_id in self.gated:
-            raise _hf_error(web.HTTPForbidden, "GatedRepo",
+            raise hf_error(web.HTTPForbidden, "GatedRepo",
                             f"Access to model {repo_id} is restricted and you are not in the "
                             f"authorized list. Visit {request.url.origin()}/{repo_id} to ask for "
                             "access.")
@@ -192,7 +181,7 @@ class _Hub:
         snap = await asyncio.to_thread(self._snapshot_at, repo_dir, repo_id,
                                        _repo_key(request), rev)
         if snap is None:
-            raise _hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
+            raise hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
         return snap
 
     def _snapshot_at(self, repo_dir: Path, repo_id: str, key: str,
@@ -204,14 +193,17 @@ class _Hub:
         main = self._snapshot_if_repo(repo_dir, repo_id, key)
         if rev == "main" or (main is not None and main.commit == rev):
             return main
-        for branch, folder in folders.items():
-            snap = self._snapshot_if_repo(folder, repo_id, f"{key}@{branch}")
-            if snap is not None and snap.commit == rev:
-                return snap
+        snaps = [main] + [self._snapshot_if_repo(folder, repo_id, f"{key}@{branch}")
+                          for branch, folder in folders.items()]
+        found = [s for s in snaps if s is not None and s.commit == rev]
+        if not found and _COMMIT_PREFIX.fullmatch(rev):  # a short commit, as git takes one
+            found = [s for s in snaps if s is not None and s.commit.startswith(rev)]
+        if len({s.commit for s in found}) == 1:
+            return found[0]
         if main is None and not folders:
             return None
         known = ["main"] * (main is not None) + sorted(folders)
-        raise _hf_error(
+        raise hf_error(
             web.HTTPNotFound,
             "RevisionNotFound",
             f"Revision {rev[:64]!r} not found in {repo_id}: use one of {', '.join(known)} or "
@@ -227,10 +219,10 @@ class _Hub:
     @staticmethod
     def entry(snap: RepoSnapshot, path: str) -> RepoFile:
         if not valid_relpath(path):
-            raise _bad_request(f"Invalid file path {path[:200]!r}")
+            raise bad_request(f"Invalid file path {path[:200]!r}")
         found = snap.files.get(path)
         if found is None:
-            raise _hf_error(
+            raise hf_error(
                 web.HTTPNotFound,
                 "EntryNotFound",
                 f"{path[:200]!r} not found in {snap.repo_id}",
@@ -251,14 +243,34 @@ class _Hub:
         }
 
     async def resolve(self, request: web.Request) -> StreamResponse:
+        """302 to a signed ``/_cdn`` URL, or 304 when ``If-None-Match`` names the file's ETag;
+        counted against ``limit`` (429 past it), whose headers every answer carries."""
+        if self.limit is None:
+            return await self._resolve(request)
+        verdict = self.limit.check(request.remote or "", request.headers.get("Authorization", ""))
+        if not verdict.allowed:
+            raise hf_error(web.HTTPTooManyRequests, None,
+                           "You have exceeded the rate limit for /resolve requests: wait for the "
+                           "time RateLimit gives (t=SECONDS)", verdict.headers)
+        try:
+            response = await self._resolve(request)
+        except web.HTTPException as exc:
+            exc.headers.update(verdict.headers)
+            raise
+        response.headers.update(verdict.headers)
+        return response
+
+    async def _resolve(self, request: web.Request) -> StreamResponse:
         snap = await self.snapshot(request, request.match_info["rev"])
         f = self.entry(snap, request.match_info["path"])
         key = _repo_key(request)
+        headers = {"ETag": f'"{f.sha256}"', **self.file_headers(snap, f)}
+        if _etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
+            raise web.HTTPNotModified(headers=headers)
         self.remember(key, snap)
         resource = f"{key}/{snap.commit}/{f.relpath}"
         origin = str(request.url.origin())
         location = f"{origin}/_cdn/{key}/{snap.commit}/{quote(f.relpath)}"
-        headers = {"ETag": f'"{f.sha256}"', **self.file_headers(snap, f)}
         raise web.HTTPFound(f"{location}?{self.signer.query(resource)}", headers=headers)
 
     async def cdn(self, request: web.Request) -> StreamResponse:
@@ -266,7 +278,7 @@ class _Hub:
         resource = f"{_repo_key(request)}/{info['commit']}/{info['path']}"
         query = request.rel_url.query
         if not self.signer.valid(resource, query.get("expires", ""), query.get("sig", "")):
-            raise _hf_error(
+            raise hf_error(
                 web.HTTPForbidden, None, "Signed URL is invalid or expired: resolve again"
             )
         snap, f = await self.signed_file(request, info["commit"], info["path"])
@@ -274,9 +286,13 @@ class _Hub:
             request.headers.get("Range"), f.size
         ):
             raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{f.size}"})
-        response = _ExactFileResponse(f.real, f.git_oid)
+        headers = self.file_headers(snap, f)
+        etag = f'"{f.git_oid or f.sha256}"'
+        if _etag_matches(request.headers.get("If-None-Match"), etag):
+            raise web.HTTPNotModified(headers={**headers, "ETag": etag})
+        response = _ExactFileResponse(f.real, f.git_oid or f.sha256)
         response.content_type = "application/octet-stream"
-        response.headers.update(self.file_headers(snap, f))
+        response.headers.update(headers)
         return response
 
     async def signed_file(
@@ -295,7 +311,7 @@ class _Hub:
             return snap, f
         snap = await self.snapshot(request, commit)
         if snap.commit != commit:
-            raise _hf_error(
+            raise hf_error(
                 web.HTTPNotFound,
                 "RevisionNotFound",
                 f"{snap.repo_id} changed since this URL was signed: resolve again",
@@ -313,21 +329,34 @@ class _Hub:
         snap = await self.snapshot(request, request.match_info.get("rev", "main"))
         return web.json_response(model_info_json(snap))
 
-    async def tree(self, request: web.Request) -> StreamResponse:
-        snap = await self.snapshot(request, request.match_info["rev"])
-        prefix = request.match_info["tail"].strip("/")
-        if prefix and not valid_relpath(prefix):
-            raise _bad_request(f"Invalid path {prefix[:200]!r}")
-        recursive = request.rel_url.query.get("recursive", "false").lower() in ("1", "true")
-        entries = tree_json(snap, prefix, recursive)
-        if entries is None:
-            raise _hf_error(
-                web.HTTPNotFound,
-                "EntryNotFound",
-                f"{prefix[:200]!r} is not a folder of {snap.repo_id}",
-                {"X-Repo-Commit": snap.commit},
-            )
-        return web.json_response(entries)
+    async def branches(self, request: web.Request) -> list[tuple[str, RepoSnapshot]]:
+        """(name, snapshot) of ``main`` and each ``NAME@REV`` folder that is a repo."""
+        main = await self.snapshot(request)
+        key = _repo_key(request)
+        folders = revision_folders(self.root / request.match_info.get("kind", "") / main.repo_id)
+
+        def walk() -> list[tuple[str, RepoSnapshot]]:
+            out = [("main", main)]
+            for name, folder in folders.items():
+                snap = self._snapshot_if_repo(folder, main.repo_id, f"{key}@{name}")
+                out += [(name, snap)] if snap is not None else []
+            return out
+
+        return await asyncio.to_thread(walk)
+
+    async def git_file(self, request: web.Request, snap: RepoSnapshot, f: RepoFile,
+                       headers: dict[str, str]) -> StreamResponse:
+        """A file kept in git, served here by its blob id (``/raw``)."""
+        etag = f'"{f.git_oid}"'
+        if _etag_matches(request.headers.get("If-None-Match"), etag):
+            raise web.HTTPNotModified(headers={**headers, "ETag": etag})
+        if not await asyncio.to_thread(_unchanged, f):
+            raise hf_error(web.HTTPNotFound, "EntryNotFound",
+                           f"{f.relpath!r} changed while being served: ask again")
+        response = _ExactFileResponse(f.real, f.git_oid)
+        response.content_type = "text/plain"
+        response.headers.update(headers)
+        return response
 
     @web.middleware
     async def auth(self, request: web.Request, handler: _Handler) -> StreamResponse:
@@ -335,14 +364,14 @@ class _Hub:
             return await handler(request)
         given = request.headers.get("Authorization", "")
         if not given:
-            raise _hf_error(
+            raise hf_error(
                 web.HTTPUnauthorized,
                 "GatedRepo",
                 "Access to this server is restricted: pass its token as HF_TOKEN",
             )
         if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
             # The Hub's own wording: huggingface_hub keys its "invalid token" message on it.
-            raise _hf_error(
+            raise hf_error(
                 web.HTTPUnauthorized, None, "Invalid credentials in Authorization header"
             )
         return await handler(request)
@@ -358,12 +387,14 @@ def build_app(
     url_ttl_s: float = DEFAULT_URL_TTL_S,
     hashes: HashCache | None = None,
     gated: frozenset[str] = frozenset(),
+    limit: ResolveLimit | None = None,
 ) -> web.Application:
     """The hub over ``root``. Servers share the process-wide sha256 cache unless given their own,
     so a server restarted in the same process does not hash again."""
-    hub = _Hub(root, token, UrlSigner(url_ttl_s), hashes or SHARED_HASHES, gated)
+    hub = _Hub(root, token, UrlSigner(url_ttl_s), hashes or SHARED_HASHES, gated, limit)
     app = web.Application(middlewares=[hub.auth])
     app[HUB_KEY] = hub
+    routes = GitRoutes(hub)
     # Dataset routes first: "/datasets/..." is a dataset repo, never a model org.
     for kind, api in (("/{kind:datasets}", "/api/{kind:datasets}"), ("", "/api/models")):
         repo = kind + "/{org}/{name}"
@@ -373,7 +404,7 @@ def build_app(
             app.router.add_route(method, repo + "/resolve/{rev}/{path:.+}", hub.resolve)
         app.router.add_get(api + "{slash:/?}", hub.model_info)
         app.router.add_get(api + "/revision/{rev}{slash:/?}", hub.model_info)
-        app.router.add_get(api + "/tree/{rev}{tail:(/.*)?}", hub.tree)
+        routes.add(app, repo, api)
     return app
 
 
