@@ -13,7 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 from aiohttp.web_response import StreamResponse
@@ -29,8 +29,18 @@ from cachecd.lanhub.repo import (
     valid_relpath,
 )
 
-if TYPE_CHECKING:
-    from cachecd.lanhub.app import _Hub as Hub
+
+class Hub(Protocol):
+    """What these routes need of ``app``'s hub: a repo at a revision, its files, its branches."""
+
+    async def snapshot(self, request: web.Request, rev: str = "main") -> RepoSnapshot: ...
+
+    def entry(self, snap: RepoSnapshot, path: str) -> RepoFile: ...
+
+    async def branches(self, request: web.Request) -> list[tuple[str, RepoSnapshot]]: ...
+
+    async def git_file(self, request: web.Request, snap: RepoSnapshot, f: RepoFile,
+                       headers: dict[str, str]) -> StreamResponse: ...
 
 PAGE = 1000
 PAGE_EXPANDED = 50
