@@ -26,7 +26,7 @@ def repo_factory() -> RepoFactory:
     return RepoFactory()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def api():  # type: ignore[no-untyped-def]
     from huggingface_hub import HfApi
 
@@ -41,8 +41,10 @@ def _local_writes(root: str) -> None:
     import shutil
     from pathlib import Path
 
-    from huggingface_hub import HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi
     from huggingface_hub.hf_api import RepoUrl
+
+    from cachecd.lanhub.gitattrs import HUB_DEFAULT
 
     def folder(repo_id: str, repo_type: str | None) -> Path:
         if "/" not in repo_id:
@@ -52,6 +54,9 @@ def _local_writes(root: str) -> None:
     def create_repo(self, repo_id, *, repo_type=None, **_):  # type: ignore[no-untyped-def]
         path = folder(repo_id, repo_type)
         path.mkdir(parents=True, exist_ok=True)
+        # A repo made on the Hub starts with its default .gitattributes (the LFS patterns).
+        lines = [f"{pattern} filter=lfs diff=lfs merge=lfs -text" for pattern in HUB_DEFAULT]
+        (path / ".gitattributes").write_text("\n".join(lines) + "\n")
         kind = "datasets/" if repo_type == "dataset" else ""
         return RepoUrl(f"{self.endpoint}/{kind}{path.parent.name}/{path.name}",
                        endpoint=self.endpoint)
@@ -63,6 +68,13 @@ def _local_writes(root: str) -> None:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(path_or_fileobj)
 
+    def create_commit(self, repo_id, operations, *, repo_type=None, **_):  # type: ignore[no-untyped-def]
+        for op in operations:
+            if not isinstance(op, CommitOperationAdd) or not isinstance(op.path_or_fileobj, bytes):
+                pytest.skip(f"needs the Hub's write API ({type(op).__name__})")
+            upload_file(self, path_or_fileobj=op.path_or_fileobj, path_in_repo=op.path_in_repo,
+                        repo_id=repo_id, repo_type=repo_type)
+
     def delete_file(self, path_in_repo, repo_id, *, repo_type=None, **_):  # type: ignore[no-untyped-def]
         (folder(repo_id, repo_type) / path_in_repo).unlink(missing_ok=True)
 
@@ -71,6 +83,7 @@ def _local_writes(root: str) -> None:
 
     HfApi.create_repo, HfApi.upload_file = create_repo, upload_file  # type: ignore[method-assign]
     HfApi.delete_file, HfApi.delete_repo = delete_file, delete_repo  # type: ignore[method-assign]
+    HfApi.create_commit = create_commit  # type: ignore[method-assign]
 
 
 if os.environ.get("CACHECD_HUB_ROOT"):
