@@ -14,7 +14,7 @@ Invariants:
   file a download record says the Hub keeps in git, only ETag = its git blob id). The
   signed URL needs no token and expires; it serves only the bytes it was signed for: once its
   file changes (size or mtime) it answers 404 RevisionNotFound.
-- ``/_cdn`` honours one byte range exactly (206 + Content-Range, 416 past the end) and streams
+- ``/_cdn`` (``cdn``) honours one byte range exactly (206 + Content-Range, 416 past the end) and streams
   with sendfile; it never substitutes a pre-compressed sibling file. Its responses carry the
   same metadata headers, since huggingface_hub follows a same-origin redirect on HEAD.
 - With a token configured, every request outside ``/_cdn`` needs ``Authorization: Bearer T``.
@@ -26,16 +26,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import logging
 import re
-import secrets
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 from urllib.parse import quote
 
 from aiohttp import web
@@ -44,6 +40,14 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
 from cachecd.lanhub.answers import bad_request, hf_error
+from cachecd.lanhub.cdn import (
+    DEFAULT_URL_TTL_S,
+    ExactFileResponse,
+    UrlSigner,
+    etag_matches,
+    unchanged,
+    unsatisfiable,
+)
 from cachecd.lanhub.git_routes import GitRoutes
 from cachecd.lanhub.limits import ResolveLimit
 from cachecd.lanhub.mirror import sidecar_path
@@ -60,90 +64,11 @@ from cachecd.manifest.repo_ref import REVISION, valid_part
 
 log = logging.getLogger("cachecd.lanhub.server")
 
-DEFAULT_URL_TTL_S = 3600.0
-_RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$", re.IGNORECASE | re.ASCII)
 _SIGNED_SNAPSHOTS = 64
 _REVISION = re.compile(REVISION)
 _COMMIT_PREFIX = re.compile(r"[0-9a-f]{7,39}")
 _Handler = Callable[[web.Request], Awaitable[StreamResponse]]
 DATASETS = "datasets"
-
-
-# ---------------------------------------------------------------- signed CDN urls
-
-
-class UrlSigner:
-    """HMAC-SHA256 over (resource, expiry) with a secret that lives as long as the process."""
-
-    def __init__(self, ttl_s: float = DEFAULT_URL_TTL_S, secret: bytes | None = None) -> None:
-        self.ttl_s = ttl_s
-        self._secret = secret or secrets.token_bytes(32)
-
-    def _mac(self, resource: str, expires: str) -> str:
-        msg = f"{resource}\n{expires}".encode()
-        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()
-
-    def query(self, resource: str) -> str:
-        expires = str(int(time.time() + self.ttl_s))
-        return f"expires={expires}&sig={self._mac(resource, expires)}"
-
-    def valid(self, resource: str, expires: str, sig: str) -> bool:
-        if not expires.isdigit() or int(expires) < time.time():
-            return False
-        return hmac.compare_digest(self._mac(resource, expires), sig)
-
-
-# ---------------------------------------------------------------- the file response
-
-
-class _ExactFileResponse(web.FileResponse):
-    """aiohttp's FileResponse (Range, sendfile) minus its swap to a ``.gz``/``.br`` sibling:
-    a repo may hold ``x`` and ``x.gz`` as two different files. With ``etag``, that is the ETag
-    (a git blob id, as the Hub sends for a file kept in git), not aiohttp's mtime-size tag."""
-
-    def __init__(self, path: Path, etag: str | None = None) -> None:
-        self._fixed_etag = etag
-        super().__init__(path)
-
-    def _get_file_path_stat_encoding(self, accept_encoding: str) -> Any:
-        return super()._get_file_path_stat_encoding("")
-
-    @property
-    def etag(self) -> Any:
-        return web.FileResponse.etag.fget(self)  # type: ignore[attr-defined]
-
-    @etag.setter
-    def etag(self, value: Any) -> None:
-        web.FileResponse.etag.fset(self, self._fixed_etag or value)  # type: ignore[attr-defined]
-
-
-def _unsatisfiable(range_header: str | None, size: int) -> bool:
-    """Ranges aiohttp would serve but RFC 9110 calls unsatisfiable (``bytes=-0``, empty file)."""
-    if range_header is None:
-        return False
-    m = _RANGE_RE.match(range_header.strip())
-    if m is None:
-        return True
-    start, end = m.groups()
-    if not start:
-        return not end or int(end) == 0 or size == 0
-    return int(start) >= size or (end != "" and int(end) < int(start))
-
-
-def _etag_matches(if_none_match: str | None, etag: str) -> bool:
-    """RFC 9110's weak comparison of ``If-None-Match`` with the ETag the answer would carry."""
-    if not if_none_match:
-        return False
-    given = [t.strip().removeprefix("W/") for t in if_none_match.split(",")]
-    return "*" in given or etag.removeprefix("W/") in given
-
-
-def _unchanged(f: RepoFile) -> bool:
-    try:
-        st = f.real.stat()
-    except OSError:
-        return False
-    return (st.st_size, st.st_mtime_ns) == (f.size, f.mtime_ns)
 
 
 # ---------------------------------------------------------------- the app
@@ -265,7 +190,7 @@ class _Hub:
         f = self.entry(snap, request.match_info["path"])
         key = _repo_key(request)
         headers = {"ETag": f'"{f.sha256}"', **self.file_headers(snap, f)}
-        if _etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
+        if etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
             raise web.HTTPNotModified(headers=headers)
         self.remember(key, snap)
         resource = f"{key}/{snap.commit}/{f.relpath}"
@@ -282,15 +207,15 @@ class _Hub:
                 web.HTTPForbidden, None, "Signed URL is invalid or expired: resolve again"
             )
         snap, f = await self.signed_file(request, info["commit"], info["path"])
-        if "If-Range" not in request.headers and _unsatisfiable(
+        if "If-Range" not in request.headers and unsatisfiable(
             request.headers.get("Range"), f.size
         ):
             raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{f.size}"})
         headers = self.file_headers(snap, f)
         etag = f'"{f.git_oid or f.sha256}"'
-        if _etag_matches(request.headers.get("If-None-Match"), etag):
+        if etag_matches(request.headers.get("If-None-Match"), etag):
             raise web.HTTPNotModified(headers={**headers, "ETag": etag})
-        response = _ExactFileResponse(f.real, f.git_oid or f.sha256)
+        response = ExactFileResponse(f.real, f.git_oid or f.sha256)
         response.content_type = "application/octet-stream"
         response.headers.update(headers)
         return response
@@ -307,7 +232,7 @@ class _Hub:
         key = _repo_key(request)
         snap = self.signed.get((key, commit))
         f = snap.files.get(path) if snap is not None else None
-        if snap is not None and f is not None and await asyncio.to_thread(_unchanged, f):
+        if snap is not None and f is not None and await asyncio.to_thread(unchanged, f):
             return snap, f
         snap = await self.snapshot(request, commit)
         if snap.commit != commit:
@@ -348,12 +273,12 @@ class _Hub:
                        headers: dict[str, str]) -> StreamResponse:
         """A file kept in git, served here by its blob id (``/raw``)."""
         etag = f'"{f.git_oid}"'
-        if _etag_matches(request.headers.get("If-None-Match"), etag):
+        if etag_matches(request.headers.get("If-None-Match"), etag):
             raise web.HTTPNotModified(headers={**headers, "ETag": etag})
-        if not await asyncio.to_thread(_unchanged, f):
+        if not await asyncio.to_thread(unchanged, f):
             raise hf_error(web.HTTPNotFound, "EntryNotFound",
                            f"{f.relpath!r} changed while being served: ask again")
-        response = _ExactFileResponse(f.real, f.git_oid)
+        response = ExactFileResponse(f.real, f.git_oid)
         response.content_type = "text/plain"
         response.headers.update(headers)
         return response
