@@ -18,7 +18,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     for name in ("resolve_limit", "resolve_limit_signed", "limit_window"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             flag = "--" + name.replace("_", "-")
-            raise InvalidRequest(f"{flag} must be positive, got {getattr(args, name)}")
+            raise InvalidRequest(f"{flag} must be positive, got {getattr(args, name)}: give "
+                                 "a number above 0, or leave the limit out (no limit)")
     from cachecd.lanhub.server import serve_until_signal
 
     # A server: its log is what it writes, on a terminal or not (cli quiets other commands).

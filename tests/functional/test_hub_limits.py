@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import TINY_REPO, DaemonProcess, LoggedHub, expert_bytes_from_files
+from tests.harness import TINY_REPO, DaemonProcess, LoggedHub, expert_bytes_from_files, run_cli
 
 TTL_S = 4
 LIMIT, WINDOW_S = 3, 2
@@ -73,4 +73,32 @@ def test_a_cold_session_re_resolves_only_expired_urls_and_stays_within_the_limit
         assert len(resolves) > 2 * LIMIT, resolves
     finally:
         daemon.cleanup()
+        hub.stop()
+
+
+def test_the_limit_options_refuse_what_cannot_be_a_limit(hub_root: Path) -> None:
+    for flag in ("--resolve-limit", "--resolve-limit-signed", "--limit-window"):
+        proc = run_cli("hub", "serve", str(hub_root), flag, "0", check=False, timeout=60)
+        assert proc.returncode != 0 and f"{flag} must be positive, got 0" in proc.stderr
+        assert "leave the limit out" in proc.stderr
+
+
+def test_every_resolve_answer_carries_the_hubs_ratelimit_headers(hub_root: Path) -> None:
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import get_session, parse_ratelimit_headers
+
+    hub = LoggedHub(hub_root, ["--resolve-limit", "2", "--resolve-limit-signed", "3"])
+    try:
+        url = hf_hub_url(TINY_REPO, "config.json", endpoint=hub.url.rstrip("/"))
+        http = get_session()
+        answers = [http.head(url, follow_redirects=False) for _ in range(3)]
+        assert [a.status_code for a in answers] == [302, 302, 429]
+        infos = [parse_ratelimit_headers(a.headers) for a in answers]
+        assert [(i.remaining, i.limit, i.window_seconds) for i in infos if i] == [
+            (1, 2, 300), (0, 2, 300), (0, 2, 300)]
+        # A caller with a token is another caller, with the signed-in limit.
+        signed = http.head(url, follow_redirects=False, headers={"Authorization": "Bearer t"})
+        info = parse_ratelimit_headers(signed.headers)
+        assert signed.status_code == 302 and info and (info.remaining, info.limit) == (2, 3)
+    finally:
         hub.stop()
