@@ -19,6 +19,7 @@ from aiohttp import web
 from aiohttp.web_response import StreamResponse
 
 from cachecd.lanhub.answers import bad_request, hf_error
+from cachecd.lanhub.cdn import etag_matches
 from cachecd.lanhub.repo import (
     RepoFile,
     RepoSnapshot,
@@ -164,7 +165,7 @@ def _path_entry(snap: RepoSnapshot, path: str) -> dict[str, Any] | None:
 
 def _text(request: web.Request, data: bytes, oid: str, headers: dict[str, str]) -> StreamResponse:
     etag = f'"{oid}"'
-    if (request.headers.get("If-None-Match") or "").strip() in (etag, f"W/{etag}", "*"):
+    if etag_matches(request.headers.get("If-None-Match"), etag):
         raise web.HTTPNotModified(headers={**headers, "ETag": etag})
     return web.Response(body=data, content_type="text/plain", charset="utf-8",
                         headers={**headers, "ETag": etag})
