@@ -211,7 +211,7 @@ class HubClient:
             spent = hh.quota_spent_wait(resp.headers)
             if spent is not None:  # the next resolve would be refused: wait for the new window
                 self.count("ratelimit_waits")
-                self._retry.pause(url, "resolve", spent)
+                self._retry.pause(url, spent)
             target = resp.headers.get("Location") if resp.status in _REDIRECTS else None
         # DEBUG: routine, once per file; `setup` would print one line per shard between its bars.
         log.debug("resolved repo=%s file=%s redirected=%s", manifest.repo, file, target is not None)

@@ -2,8 +2,9 @@
 
 Invariants (``hub_client.HubClient`` sends every request through ``Retrier.run``):
 - At most ``max_parallel`` attempts are in flight at once; an attempt starts only after its
-  host's ``not_before`` for its kind (a server's Retry-After or RateLimit wait, or a RateLimit
-  that said no requests are left in the window).
+  host's ``not_before`` (a server's Retry-After or RateLimit wait, or a RateLimit that said no
+  requests are left in the window). The Hub's CDN is another host than its ``/resolve``, so a
+  wait told by the resolvers does not hold up its byte fetches.
 - A ``Transient`` failure is retried after capped, jittered exponential backoff (or the server's
   wait, whichever is longer) while attempts remain and the wait ends before the deadline; then
   its ``error`` is raised. Any other exception is raised at once.
@@ -69,9 +70,7 @@ class Retrier:
         self.observe: Callable[[str, float], None] | None = None
         self._counters = counters
         self._sem = asyncio.Semaphore(max_parallel)
-        # (host, kind) -> monotonic time before which no attempt starts: the Hub limits its
-        # resolvers apart from its CDN, so a wait told by one kind does not hold up the other.
-        self._not_before: dict[tuple[str, str], float] = {}
+        self._not_before: dict[str, float] = {}  # host -> no attempt starts before (monotonic)
         self._rng = random.Random()
 
     async def run(
@@ -95,7 +94,7 @@ class Retrier:
                 raise failure.error from None
             self._counters[f"faults_{failure.fault}"] += 1
             if failure.wait is not None:
-                self.pause(url, kind, failure.wait)
+                self.pause(url, failure.wait)
             delay = max(
                 hh.backoff_delay(attempt, self.backoff_base, self.backoff_cap, self._rng),
                 failure.wait or 0.0,
@@ -112,18 +111,18 @@ class Retrier:
         assert failure is not None
         raise failure.error
 
-    def pause(self, url: str, kind: str, seconds: float) -> None:
-        """No attempt of ``kind`` to ``url``'s host starts for ``seconds`` (a server's wait)."""
-        key = (urlsplit(url).netloc, kind)
-        self._not_before[key] = max(self._not_before.get(key, 0.0), time.monotonic() + seconds)
+    def pause(self, url: str, seconds: float) -> None:
+        """No attempt to ``url``'s host starts for ``seconds`` (a server's wait)."""
+        host = urlsplit(url).netloc
+        self._not_before[host] = max(self._not_before.get(host, 0.0), time.monotonic() + seconds)
 
     async def _attempt(self, host: str, once: Callable[[], Awaitable[Any]], origin: str,
                        kind: str) -> Any:
         # Wait before taking a slot, so requests told to wait do not hold up the others.
-        while (wait := self._not_before.get((host, kind), 0.0) - time.monotonic()) > 0:
+        while (wait := self._not_before.get(host, 0.0) - time.monotonic()) > 0:
             await asyncio.sleep(wait)
         async with self._sem:
-            while (wait := self._not_before.get((host, kind), 0.0) - time.monotonic()) > 0:
+            while (wait := self._not_before.get(host, 0.0) - time.monotonic()) > 0:
                 await asyncio.sleep(wait)  # told to wait while queued for a slot
             self.in_flight += 1
             self._counters["peak_in_flight"] = max(
