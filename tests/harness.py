@@ -94,11 +94,11 @@ class LoggedHub:
     """`cachecd -v hub serve ROOT`, its debug log (each request answered, each file hashed) in a
     file the test reads."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, args: list[str] = ()) -> None:  # type: ignore[assignment]
         self.log_path = short_tmp("cdlh") / "hub.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([*CACHECD, "-v", "hub", "serve", str(root), "--port", "0"],
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.proc = subprocess.Popen([*CACHECD, "-v", "hub", "serve", str(root), "--port", "0",
+                                      *args], stdout=subprocess.PIPE, stderr=self._log, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         match = re.search(r"(http://\S+)", line)
         assert match, f"hub serve printed {line!r}"

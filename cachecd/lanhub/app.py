@@ -14,7 +14,7 @@ Invariants:
   file a download record says the Hub keeps in git, only ETag = its git blob id). The
   signed URL needs no token and expires; it serves only the bytes it was signed for: once its
   file changes (size or mtime) it answers 404 RevisionNotFound.
-- ``/_cdn`` honours one byte range exactly (206 + Content-Range, 416 past the end) and streams
+- ``/_cdn`` (``cdn``) honours one byte range exactly (206 + Content-Range, 416 past the end) and streams
   with sendfile; it never substitutes a pre-compressed sibling file. Its responses carry the
   same metadata headers, since huggingface_hub follows a same-origin redirect on HEAD.
 - With a token configured, every request outside ``/_cdn`` needs ``Authorization: Bearer T``.
@@ -26,17 +26,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
-import json
 import logging
 import re
-import secrets
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 from urllib.parse import quote
 
 from aiohttp import web
@@ -44,6 +39,17 @@ from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
+from cachecd.lanhub.answers import bad_request, hf_error
+from cachecd.lanhub.cdn import (
+    DEFAULT_URL_TTL_S,
+    ExactFileResponse,
+    UrlSigner,
+    etag_matches,
+    unchanged,
+    unsatisfiable,
+)
+from cachecd.lanhub.git_routes import GitRoutes
+from cachecd.lanhub.limits import ResolveLimit
 from cachecd.lanhub.mirror import sidecar_path
 from cachecd.lanhub.repo import (
     SHARED_HASHES,
@@ -52,110 +58,17 @@ from cachecd.lanhub.repo import (
     RepoSnapshot,
     model_info_json,
     snapshot,
-    tree_json,
     valid_relpath,
 )
 from cachecd.manifest.repo_ref import REVISION, valid_part
 
 log = logging.getLogger("cachecd.lanhub.server")
 
-DEFAULT_URL_TTL_S = 3600.0
-_RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$", re.IGNORECASE | re.ASCII)
 _SIGNED_SNAPSHOTS = 64
 _REVISION = re.compile(REVISION)
+_COMMIT_PREFIX = re.compile(r"[0-9a-f]{7,39}")
 _Handler = Callable[[web.Request], Awaitable[StreamResponse]]
 DATASETS = "datasets"
-
-
-# ---------------------------------------------------------------- errors as responses
-
-
-def _hf_error(
-    cls: type[web.HTTPException],
-    code: str | None,
-    message: str,
-    extra: dict[str, str] | None = None,
-) -> web.HTTPException:
-    """An error the way the Hub sends it: huggingface_hub maps X-Error-Code to its error types."""
-    headers = {"X-Error-Message": message.encode("ascii", "backslashreplace").decode()}
-    if code:
-        headers["X-Error-Code"] = code
-    headers.update(extra or {})
-    body = json.dumps({"error": message})
-    return cls(headers=headers, text=body, content_type="application/json")
-
-
-def _bad_request(message: str) -> web.HTTPException:
-    return _hf_error(web.HTTPBadRequest, None, message)
-
-
-# ---------------------------------------------------------------- signed CDN urls
-
-
-class UrlSigner:
-    """HMAC-SHA256 over (resource, expiry) with a secret that lives as long as the process."""
-
-    def __init__(self, ttl_s: float = DEFAULT_URL_TTL_S, secret: bytes | None = None) -> None:
-        self.ttl_s = ttl_s
-        self._secret = secret or secrets.token_bytes(32)
-
-    def _mac(self, resource: str, expires: str) -> str:
-        msg = f"{resource}\n{expires}".encode()
-        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()
-
-    def query(self, resource: str) -> str:
-        expires = str(int(time.time() + self.ttl_s))
-        return f"expires={expires}&sig={self._mac(resource, expires)}"
-
-    def valid(self, resource: str, expires: str, sig: str) -> bool:
-        if not expires.isdigit() or int(expires) < time.time():
-            return False
-        return hmac.compare_digest(self._mac(resource, expires), sig)
-
-
-# ---------------------------------------------------------------- the file response
-
-
-class _ExactFileResponse(web.FileResponse):
-    """aiohttp's FileResponse (Range, sendfile) minus its swap to a ``.gz``/``.br`` sibling:
-    a repo may hold ``x`` and ``x.gz`` as two different files. With ``etag``, that is the ETag
-    (a git blob id, as the Hub sends for a file kept in git), not aiohttp's mtime-size tag."""
-
-    def __init__(self, path: Path, etag: str | None = None) -> None:
-        self._fixed_etag = etag
-        super().__init__(path)
-
-    def _get_file_path_stat_encoding(self, accept_encoding: str) -> Any:
-        return super()._get_file_path_stat_encoding("")
-
-    @property
-    def etag(self) -> Any:
-        return web.FileResponse.etag.fget(self)  # type: ignore[attr-defined]
-
-    @etag.setter
-    def etag(self, value: Any) -> None:
-        web.FileResponse.etag.fset(self, self._fixed_etag or value)  # type: ignore[attr-defined]
-
-
-def _unsatisfiable(range_header: str | None, size: int) -> bool:
-    """Ranges aiohttp would serve but RFC 9110 calls unsatisfiable (``bytes=-0``, empty file)."""
-    if range_header is None:
-        return False
-    m = _RANGE_RE.match(range_header.strip())
-    if m is None:
-        return True
-    start, end = m.groups()
-    if not start:
-        return not end or int(end) == 0 or size == 0
-    return int(start) >= size or (end != "" and int(end) < int(start))
-
-
-def _unchanged(f: RepoFile) -> bool:
-    try:
-        st = f.real.stat()
-    except OSError:
-        return False
-    return (st.st_size, st.st_mtime_ns) == (f.size, f.mtime_ns)
 
 
 # ---------------------------------------------------------------- the app
@@ -165,8 +78,9 @@ class _Hub:
     """Request handlers over one root folder."""
 
     def __init__(self, root: Path, token: str | None, signer: UrlSigner, hashes: HashCache,
-                 gated: frozenset[str] = frozenset()) -> None:
+                 gated: frozenset[str] = frozenset(), limit: ResolveLimit | None = None) -> None:
         self.root = root.resolve()
+        self.limit = limit
         self.token = token
         self.gated = gated
         self.signer = signer
@@ -182,9 +96,9 @@ class _Hub:
         # DIR/datasets/ holds the dataset repos, so no model org is named "datasets" (as on HF).
         kind = request.match_info.get("kind", "")
         if not (valid_part(org) and valid_part(name)) or (not kind and org == DATASETS):
-            raise _hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
+            raise hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
         if repo_id in self.gated:
-            raise _hf_error(web.HTTPForbidden, "GatedRepo",
+            raise hf_error(web.HTTPForbidden, "GatedRepo",
                             f"Access to model {repo_id} is restricted and you are not in the "
                             f"authorized list. Visit {request.url.origin()}/{repo_id} to ask for "
                             "access.")
@@ -192,7 +106,7 @@ class _Hub:
         snap = await asyncio.to_thread(self._snapshot_at, repo_dir, repo_id,
                                        _repo_key(request), rev)
         if snap is None:
-            raise _hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
+            raise hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
         return snap
 
     def _snapshot_at(self, repo_dir: Path, repo_id: str, key: str,
@@ -204,14 +118,17 @@ class _Hub:
         main = self._snapshot_if_repo(repo_dir, repo_id, key)
         if rev == "main" or (main is not None and main.commit == rev):
             return main
-        for branch, folder in folders.items():
-            snap = self._snapshot_if_repo(folder, repo_id, f"{key}@{branch}")
-            if snap is not None and snap.commit == rev:
-                return snap
+        snaps = [main] + [self._snapshot_if_repo(folder, repo_id, f"{key}@{branch}")
+                          for branch, folder in folders.items()]
+        found = [s for s in snaps if s is not None and s.commit == rev]
+        if not found and _COMMIT_PREFIX.fullmatch(rev):  # a short commit, as git takes one
+            found = [s for s in snaps if s is not None and s.commit.startswith(rev)]
+        if len({s.commit for s in found}) == 1:
+            return found[0]
         if main is None and not folders:
             return None
         known = ["main"] * (main is not None) + sorted(folders)
-        raise _hf_error(
+        raise hf_error(
             web.HTTPNotFound,
             "RevisionNotFound",
             f"Revision {rev[:64]!r} not found in {repo_id}: use one of {', '.join(known)} or "
@@ -227,10 +144,10 @@ class _Hub:
     @staticmethod
     def entry(snap: RepoSnapshot, path: str) -> RepoFile:
         if not valid_relpath(path):
-            raise _bad_request(f"Invalid file path {path[:200]!r}")
+            raise bad_request(f"Invalid file path {path[:200]!r}")
         found = snap.files.get(path)
         if found is None:
-            raise _hf_error(
+            raise hf_error(
                 web.HTTPNotFound,
                 "EntryNotFound",
                 f"{path[:200]!r} not found in {snap.repo_id}",
@@ -251,14 +168,34 @@ class _Hub:
         }
 
     async def resolve(self, request: web.Request) -> StreamResponse:
+        """302 to a signed ``/_cdn`` URL, or 304 when ``If-None-Match`` names the file's ETag;
+        counted against ``limit`` (429 past it), whose headers every answer carries."""
+        if self.limit is None:
+            return await self._resolve(request)
+        verdict = self.limit.check(request.remote or "", request.headers.get("Authorization", ""))
+        if not verdict.allowed:
+            raise hf_error(web.HTTPTooManyRequests, None,
+                           "You have exceeded the rate limit for /resolve requests: wait for the "
+                           "time RateLimit gives (t=SECONDS)", verdict.headers)
+        try:
+            response = await self._resolve(request)
+        except web.HTTPException as exc:
+            exc.headers.update(verdict.headers)
+            raise
+        response.headers.update(verdict.headers)
+        return response
+
+    async def _resolve(self, request: web.Request) -> StreamResponse:
         snap = await self.snapshot(request, request.match_info["rev"])
         f = self.entry(snap, request.match_info["path"])
         key = _repo_key(request)
+        headers = {"ETag": f'"{f.sha256}"', **self.file_headers(snap, f)}
+        if etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
+            raise web.HTTPNotModified(headers=headers)
         self.remember(key, snap)
         resource = f"{key}/{snap.commit}/{f.relpath}"
         origin = str(request.url.origin())
         location = f"{origin}/_cdn/{key}/{snap.commit}/{quote(f.relpath)}"
-        headers = {"ETag": f'"{f.sha256}"', **self.file_headers(snap, f)}
         raise web.HTTPFound(f"{location}?{self.signer.query(resource)}", headers=headers)
 
     async def cdn(self, request: web.Request) -> StreamResponse:
@@ -266,17 +203,21 @@ class _Hub:
         resource = f"{_repo_key(request)}/{info['commit']}/{info['path']}"
         query = request.rel_url.query
         if not self.signer.valid(resource, query.get("expires", ""), query.get("sig", "")):
-            raise _hf_error(
+            raise hf_error(
                 web.HTTPForbidden, None, "Signed URL is invalid or expired: resolve again"
             )
         snap, f = await self.signed_file(request, info["commit"], info["path"])
-        if "If-Range" not in request.headers and _unsatisfiable(
+        if "If-Range" not in request.headers and unsatisfiable(
             request.headers.get("Range"), f.size
         ):
             raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{f.size}"})
-        response = _ExactFileResponse(f.real, f.git_oid)
+        headers = self.file_headers(snap, f)
+        etag = f'"{f.git_oid or f.sha256}"'
+        if etag_matches(request.headers.get("If-None-Match"), etag):
+            raise web.HTTPNotModified(headers={**headers, "ETag": etag})
+        response = ExactFileResponse(f.real, f.git_oid or f.sha256)
         response.content_type = "application/octet-stream"
-        response.headers.update(self.file_headers(snap, f))
+        response.headers.update(headers)
         return response
 
     async def signed_file(
@@ -291,11 +232,11 @@ class _Hub:
         key = _repo_key(request)
         snap = self.signed.get((key, commit))
         f = snap.files.get(path) if snap is not None else None
-        if snap is not None and f is not None and await asyncio.to_thread(_unchanged, f):
+        if snap is not None and f is not None and await asyncio.to_thread(unchanged, f):
             return snap, f
         snap = await self.snapshot(request, commit)
         if snap.commit != commit:
-            raise _hf_error(
+            raise hf_error(
                 web.HTTPNotFound,
                 "RevisionNotFound",
                 f"{snap.repo_id} changed since this URL was signed: resolve again",
@@ -313,21 +254,34 @@ class _Hub:
         snap = await self.snapshot(request, request.match_info.get("rev", "main"))
         return web.json_response(model_info_json(snap))
 
-    async def tree(self, request: web.Request) -> StreamResponse:
-        snap = await self.snapshot(request, request.match_info["rev"])
-        prefix = request.match_info["tail"].strip("/")
-        if prefix and not valid_relpath(prefix):
-            raise _bad_request(f"Invalid path {prefix[:200]!r}")
-        recursive = request.rel_url.query.get("recursive", "false").lower() in ("1", "true")
-        entries = tree_json(snap, prefix, recursive)
-        if entries is None:
-            raise _hf_error(
-                web.HTTPNotFound,
-                "EntryNotFound",
-                f"{prefix[:200]!r} is not a folder of {snap.repo_id}",
-                {"X-Repo-Commit": snap.commit},
-            )
-        return web.json_response(entries)
+    async def branches(self, request: web.Request) -> list[tuple[str, RepoSnapshot]]:
+        """(name, snapshot) of ``main`` and each ``NAME@REV`` folder that is a repo."""
+        main = await self.snapshot(request)
+        key = _repo_key(request)
+        folders = revision_folders(self.root / request.match_info.get("kind", "") / main.repo_id)
+
+        def walk() -> list[tuple[str, RepoSnapshot]]:
+            out = [("main", main)]
+            for name, folder in folders.items():
+                snap = self._snapshot_if_repo(folder, main.repo_id, f"{key}@{name}")
+                out += [(name, snap)] if snap is not None else []
+            return out
+
+        return await asyncio.to_thread(walk)
+
+    async def git_file(self, request: web.Request, snap: RepoSnapshot, f: RepoFile,
+                       headers: dict[str, str]) -> StreamResponse:
+        """A file kept in git, served here by its blob id (``/raw``)."""
+        etag = f'"{f.git_oid}"'
+        if etag_matches(request.headers.get("If-None-Match"), etag):
+            raise web.HTTPNotModified(headers={**headers, "ETag": etag})
+        if not await asyncio.to_thread(unchanged, f):
+            raise hf_error(web.HTTPNotFound, "EntryNotFound",
+                           f"{f.relpath!r} changed while being served: ask again")
+        response = ExactFileResponse(f.real, f.git_oid)
+        response.content_type = "text/plain"
+        response.headers.update(headers)
+        return response
 
     @web.middleware
     async def auth(self, request: web.Request, handler: _Handler) -> StreamResponse:
@@ -335,14 +289,14 @@ class _Hub:
             return await handler(request)
         given = request.headers.get("Authorization", "")
         if not given:
-            raise _hf_error(
+            raise hf_error(
                 web.HTTPUnauthorized,
                 "GatedRepo",
                 "Access to this server is restricted: pass its token as HF_TOKEN",
             )
         if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
             # The Hub's own wording: huggingface_hub keys its "invalid token" message on it.
-            raise _hf_error(
+            raise hf_error(
                 web.HTTPUnauthorized, None, "Invalid credentials in Authorization header"
             )
         return await handler(request)
@@ -358,12 +312,14 @@ def build_app(
     url_ttl_s: float = DEFAULT_URL_TTL_S,
     hashes: HashCache | None = None,
     gated: frozenset[str] = frozenset(),
+    limit: ResolveLimit | None = None,
 ) -> web.Application:
     """The hub over ``root``. Servers share the process-wide sha256 cache unless given their own,
     so a server restarted in the same process does not hash again."""
-    hub = _Hub(root, token, UrlSigner(url_ttl_s), hashes or SHARED_HASHES, gated)
+    hub = _Hub(root, token, UrlSigner(url_ttl_s), hashes or SHARED_HASHES, gated, limit)
     app = web.Application(middlewares=[hub.auth])
     app[HUB_KEY] = hub
+    routes = GitRoutes(hub)
     # Dataset routes first: "/datasets/..." is a dataset repo, never a model org.
     for kind, api in (("/{kind:datasets}", "/api/{kind:datasets}"), ("", "/api/models")):
         repo = kind + "/{org}/{name}"
@@ -373,7 +329,7 @@ def build_app(
             app.router.add_route(method, repo + "/resolve/{rev}/{path:.+}", hub.resolve)
         app.router.add_get(api + "{slash:/?}", hub.model_info)
         app.router.add_get(api + "/revision/{rev}{slash:/?}", hub.model_info)
-        app.router.add_get(api + "/tree/{rev}{tail:(/.*)?}", hub.tree)
+        routes.add(app, repo, api)
     return app
 
 

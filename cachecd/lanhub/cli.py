@@ -15,6 +15,11 @@ from cachecd.errors import InvalidRequest
 def _cmd_serve(args: argparse.Namespace) -> int:
     if not args.dir.is_dir():
         raise InvalidRequest(f"{args.dir} is not a directory: give the folder that holds org/name/")
+    for name in ("resolve_limit", "resolve_limit_signed", "limit_window"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            flag = "--" + name.replace("_", "-")
+            raise InvalidRequest(f"{flag} must be positive, got {getattr(args, name)}: give "
+                                 "a number above 0, or leave the limit out (no limit)")
     from cachecd.lanhub.server import serve_until_signal
 
     # A server: its log is what it writes, on a terminal or not (cli quiets other commands).
@@ -40,6 +45,16 @@ def register(sub: Any) -> None:
         default=None,
         help="seconds a signed download URL stays valid (default: 3600, an hour, as the Hub's)",
     )
+    serve.add_argument(
+        "--resolve-limit", type=int, default=None, metavar="N",
+        help="answer 429 past N /resolve requests per window from one anonymous caller, with "
+             "the Hub's RateLimit headers (the Hub: 3000; default: no limit)")
+    serve.add_argument(
+        "--resolve-limit-signed", type=int, default=None, metavar="N",
+        help="the same for a caller that sends a token (the Hub: 5000; default: --resolve-limit)")
+    serve.add_argument(
+        "--limit-window", type=float, default=300.0, metavar="SECONDS",
+        help="the window those limits count over (default: 300, the Hub's 5 minutes)")
     serve.add_argument(
         "--prehash", action="store_true", help="hash every repo in the background at start"
     )

@@ -12,9 +12,9 @@ Invariants:
 - A file's sha256 is cached by (real path, size, mtime_ns) and computed once per key even when
   many threads ask at the same time; hashing streams in fixed chunks and never holds a file.
   A server also keeps what it computed in a sidecar file, so a restart does not hash again.
-- Every file is presented as an LFS file (``lfs.sha256`` == the ETag) so that every client
-  sees one identity per file, except a file the download record says the Hub keeps in git:
-  it is presented as the Hub presents it, by its git blob id.
+- A file is presented as the Hub presents it: an LFS file by its sha256 (``lfs.sha256`` ==
+  the ETag), a file the Hub keeps in git by its git blob id (``gitattrs`` says which is which;
+  a download record, where there is one, says so for its file).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cachecd.lanhub.gitattrs import LfsRule, git_blob_id
 from cachecd.lanhub.mirror import Record, Sidecar, read_record, recorded_commit
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class HashCache:
         self._locks: dict[tuple[str, int, int], threading.Lock] = {}
         self._guard = threading.Lock()
         self._sidecars: dict[Path | None, Sidecar] = {}
+        # Small plain files: path -> (size, mtime_ns, git blob id), the newest stat only.
+        self._oids: dict[str, tuple[int, int, str]] = {}
 
     def sidecar(self, path: Path | None) -> Sidecar:
         """The hashes kept in the file ``path`` (None: in memory only), one object per file."""
@@ -110,6 +113,15 @@ class HashCache:
                 self._done.pop(old, None)
             self._latest[key[0]] = key
             self._done[key] = sha256
+
+    def git_oid(self, real: Path, size: int, mtime_ns: int) -> str:
+        """The git blob id of a small plain file, read once per (path, size, mtime_ns)."""
+        found = self._oids.get(str(real))
+        if found is not None and found[:2] == (size, mtime_ns):
+            return found[2]
+        oid = git_blob_id(real)
+        self._oids[str(real)] = (size, mtime_ns, oid)
+        return oid
 
     def sha256(self, real: Path, size: int, mtime_ns: int) -> str:
         key = (str(real), size, mtime_ns)
@@ -200,6 +212,7 @@ def snapshot(
     files: dict[str, RepoFile] = {}
     records: dict[str, Record | None] = {}
     commit = hashlib.sha1()
+    rule = LfsRule.for_folder(root)
     for relpath, real, st in _walk(repo_dir):
         record = records[relpath] = read_record(root, relpath, st)
         try:
@@ -208,7 +221,12 @@ def snapshot(
             log.warning("skipping file=%s error=%s", relpath, exc.__class__.__name__)
             del records[relpath]
             continue
-        oid = record.git_oid if record else None
+        try:
+            oid = _git_oid(record, rule, cache, relpath, real, st)
+        except OSError as exc:
+            log.warning("skipping file=%s error=%s", relpath, exc.__class__.__name__)
+            del records[relpath]
+            continue
         files[relpath] = RepoFile(relpath, real, st.st_size, st.st_mtime_ns, sha, oid)
         commit.update(f"{relpath}\0{sha}\n".encode())
     sidecar.flush(set(files))
@@ -218,6 +236,16 @@ def snapshot(
         sidecar.said = why  # say it once per change, not at every request
         log.warning("not serving the recorded commit repo=%s reason=%s", name, why)
     return RepoSnapshot(name, recorded or commit.hexdigest(), files, recorded is not None)
+
+
+def _git_oid(record: Record | None, rule: LfsRule, cache: HashCache, relpath: str, real: Path,
+             st: os.stat_result) -> str | None:
+    """A file's git blob id where the Hub keeps it in git (its record says so, or ``rule``)."""
+    if record is not None:
+        return record.git_oid
+    if rule.lfs(relpath, st.st_size):
+        return None
+    return cache.git_oid(real, st.st_size, st.st_mtime_ns)
 
 
 def _sha256(cache: HashCache, sidecar: Sidecar, relpath: str, real: Path,
@@ -246,10 +274,16 @@ def _git_blob_sha1(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
+def lfs_pointer(f: RepoFile) -> tuple[bytes, str]:
+    """The LFS pointer git holds for the file, and its blob id."""
+    pointer = _LFS_POINTER.format(sha=f.sha256, size=f.size).encode()
+    return pointer, _git_blob_sha1(pointer)
+
+
 def _lfs_fields(f: RepoFile) -> tuple[str, dict[str, Any]]:
     """(blob id, lfs dict without its hash key) as git would store the file's LFS pointer."""
-    pointer = _LFS_POINTER.format(sha=f.sha256, size=f.size).encode()
-    return _git_blob_sha1(pointer), {"size": f.size, "pointerSize": len(pointer)}
+    pointer, blob_id = lfs_pointer(f)
+    return blob_id, {"size": f.size, "pointerSize": len(pointer)}
 
 
 def iso_time(seconds: float) -> str:
@@ -308,7 +342,7 @@ def tree_json(snap: RepoSnapshot, prefix: str, recursive: bool) -> list[dict[str
         for depth in range(1, len(rest) if recursive else min(2, len(rest))):
             folders.setdefault(base + "/".join(rest[:depth]), []).append(f)
         if recursive or len(rest) == 1:
-            entries.append(_file_entry(f))
+            entries.append(file_entry(f))
     for path, members in folders.items():
         entries.append(
             {"type": "directory", "oid": _tree_oid(path, members), "size": 0, "path": path}
@@ -317,7 +351,7 @@ def tree_json(snap: RepoSnapshot, prefix: str, recursive: bool) -> list[dict[str
     return entries
 
 
-def _file_entry(f: RepoFile) -> dict[str, Any]:
+def file_entry(f: RepoFile) -> dict[str, Any]:
     if f.git_oid is not None:
         return {"type": "file", "oid": f.git_oid, "size": f.size, "path": f.relpath}
     blob_id, lfs = _lfs_fields(f)

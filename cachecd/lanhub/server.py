@@ -36,6 +36,7 @@ from cachecd.lanhub.app import (
     AccessLog,
     build_app,
 )
+from cachecd.lanhub.limits import ResolveLimit
 from cachecd.lanhub.mirror import sidecar_path
 from cachecd.lanhub.repo import HashCache, repo_commit, snapshot
 from cachecd.manifest.repo_ref import valid_part
@@ -60,10 +61,11 @@ class HubServer:
         url_ttl_s: float = DEFAULT_URL_TTL_S,
         hashes: HashCache | None = None,
         gated: frozenset[str] = frozenset(),
+        limit: ResolveLimit | None = None,
     ) -> None:
         self.root, self.host, self.port = Path(root), host, port
         self.app = build_app(self.root, token=token, url_ttl_s=url_ttl_s, hashes=hashes,
-                             gated=gated)
+                             gated=gated, limit=limit)
         self.runner = web.AppRunner(
             self.app,
             access_log_class=AccessLog,
@@ -170,11 +172,18 @@ def _prehash(root: Path, hashes: HashCache) -> None:
         log.info("prehashed repo=%s commit=%s files=%d", snap.repo_id, snap.commit, len(snap.files))
 
 
+def _limit(args: argparse.Namespace) -> ResolveLimit | None:
+    if args.resolve_limit is None and args.resolve_limit_signed is None:
+        return None
+    anonymous = args.resolve_limit or args.resolve_limit_signed
+    return ResolveLimit(anonymous, args.resolve_limit_signed or anonymous, args.limit_window)
+
+
 async def serve_until_signal(args: argparse.Namespace) -> int:
     server = HubServer(
         args.dir, host=args.host, port=args.port, token=args.token,
         url_ttl_s=DEFAULT_URL_TTL_S if args.url_ttl is None else args.url_ttl,
-        gated=frozenset(args.gated or ()),
+        gated=frozenset(args.gated or ()), limit=_limit(args),
     )
     base_url = await server.start()
     if args.prehash:

@@ -21,6 +21,11 @@ offline) needs no network. Only the endpoint that vouched for it: a mirror that 
 sha256 but serves a header with two tensor names exchanged could otherwise approve a swapped
 manifest later checked against an honest endpoint (docs/trust.md). A kept header is parsed and
 checked against the size again when read; one that fails is fetched again.
+
+The Hub limits ``/resolve`` per window (``RateLimit: "resolvers";r=R;t=T``): once an answer says
+none are left (r=0, or a 429), no HEAD to that endpoint starts before its T seconds have passed,
+in any thread; a 429 is asked again after that wait (``RATE_WAITS`` times) without counting as a
+failed attempt.
 """
 
 from __future__ import annotations
@@ -28,13 +33,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urljoin
+from urllib.parse import urljoin, urlsplit
 
 from cachecd import constants, errors
 from cachecd.durable import write_atomic
@@ -212,9 +218,16 @@ def _resolve(session: Any, url: str, hf: dict[str, str],
     are, whether that is elsewhere, and what the endpoint says of the file (commit, size, etag)."""
     from huggingface_hub.utils import hf_raise_for_status
 
+    pace = _pace(url)
+
     def head() -> Any:
-        resp = session.head(url, headers={**hf, "Accept-Encoding": "identity"},
-                            follow_redirects=False, timeout=constants.READ_TIMEOUT_S)
+        for _ in range(RATE_WAITS + 1):
+            pace.wait()
+            resp = session.head(url, headers={**hf, "Accept-Encoding": "identity"},
+                                follow_redirects=False, timeout=constants.READ_TIMEOUT_S)
+            if not pace.told(resp.headers) or resp.status_code != 429:
+                break
+            log.info("header_rate_limited file=%s", what)
         if resp.status_code not in _REDIRECTS:
             hf_raise_for_status(resp)
         return resp
@@ -248,3 +261,41 @@ def _check_identity(manifest: Manifest, f: FileInfo, said: dict[str, str], endpo
             f"{manifest.source}: {f.name}: sha256 {f.sha256} in the manifest, {etag} on "
             f"{endpoint}: build one (cachecd manifest build {manifest.key}) or get it again")
     return bool(_SHA256.fullmatch(etag))
+
+
+RATE_WAITS = 3
+
+
+class _Pace:
+    """When the next ``/resolve`` to one endpoint may start, as its RateLimit header said."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._not_before = 0.0
+
+    def wait(self) -> None:
+        with self._lock:
+            delay = self._not_before - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+    def told(self, headers: Any) -> bool:
+        """Whether the answer said the window is spent; then later HEADs wait for the next."""
+        from huggingface_hub.utils import parse_ratelimit_headers
+
+        info = parse_ratelimit_headers(headers)
+        if info is None or info.remaining > 0:
+            return False
+        with self._lock:
+            self._not_before = max(self._not_before, time.monotonic() + info.reset_in_seconds)
+        return True
+
+
+_PACES: dict[str, _Pace] = {}
+_PACES_LOCK = threading.Lock()
+
+
+def _pace(url: str) -> _Pace:
+    parts = urlsplit(url)
+    with _PACES_LOCK:
+        return _PACES.setdefault(f"{parts.scheme}://{parts.netloc}", _Pace())

@@ -208,6 +208,10 @@ class HubClient:
             if resp.status not in _REDIRECTS and resp.status != 200:
                 raise self._status_failure(resp, b"", rid, what, on_resolve=True)
             _check_identity(resp.headers, manifest, file, rid)
+            spent = hh.quota_spent_wait(resp.headers)
+            if spent is not None:  # the next resolve would be refused: wait for the new window
+                self.count("ratelimit_waits")
+                self._retry.pause(url, spent)
             target = resp.headers.get("Location") if resp.status in _REDIRECTS else None
         # DEBUG: routine, once per file; `setup` would print one line per shard between its bars.
         log.debug("resolved repo=%s file=%s redirected=%s", manifest.repo, file, target is not None)
@@ -216,7 +220,10 @@ class HubClient:
         target = urljoin(url, target)
         wall_expiry = hh.signed_url_expiry(target)
         ttl = self.signed_url_ttl if wall_expiry is None else wall_expiry - time.time()
-        return Location(target, True, time.monotonic() + max(0.0, ttl - _EXPIRY_MARGIN_S))
+        # A minute's margin on the Hub's hour; a tenth of a shorter life, so a URL that lives
+        # seconds is still used for those seconds rather than resolved again at every request.
+        margin = min(_EXPIRY_MARGIN_S, ttl / 10)
+        return Location(target, True, time.monotonic() + max(0.0, ttl - margin))
 
     # -- range GET ---------------------------------------------------------------------------
     async def get_range(

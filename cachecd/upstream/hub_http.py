@@ -21,6 +21,7 @@ from cachecd import errors
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _RATELIMIT_T = re.compile(r"(?:^|[;,\s])t=(\d+)")
+_RATELIMIT_R = re.compile(r"(?:^|[;,\s])r=(\d+)")
 MAX_BODY_SNIPPET = 300
 
 
@@ -66,6 +67,17 @@ def server_wait(headers: Mapping[str, str], now: float | None = None) -> float |
     if reset and reset.strip().isdigit():
         waits.append(float(reset.strip()))
     return max(waits) if waits else None
+
+
+def quota_spent_wait(headers: Mapping[str, str]) -> float | None:
+    """Seconds until the window resets when a success says none are left (``RateLimit:
+    ...;r=0;t=N``): the next request would be refused, so it waits that long instead."""
+    rl = headers.get("RateLimit")
+    r = _RATELIMIT_R.search(rl) if rl else None
+    t = _RATELIMIT_T.search(rl) if rl else None
+    if r is None or t is None or int(r.group(1)) > 0:
+        return None
+    return float(t.group(1))
 
 
 def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random | None = None) -> float:

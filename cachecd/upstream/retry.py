@@ -2,7 +2,9 @@
 
 Invariants (``hub_client.HubClient`` sends every request through ``Retrier.run``):
 - At most ``max_parallel`` attempts are in flight at once; an attempt starts only after its
-  host's ``not_before`` (a server's Retry-After or RateLimit wait).
+  host's ``not_before`` (a server's Retry-After or RateLimit wait, or a RateLimit that said no
+  requests are left in the window). The Hub's CDN is another host than its ``/resolve``, so a
+  wait told by the resolvers does not hold up its byte fetches.
 - A ``Transient`` failure is retried after capped, jittered exponential backoff (or the server's
   wait, whichever is longer) while attempts remain and the wait ends before the deadline; then
   its ``error`` is raised. Any other exception is raised at once.
@@ -68,7 +70,7 @@ class Retrier:
         self.observe: Callable[[str, float], None] | None = None
         self._counters = counters
         self._sem = asyncio.Semaphore(max_parallel)
-        self._not_before: dict[str, float] = {}
+        self._not_before: dict[str, float] = {}  # host -> no attempt starts before (monotonic)
         self._rng = random.Random()
 
     async def run(
@@ -92,9 +94,7 @@ class Retrier:
                 raise failure.error from None
             self._counters[f"faults_{failure.fault}"] += 1
             if failure.wait is not None:
-                self._not_before[host] = max(
-                    self._not_before.get(host, 0.0), time.monotonic() + failure.wait
-                )
+                self.pause(url, failure.wait)
             delay = max(
                 hh.backoff_delay(attempt, self.backoff_base, self.backoff_cap, self._rng),
                 failure.wait or 0.0,
@@ -111,13 +111,19 @@ class Retrier:
         assert failure is not None
         raise failure.error
 
+    def pause(self, url: str, seconds: float) -> None:
+        """No attempt to ``url``'s host starts for ``seconds`` (a server's wait)."""
+        host = urlsplit(url).netloc
+        self._not_before[host] = max(self._not_before.get(host, 0.0), time.monotonic() + seconds)
+
     async def _attempt(self, host: str, once: Callable[[], Awaitable[Any]], origin: str,
                        kind: str) -> Any:
+        # Wait before taking a slot, so requests told to wait do not hold up the others.
+        while (wait := self._not_before.get(host, 0.0) - time.monotonic()) > 0:
+            await asyncio.sleep(wait)
         async with self._sem:
-            wait = self._not_before.get(host, 0.0) - time.monotonic()
-            while wait > 0:
-                await asyncio.sleep(wait)
-                wait = self._not_before.get(host, 0.0) - time.monotonic()
+            while (wait := self._not_before.get(host, 0.0) - time.monotonic()) > 0:
+                await asyncio.sleep(wait)  # told to wait while queued for a slot
             self.in_flight += 1
             self._counters["peak_in_flight"] = max(
                 self._counters["peak_in_flight"], self.in_flight

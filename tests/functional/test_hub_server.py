@@ -209,12 +209,18 @@ def test_file_metadata_gives_commit_sha256_and_size(hub: str, root: Path) -> Non
 
 def test_resolve_302_carries_hub_headers(hub: str, root: Path) -> None:
     for method in ("HEAD", "GET"):
-        status, head, _ = _request(f"{hub}/{REPO}/resolve/main/config.json", method)
-        sha = _sha256(root / REPO / "config.json")
+        # An LFS file (*.safetensors, as the Hub's default .gitattributes says): its sha256.
+        status, head, _ = _request(f"{hub}/{REPO}/resolve/main/model.safetensors", method)
+        sha = _sha256(root / REPO / "model.safetensors")
         assert status == 302
         assert head["x-repo-commit"] == repo_commit(root / REPO)
         assert head["etag"] == head["x-linked-etag"] == f'"{sha}"'
-        assert head["x-linked-size"] == str((root / REPO / "config.json").stat().st_size)
+        assert head["x-linked-size"] == str((root / REPO / "model.safetensors").stat().st_size)
+        # A small plain file is a git blob on the Hub: its blob id, no X-Linked headers.
+        status, head, _ = _request(f"{hub}/{REPO}/resolve/main/config.json", method)
+        data = (root / REPO / "config.json").read_bytes()
+        blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        assert status == 302 and head["etag"] == f'"{blob}"' and "x-linked-etag" not in head
 
 
 def test_hf_hub_download_is_byte_identical(hub: str, root: Path, tmp_path: Path) -> None:
@@ -251,8 +257,9 @@ def test_model_info_and_tree_parse_in_hf_api(hub: str, root: Path) -> None:
     files = {e.path: e for e in tree if isinstance(e, RepoFile)}
     folders = {e.path for e in tree if isinstance(e, RepoFolder)}
     assert set(files) == EXPECTED and folders == {"sub", "sub/deeper"}
-    assert files["config.json"].lfs is not None
-    assert files["config.json"].lfs.sha256 == _sha256(root / REPO / "config.json")
+    assert files["model.safetensors"].lfs is not None
+    assert files["model.safetensors"].lfs.sha256 == _sha256(root / REPO / "model.safetensors")
+    assert files["config.json"].lfs is None and siblings["config.json"].lfs is None
 
     top = {(type(e).__name__, e.path) for e in api.list_repo_tree(REPO)}
     assert ("RepoFolder", "sub") in top and ("RepoFile", "big.bin") in top
