@@ -127,19 +127,24 @@ def driver_for(model: Any) -> Driver | None:
 
 
 def prefill(driver: Driver, steps: list[mx.array], cache: list[Any], bank: Any = None,
-            on_layer: Callable[[int, int], None] | None = None) -> mx.array:
-    """The logits of the last of ``steps`` (token arrays ``[1, n]``, in prompt order) after
-    running them all layer-major through ``cache``, which ends as mlx-lm's loop leaves it."""
+            on_layer: Callable[[int, int], None] | None = None, *, logits: bool = True,
+            after: Callable[[int, int], list[mx.array]] | None = None) -> mx.array | None:
+    """The logits of the last of ``steps`` (token arrays ``[B, n]``, in prompt order) after
+    running them all layer-major through ``cache``, which ends as mlx-lm's loop leaves it.
+    Without ``logits`` no step's output is wanted (mlx-lm's ``BatchGenerator`` drops every
+    prefill step's): the last layer's experts are read for none, and None is returned.
+    ``after(layer, step)``, called after each step's layer call, returns arrays to keep."""
     chunks = [driver.start(x) for x in steps]
     n = driver.num_layers
     try:
         for i in range(n):
             if bank is not None:
                 bank.prefill_at(i)
+            kept: list[mx.array] = []
             for j, c in enumerate(chunks):
                 # The last layer's output of a step before the last feeds nothing (no cache,
                 # no logits), as mlx-lm's lazy loop never computes it: its experts are not read.
-                unread = bank is not None and i == n - 1 and j < len(chunks) - 1
+                unread = bank is not None and i == n - 1 and (j < len(chunks) - 1 or not logits)
                 if unread:
                     bank.discarding = True
                 try:
@@ -147,12 +152,14 @@ def prefill(driver: Driver, steps: list[mx.array], cache: list[Any], bank: Any =
                 finally:
                     if unread:
                         bank.discarding = False
+                if after is not None:
+                    kept += after(i, j)
             # As mlx-lm evaluates each step's cache: the layer's state, and what the next needs.
-            last = chunks if i < n - 1 else chunks[-1:]  # the others' outputs are not needed
-            mx.eval(cache[i].state, [a for c in last for a in c.arrays()])
+            last = chunks if i < n - 1 else chunks[-1:] if logits else []
+            mx.eval(cache[i].state, [a for c in last for a in c.arrays()], kept)
             if on_layer is not None:
                 on_layer(i + 1, n)
     finally:
         if bank is not None:
             bank.prefill_at(None)
-    return driver.head(chunks[-1])
+    return driver.head(chunks[-1]) if logits else None
