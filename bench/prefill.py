@@ -11,6 +11,9 @@ then the last token's) at each ``--steps`` size by:
             layer (``cachecd_engine.prefill_defer``, the default);
   steps:    the same, step by step (``load(layer_major=False)``: mlx-lm's order, today's path).
 Each streamed prefill's last logits must be the resident model's at the same step size, bitwise.
+With ``--batched`` the prompt goes through mlx-lm's ``BatchGenerator`` instead (the path of
+``batch_generate`` and of ``cachecd openai``'s batched requests; ``prefill_batch`` runs its steps
+ahead layer by layer): TTFT is to the first generated token's logits.
 
 Per step size and case it prints the time to first token (TTFT); the bytes read from the daemon
 against one pass over the routed experts (each distinct routed expert of each layer once: the
@@ -21,7 +24,7 @@ step. Activations are ``--dtype`` (float32 by default: MLX's CPU quantized matmu
 in bf16; experts stay mxfp4 either way).
 
     python bench/prefill.py [--tokens 8192] [--steps 2048,512] [--experts 64] [--layers 4]
-        [--top-k 16] [--dtype float32|bfloat16] [--rounds 1] [--dir /tmp]
+        [--top-k 16] [--dtype float32|bfloat16] [--rounds 1] [--dir /tmp] [--batched]
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from _common import (
     warm_disk,
 )
 from k3_decode import raw_rate, vocab_size
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
@@ -68,6 +71,25 @@ def prefill(model: Any, prompt: list[int], step: int) -> tuple[float, np.ndarray
     return took, np.array(last[-1].astype(mx.float32))
 
 
+def prefill_batched(model: Any, prompt: list[int], step: int) -> tuple[float, np.ndarray]:
+    """The same through mlx-lm's ``BatchGenerator``, the prompt alone in its batch."""
+    first: list[mx.array] = []
+
+    def keep(tokens: mx.array, logits: mx.array) -> mx.array:
+        first.append(logits)
+        return logits
+
+    gen = BatchGenerator(model, max_tokens=1, prefill_step_size=step, logits_processors=[keep])
+    gen.insert([prompt])
+    t0 = time.perf_counter()
+    while not first:
+        gen.next()
+    mx.eval(first[0])
+    took = time.perf_counter() - t0
+    gen.close()
+    return took, np.array(first[0].astype(mx.float32))
+
+
 def streamed(served: Served, sock: Any, layer_major: bool, dtype: Any) -> Any:
     """The engine with a pool of one layer's experts, nothing in it yet."""
     from cachecd_engine.run import load
@@ -82,12 +104,12 @@ def streamed(served: Served, sock: Any, layer_major: bool, dtype: Any) -> Any:
 
 
 def run_case(served: Served, sock: Any, layer_major: bool, dtype: Any, prompt: list[int],
-             step: int) -> dict[str, Any]:
+             step: int, batched: bool = False) -> dict[str, Any]:
     model = streamed(served, sock, layer_major, dtype)
     routed: set[tuple[int, int]] = set()
     model.bank.trace = lambda layer, ids: routed.update((layer, int(e)) for e in np.unique(ids))
     try:
-        took, logits = prefill(model, prompt, step)
+        took, logits = (prefill_batched if batched else prefill)(model, prompt, step)
         got = {"s": took, "logits": logits, "read": model.bank.stats.source_bytes,
                "pass": len(routed) * int(served.manifest.sizes.max()), "routed": len(routed),
                "wait_s": model.bank.stats.wait_s, "readback_s": model.bank.stats.readback_s}
@@ -108,7 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--tiny-experts", action="store_true",
                     help="the tiny model's 6.5 KB experts (for the smoke test; says nothing of K3)")
+    ap.add_argument("--batched", action="store_true",
+                    help="through mlx-lm's BatchGenerator (batch_generate, cachecd openai)")
     args = ap.parse_args(argv)
+    run = prefill_batched if args.batched else prefill
     steps = [int(s) for s in args.steps.split(",") if s]
     shape = {} if args.tiny_experts else K3_SHAPE
     opts: dict[str, Any] = dict(experts=args.experts, layers=args.layers, top_k=args.top_k,
@@ -125,11 +150,12 @@ def main(argv: list[str] | None = None) -> None:
             resident.set_dtype(dtype)
             for _ in range(args.rounds):
                 for step in steps:
-                    took, logits = prefill(resident, prompt, step)
+                    took, logits = run(resident, prompt, step)
                     results.setdefault(("resident", step), []).append({"s": took,
                                                                        "logits": logits})
                     for name in CASES[1:]:
-                        got = run_case(served, sock, name == "layers", dtype, prompt, step)
+                        got = run_case(served, sock, name == "layers", dtype, prompt, step,
+                                       args.batched)
                         results.setdefault((name, step), []).append(got)
                         if not np.array_equal(got["logits"].view(np.uint32),
                                               logits.view(np.uint32)):
@@ -140,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"prefill: {args.layers - 1} MoE layers x {args.experts} experts of "
           f"{int(m.sizes[0])} B, top-{args.top_k}, a prompt of {args.tokens} tokens, pool of "
           f"one layer's experts ({args.experts}), page cache behind it, activations "
-          f"{args.dtype}, backend {mx.default_device()}, rounds={args.rounds}; every streamed "
+          f"{args.dtype}, backend {mx.default_device()}, rounds={args.rounds}, "
+          f"{'BatchGenerator' if args.batched else 'generate_step'}; every streamed "
           f"prefill's logits bitwise the resident model's at its step size")
     print(f"info: raw parallel preadv {rate / GIB:.2f} GiB/s")
     ratio = report(results, steps, rate)

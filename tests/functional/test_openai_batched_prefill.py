@@ -34,8 +34,9 @@ openai = pytest.importorskip("openai")
 
 STEP = 16
 TOP_K, MOE_LAYERS, EXPERTS, LAYERS = 4, 5, 32, 6  # the tiny model: the first layer dense
+# Of equal lengths (the tiny tokenizer's bytes): sent together, one batch with no padded step.
 PROMPTS = ["Experts stream from the hub into a verified cache, layer after layer, " * 2,
-           "A long prompt reads each layer's experts once, whatever its step size is. " * 2]
+           "A long prompt reads each layer's experts once, whatever the step is.. " * 2]
 N = 4
 
 
@@ -116,11 +117,13 @@ def test_two_requests_at_once_read_each_layer_once_and_answer_mlx_lm(
     for answer in got:
         view = answer.usage.model_extra["cachecd"]
         assert view["prompt_tokens_prefilled"] > 7 * STEP, view  # 8 steps or more
-        # At most three passes over the MoE layers but the last (one a prompt, one more if
-        # the second joined the first's batch mid-prefill), and the decode steps' rows (both
-        # requests', the last prompt token's and one computed ahead: N + 1 steps). Step by
-        # step it would be each of the 16 or more prefill steps' experts, in every layer.
-        bound = 3 * (MOE_LAYERS - 1) * EXPERTS + (N + 1) * MOE_LAYERS * 2 * TOP_K
+        # One pass over the MoE layers but the last where both came together; if the second
+        # came while the first prefilled, the first's pass, one for the two merged and one
+        # for the second's rest, and the steps step by step between (a padded one, one that
+        # leaves a last token alone): at most four passes' worth. Then the decode steps' rows
+        # (both requests', the last prompt token's and one computed ahead: N + 1 steps). Step
+        # by step it is each of the 18 prefill steps' experts, in every MoE layer.
+        bound = 4 * MOE_LAYERS * EXPERTS + (N + 1) * MOE_LAYERS * 2 * TOP_K
         assert 0 < view["experts_read"] <= bound, view
     # The pass's progress in the server's log, as on the one-request path.
     assert re.search(rf"prefill layer {LAYERS}/{LAYERS}: \d+ experts read", srv.log()), \
@@ -146,3 +149,26 @@ def test_keepalives_keep_coming_during_a_batched_pass(servers: tuple[Any, Any, A
     total = alive[-1][1]
     assert total > 7 * STEP, alive
     assert alive.count((STEP, total)) >= 1 + LAYERS, alive  # step by step: once
+
+
+def test_a_follow_up_prefills_only_its_new_tokens_layer_by_layer(
+        servers: tuple[Any, Any, Any], tiny_dir: Path) -> None:
+    """A next turn on the batched path: mlx-lm's prompt cache gives it the first turn's caches
+    (prompt and answer), so only its new tokens are prefilled (``usage.cachecd`` says so), in
+    one pass: at most each expert of each MoE layer but the last once, and the decode's."""
+    _, ours, resident = servers
+    first = "A chat's next turn sends the whole conversation again, every time. " * 2
+    one = ours.completions.create(model=TINY_REPO, prompt=first, max_tokens=N, temperature=0)
+    turn = first + one.choices[0].text + " And the next turn asks one more thing of it, too."
+    two = ours.completions.create(model=TINY_REPO, prompt=turn, max_tokens=N, temperature=0)
+    want = resident.completions.create(model=str(tiny_dir), prompt=turn, max_tokens=N,
+                                       temperature=0)
+    assert two.choices[0].text == want.choices[0].text
+    view = two.usage.model_extra["cachecd"]
+    # the first turn's prompt and answer came from the cache (the tiny tokenizer's bytes
+    # round-trip); only the rest went through the model, 3 steps of 16 and its last token
+    assert view["prompt_tokens_cached"] == one.usage.prompt_tokens + N, view
+    assert view["prompt_tokens_prefilled"] == two.usage.prompt_tokens - view[
+        "prompt_tokens_cached"] > 2 * STEP, view
+    bound = (MOE_LAYERS - 1) * EXPERTS + (N + 1) * MOE_LAYERS * TOP_K
+    assert 0 < view["experts_read"] <= bound, view
