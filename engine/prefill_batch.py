@@ -25,8 +25,10 @@ Invariants:
 - The pass's steps are what ``_next`` will take while its rows stay the same and no padding is
   needed: it stops before a row would be split off (its last token left), before steps of
   unequal lengths, and where a queued request could join the batch.
-- The pass keeps, besides the copy of the caches, each step's key/value rows (once the prompt's)
-  and each step's linear-attention state, until the step's call.
+- The pass keeps, besides the copy of the caches (dropped when the pass ends), each step's
+  key/value rows (once the prompt's) and each step's linear-attention state, until the step's
+  call; what a batch that stopped mid-prefill never took is dropped at the next batched
+  prefill call or the next call on its caches.
 """
 
 from __future__ import annotations
