@@ -15,6 +15,9 @@ With ``--pool-layers F`` below 1 the pool holds F of a layer's experts (a small 
             group of experts read once for every step's rows);
   inturn:   layer by layer, each step's call in turn (the way before ``pool.chunks``).
 Each streamed prefill's last logits must be the resident model's at the same step size, bitwise.
+With ``--batched`` the prompt goes through mlx-lm's ``BatchGenerator`` instead (the path of
+``batch_generate`` and of ``cachecd openai``'s batched requests; ``prefill_batch`` runs its steps
+ahead layer by layer): TTFT is to the first generated token's logits.
 
 Per step size and case it prints the time to first token (TTFT); the bytes read from the daemon
 against one pass over the routed experts (each distinct routed expert of each layer once: the
@@ -26,6 +29,7 @@ in bf16; experts stay mxfp4 either way).
 
     python bench/prefill.py [--tokens 8192] [--steps 2048,512] [--experts 64] [--layers 4]
         [--top-k 16] [--dtype float32|bfloat16] [--pool-layers 1.0] [--rounds 1] [--dir /tmp]
+        [--batched]
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from _common import (
     warm_disk,
 )
 from k3_decode import raw_rate, vocab_size
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
@@ -72,6 +76,25 @@ def prefill(model: Any, prompt: list[int], step: int) -> tuple[float, np.ndarray
     return took, np.array(last[-1].astype(mx.float32))
 
 
+def prefill_batched(model: Any, prompt: list[int], step: int) -> tuple[float, np.ndarray]:
+    """The same through mlx-lm's ``BatchGenerator``, the prompt alone in its batch."""
+    first: list[mx.array] = []
+
+    def keep(tokens: mx.array, logits: mx.array) -> mx.array:
+        first.append(logits)
+        return logits
+
+    gen = BatchGenerator(model, max_tokens=1, prefill_step_size=step, logits_processors=[keep])
+    gen.insert([prompt])
+    t0 = time.perf_counter()
+    while not first:
+        gen.next()
+    mx.eval(first[0])
+    took = time.perf_counter() - t0
+    gen.close()
+    return took, np.array(first[0].astype(mx.float32))
+
+
 def streamed(served: Served, sock: Any, name: str, dtype: Any, fraction: float) -> Any:
     """The engine with a pool of ``fraction`` of one layer's experts, nothing in it yet."""
     from cachecd_engine.run import load
@@ -88,12 +111,12 @@ def streamed(served: Served, sock: Any, name: str, dtype: Any, fraction: float) 
 
 
 def run_case(served: Served, sock: Any, name: str, dtype: Any, prompt: list[int],
-             step: int, fraction: float) -> dict[str, Any]:
+             step: int, fraction: float, batched: bool = False) -> dict[str, Any]:
     model = streamed(served, sock, name, dtype, fraction)
     routed: set[tuple[int, int]] = set()
     model.bank.trace = lambda layer, ids: routed.update((layer, int(e)) for e in np.unique(ids))
     try:
-        took, logits = prefill(model, prompt, step)
+        took, logits = (prefill_batched if batched else prefill)(model, prompt, step)
         got = {"s": took, "logits": logits, "read": model.bank.stats.source_bytes,
                "pass": len(routed) * int(served.manifest.sizes.max()), "routed": len(routed),
                "wait_s": model.bank.stats.wait_s, "readback_s": model.bank.stats.readback_s}
@@ -116,7 +139,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="the pool, in layers' worth of experts (below 1: a small Mac's case)")
     ap.add_argument("--tiny-experts", action="store_true",
                     help="the tiny model's 6.5 KB experts (for the smoke test; says nothing of K3)")
+    ap.add_argument("--batched", action="store_true",
+                    help="through mlx-lm's BatchGenerator (batch_generate, cachecd openai)")
     args = ap.parse_args(argv)
+    run = prefill_batched if args.batched else prefill
     steps = [int(s) for s in args.steps.split(",") if s]
     shape = {} if args.tiny_experts else K3_SHAPE
     opts: dict[str, Any] = dict(experts=args.experts, layers=args.layers, top_k=args.top_k,
@@ -133,15 +159,15 @@ def main(argv: list[str] | None = None) -> None:
             resident, _ = load_model(served.repo_dir)
             resident.set_dtype(dtype)
             for step in steps:  # untimed: the first call in a process compiles the GPU's
-                prefill(resident, prompt, step)  # kernels (77 s against 5 s warm on the H100)
+                run(resident, prompt, step)  # kernels (77 s against 5 s warm on the H100)
             for _ in range(args.rounds):
                 for step in steps:
-                    took, logits = prefill(resident, prompt, step)
+                    took, logits = run(resident, prompt, step)
                     results.setdefault(("resident", step), []).append({"s": took,
                                                                        "logits": logits})
                     for name in cases:
                         got = run_case(served, sock, name, dtype, prompt, step,
-                                       args.pool_layers)
+                                       args.pool_layers, args.batched)
                         results.setdefault((name, step), []).append(got)
                         if not np.array_equal(got["logits"].view(np.uint32),
                                               logits.view(np.uint32)):
@@ -153,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{int(m.sizes[0])} B, top-{args.top_k}, a prompt of {args.tokens} tokens, pool of "
           f"{args.pool_layers:g} layer's experts ({max(2, int(args.experts * args.pool_layers))}"
           f" slots), page cache behind it, activations "
-          f"{args.dtype}, backend {mx.default_device()}, rounds={args.rounds}; every streamed "
+          f"{args.dtype}, backend {mx.default_device()}, rounds={args.rounds}, "
+          f"{'BatchGenerator' if args.batched else 'generate_step'}; every streamed "
           f"prefill's logits bitwise the resident model's at its step size")
     print(f"info: raw parallel preadv {rate / GIB:.2f} GiB/s")
     ratio = report(results, steps, rate, cases)

@@ -7,8 +7,8 @@ Modules (imported on demand; importing this package does not import mlx):
 ``registered`` (``load``), ``loader`` (load a model dir with streamed banks), ``streamed_moe``
 (the ``switch_mlp`` mlx-lm calls), ``bank`` (a layer call over the pool of expert slots,
 EngineStats), ``slots`` (which expert is in which slot), ``pool`` (the slots' memory), ``fill``
-(experts into slots), ``calls`` (a call's rows as slots, groups), ``prefill`` and ``prefill_defer`` (mlx-lm's prefill
-steps run layer by layer), ``speculate`` (decode steps on
+(experts into slots), ``calls`` (a call's rows as slots, groups), ``prefill``, ``prefill_defer`` and ``prefill_batch``
+(mlx-lm's prefill steps run layer by layer: ``generate_step``'s, ``BatchGenerator``'s), ``speculate`` (decode steps on
 the device's slot map), ``cuda_memory`` (misses through the GPU's copy engine), ``dispatch`` (the
 kernel each call reaches), ``formats`` (expert bytes -> the kernel's arrays), ``memory`` (the
 pool's default size), ``prefetch`` (next-layer read-ahead), ``local_source`` (experts read from

@@ -34,6 +34,8 @@ from cachecd_engine.pool.memory import PoolSizer, default_pool_bytes
 from cachecd_engine.pool.prefetch import read_ahead_by_default
 from cachecd_engine.pool.slots import DEFAULT_POLICY
 from cachecd_engine.pool.speculate import Speculator, speculate_by_default
+from cachecd_engine.prefill import driver_for
+from cachecd_engine.prefill_batch import BatchAhead
 from cachecd_engine.prefill_defer import Deferral
 from cachecd_engine.streamed_moe import StreamedSwitchGLU, install_prefetch, install_streamed_banks
 from cachecd_engine.tokenizer import tokenizer_options
@@ -84,11 +86,14 @@ def streamed_classes(bank: ExpertBank,
                     return spec.step(lambda: base(inputs, cache, *args, **kwargs), inputs, cache)
 
                 deferral: Deferral | None = self.__dict__.get("deferral")
-                if deferral is None:
+                ahead: BatchAhead | None = self.__dict__.get("ahead")
+                if deferral is None or ahead is None:
                     return forward()
-                # mlx-lm's prefill loop drops its steps' output: those run layer by layer.
-                return deferral.call(forward, inputs, cache, sys._getframe(1),
-                                     bool(args or kwargs))
+                frame, extra = sys._getframe(1), bool(args or kwargs)
+                # mlx-lm's prefill loops drop their steps' output: those run layer by layer
+                # (generate_step's held back, BatchGenerator's run ahead).
+                return deferral.call(lambda: ahead.call(forward, inputs, cache, frame, extra),
+                                     inputs, cache, frame, extra)
 
             def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
                 weights = super().sanitize(drop_expert_weights(weights))
@@ -156,7 +161,8 @@ def load(
     ``trust_remote_code``), and only if its code files have the sha256 the source's manifest
     pins (``cachecd_engine.tokenizer``); that is checked before the model is loaded.
     With ``layer_major`` (default) the prefill steps of mlx-lm's ``generate_step`` run layer by
-    layer (``prefill_defer``: each layer's experts read once a prompt); False: step by step.
+    layer (``prefill_defer``: each layer's experts read once a prompt), and those of mlx-lm's
+    ``BatchGenerator`` are run ahead layer by layer (``prefill_batch``); False: step by step.
     """
     model_dir = Path(model_dir)
     config = {**json.loads((model_dir / "config.json").read_text()), **(model_config or {})}
@@ -194,6 +200,7 @@ def load(
     pf = install_prefetch(model, bank) if prefetch else None
     object.__setattr__(model, "prefetcher", pf)
     object.__setattr__(model, "deferral", Deferral(model, bank, on=layer_major))
+    object.__setattr__(model, "ahead", BatchAhead(driver_for(model), bank, on=layer_major))
     tokenizer = load_tokenizer(model_dir, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
     if pipeline is not None:
         barrier(pipeline)  # as sharded_load: no rank starts generating while another loads

@@ -103,6 +103,8 @@ class StreamedModelProvider(ModelProvider):
             raise
         # A layer-by-layer prefill's progress in the log (its keepalives come all the same).
         watch(model, LayerLog(self.stats, model.bank.source.client))
+        if getattr(model, "ahead", None) is not None:
+            model.ahead.on_rows = batched_keepalives
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         draft = _load_draft(draft_model_path, tokenizer)
@@ -133,6 +135,25 @@ class StreamedModelProvider(ModelProvider):
             fetched = self._fetched_before + (
                 model.bank.source.client.upstream_fetches if model is not None else 0)
         return {**self.stats.snapshot(), "fetched": fetched}
+
+
+_GENERATE = ResponseGenerator._generate.__code__
+
+
+def batched_keepalives(rows: list[tuple[int, tuple[int, int]]]) -> None:
+    """After each layer of a layer-by-layer pass on the batched path (``prefill_batch``): each
+    row's request hears its prefill progress, as mlx-lm's generation loop tells it after each
+    step (its ``batch_results[uid]["rqueue"]``), so its keepalive comments keep coming."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not _GENERATE:
+        frame = frame.f_back  # type: ignore[assignment]
+    results = frame.f_locals.get("batch_results") if frame is not None else None
+    if not isinstance(results, dict):
+        return
+    for uid, progress in rows:
+        result = results.get(uid)
+        if isinstance(result, dict) and "rqueue" in result:
+            result["rqueue"].put(progress)
 
 
 def _close(model: Any) -> None:

@@ -138,40 +138,46 @@ def driver_for(model: Any) -> Driver | None:
 
 
 def prefill(driver: Driver, steps: list[mx.array], cache: list[Any], bank: Any = None,
-            on_layer: Callable[[int, int], None] | None = None) -> mx.array:
-    """The logits of the last of ``steps`` (token arrays ``[1, n]``, in prompt order) after
-    running them all layer-major through ``cache``, which ends as mlx-lm's loop leaves it."""
+            on_layer: Callable[[int, int], None] | None = None, *, logits: bool = True,
+            after: After | None = None) -> mx.array | None:
+    """The logits of the last of ``steps`` (token arrays ``[B, n]``, in prompt order) after
+    running them all layer-major through ``cache``, which ends as mlx-lm's loop leaves it.
+    Without ``logits`` no step's output is wanted (mlx-lm's ``BatchGenerator`` drops every
+    prefill step's): the last layer's experts are read for none, and None is returned.
+    ``after(layer, step)``, called after each step's layer call, returns arrays to keep."""
     chunks = [driver.start(x) for x in steps]
     n = driver.num_layers
     try:
         for i in range(n):
             if bank is not None:
                 bank.prefill_at(i)
+            kept: list[mx.array] = []
             if bank is not None and i < n - 1 and len(chunks) > 1 and bank.groups_chunks():
-                _layer_together(driver, i, chunks, cache, bank)
+                _layer_together(driver, i, chunks, cache, bank, after, kept)
             else:
-                _layer_in_turn(driver, i, chunks, cache, bank, last=i == n - 1)
+                _layer_in_turn(driver, i, chunks, cache, bank, logits, i == n - 1, after, kept)
             # As mlx-lm evaluates each step's cache: the layer's state, and what the next needs.
-            last = chunks if i < n - 1 else chunks[-1:]  # the others' outputs are not needed
-            mx.eval(cache[i].state, [a for c in last for a in c.arrays()])
+            last = chunks if i < n - 1 else chunks[-1:] if logits else []
+            mx.eval(cache[i].state, [a for c in last for a in c.arrays()], kept)
             if on_layer is not None:
                 on_layer(i + 1, n)
     finally:
         if bank is not None:
             bank.prefill_at(None)
-    return driver.head(chunks[-1])
+    return driver.head(chunks[-1]) if logits else None
 
 
+After = Callable[[int, int], list[mx.array]]
 WINDOW_NBYTES = 1 << 30  # the expert outputs a window of chunks may hold at least (K3: 4.6k tokens)
 
 
 def _layer_in_turn(driver: Driver, i: int, chunks: list[Chunk], cache: list[Any], bank: Any,
-                   last: bool) -> None:
+                   logits: bool, last: bool, after: After | None, kept: list[mx.array]) -> None:
     """Layer ``i`` for each chunk in turn, each call reading what the pool lacks."""
     for j, c in enumerate(chunks):
         # The last layer's output of a step before the last feeds nothing (no cache, no
         # logits), as mlx-lm's lazy loop never computes it: its experts are not read.
-        unread = bank is not None and last and j < len(chunks) - 1
+        unread = bank is not None and last and (j < len(chunks) - 1 or not logits)
         if unread:
             bank.discarding = True
         try:
@@ -179,10 +185,12 @@ def _layer_in_turn(driver: Driver, i: int, chunks: list[Chunk], cache: list[Any]
         finally:
             if unread:
                 bank.discarding = False
+        if after is not None:
+            kept += after(i, j)
 
 
 def _layer_together(driver: Driver, i: int, chunks: list[Chunk], cache: list[Any],
-                    bank: Any) -> None:
+                    bank: Any, after: After | None, kept: list[mx.array]) -> None:
     """Layer ``i`` for windows of chunks whose expert calls are computed together
     (``pool.chunks``): each chunk runs the layer once, its attention's output recorded and its
     expert call collected (answered with zeros: that run's layer output is thrown away; the
@@ -205,6 +213,8 @@ def _layer_together(driver: Driver, i: int, chunks: list[Chunk], cache: list[Any
         try:
             while end < len(chunks):
                 driver.layer(i, chunks[end], cache)
+                if after is not None:  # the step's cache writes are this run's (attention's)
+                    kept += after(i, end)
                 end += 1
                 if batch.output_nbytes() >= bound:
                     break

@@ -163,7 +163,9 @@ class Deferral:
         try:
             if self.on_layer is not None:
                 self.on_layer(0, self.driver.num_layers)
-            return prefill(self.driver, steps, cache, self.bank, on_layer)
+            logits = prefill(self.driver, steps, cache, self.bank, on_layer)
+            assert logits is not None
+            return logits
         finally:
             self.running = False
 

@@ -106,9 +106,12 @@ def wait_line(p: Any) -> str:
 
 
 def watch(model: Any, on_layer: Any) -> bool:
-    """Set ``on_layer`` on ``model``'s deferral where its prefill runs layer by layer."""
-    deferral = getattr(model, "deferral", None)
-    if deferral is None or not deferral.on:
-        return False
-    deferral.on_layer = on_layer
-    return True
+    """Set ``on_layer`` on ``model``'s deferral (``generate_step``'s prefill) and its
+    ``BatchGenerator`` prefill (``ahead``) where they run layer by layer."""
+    watched = False
+    for name in ("deferral", "ahead"):
+        part = getattr(model, name, None)
+        if part is not None and part.on:
+            part.on_layer = on_layer
+            watched = True
+    return watched

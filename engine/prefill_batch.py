@@ -1,0 +1,279 @@
+"""Prefill layer by layer on mlx-lm's ``BatchGenerator`` path (``batch_generate``, and
+``cachecd openai`` when it batches requests), its loop unedited.
+
+``BatchGenerator`` prefills one step per ``next()``: ``_next`` takes up to
+``prefill_step_size`` tokens of every prompt in its prompt batch, ``PromptProcessingBatch.prompt``
+runs them through ``self.model(tokens, cache=...)``, drops the output and evaluates the caches.
+Between two steps it may decode other requests, split off a prompt that is done, take in a new
+one, or hand a cache to the server's prompt cache, so a held-back step could be read behind.
+So the steps are run ahead instead: at a step whose next steps are known (the generator's own
+queue of each row's remaining tokens), that step and those run layer-major on a copy of the
+batch's caches, and each step's call then writes into the real caches exactly what the step
+writes in mlx-lm's loop (the same ``update_and_fetch`` calls with the same arrays, the same
+linear-attention state), reading no expert.
+
+Invariants:
+- Only a call from ``PromptProcessingBatch.prompt`` called by ``BatchGenerator._next`` (their
+  sources the ones reviewed, ``REVIEWED_SHA256``), unpadded (``prompt`` pads around a call only
+  where the rows' lengths differ), over caches that are all ``BatchKVCache``/``ArraysCache``, is
+  answered from a pass; every other call runs as it would (``forward``).
+- A step is answered from a pass only when its tokens are the ones the pass ran and the real
+  caches are, object for object, as the pass's previous step left them; anything else (a row
+  taken in, split off or removed, a padded step, a cache changed by anyone) drops the pass and
+  the call runs step by step: a pass can cost work, never a different bit.
+- Such a call returns None (``prompt`` drops it): no number at all to misuse.
+- The pass's steps are what ``_next`` will take while its rows stay the same and no padding is
+  needed: it stops before a row would be split off (its last token left), before steps of
+  unequal lengths, and where a queued request could join the batch.
+- The pass keeps, besides the copy of the caches (dropped when the pass ends), each step's
+  key/value rows (once the prompt's) and each step's linear-attention state, until the step's
+  call; what a batch that stopped mid-prefill never took is dropped at the next batched
+  prefill call or the next call on its caches.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import CodeType, FrameType
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+from mlx_lm.models.cache import ArraysCache, BatchKVCache
+
+from cachecd_engine.prefill import Driver, prefill
+
+log = logging.getLogger(__name__)
+
+# sha256 of the reviewed sources (mlx-lm 0.32.2): ``prompt`` drops the model's output and reads
+# the caches only through ``prepare`` (padded steps), ``c.state`` and ``finalize``; ``_next``
+# takes each row's next ``min(len(segment), prefill_step_size)`` tokens, splits off rows whose
+# last token is all that is left, and takes in queued requests, before the step.
+REVIEWED_SHA256 = {
+    "prompt": "91194fe0a4fcd146f598aa99ee66f7edf78176f7d0ec368117d749f6b7f970dc",
+    "_next": "eb3a4e361dc2c19eafd28e901155828fd4602d63e26c431ca9ffbf079302c665",
+}
+
+_PROMPT: CodeType = PromptProcessingBatch.prompt.__code__
+_NEXT: CodeType = BatchGenerator._next.__code__
+
+
+def source_sha256(fn: Callable[..., Any]) -> str | None:
+    try:
+        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
+    except (OSError, TypeError):
+        return None
+
+
+def loop_reviewed() -> bool:
+    """mlx-lm's batch prefill is the one reviewed here (answering from a pass is safe)."""
+    return source_sha256(PromptProcessingBatch.prompt) == REVIEWED_SHA256["prompt"] \
+        and source_sha256(BatchGenerator._next) == REVIEWED_SHA256["_next"]
+
+
+def batch_step(frame: FrameType | None) -> tuple[Any, Any] | None:
+    """(prompt batch, generator) when ``frame`` (the model call's caller) is an unpadded prefill
+    step of ``BatchGenerator``; None otherwise."""
+    if frame is None or frame.f_code is not _PROMPT:
+        return None
+    outer = frame.f_back
+    if outer is None or outer.f_code is not _NEXT or frame.f_locals.get("max_padding") != 0:
+        return None
+    return frame.f_locals["self"], outer.f_locals["self"]
+
+
+def batch_caches(cache: Any) -> bool:
+    """Non-empty, and only the batch caches a pass replays: ``BatchKVCache`` (its
+    ``update_and_fetch`` calls) and ``ArraysCache`` (its state)."""
+    return isinstance(cache, list) and bool(cache) \
+        and all(type(c) in (BatchKVCache, ArraysCache) for c in cache)
+
+
+def next_steps(generator: Any, step_size: int) -> list[list[list[int]]]:
+    """The prompt batch's next steps as ``_next`` will take them, while its rows stay the same
+    and unpadded (each a list of rows' tokens)."""
+    if generator._unprocessed_sequences:  # the next _next may take one in: rows change
+        return []
+    rows = [[list(s) for s in seq[0]] for seq in generator._currently_processing]
+    steps: list[list[list[int]]] = []
+    while rows and all(r and not (len(r) == 1 and len(r[0]) == 1) for r in rows):
+        take = [r[0][:step_size] for r in rows]
+        if len({len(t) for t in take}) != 1:
+            break  # rows of unequal lengths: a padded step
+        steps.append(take)
+        for r, t in zip(rows, take, strict=True):
+            r[0] = r[0][len(t):]
+            if not r[0]:
+                r.pop(0)
+    return steps
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a is b or (isinstance(a, (int, float, type(None))) and type(a) is type(b) and a == b)
+
+
+def _frozen(a: Any) -> Any:
+    """A copy of a cache's small array (offsets, paddings, lengths), which mlx-lm's caches
+    change in place (``-=``): a later in-place change does not reach the copy."""
+    return mx.array(a) if isinstance(a, mx.array) else a
+
+
+def _fingerprint(cache: list[Any]) -> list[dict[str, Any]]:
+    """Every attribute of every cache, lists copied, and the values of its 1-D arrays (changed
+    in place): what a later call checks, object for object, to know nobody changed the caches
+    since. The key/value buffers change in place only in ``update_and_fetch``, which moves
+    ``_idx``, an int."""
+    return [{k: list(v) if isinstance(v, list) else
+             (v, np.array(v)) if isinstance(v, mx.array) and v.ndim <= 1 else v
+             for k, v in vars(c).items()} for c in cache]
+
+
+def _same_attr(v: Any, s: Any) -> bool:
+    if isinstance(s, tuple) and isinstance(v, mx.array):
+        return v is s[0] and np.array_equal(np.array(v), s[1])
+    return _same(v, s)
+
+
+def _unchanged(cache: list[Any], seen: list[dict[str, Any]]) -> bool:
+    return len(cache) == len(seen) and all(
+        vars(c).keys() == s.keys() and all(_same_attr(v, s[k]) for k, v in vars(c).items())
+        for c, s in zip(cache, seen, strict=True))
+
+
+@dataclass
+class Pass:
+    """Steps run ahead on a copy of one prompt batch's caches, replayed a step a call."""
+
+    cache: list[Any]  # the real caches
+    tokens: list[np.ndarray]  # each step's tokens [B, n], the first already replayed
+    writes: list[list[Any]]  # per step, per layer: update_and_fetch args, or ArraysCache state
+    done: int = 0  # steps replayed
+    seen: list[dict[str, Any]] = field(default_factory=list)
+
+    def replay(self) -> None:
+        """Write step ``done``'s cache updates into the real caches, as its call would."""
+        for c, w in zip(self.cache, self.writes[self.done], strict=True):
+            if isinstance(c, ArraysCache):
+                cache, c.left_padding, c.lengths = w
+                for k, a in enumerate(cache):
+                    c[k] = a
+            else:
+                for args in w:
+                    c.update_and_fetch(*args)
+        self.writes[self.done] = []  # the real caches hold them now
+        self.done += 1
+        self.seen = _fingerprint(self.cache)
+
+    def answers(self, inputs: mx.array, cache: Any) -> bool:
+        return cache is self.cache and self.done < len(self.tokens) \
+            and _unchanged(cache, self.seen) \
+            and np.array_equal(np.array(inputs), self.tokens[self.done])
+
+
+class BatchAhead:
+    """The streamed model's prefill steps on ``BatchGenerator``'s path, run ahead layer-major."""
+
+    def __init__(self, driver: Driver | None, bank: Any, on: bool = True) -> None:
+        self.driver, self.bank = driver, bank
+        self.on = on and driver is not None and loop_reviewed()
+        if on and driver is not None and not self.on:
+            log.warning("BatchGenerator's prefill runs step by step: its loop is not the one "
+                        "reviewed for layer-by-layer prefill")
+        self.current: Pass | None = None
+        self.passes = 0  # layer-major runs
+        self.replayed = 0  # steps answered from a pass
+        self.running = False
+        # Called with (0, layers) as a pass starts and (layers done, layers) after each layer.
+        self.on_layer: Callable[[int, int], None] | None = None
+        # Called after each layer with the rows' (uid, (tokens done, tokens in all)), as the
+        # generator reports them once the step returns (the server's keepalives).
+        self.on_rows: Callable[[list[tuple[int, tuple[int, int]]]], None] | None = None
+
+    def call(self, forward: Callable[[], mx.array], inputs: Any, cache: Any,
+             frame: FrameType | None, extra: bool) -> mx.array | None:
+        """The model's call: answered from a pass (None), or run."""
+        found = batch_step(frame) if self.on and not extra else None
+        if found is None or not isinstance(inputs, mx.array) or not batch_caches(cache):
+            if self.current is not None and cache is self.current.cache:
+                self.current = None  # another call on its caches: they move on without it
+            return forward()
+        if self.current is not None and self.current.answers(inputs, cache):
+            self.current.replay()
+            self.replayed += 1
+            if self.current.done == len(self.current.tokens):
+                self.current = None
+            return None
+        self.current = None  # its rows or its caches changed: run step by step from here
+        batch, generator = found
+        steps = next_steps(generator, batch.prefill_step_size)
+        if not steps:
+            return forward()
+        self.current = self._run(np.array(inputs), steps, cache, batch, generator)
+        self.current.replay()
+        return None
+
+    def _run(self, first: np.ndarray, steps: list[list[list[int]]], cache: list[Any],
+             batch: Any, generator: Any) -> Pass:
+        """Run ``first`` and ``steps`` layer-major on a copy of ``cache``, keeping what each
+        step writes into each layer's cache."""
+        assert self.driver is not None
+        tokens = [first] + [np.array(s, dtype=first.dtype) for s in steps]
+        shadow = copy.deepcopy(cache)
+        writes: list[list[Any]] = [[[] for _ in cache] for _ in tokens]
+        at = [0]  # the step running
+
+        def recorder(c: Any, i: int) -> Callable[..., Any]:
+            update = c.update_and_fetch
+
+            def record(*args: mx.array) -> Any:
+                writes[at[0]][i].append(args)
+                return update(*args)
+
+            return record
+
+        for i, c in enumerate(shadow):
+            if isinstance(c, BatchKVCache):
+                c.update_and_fetch = recorder(c, i)  # type: ignore[method-assign]  # the copy's
+
+        def after(layer: int, step: int) -> list[mx.array]:
+            at[0] = step + 1 if step + 1 < len(tokens) else 0
+            c = shadow[layer]
+            if isinstance(c, ArraysCache):
+                writes[step][layer] = (list(c.cache), _frozen(c.left_padding),
+                                       _frozen(c.lengths))
+                state: list[Any] = c.cache
+                return [a for a in state if a is not None]
+            return [a for args in writes[step][layer] for a in args]
+
+        self.passes += 1
+        self.running = True
+        try:
+            if self.on_layer is not None:
+                self.on_layer(0, self.driver.num_layers)
+            prefill(self.driver, [mx.array(t) for t in tokens], shadow, self.bank,
+                    self._per_layer(batch, generator), logits=False, after=after)
+        finally:
+            self.running = False
+        return Pass(cache, tokens, writes)
+
+    def _per_layer(self, batch: Any, generator: Any) -> Callable[[int, int], None]:
+        rows = [(uid, (int(seq[1]), int(seq[2])))
+                for uid, seq in zip(batch.uids, generator._currently_processing,
+                                         strict=True)]
+        on_layer, on_rows = self.on_layer, self.on_rows
+
+        def both(layer: int, layers: int) -> None:
+            if on_layer is not None:
+                on_layer(layer, layers)
+            if on_rows is not None:
+                on_rows(rows)
+
+        return both
