@@ -227,9 +227,10 @@ def _layer_together(driver: Driver, i: int, chunks: list[Chunk], cache: list[Any
                 for c, m in zip(chunks[start:end], masks, strict=True):
                     driver.layer(i, c, cache)
                     c.masks = m  # as the first run made them (the replay's were not used)
-                if not batch.done() or record.left():
-                    raise errors.Internal(f"a grouped prefill pass of layer {i} served "
-                                          f"{batch.served} of {len(batch.calls)} calls")
+                batch.verify()
+                if record.left():
+                    raise errors.Internal(f"a grouped prefill pass of layer {i} replayed "
+                                          f"{record.left()} attention calls too few")
         finally:
             bank.chunks = None
             module.self_attn = attention

@@ -13,8 +13,9 @@ answered with its computed output).
 
 Invariants:
 - A served output is the one computed for exactly that call: the served call's input and
-  routing are checked equal (bitwise) to the collected call's, else ``errors.Internal``; nothing
-  computed from another input is ever returned.
+  routing are checked equal (bitwise) to the collected call's (``verify``, once for the window,
+  before the prefill goes on), else ``errors.Internal``: nothing computed from another input
+  leaves the pass.
 - Every row is computed as in a lone call's groups (``calls``: the resident kernel, dummy rows
   where ``dispatch`` asks), so the outputs are bitwise the calls' own.
 - The counters see each chunk's call once, as a lone call would count it.
@@ -46,6 +47,7 @@ class ChunkBatch:
         self.outputs: list[mx.array] = []
         self.served = 0
         self.serving = False
+        self.checks: list[mx.array] = []
 
     def call(self, layer: int, glu: SwitchGLU, x: mx.array, indices: mx.array) -> mx.array:
         if self.layer is None:
@@ -88,18 +90,32 @@ class ChunkBatch:
             raise errors.Internal(
                 f"a grouped prefill pass of MoE layer {self.layer} got more calls than it collected")
         call = self.calls[self.served]
-        same = mx.array_equal(x, call.x)
-        mx.eval(indices, same)
-        if not (bool(same.item()) and np.array_equal(np.array(indices), call.routed)):
-            raise errors.Internal(
-                f"a grouped prefill pass of MoE layer {self.layer}: chunk {self.served}'s call "
-                "differs from the one collected; its output is not served")
+        if x.shape != call.x.shape or indices.shape != call.routed.shape:
+            raise errors.Internal(self._differs())
+        # Checked lazily: ``verify`` evaluates every check of the window at once, before the
+        # prefill goes on (no read-back per call; a wrong answer never leaves the pass).
+        self.checks.append(mx.logical_and(
+            mx.array_equal(x, call.x, equal_nan=True),
+            mx.array_equal(indices, mx.array(call.routed))))
         self.served += 1
         return self.outputs[self.served - 1]
+
+    def verify(self) -> None:
+        """Every served call was the one collected (input and routing bitwise), else
+        ``errors.Internal``; call before anything computed from the outputs is used."""
+        if self.served != len(self.calls):
+            raise errors.Internal(f"a grouped prefill pass of MoE layer {self.layer} served "
+                                  f"{self.served} of {len(self.calls)} calls")
+        if self.checks:
+            mx.eval(self.checks)
+            if not all(bool(c.item()) for c in self.checks):
+                raise errors.Internal(self._differs())
+
+    def _differs(self) -> str:
+        return (f"a grouped prefill pass of MoE layer {self.layer}: a call differs from the one "
+                "collected; its output is not served")
 
     def output_nbytes(self) -> int:
         """The memory the collected calls' outputs will take."""
         return sum(c.routed.size * c.x.shape[-1] * c.x.itemsize for c in self.calls)
 
-    def done(self) -> bool:
-        return self.served == len(self.calls)
