@@ -6,7 +6,8 @@ forecast of the next layer given to the table before each call as ``Prefetcher``
 Pools of 0.5, 1, 2, 4 and 8 steps' worth of slots (a step: one token's experts, MoE layers x
 top-k). Policies, each admitting every miss (the kernel reads only the pool) unless named:
 - ``cycle``: the default (``cachecd_engine.pool.cycle.LayerCycle``), with the forecast;
-  ``cycle-nf``: the same without it.
+  ``cycle-nf``: the same without it; ``cycle+ahead``: with the forecast read ahead too (hits of
+  experts read ahead count: not comparable to Belady's, which reads only on demand).
 - ``wlfu``: the default before issue 37 (windowed LFU, admission by use counts).
 - ``lru``, ``lfu`` (perfect LFU), ``belady`` (MIN: the most any policy can hit), and on the
   K3-statistics traces ``oracle`` (``pool_rankers.Oracle``: ranks by the generator's own law,
@@ -90,6 +91,7 @@ def policies(trace: Trace, slots: int) -> dict[str, Callable[[], Any]]:
     out: dict[str, Callable[[], Any]] = {
         "cycle": lambda: SlotTable(slots, "cycle"),
         "cycle-nf": lambda: SlotTable(slots, "cycle"),
+        "cycle+ahead": lambda: SlotTable(slots, "cycle"),
         "wlfu": lambda: SlotTable(slots, "wlfu"),
         "lru": lambda: SlotTable(slots, Lru(slots)),
         "lfu": lambda: SlotTable(slots, Lfu(slots)),
@@ -103,7 +105,12 @@ def policies(trace: Trace, slots: int) -> dict[str, Callable[[], Any]]:
     return out
 
 
-def replay(table: Any, calls: Sequence[Call], forecast: bool = True) -> float:
+def replay(table: Any, calls: Sequence[Call], forecast: bool = True,
+           ahead: bool = False) -> float:
+    """The share of the counted calls' experts the pool held (read ahead included). With
+    ``ahead`` the guess is read ahead after the call, as ``Filler.stage`` does: free slots and
+    slots ranked below the guess only (``SlotTable.claim(ahead=True)``), each read landing
+    before the next call (a disk fast enough for one layer's guess per layer call)."""
     hits = asked = 0
     for layer, ids, guess, counted in calls:
         if forecast and guess is not None:
@@ -111,6 +118,10 @@ def replay(table: Any, calls: Sequence[Call], forecast: bool = True) -> float:
         _, held = through_pool(table, layer, ids)
         if counted:
             hits, asked = hits + len(held), asked + len(ids)
+        if ahead and guess is not None:
+            todo = [e for e in dict.fromkeys(guess) if (layer + 1, e) not in table]
+            table.filled(table.claim(layer + 1, todo, take_fenced=False, ahead=True)
+                         .slots.values())
     return hits / asked
 
 
@@ -123,7 +134,8 @@ def run(traces: list[Trace]) -> dict[str, dict[float, dict[str, list[float]]]]:
             slots = max(2, int(steps * trace.step))
             for name, make in policies(trace, slots).items():
                 t0 = time.perf_counter()
-                rate = replay(make(), trace.calls, forecast=name != "cycle-nf")
+                rate = replay(make(), trace.calls, forecast=name != "cycle-nf",
+                              ahead=name == "cycle+ahead")
                 out.setdefault(family, {}).setdefault(steps, {}).setdefault(name, []).append(rate)
                 print(f"# {trace.name} steps={steps} slots={slots} {name}={rate:.3f} "
                       f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
@@ -131,7 +143,7 @@ def run(traces: list[Trace]) -> dict[str, dict[float, dict[str, list[float]]]]:
 
 
 def table(results: dict[str, dict[float, dict[str, list[float]]]]) -> list[str]:
-    names = ["cycle", "cycle-nf", "wlfu", "lru", "lfu", "oracle", "belady"]
+    names = ["cycle", "cycle-nf", "cycle+ahead", "wlfu", "lru", "lfu", "oracle", "belady"]
     lines = ["| trace | steps' worth | " + " | ".join(names) + " | cycle / belady |",
              "|---|---|" + "---|" * (len(names) + 1)]
     for family, by_steps in results.items():

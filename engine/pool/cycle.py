@@ -162,12 +162,26 @@ class LayerCycle:
         out[used] = self.chances()[cls] / dist
         return out
 
+    def below(self, n: int, held: set[int], layer: int, experts: list[int]) -> list[int]:
+        """Up to ``n`` slots outside ``held`` scored below every one of ``layer``'s guessed
+        ``experts`` would be (a read-ahead gives up no expert worth more than what it reads)."""
+        if self._at is None or layer not in self._pos:
+            return []
+        row = self._grow(layer, max(experts))
+        cls = self._classes(np.full(len(experts), row), np.array(experts), 1, self._forecast)
+        dist = (self._pos[layer] - self._pos[self._at]) % len(self._pos) or len(self._pos)
+        return _lowest(self.scores(), n, held, float(self.chances()[cls].min()) / dist)
+
     def victims(self, n: int, held: set[int]) -> list[int]:
         """Up to ``n`` occupied slots outside ``held``, the lowest scores first."""
-        score = self.scores()
-        if held:
-            score[list(held)] = np.inf
-        cand = np.flatnonzero(np.isfinite(score))
-        if cand.size > n:
-            cand = cand[np.argpartition(score[cand], n - 1)[:n]]
-        return cand[np.argsort(score[cand], kind="stable")].tolist()
+        return _lowest(self.scores(), n, held, np.inf)
+
+
+def _lowest(score: np.ndarray, n: int, held: set[int], bar: float) -> list[int]:
+    """Up to ``n`` slots outside ``held`` scored below ``bar``, the lowest first."""
+    if held:
+        score[list(held)] = np.inf
+    cand = np.flatnonzero(score < bar)
+    if cand.size > n:
+        cand = cand[np.argpartition(score[cand], n - 1)[:n]]
+    return cand[np.argsort(score[cand], kind="stable")].tolist()

@@ -160,13 +160,14 @@ class Filler:
 
     def stage(self, layer: int, guess: list[int]) -> None:
         """Start reading the guessed experts of ``layer`` that no slot holds into free slots,
-        in the background. Never takes a slot that queued work reads."""
+        in the background. Never takes a slot that queued work reads, nor a kept expert's:
+        only slots the policy ranks below the guess (``SlotTable.claim(ahead=True)``)."""
         if not guess:
             return
         _, table = self.bank.pool(layer, guess[0])
         self.sweep()
         try:
-            claim = table.claim(layer, guess, take_fenced=False)
+            claim = table.claim(layer, guess, take_fenced=False, ahead=True)
             assert not claim.fences
             for e, slot in claim.slots.items():
                 key = (layer, e)

@@ -90,6 +90,13 @@ class Prefetcher:
     def recall(self) -> float:
         return self.guessed / self.routed if self.routed else 0.0
 
+    def forecast(self, layer: int, guess: np.ndarray, rows: int) -> None:
+        """Tell the pool's policy the next layer's guess before this layer's call claims slots
+        (``LayerCycle``: an expert guessed for the coming layer is kept); decode only."""
+        table = self.bank.table
+        if table is not None and layer in self.next_gates and rows < SORT_ROWS:
+            table.forecast(self.next_gates[layer][0], np.unique(guess).tolist())
+
     def send(self, layer: int, guess: np.ndarray, rows: int) -> None:
         next_layer, _ = self.next_gates[layer]
         ids = np.unique(guess).tolist()

@@ -191,11 +191,14 @@ class SlotTable:
             self._scratch[weak] = None
 
     def claim(self, layer: int, experts: list[int], keep: Iterable[int] = (),
-              take_fenced: bool = True, use: bool = False) -> Claim:
+              take_fenced: bool = True, use: bool = False, ahead: bool = False) -> Claim:
         """Slots for experts not held: free ones first, then the policy's victims. Slots in
         ``keep`` and filling slots are not taken, nor fenced ones unless ``take_fenced``;
         fewer slots than asked may come back. ``use``: the claim is for a use (a demand read,
-        counted as the store counts the use that caused a fetch), not a guess."""
+        counted as the store counts the use that caused a fetch), not a guess. ``ahead``: a
+        read-ahead of guessed experts, which takes free slots and only the slots the policy
+        ranks below the guessed experts themselves (never a kept one: ``LayerCycle.below``;
+        a store policy's table gives it free slots only)."""
         claim = Claim({})
         keep = set(keep)
         todo = [e for e in experts if (layer, e) not in self._slot]
@@ -203,7 +206,9 @@ class SlotTable:
         while todo and (slot := self._take_free(take_fenced, claim.fences)) is not None:
             placed.append((todo.pop(0), slot, True))
         if todo:
-            for slot in self._victims(len(todo), keep, take_fenced):
+            victims = self._below(layer, todo, keep, take_fenced) if ahead else \
+                self._victims(len(todo), keep, take_fenced)
+            for slot in victims:
                 fence = self._evict(slot)
                 if fence is not None:
                     claim.fences.append(fence)
@@ -257,6 +262,17 @@ class SlotTable:
         if self.prefill_layer is not None:
             return self._prefill_victims(n, held, self.prefill_layer)
         return self._ranked(n, held)
+
+    def _below(self, layer: int, experts: list[int], keep: set[int],
+               take_fenced: bool) -> list[int]:
+        """Victims for a read-ahead: only slots the ranker scores below the guessed experts."""
+        below = getattr(self.ranker, "below", None)
+        if below is None or self.prefill_layer is not None:
+            return []
+        held = keep | self._filling
+        if not take_fenced:
+            held |= self._fence.keys()
+        return list(below(len(experts), held, layer, experts))
 
     def _prefill_victims(self, n: int, held: set[int], at: int) -> list[int]:
         """During a layer-major prefill at layer ``at``: the slots of the layers before it
