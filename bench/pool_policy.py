@@ -20,7 +20,8 @@ x 256 experts, top-4, 400 tokens) and ``synth`` (the project's own synthetic rou
 The first quarter of a K3-statistics trace, and the train part of ``synth``, warm the pool;
 hit rates count the decode calls after it.
 
-    python bench/pool_policy.py [--families k3,k3-scaled,synth] [--seeds 3] [--k3-tokens 160]
+    python bench/pool_policy.py [--families k3-scaled,synth,k3] [--seeds 3] [--k3-tokens 160]
+        [--scaled-tokens 400] [--synth-tokens 3000]
 """
 
 from __future__ import annotations
@@ -155,12 +156,14 @@ def table(results: dict[str, dict[float, dict[str, list[float]]]]) -> list[str]:
     return lines
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default="k3-scaled,synth,k3")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--k3-tokens", type=int, default=K3.tokens)
-    args = ap.parse_args()
+    ap.add_argument("--scaled-tokens", type=int, default=SCALED.tokens)
+    ap.add_argument("--synth-tokens", type=int, default=SYNTH.tokens)
+    args = ap.parse_args(argv)
     traces: list[Trace] = []
     for family in args.families.split(","):
         for seed in range(args.seeds):
@@ -168,9 +171,11 @@ def main() -> None:
                 spec = dataclasses.replace(K3, tokens=args.k3_tokens, seed=seed)
                 traces.append(cycle_trace(generate(spec)))
             elif family == "k3-scaled":
-                traces.append(cycle_trace(generate(dataclasses.replace(SCALED, seed=seed))))
+                spec = dataclasses.replace(SCALED, tokens=args.scaled_tokens, seed=seed)
+                traces.append(cycle_trace(generate(spec)))
             else:
-                traces.append(synth_trace(dataclasses.replace(SYNTH, seed=seed)))
+                traces.append(synth_trace(dataclasses.replace(SYNTH, tokens=args.synth_tokens,
+                                                              seed=seed)))
     results = run(traces)
     print("\n".join(table(results)))
     worst = min(np.mean(r["cycle"]) / max(np.mean(r["lru"]), np.mean(r["lfu"]))
