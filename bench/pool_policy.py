@@ -58,6 +58,7 @@ class Trace:
     name: str
     calls: list[Call]
     step: int  # one token's experts: MoE layers x top-k
+    experts: int  # per layer
     cycle: CycleTrace | None = None
 
 
@@ -66,14 +67,14 @@ def cycle_trace(trace: CycleTrace) -> Trace:
     warm = len(calls) // 4 // trace.spec.layers * trace.spec.layers
     return Trace(f"{trace.spec.name}/s{trace.spec.seed}",
                  [(m, ids, g, i >= warm) for i, (m, ids, g) in enumerate(calls)],
-                 trace.spec.layers * trace.spec.top_k, trace)
+                 trace.spec.layers * trace.spec.top_k, trace.spec.experts, trace)
 
 
 def synth_trace(spec: SynthSpec) -> Trace:
     split = synthetic(spec)
     calls = _stream_calls(split.train, spec.top_k, False) + _stream_calls(split.test, spec.top_k,
                                                                          True)
-    return Trace(f"{spec.name}/s{spec.seed}", calls, spec.layers * spec.top_k)
+    return Trace(f"{spec.name}/s{spec.seed}", calls, spec.layers * spec.top_k, spec.experts)
 
 
 def _stream_calls(stream: Stream, top_k: int, counted: bool) -> list[Call]:
@@ -89,10 +90,11 @@ def _stream_calls(stream: Stream, top_k: int, counted: bool) -> list[Call]:
 
 def policies(trace: Trace, slots: int) -> dict[str, Callable[[], Any]]:
     """Each policy's table, built fresh."""
+    n = trace.experts  # as the bank makes its table: the experts a layer has
     out: dict[str, Callable[[], Any]] = {
-        "cycle": lambda: SlotTable(slots, "cycle"),
-        "cycle-nf": lambda: SlotTable(slots, "cycle"),
-        "cycle+ahead": lambda: SlotTable(slots, "cycle"),
+        "cycle": lambda: SlotTable(slots, "cycle", n),
+        "cycle-nf": lambda: SlotTable(slots, "cycle", n),
+        "cycle+ahead": lambda: SlotTable(slots, "cycle", n),
         "wlfu": lambda: SlotTable(slots, "wlfu"),
         "lru": lambda: SlotTable(slots, Lru(slots)),
         "lfu": lambda: SlotTable(slots, Lfu(slots)),
