@@ -31,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -45,6 +46,19 @@ CLASSES = 2 * len(_AGES) * len(_USES)  # x (forecast for the next call or not)
 _NEVER = 1 << 30
 PRIOR_WEIGHT = 4.0  # pseudo-counts: a class seen a few times is scored near the prior
 HALVE_AT = 1 << 22  # counted experts between halvings of every count (the classes keep adapting)
+
+
+class Ranker(Protocol):
+    """What ``slots.SlotTable`` asks of a policy that ranks its slots itself and admits every
+    miss (``LayerCycle``, or a bench's Belady): told every call's routing, the forecast, and
+    every move of an expert; asked for victims among the slots not held."""
+
+    def visit(self, layer: int, experts: Iterable[int]) -> None: ...
+    def forecast(self, layer: int, experts: Iterable[int]) -> None: ...
+    def placed(self, slot: int, key: Key) -> None: ...
+    def left(self, slot: int) -> None: ...
+    def victims(self, n: int, held: set[int]) -> list[int]: ...
+    def resize(self, capacity: int, owners: Sequence[Key | None]) -> None: ...
 
 
 class LayerCycle:
@@ -68,19 +82,15 @@ class LayerCycle:
         """The slots are renumbered (``SlotTable.resize``): ``owners[slot]`` holds now."""
         self._rows = np.full(capacity, -1, dtype=np.int64)  # per slot, its layer's row
         self._expert = np.zeros(capacity, dtype=np.int64)
-        self._slot: dict[Key, int] = {}
         for slot, key in enumerate(owners):
             if key is not None:
                 self.placed(slot, key)
 
     def placed(self, slot: int, key: Key) -> None:
-        self._slot[key] = slot
         self._rows[slot] = self._grow(*key)
         self._expert[slot] = key[1]
 
     def left(self, slot: int) -> None:
-        layer = next(m for m, r in self._row.items() if r == self._rows[slot])
-        self._slot.pop((layer, int(self._expert[slot])), None)
         self._rows[slot] = -1
 
     def forecast(self, layer: int, experts: Iterable[int]) -> None:

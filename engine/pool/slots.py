@@ -35,29 +35,18 @@ Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from cachecd.store.policies import EvictionPolicy, make_policy
-from cachecd_engine.pool.cycle import LayerCycle
+from cachecd_engine.pool.cycle import LayerCycle, Ranker
 
 # Chosen by bench/pool_policy.py (decode traces with K3's statistics and the project's own):
 # above LRU, LFU and wlfu (with admission by use counts) at every pool size measured.
 DEFAULT_POLICY = "cycle"
 POOL_POLICIES = {"cycle": LayerCycle}  # policies of the pool's own, ranking slots
 
-
-class Ranker(Protocol):
-    """A policy that ranks the pool's slots itself and admits every miss (``LayerCycle``, or
-    a bench's Belady). Told every call's routing, the forecast, and every move."""
-
-    def visit(self, layer: int, experts: Iterable[int]) -> None: ...
-    def forecast(self, layer: int, experts: Iterable[int]) -> None: ...
-    def placed(self, slot: int, key: tuple[int, int]) -> None: ...
-    def left(self, slot: int) -> None: ...
-    def victims(self, n: int, held: set[int]) -> list[int]: ...
-    def resize(self, capacity: int, owners: Sequence[tuple[int, int] | None]) -> None: ...
 
 Key = tuple[int, int]  # (layer, expert)
 HALVE_EVERY = 16  # uses counted, times the slots, between halvings of every count
