@@ -17,6 +17,9 @@ greedy decode (a 4-token prompt that differs every round, so the routing does to
   pc-hostwrite: pc with misses written into slots from the host, as on unified memory (on
              CUDA the engine reads them into pinned memory and copies them to the GPU:
              ``cachecd_engine.pool.cuda_memory``; elsewhere pc-hostwrite is pc).
+With ``--throttle R`` every streamed case reads through one simulated disk of R GB/s
+(``Throttled``: each read, demand or read-ahead, holds the disk for its bytes / R, in arrival
+order; the page cache serves the bytes): a Mac's SSD beside this machine's compute.
 Every case must emit the resident model's tokens. Activations are ``--dtype`` (float32 by
 default: MLX's CPU quantized matmul is ~10x slower in bf16; experts stay mxfp4 either way).
 
@@ -37,13 +40,14 @@ buffers. The last line is ratio = (ram case the backend runs by default) / resid
 
     python bench/k3_decode.py [--experts 64] [--layers 6] [--top-k 16] [--tokens 8]
         [--rounds 3] [--small 1GiB] [--dtype float32|bfloat16] [--cases resident,ram,...]
-        [--dir /tmp]
+        [--throttle GB/s] [--dir /tmp]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -160,6 +164,37 @@ def raw_rate(served: Served, cache_dir: Path, readers: int) -> float:
     return sum(sizes) / median(times[1:])
 
 
+class Throttled:
+    """An expert source behind one disk of ``rate`` bytes/s: each read holds the disk for its
+    bytes / rate after the reads before it (demand and read-ahead alike), then returns."""
+
+    def __init__(self, source: Any, rate: float) -> None:
+        self.source, self.rate = source, rate
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.source, name)
+
+    def _hold(self, targets: Any) -> float:
+        n = sum(v.nbytes for t in targets for v in ([t] if isinstance(t, memoryview) else t))
+        with self._lock:
+            self._free_at = max(time.perf_counter(), self._free_at) + n / self.rate
+            return self._free_at
+
+    def read_into(self, layer: int, ids: list[int], targets: Any, done: Any = None) -> int:
+        until = self._hold(targets)
+        got = int(self.source.read_into(layer, ids, targets, done))
+        time.sleep(max(0.0, until - time.perf_counter()))
+        return got
+
+    def read_ahead_into(self, layer: int, ids: list[int], targets: Any) -> int:
+        until = self._hold(targets)
+        got = int(self.source.read_ahead_into(layer, ids, targets))
+        time.sleep(max(0.0, until - time.perf_counter()))
+        return got
+
+
 def fill_pool(model: Any, served: Served) -> None:
     """Every expert into the pool, a layer at a time."""
     m = served.manifest
@@ -168,7 +203,8 @@ def fill_pool(model: Any, served: Served) -> None:
     model.bank.settle()
 
 
-def load_case(name: str, served: Served, sock: Path, small: int, dtype: Any) -> Any:
+def load_case(name: str, served: Served, sock: Path, small: int, dtype: Any,
+              throttle: float = 0.0) -> Any:
     from cachecd_engine.pool import cuda_memory
     from cachecd_engine.run import load
 
@@ -185,6 +221,8 @@ def load_case(name: str, served: Served, sock: Path, small: int, dtype: Any) -> 
             cuda_memory.USE = True
         if pool == "all":
             fill_pool(model, served)
+        if throttle:
+            model.bank.source = Throttled(model.bank.source, throttle)
     model.set_dtype(dtype)
     return model
 
@@ -257,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--cases", default=",".join(CASES), help="which cases, comma-separated")
+    ap.add_argument("--throttle", type=float, default=0.0,
+                    help="GB/s: read every streamed case's experts through a disk this fast")
     ap.add_argument("--tiny-experts", action="store_true",
                     help="the tiny model's 6.5 KB experts (for the smoke test; says nothing of K3)")
     args = ap.parse_args(argv)
@@ -273,9 +313,11 @@ def main(argv: list[str] | None = None) -> None:
     with served_checkpoint(args.dir, REPO, **opts) as served:
         with installed(served) as (sock, cache_dir):
             warm_disk(sock, served)
-            rate = raw_rate(served, cache_dir, readers=4)
+            # The bar's raw read: the throttled disk's rate where there is one.
+            rate = args.throttle * 1e9 or raw_rate(served, cache_dir, readers=4)
             vocab = vocab_size(served.repo_dir)
-            cases = {n: Case(load_case(n, served, sock, small, dtype)) for n in names}
+            cases = {n: Case(load_case(n, served, sock, small, dtype, args.throttle * 1e9))
+                     for n in names}
             alternate({k: runner(c, args.tokens, vocab) for k, c in cases.items()}, args.rounds,
                       lambda k, v: f"{k}={v:.3f}tok/s")
             for c in cases.values():
@@ -290,7 +332,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"k3_decode: {args.layers - 1} MoE layers x {args.experts} experts of "
           f"{int(m.sizes[0])} B, top-{args.top_k}, {args.tokens} tokens a round, prompts that "
           f"differ by round, rounds={args.rounds}, activations {args.dtype}, pc pool "
-          f"{args.small}, backend {mx.default_device()}; the same tokens from every case")
+          f"{args.small}, backend {mx.default_device()}"
+          + (f", disk throttled to {args.throttle} GB/s" if args.throttle else "")
+          + "; the same tokens from every case")
     report(cases, rate, int(m.sizes[0]))
     head = "ram-spec" if speculate_by_default() else "ram"
     if head in cases:

@@ -64,6 +64,10 @@ class Client:
         self._control = ControlTransport(self.socket, timeout)
         self._data = DataTransport(data_socket_path(self.socket), timeout)
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="cachecd-read")
+        # Reads of guesses (``ahead``) have threads of their own: a demand read never waits
+        # in a queue behind them.
+        self._ahead_pool = ThreadPoolExecutor(max_workers=max(1, readers // 2),
+                                              thread_name_prefix="cachecd-read-ahead")
         #: experts that the daemon had to fetch upstream for this client's requests, so far
         self.upstream_fetches = 0
         #: reads are warming (``cachecd warm --prompts``): the daemon counts them as warm
@@ -197,14 +201,16 @@ class Client:
 
     def experts_into(self, model: str, layer: int, ids: Sequence[int],
                      targets: Sequence[Target],
-                     done: Callable[[int], None] | None = None) -> list[int]:
+                     done: Callable[[int], None] | None = None, *,
+                     ahead: bool = False) -> list[int]:
         """Read several experts of one layer straight into the caller's memory; their sizes.
 
         ``targets[i]`` is a writable buffer of at least the expert's size, or a list of buffers
         that the expert's bytes fill one after another (each tensor into its own array, with no
         copy in between). Misses are fetched, verified and cached by the daemon first.
         ``done(i)``, if given, is called (on this thread, in order) as soon as expert
-        ``ids[i]`` is in its target, while the rest are still being read.
+        ``ids[i]`` is in its target, while the rest are still being read. ``ahead``: a read of
+        guessed experts (read-ahead), on threads demand reads never share.
         """
         ids = [int(i) for i in ids]
         if len(targets) != len(ids):
@@ -223,12 +229,13 @@ class Client:
             sizes.extend(got)
             return chunk
 
-        self._read_experts(model, layer, ids, given, done)
+        self._read_experts(model, layer, ids, given, done, self._ahead_pool if ahead else self._pool)
         return sizes
 
     def _read_experts(self, model: str, layer: int, ids: list[int],
                       targets: Callable[[list[int], int], list[Target]],
-                      done: Callable[[int], None] | None = None) -> None:
+                      done: Callable[[int], None] | None = None,
+                      pool: ThreadPoolExecutor | None = None) -> None:
         for start in range(0, len(ids), MAX_FDS_PER_FRAME):
             chunk = ids[start:start + MAX_FDS_PER_FRAME]
             frame = {"op": "experts", "model": model, "layer": int(layer), "ids": chunk}
@@ -243,7 +250,7 @@ class Client:
                     raise InvalidRequest(
                         f"daemon sent {len(fds)} descriptors and {len(sizes)} sizes for "
                         f"{len(chunk)} experts")
-                parallel_preadv(self._pool, fds, sizes, targets(sizes, start),
+                parallel_preadv(pool or self._pool, fds, sizes, targets(sizes, start),
                                 None if done is None else lambda i, s=start: done(s + i))
             finally:
                 for fd in fds:
@@ -260,6 +267,7 @@ class Client:
         self._control.close()
         self._data.close()
         self._pool.shutdown(wait=False)
+        self._ahead_pool.shutdown(wait=False)
 
     def __enter__(self) -> Client:
         return self

@@ -64,6 +64,19 @@ class DaemonSource:
                 )
         return sum(sizes)
 
+    def read_ahead_into(self, layer: int, ids: list[int],
+                        targets: Sequence[Sequence[memoryview]]) -> int:
+        """``read_into`` for read-ahead: on the client's read-ahead threads, so no demand read
+        waits behind it."""
+        sizes = self.client.experts_into(self.repo, layer, ids, targets, ahead=True)
+        for e, size in zip(ids, sizes, strict=True):
+            if size != self.manifest.expert(layer, e).nbytes:
+                raise ExpertSizeMismatch(
+                    f"daemon served {size} bytes for layer {layer} expert {e}; the manifest "
+                    f"says {self.manifest.expert(layer, e).nbytes}"
+                )
+        return sum(sizes)
+
     def prefetch(self, layer: int, ids: list[int]) -> None:
         self._hints.submit(self._hint, layer, list(ids))
 

@@ -92,11 +92,14 @@ class StreamedSwitchGLU(nn.Module):
         bank.stats.readback_s += time.perf_counter() - t0
         if bank.trace is not None:
             bank.trace(self.layer, routed)
+        guessed = np.array(guess) if guess is not None else None
         if self.prefetcher is not None:
             self.prefetcher.score(self.layer, set(routed.ravel().tolist()))
+            if guessed is not None:  # before this call claims slots: kept for the next layer
+                self.prefetcher.forecast(self.layer, guessed, rows=routed.size)
         y = bank.run(self.layer, self._glu, x, routed)
-        if guess is not None:  # after this call has its buffer: the read-ahead takes the other
-            self.prefetcher.send(self.layer, np.array(guess), rows=routed.size)
+        if guessed is not None:  # after this call has its buffer: the read-ahead takes the other
+            self.prefetcher.send(self.layer, guessed, rows=routed.size)
         return y
 
     def _extra_repr(self) -> str:

@@ -188,7 +188,7 @@ class ExpertBank:
             assert self.layout is not None
             slots = self._slots_for(self.pool_bytes)
             self.memory = PoolMemory(self.spec, self.layout, slots, self.backend)
-            self.table = SlotTable(slots, self.policy)
+            self.table = SlotTable(slots, self.policy, self.experts_per_layer)
             for glu in self._templates:
                 self._hold(glu)
         return self.memory, self.table

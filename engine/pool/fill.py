@@ -174,13 +174,14 @@ class Filler:
 
     def stage(self, layer: int, guess: list[int]) -> None:
         """Start reading the guessed experts of ``layer`` that no slot holds into free slots,
-        in the background. Never takes a slot that queued work reads."""
+        in the background. Never takes a slot that queued work reads, nor a kept expert's:
+        only slots the policy ranks below the guess (``SlotTable.claim(ahead=True)``)."""
         if not guess:
             return
         _, table = self.bank.pool(layer, guess[0])
         self.sweep()
         try:
-            claim = table.claim(layer, guess, take_fenced=False)
+            claim = table.claim(layer, guess, take_fenced=False, ahead=True)
             assert not claim.fences
             for e, slot in claim.slots.items():
                 key = (layer, e)
@@ -193,11 +194,13 @@ class Filler:
         self.bank.stats.staged += len(claim.slots)
 
     def _read_ahead(self, layer: int, expert: int, slot: int) -> int:
-        """On a reader thread: the expert's bytes into its slot."""
+        """On a reader thread: the expert's bytes into its slot (on the source's read-ahead
+        threads where it has them: ``read_ahead_into``, never queued before a demand read)."""
         memory = self.bank.memory
         assert memory is not None
-        return self.bank.source.read_into(layer, [expert],
-                                          [memory.targets(slot, self.bank.pieces(layer, expert))])
+        source = self.bank.source
+        read = getattr(source, "read_ahead_into", None) or source.read_into
+        return int(read(layer, [expert], [memory.targets(slot, self.bank.pieces(layer, expert))]))
 
     def sweep(self) -> None:
         """Take in read-ahead that has finished (failed ones free their slot)."""

@@ -36,7 +36,12 @@ def read_ahead_by_default() -> bool:
     """Off everywhere it was measured side by side (bench/k3_decode.py, pc vs pc-ahead): on the
     CPU the read-ahead's copies take the cores the compute needs (0.73-0.78x of the resident
     model's tokens/s with it, 0.73-0.98x without); on the H200 (CUDA) a pool smaller than the
-    working set ran 0.39 decode steps a second with it and 0.47 without. Metal is not measured."""
+    working set ran 0.39 decode steps a second with it and 0.47 without. With the disk throttled
+    (``--throttle``, issue 37) it paid only where a token's reads took about its compute (1.5
+    GB/s here: 0.780 against 0.611 tok/s); with the disk far slower than compute, as a Mac's
+    SSD is beside K3's compute (0.2 GB/s here: 0.114 against 0.126), or far faster (13.6 GB/s:
+    0.975 against 1.020), the guesses it reads that are not routed (29% more bytes) cost more
+    than the overlap gives. Metal is not measured."""
     return False
 
 
@@ -89,6 +94,13 @@ class Prefetcher:
     @property
     def recall(self) -> float:
         return self.guessed / self.routed if self.routed else 0.0
+
+    def forecast(self, layer: int, guess: np.ndarray, rows: int) -> None:
+        """Tell the pool's policy the next layer's guess before this layer's call claims slots
+        (``LayerCycle``: an expert guessed for the coming layer is kept); decode only."""
+        table = self.bank.table
+        if table is not None and layer in self.next_gates and rows < SORT_ROWS:
+            table.forecast(self.next_gates[layer][0], np.unique(guess).tolist())
 
     def send(self, layer: int, guess: np.ndarray, rows: int) -> None:
         next_layer, _ = self.next_gates[layer]

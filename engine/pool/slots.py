@@ -14,8 +14,12 @@ Invariants:
   and a ``forget`` (a free slot may still be read by queued work: a claim undone before its
   readers were evaluated) and is cleared only by ``clear_fences`` with the outputs an
   evaluation that has returned included (a routing read-back, a claim's wait, ``settle``).
-- Every miss needs a slot (the kernel reads only the pool), so the table admits by frequency,
-  as TinyLFU does: an expert that takes a slot of a full pool joins the policy's part (the
+- Every miss needs a slot (the kernel reads only the pool). The default policy, ``cycle``
+  (``cachecd_engine.pool.cycle.LayerCycle``), admits every miss and ranks the slots for decode's
+  layer cycle, with the router's forecast of the next layer (``forecast``); chosen by
+  bench/pool_policy.py, where the store's policies below kept the wrong experts.
+- With a store policy (``cachecd.store.policies``: lru, lfuda, wlfu) the table admits by
+  frequency, as TinyLFU does: an expert that takes a slot of a full pool joins the policy's part (the
   kept experts, ranked by ``cachecd.store.policies`` as the daemon's store drives it) only if it
   has been used more often than the kept expert the policy would give up first, which then
   moves to the scratch part; otherwise the expert itself is scratch. Scratch slots are taken
@@ -36,10 +40,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachecd.store.policies import EvictionPolicy, make_policy
+from cachecd_engine.pool.cycle import LayerCycle, Ranker
 
-# Chosen by bench/ram_tier.py: with fewer slots than one token's experts, lru and lfuda keep
-# nothing the next token needs (0 hits on every trace), wlfu keeps 0.40-0.80 of Belady.
-DEFAULT_POLICY = "wlfu"
+# Chosen by bench/pool_policy.py (decode traces with K3's statistics and the project's own):
+# above LRU, LFU and wlfu (with admission by use counts) at every pool size measured.
+DEFAULT_POLICY = "cycle"
+POOL_POLICIES = {"cycle": LayerCycle}  # policies of the pool's own, ranking slots
+
 
 Key = tuple[int, int]  # (layer, expert)
 HALVE_EVERY = 16  # uses counted, times the slots, between halvings of every count
@@ -61,12 +68,21 @@ class TableCounters:
 
 
 class SlotTable:
-    def __init__(self, capacity: int, policy: str = DEFAULT_POLICY) -> None:
+    def __init__(self, capacity: int, policy: str | Ranker = DEFAULT_POLICY,
+                 experts_per_layer: int = 0) -> None:
         if capacity < 1:
             raise ValueError(f"a slot pool needs at least one slot, got {capacity}")
         self.capacity = capacity
-        self.policy_name = policy
-        self.policy: EvictionPolicy = make_policy(policy)
+        self.policy_name = policy if isinstance(policy, str) else type(policy).__name__
+        # Either a ranker of the pool's own (every miss admitted) or a store policy (admission).
+        self.ranker: Ranker | None = None
+        self.policy: EvictionPolicy | None = None
+        if not isinstance(policy, str):
+            self.ranker = policy
+        elif policy in POOL_POLICIES:
+            self.ranker = POOL_POLICIES[policy](capacity, experts_per_layer)
+        else:
+            self.policy = make_policy(policy)
         self.counters = TableCounters()
         self._slot: dict[Key, int] = {}
         self._owner: list[Key | None] = [None] * capacity
@@ -98,9 +114,26 @@ class SlotTable:
     def items(self) -> Iterable[tuple[Key, int]]:
         return self._slot.items()
 
+    @property
+    def _kept(self) -> EvictionPolicy:
+        assert self.policy is not None
+        return self.policy
+
+    def forecast(self, layer: int, experts: Iterable[int]) -> None:
+        """The router's guess of ``layer``'s experts for its coming call (``Prefetcher``)."""
+        if self.ranker is not None:
+            self.ranker.forecast(layer, experts)
+
     def use(self, layer: int, experts: Iterable[int]) -> dict[int, int]:
         """The slots of the experts held (ready or filling), counting one use of each asked."""
-        found: dict[int, int] = {}
+        if self.ranker is not None:
+            experts = list(experts)
+            self.ranker.visit(layer, experts)
+            found = {e: s for e in experts if (s := self._slot.get((layer, e))) is not None}
+            self.counters.hits += len(found)
+            self.counters.misses += len(experts) - len(found)
+            return found
+        found = {}
         asked = 0
         for e in experts:
             asked += 1
@@ -112,7 +145,7 @@ class SlotTable:
             if slot in self._scratch:
                 self._promote(slot, set(found.values()))
             else:
-                self.policy.on_access(_name(layer, e))
+                self._kept.on_access(_name(layer, e))
         self.counters.hits += len(found)
         self.counters.misses += asked - len(found)
         return found
@@ -127,7 +160,7 @@ class SlotTable:
     def _weakest(self, keep: set[int]) -> int | None:
         """The slot of the kept expert the policy would give up first (not one of ``keep``)."""
         excluded = {_name(*key) for s in keep | self._filling if (key := self._owner[s])}
-        names = self.policy.victims(1, excluded)
+        names = self._kept.victims(1, excluded)
         return self._slot[_key(names[0])] if names else None
 
     def _promote(self, slot: int, keep: set[int]) -> None:
@@ -140,18 +173,21 @@ class SlotTable:
         if weak_key is not None and self._uses.get(key, 0) <= self._uses.get(weak_key, 0):
             return
         del self._scratch[slot]
-        self.policy.on_insert(_name(*key), 1)
-        self.policy.on_access(_name(*key))
+        self._kept.on_insert(_name(*key), 1)
+        self._kept.on_access(_name(*key))
         if weak is not None and weak_key is not None:
-            self.policy.on_remove(_name(*weak_key))
+            self._kept.on_remove(_name(*weak_key))
             self._scratch[weak] = None
 
     def claim(self, layer: int, experts: list[int], keep: Iterable[int] = (),
-              take_fenced: bool = True, use: bool = False) -> Claim:
+              take_fenced: bool = True, use: bool = False, ahead: bool = False) -> Claim:
         """Slots for experts not held: free ones first, then the policy's victims. Slots in
         ``keep`` and filling slots are not taken, nor fenced ones unless ``take_fenced``;
         fewer slots than asked may come back. ``use``: the claim is for a use (a demand read,
-        counted as the store counts the use that caused a fetch), not a guess."""
+        counted as the store counts the use that caused a fetch), not a guess. ``ahead``: a
+        read-ahead of guessed experts, which takes free slots and only the slots the policy
+        ranks below the guessed experts themselves (never a kept one: ``LayerCycle.below``;
+        a store policy's table gives it free slots only)."""
         claim = Claim({})
         keep = set(keep)
         todo = [e for e in experts if (layer, e) not in self._slot]
@@ -159,7 +195,9 @@ class SlotTable:
         while todo and (slot := self._take_free(take_fenced, claim.fences)) is not None:
             placed.append((todo.pop(0), slot, True))
         if todo:
-            for slot in self._victims(len(todo), keep, take_fenced):
+            victims = self._below(layer, todo, keep, take_fenced) if ahead else \
+                self._victims(len(todo), keep, take_fenced)
+            for slot in victims:
                 fence = self._evict(slot)
                 if fence is not None:
                     claim.fences.append(fence)
@@ -167,9 +205,12 @@ class SlotTable:
         taken = keep | {slot for _, slot, _ in placed}
         for e, slot, free in placed:
             claim.slots[e] = slot
+            if self.ranker is not None:
+                self._insert(layer, e, slot)
+                continue
             self._insert(layer, e, slot, admit=free or self._admits((layer, e), taken))
             if use and slot not in self._scratch:
-                self.policy.on_access(_name(layer, e))
+                self._kept.on_access(_name(layer, e))
         return claim
 
     def _admits(self, key: Key, keep: set[int]) -> bool:
@@ -181,7 +222,7 @@ class SlotTable:
             return True  # no kept expert may give way: the kept part grows
         if self._uses.get(key, 0) <= self._uses.get(weak_key, 0):
             return False
-        self.policy.on_remove(_name(*weak_key))
+        self._kept.on_remove(_name(*weak_key))
         self._scratch[weak] = None
         return True
 
@@ -211,6 +252,17 @@ class SlotTable:
             return self._prefill_victims(n, held, self.prefill_layer)
         return self._ranked(n, held)
 
+    def _below(self, layer: int, experts: list[int], keep: set[int],
+               take_fenced: bool) -> list[int]:
+        """Victims for a read-ahead: only slots the ranker scores below the guessed experts."""
+        below = getattr(self.ranker, "below", None)
+        if below is None or self.prefill_layer is not None:
+            return []
+        held = keep | self._filling
+        if not take_fenced:
+            held |= self._fence.keys()
+        return list(below(len(experts), held, layer, experts))
+
     def _prefill_victims(self, n: int, held: set[int], at: int) -> list[int]:
         """During a layer-major prefill at layer ``at``: the slots of the layers before it
         (not needed again until decode), then the ranked order without layer ``at``'s, then
@@ -231,10 +283,12 @@ class SlotTable:
 
     def _ranked(self, n: int, held: set[int]) -> list[int]:
         """Scratch slots first, oldest first, then the policy's victims, none of ``held``."""
+        if self.ranker is not None:
+            return self.ranker.victims(n, held)
         out = [s for s in self._scratch if s not in held][:n]
         if len(out) < n:
             excluded = {_name(*key) for s in held if (key := self._owner[s]) is not None}
-            names = self.policy.victims(n - len(out), excluded)  # one "byte" an expert
+            names = self._kept.victims(n - len(out), excluded)  # one "byte" an expert
             out += [self._slot[_key(name)] for name in names[: n - len(out)]]
         return out
 
@@ -244,10 +298,12 @@ class SlotTable:
         assert key is not None
         del self._slot[key]
         self._owner[slot] = None
-        if slot in self._scratch:
+        if self.ranker is not None:
+            self.ranker.left(slot)
+        elif slot in self._scratch:
             del self._scratch[slot]
         else:
-            self.policy.on_remove(_name(*key))
+            self._kept.on_remove(_name(*key))
         self.counters.evicted += 1
         return self._fence.get(slot)  # kept until the evaluation that includes it clears it
 
@@ -256,8 +312,10 @@ class SlotTable:
         self._slot[(layer, expert)] = slot
         self._owner[slot] = (layer, expert)
         self._filling.add(slot)
-        if admit:
-            self.policy.on_insert(_name(layer, expert), 1)
+        if self.ranker is not None:
+            self.ranker.placed(slot, (layer, expert))
+        elif admit:
+            self._kept.on_insert(_name(layer, expert), 1)
         else:
             self._scratch[slot] = None
         self.counters.inserted += 1
@@ -299,12 +357,15 @@ class SlotTable:
             self._owner[slot] = key
         self._free = [s for s in range(capacity - 1, -1, -1) if self._owner[s] is None]
         self.capacity = capacity
+        if self.ranker is not None:
+            self.ranker.resize(capacity, self._owner)
         return moves
 
     def swap(self, pairs: list[tuple[int, int]]) -> None:
         """Exchange what each pair of slots holds (an expert, or nothing): the bank moves the
         bytes the same way (``PoolMemory.swap``). Neither slot may be filling or fenced (the
-        caller evaluates their readers first); the policy sees no change (same experts)."""
+        caller evaluates their readers first); a store policy sees no change (same experts), a
+        ranker is told which expert each slot holds now."""
         for a, b in pairs:
             assert a not in self._filling and b not in self._filling, "swap of a filling slot"
             assert a not in self._fence and b not in self._fence, "swap of a fenced slot"
@@ -313,6 +374,12 @@ class SlotTable:
             for key, slot in ((ka, b), (kb, a)):
                 if key is not None:
                     self._slot[key] = slot
+            if self.ranker is not None:  # it ranks slots: tell it which expert each holds now
+                for slot, key in ((a, kb), (b, ka)):
+                    if key is None:
+                        self.ranker.left(slot)
+                    else:
+                        self.ranker.placed(slot, key)
             sa, sb = a in self._scratch, b in self._scratch
             if sa != sb:
                 del self._scratch[a if sa else b]

@@ -146,6 +146,14 @@ def test_ram_tier_script_ends_with_ratio(capsys: pytest.CaptureFixture[str]) -> 
     assert RATIO_LINE.match(lines[-1])
 
 
+def test_pool_policy_script_ends_with_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    _load("pool_policy").main(["--families", "k3-scaled,synth", "--seeds", "1",
+                               "--scaled-tokens", "40", "--synth-tokens", "400"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = [line for line in lines if line.startswith("| k3-scaled") or line.startswith("| synth")]
+    assert len(rows) == 10 and RATIO_LINE.match(lines[-1])
+
+
 def test_k3_delivery_core(served) -> None:  # type: ignore[no-untyped-def]
     res = _load("k3_delivery").measure(served, n_ids=4, reps=1, readers=2, rounds=1)
     _finite_positive(res.ours_gibs, res.raw_gibs, res.ratio, res.paired)
@@ -155,7 +163,8 @@ def test_k3_delivery_core(served) -> None:  # type: ignore[no-untyped-def]
 
 def test_k3_decode_script_ends_with_ratio(capsys: pytest.CaptureFixture[str]) -> None:
     _load("k3_decode").main(["--tiny-experts", "--experts", "8", "--layers", "3", "--top-k", "4",
-                             "--tokens", "2", "--rounds", "1", "--small", "40KB"])
+                             "--tokens", "2", "--rounds", "1", "--small", "40KB",
+                             "--throttle", "100"])
     out = capsys.readouterr().out
     assert "the same tokens from every case" in out and "host overhead" in out
     assert "token / (raw read + resident token)" in out

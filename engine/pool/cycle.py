@@ -1,0 +1,197 @@
+"""The pool's policy for decode's layer cycle ("cycle", the default): give up the expert with the
+fewest expected hits per slot-step until its layer comes round again.
+
+Decode visits the MoE layers in a cycle, one call each per token. An expert of layer L is asked
+for again only when L comes round: right after L's call that is a whole token away, while an
+expert of the next layer, used a token ago, may be needed now. Recency (LRU) and use counts
+(LFU) ignore that distance, so they keep the experts just used and give up the ones needed
+next (the Least-Stale argument). Here each expert held is scored
+
+    p(its class) / d
+
+where ``d`` is the number of layer calls until its layer's next call (1 for the layer that
+comes next, the whole cycle for the layer just called) and ``p`` the chance it is routed at
+that call: hits per slot per layer call, as LHD ranks a cache by hit density. The lowest score
+is given up first.
+
+Invariants:
+- ``p`` is learned online from the routing itself, per class: whether the expert is in the
+  router's forecast for the next layer (``forecast``: the next layer's router applied to this
+  layer's input, ``Prefetcher``), and how many of its layer's calls ago it was last routed to
+  (bucketed). At each call every expert of the layer is counted, held or not, so the classes
+  measure the workload's reuse, hot experts and the forecast's precision, not the pool's luck.
+- An expert forecast for the coming layer scores as an expert needed in one call: it is given
+  up only for another expert as likely to be needed as soon, never for one of the layer just
+  called (needed a token later at the earliest).
+- Pure bookkeeping over slot numbers (no MLX): the table (``slots.SlotTable``) says which slots
+  are held; this policy only ranks the others. Every miss is admitted (the kernel reads only
+  the pool); the ranking decides what leaves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+Key = tuple[int, int]  # (layer, expert)
+# Calls since an expert of the layer was last routed to, bucketed: 1, 2, 3, 4, 5-8, 9-16,
+# 17-32, 33+ (never routed counts as 33+).
+_AGES = np.array([1, 2, 3, 4, 5, 9, 17, 33])
+# Its uses, each weighing DECAY^(calls of its layer since): hot experts stand out at any age.
+_USES = np.array([0.0, 0.5, 1.5, 3.0, 6.0, 12.0, 24.0])
+DECAY = 1.0 - 1.0 / 128
+CLASSES = 2 * len(_AGES) * len(_USES)  # x (forecast for the next call or not)
+_NEVER = 1 << 30
+PRIOR_WEIGHT = 4.0  # pseudo-counts: a class seen a few times is scored near the prior
+HALVE_AT = 1 << 22  # counted experts between halvings of every count (the classes keep adapting)
+
+
+class Ranker(Protocol):
+    """What ``slots.SlotTable`` asks of a policy that ranks its slots itself and admits every
+    miss (``LayerCycle``, or a bench's Belady): told every call's routing, the forecast, and
+    every move of an expert; asked for victims among the slots not held."""
+
+    def visit(self, layer: int, experts: Iterable[int]) -> None: ...
+    def forecast(self, layer: int, experts: Iterable[int]) -> None: ...
+    def placed(self, slot: int, key: Key) -> None: ...
+    def left(self, slot: int) -> None: ...
+    def victims(self, n: int, held: set[int]) -> list[int]: ...
+    def resize(self, capacity: int, owners: Sequence[Key | None]) -> None: ...
+
+
+class LayerCycle:
+    """Ranks the slots of a pool for decode's layer cycle; see the module docstring."""
+
+    def __init__(self, capacity: int, experts_per_layer: int = 0) -> None:
+        self._pos: dict[int, int] = {}  # layer -> its place in the cycle (ascending layers)
+        self._row: dict[int, int] = {}  # layer -> its row in the arrays below
+        self._last = np.full((0, experts_per_layer), -_NEVER, dtype=np.int64)  # routed at call
+        self._uses = np.zeros((0, experts_per_layer))  # decayed uses
+        self._visits = np.zeros(0, dtype=np.int64)  # per row, the layer's calls so far
+        self._at: int | None = None  # the layer called last
+        self._forecast: tuple[int, set[int]] | None = None  # (layer, experts) guessed for it
+        self._seen = np.zeros(CLASSES)
+        self._routed = np.zeros(CLASSES)
+        self._counted = 0
+        self.resize(capacity, [None] * capacity)
+
+    # what the table tells it ------------------------------------------------------------------
+    def resize(self, capacity: int, owners: Sequence[Key | None]) -> None:
+        """The slots are renumbered (``SlotTable.resize``): ``owners[slot]`` holds now."""
+        self._rows = np.full(capacity, -1, dtype=np.int64)  # per slot, its layer's row
+        self._expert = np.zeros(capacity, dtype=np.int64)
+        for slot, key in enumerate(owners):
+            if key is not None:
+                self.placed(slot, key)
+
+    def placed(self, slot: int, key: Key) -> None:
+        self._rows[slot] = self._grow(*key)
+        self._expert[slot] = key[1]
+
+    def left(self, slot: int) -> None:
+        self._rows[slot] = -1
+
+    def forecast(self, layer: int, experts: Iterable[int]) -> None:
+        """The router's guess of ``layer``'s experts for its coming call."""
+        self._forecast = (layer, set(experts))
+
+    def visit(self, layer: int, experts: Iterable[int]) -> None:
+        """``layer`` is called with these experts routed: count every expert of the layer in
+        its class (routed or not), then remember these as routed now."""
+        ids = np.unique(np.fromiter(experts, dtype=np.int64))
+        if ids.size == 0:
+            return
+        row = self._grow(layer, int(ids.max()))
+        if layer != self._at:  # a call in groups visits once
+            self._visits[row] += 1
+            self._uses[row] *= DECAY
+        self._at = layer
+        guess = self._forecast
+        if guess is not None and guess[0] == layer:
+            self._forecast = None
+        cls = self._classes(np.full(self._last.shape[1], row), np.arange(self._last.shape[1]),
+                            0, guess)
+        self._seen += np.bincount(cls, minlength=CLASSES)
+        self._routed += np.bincount(cls[ids], minlength=CLASSES)
+        self._counted += cls.size
+        if self._counted >= HALVE_AT:
+            self._counted, self._seen, self._routed = 0, self._seen / 2, self._routed / 2
+        self._last[row, ids] = self._visits[row]
+        self._uses[row, ids] += 1.0
+
+    def _grow(self, layer: int, expert: int) -> int:
+        """The layer's row, the arrays grown to hold it and ``expert``."""
+        row = self._row.get(layer)
+        if row is None:
+            row = self._row[layer] = len(self._row)
+            self._pos = {m: i for i, m in enumerate(sorted(self._row))}
+        rows, cols = max(row + 1, self._last.shape[0]), max(expert + 1, self._last.shape[1])
+        if (rows, cols) != self._last.shape:
+            last = np.full((rows, cols), -_NEVER, dtype=np.int64)
+            uses = np.zeros((rows, cols))
+            visits = np.zeros(rows, dtype=np.int64)
+            r, c = self._last.shape
+            last[:r, :c], uses[:r, :c], visits[:r] = self._last, self._uses, self._visits
+            self._last, self._uses, self._visits = last, uses, visits
+        return row
+
+    def _classes(self, rows: np.ndarray, experts: np.ndarray, ahead: int,
+                 guess: tuple[int, set[int]] | None) -> np.ndarray:
+        """The class of each (row, expert) as it is (``ahead`` 0) or will be at its layer's
+        next call (``ahead`` 1): age, decayed uses, and whether ``guess`` names it."""
+        age = self._visits[rows] + ahead - self._last[rows, experts]
+        uses = self._uses[rows, experts] * (DECAY if ahead else 1.0)
+        cls = (np.searchsorted(_AGES, np.maximum(age, 1), side="right") - 1) * len(_USES) \
+            + np.searchsorted(_USES, uses, side="right") - 1
+        if guess is not None and guess[0] in self._row:
+            named = (rows == self._row[guess[0]]) & np.isin(experts, list(guess[1]))
+            cls[named] += CLASSES // 2
+        return cls.astype(np.int64)
+
+    # what it tells the table ------------------------------------------------------------------
+    def chances(self) -> np.ndarray:
+        """Per class, the chance an expert of it is routed at its layer's next call."""
+        prior = self._routed.sum() / max(self._seen.sum(), 1.0)
+        return (self._routed + PRIOR_WEIGHT * prior) / (self._seen + PRIOR_WEIGHT)
+
+    def scores(self) -> np.ndarray:
+        """Per slot, expected hits per layer call until its layer's next call (inf: empty)."""
+        used = self._rows >= 0
+        out = np.full(self._rows.size, np.inf)
+        if not used.any() or self._at is None:
+            return out
+        cycle, at = len(self._pos), self._pos[self._at]
+        pos_of = np.zeros(len(self._row), dtype=np.int64)
+        pos_of[list(self._row.values())] = [self._pos[m] for m in self._row]
+        rows = self._rows[used]
+        dist = (pos_of[rows] - at) % cycle
+        dist[dist == 0] = cycle
+        cls = self._classes(rows, self._expert[used], 1, self._forecast)
+        out[used] = self.chances()[cls] / dist
+        return out
+
+    def below(self, n: int, held: set[int], layer: int, experts: list[int]) -> list[int]:
+        """Up to ``n`` slots outside ``held`` scored below every one of ``layer``'s guessed
+        ``experts`` would be (a read-ahead gives up no expert worth more than what it reads)."""
+        if self._at is None or layer not in self._pos:
+            return []
+        row = self._grow(layer, max(experts))
+        cls = self._classes(np.full(len(experts), row), np.array(experts), 1, self._forecast)
+        dist = (self._pos[layer] - self._pos[self._at]) % len(self._pos) or len(self._pos)
+        return _lowest(self.scores(), n, held, float(self.chances()[cls].min()) / dist)
+
+    def victims(self, n: int, held: set[int]) -> list[int]:
+        """Up to ``n`` occupied slots outside ``held``, the lowest scores first."""
+        return _lowest(self.scores(), n, held, np.inf)
+
+
+def _lowest(score: np.ndarray, n: int, held: set[int], bar: float) -> list[int]:
+    """Up to ``n`` slots outside ``held`` scored below ``bar``, the lowest first."""
+    if held:
+        score[list(held)] = np.inf
+    cand = np.flatnonzero(score < bar)
+    if cand.size > n:
+        cand = cand[np.argpartition(score[cand], n - 1)[:n]]
+    return cand[np.argsort(score[cand], kind="stable")].tolist()
