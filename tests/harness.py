@@ -14,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -328,3 +330,44 @@ class OpenAIServer:
             self.proc.stdout.close()
         shutil.rmtree(self.log_path.parent, ignore_errors=True)
         return self.proc.returncode
+
+
+class ResidentServer:
+    """mlx_lm.server itself over a resident checkpoint (the reference for `cachecd openai`), on
+    a free port of 127.0.0.1; it listens before the constructor returns, or the test fails with
+    its log."""
+
+    def __init__(self, model_dir: Path, *args: str) -> None:
+        port = free_port()
+        self.log_path = short_tmp("mls") / "server.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir),
+                 "--port", str(port), *args], stdout=log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{port}/v1"
+        while self.proc.poll() is None:  # until it listens (or dies: the assert says why)
+            try:
+                urllib.request.urlopen(f"{self.url}/models", timeout=5).close()
+                return
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.2)
+        raise AssertionError(self.log_path.read_text(errors="replace"))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def pool_bytes(model_dir: Path, repo: str, fraction: int = 1) -> int:
+    """``--ram`` for a pool of ``1/fraction`` of one MoE layer's experts of the checkpoint in
+    ``model_dir`` (at least two)."""
+    from cachecd_engine.loader import load
+    from cachecd_engine.local_source import LocalSource, manifest_from_dir
+
+    manifest = manifest_from_dir(model_dir, repo=repo)
+    with LocalSource(manifest, model_dir, verify=False) as source:
+        model, _ = load(model_dir, source, ram_bytes=1, prefetch=False, speculate=False)
+        bank = model.bank
+        size = int(max(2, bank.experts_per_layer // fraction) * bank.slot_nbytes)
+        bank.close()
+    return size
