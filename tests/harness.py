@@ -14,8 +14,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -332,30 +330,54 @@ class OpenAIServer:
         return self.proc.returncode
 
 
+# mlx_lm.server's own main(), on port 0, saying which port it bound (its log says "port 0"): a
+# port chosen beforehand could be taken by another process before the server binds it (other
+# suites run on the machine), or shared with one (SO_REUSEPORT), and its requests answered there.
+_RESIDENT_MAIN = """
+import socketserver, sys
+from mlx_lm import server
+activate = socketserver.TCPServer.server_activate
+def report(self):
+    activate(self)
+    print(f"resident server listening on port {self.server_address[1]}", file=sys.stderr,
+          flush=True)
+socketserver.TCPServer.server_activate = report
+sys.argv[0] = "mlx_lm.server"
+server.main()
+"""
+_LISTENING = re.compile(r"resident server listening on port (\d+)")
+
+
 class ResidentServer:
     """mlx_lm.server itself over a resident checkpoint (the reference for `cachecd openai`), on
-    a free port of 127.0.0.1; it listens before the constructor returns, or the test fails with
-    its log."""
+    a port of 127.0.0.1 the OS chose; it listens before the constructor returns, or the test
+    fails with its log."""
 
-    def __init__(self, model_dir: Path, *args: str) -> None:
-        port = free_port()
+    def __init__(self, model_dir: Path, *args: str, timeout: float = 120) -> None:
         self.log_path = short_tmp("mls") / "server.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir),
-                 "--port", str(port), *args], stdout=log, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{port}/v1"
-        while self.proc.poll() is None:  # until it listens (or dies: the assert says why)
-            try:
-                urllib.request.urlopen(f"{self.url}/models", timeout=5).close()
-                return
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.2)
-        raise AssertionError(self.log_path.read_text(errors="replace"))
+                [sys.executable, "-c", _RESIDENT_MAIN, "--model", str(model_dir),
+                 "--port", "0", *args], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not (port := _LISTENING.search(self.log())):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"mlx_lm.server did not listen:\n{self.log()}")
+            time.sleep(0.1)
+        self.url = f"http://127.0.0.1:{port.group(1)}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def pool_bytes(model_dir: Path, repo: str, fraction: int = 1) -> int:

@@ -11,17 +11,18 @@ logprobs, for completions of prompts of 1, 2 and 5 prefill steps (``steps * S + 
 the steps, then the last token's), on both of mlx-lm's paths in the server: batched
 (``BatchGenerator``, a request without a seed) and alone (``stream_generate``, with a seed).
 
-Every returned token and logprob must be equal. Both servers compute the logprobs from the
-logits with the same mlx ops and print them as JSON floats, which a Python float (the widened
-float32 value) round-trips exactly: bitwise-equal logits give equal answers, and a logit off
-by one bit shows in the logprobs read back (float equality here, no tolerance).
+Every returned token and logprob must be equal (float equality, no tolerance). Both servers
+compute the logprobs from the logits with the same mlx ops and print them as JSON floats, which
+round-trip a Python float (the widened float32 value) exactly: bitwise-equal logits print the
+same answers, and logits that differ move the log-sum-exp every logprob is taken from, so they
+show in the prompt's last position and every decoded one (save for a rounding coincidence).
 
-The step sizes: 16 for mxfp4 and int4, 7 for fp32 and fp8 (one pair of servers a format keeps
-the module fast; the drop-in path's test runs every format at both sizes,
-tests/functional/test_prefill_layer_major.py). The prompts start with different bytes (the
-tiny tokenizer's tokens), so mlx-lm's prompt cache holds no prefix of any of them and each is
-prefilled whole (``usage.cachecd`` says so). That the streamed server ran the prefill layer by
-layer is read from its log: one line for the end of each pass (``prefill layer N/N``).
+Both step sizes of the drop-in path's test (tests/functional/test_prefill_layer_major.py), 16
+and 7, for every format: one daemon a format, one pair of servers a step size. The prompts start
+with different bytes (the tiny tokenizer's tokens), so mlx-lm's prompt cache holds no prefix of
+any of them and each is prefilled whole (both servers' usage says so). That the streamed server
+ran the prefill layer by layer is read from its log: a line for the end of each pass
+(``prefill layer N/N``).
 """
 
 from __future__ import annotations
@@ -53,12 +54,13 @@ REPOS = {
     "int4": "cachecd/tiny-k2-int4",
     "fp8": "cachecd/tiny-k2-fp8",
 }
-STEP = {"mxfp4": 16, "int4": 16, "fp32": 7, "fp8": 7}
+STEP_SIZES = (16, 7)
 STEPS = (1, 2, 5)
 N = 3  # greedy tokens a request
 TOP = 10  # top logprobs a token (mlx-lm's server allows up to 11)
 TEXT = ("layer after layer, every chunk of the prompt meets the experts once; the cache streams "
         "them from the hub, verified, and the logits stay the resident model's, bit for bit. ")
+FIRST = {"batched": "ABC", "alone": "XYZ"}  # each prompt's first byte: no prefix in common
 PASS_END = re.compile(r"prefill layer (\d+)/\1:")
 
 
@@ -81,6 +83,48 @@ def formats_hub() -> Iterator[tuple[Path, HubProcess]]:
 
 
 @dataclass
+class Install:
+    fmt: str
+    repo: str
+    full: Path
+    installed: Installed  # `cachecd setup --stream`'s install, and the daemon it started
+    ram: str  # --ram: a third of a layer's experts
+
+
+class Installs:
+    """Each format installed when its first pair of servers needs it; one at a time (the pairs
+    come format by format), the one before cleaned up."""
+
+    def __init__(self, root: Path, hub: HubProcess) -> None:
+        self.root, self.hub = root, hub
+        self.current: Install | None = None
+
+    def get(self, fmt: str) -> Install:
+        if self.current is not None and self.current.fmt == fmt:
+            return self.current
+        self.cleanup()
+        repo, url = REPOS[fmt], self.hub.url
+        manifest = short_tmp("cdoem") / "model.manifest"
+        run_cli("manifest", "build", f"{repo}@main", "--endpoint", url, "--output", str(manifest))
+        installed = Installed.setup(url, manifest, repo)
+        full = self.root / repo
+        self.current = Install(fmt, repo, full, installed, str(pool_bytes(full, repo, 3)))
+        return self.current
+
+    def cleanup(self) -> None:
+        if self.current is not None:
+            self.current.installed.cleanup()
+            self.current = None
+
+
+@pytest.fixture(scope="module")
+def installs(formats_hub: tuple[Path, HubProcess]) -> Iterator[Installs]:
+    made = Installs(*formats_hub)
+    yield made
+    made.cleanup()
+
+
+@dataclass
 class Pair:
     fmt: str
     step: int
@@ -91,34 +135,26 @@ class Pair:
     resident: Any
 
 
-@pytest.fixture(scope="module", params=sorted(REPOS))
-def pair(request: pytest.FixtureRequest,
-         formats_hub: tuple[Path, HubProcess]) -> Iterator[Pair]:
-    """The format installed with its own daemon, `cachecd openai` over it and mlx_lm.server over
-    the resident checkpoint, both at the format's step size."""
+@pytest.fixture(scope="module", params=[(f, s) for f in REPOS for s in STEP_SIZES],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def pair(request: pytest.FixtureRequest, installs: Installs) -> Iterator[Pair]:
+    """`cachecd openai` over the format's daemon and mlx_lm.server over the resident
+    checkpoint, both at one step size."""
     from mlx_lm.utils import load_tokenizer
 
-    root, hub = formats_hub
-    fmt, repo = request.param, REPOS[request.param]
-    full, step = root / repo, STEP[request.param]
-    manifest = short_tmp("cdoem") / "model.manifest"
-    run_cli("manifest", "build", f"{repo}@main", "--endpoint", hub.url, "--output", str(manifest))
-    installed = Installed.setup(hub.url, manifest, repo)
+    fmt, step = installs.get(request.param[0]), request.param[1]
     flags = ("--prefill-step-size", str(step))
-    streamed = resident = None
+    streamed = OpenAIServer(fmt.repo, fmt.installed.socket, *flags, "--ram", fmt.ram)
+    resident = None
     try:
-        streamed = OpenAIServer(repo, installed.socket, *flags,
-                                "--ram", str(pool_bytes(full, repo, fraction=3)))
-        resident = ResidentServer(full, *flags)
-        yield Pair(fmt, step, full, load_tokenizer(full), streamed,
+        resident = ResidentServer(fmt.full, *flags)
+        yield Pair(fmt.fmt, step, fmt.full, load_tokenizer(fmt.full), streamed,
                    *(openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=300)
                      for s in (streamed, resident)))
     finally:
         if resident is not None:
             resident.stop()
-        if streamed is not None:
-            assert streamed.stop() == 0, streamed.log()
-        installed.cleanup()
+        assert streamed.stop() == 0, streamed.log()
 
 
 def prompt_of(tokenizer: Any, first: str, n: int) -> str:
@@ -148,8 +184,7 @@ def tokens_and_logprobs(answer: Any) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("path", ["batched", "alone"])
 def test_logprobs_bitwise_resident_mlx_lm_server(pair: Pair, path: str) -> None:
     seed = None if path == "batched" else 0
-    for steps in STEPS:
-        first = "ABC"[STEPS.index(steps)] if path == "batched" else "XYZ"[STEPS.index(steps)]
+    for first, steps in zip(FIRST[path], STEPS, strict=True):
         tokens = steps * pair.step + 1
         prompt = prompt_of(pair.tokenizer, first, tokens)
         what = f"{pair.fmt}, {path}, step {pair.step} x {steps}"
@@ -160,9 +195,9 @@ def test_logprobs_bitwise_resident_mlx_lm_server(pair: Pair, path: str) -> None:
         view = got.usage.model_extra["cachecd"]
         assert view["prompt_tokens_prefilled"] == tokens and view["prompt_tokens_cached"] == 0, \
             (what, view)
-        details = (want.usage.model_extra or {}).get("prompt_tokens_details") or {}
-        assert want.usage.prompt_tokens == tokens and details.get("cached_tokens", 0) == 0, \
-            (what, want.usage)
+        details = want.usage.prompt_tokens_details
+        assert want.usage.prompt_tokens == tokens and details is not None and \
+            details.cached_tokens == 0, (what, want.usage)
         # Layer by layer: one pass for the prompt, but for the batched path's lone step, which
         # runs as it is (a pass of one step would make the same calls).
         passes = len(PASS_END.findall(pair.streamed.log())) - ends
