@@ -330,9 +330,10 @@ class OpenAIServer:
         return self.proc.returncode
 
 
-# mlx_lm.server's own main(), on port 0, saying which port it bound (its log says "port 0"): a
-# port chosen beforehand could be taken by another process before the server binds it (other
-# suites run on the machine), or shared with one (SO_REUSEPORT), and its requests answered there.
+# mlx_lm.server's own main(), on port 0, saying which port it bound (its log says "port 0"). A
+# port chosen beforehand can be taken by another process (other suites on the machine) before
+# the server binds it; the bind then fails in mlx-lm's main thread while its generation thread
+# keeps the process up, and a wait for it to answer there waits on whoever holds the port.
 _RESIDENT_MAIN = """
 import socketserver, sys
 from mlx_lm import server
