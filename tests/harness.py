@@ -328,3 +328,69 @@ class OpenAIServer:
             self.proc.stdout.close()
         shutil.rmtree(self.log_path.parent, ignore_errors=True)
         return self.proc.returncode
+
+
+# mlx_lm.server's own main(), on port 0, saying which port it bound (its log says "port 0"). A
+# port chosen beforehand can be taken by another process (other suites on the machine) before
+# the server binds it; the bind then fails in mlx-lm's main thread while its generation thread
+# keeps the process up, and a wait for it to answer there waits on whoever holds the port.
+_RESIDENT_MAIN = """
+import socketserver, sys
+from mlx_lm import server
+activate = socketserver.TCPServer.server_activate
+def report(self):
+    activate(self)
+    print(f"resident server listening on port {self.server_address[1]}", file=sys.stderr,
+          flush=True)
+socketserver.TCPServer.server_activate = report
+sys.argv[0] = "mlx_lm.server"
+server.main()
+"""
+_LISTENING = re.compile(r"resident server listening on port (\d+)")
+
+
+class ResidentServer:
+    """mlx_lm.server itself over a resident checkpoint (the reference for `cachecd openai`), on
+    a port of 127.0.0.1 the OS chose; it listens before the constructor returns, or the test
+    fails with its log."""
+
+    def __init__(self, model_dir: Path, *args: str, timeout: float = 120) -> None:
+        self.log_path = short_tmp("mls") / "server.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _RESIDENT_MAIN, "--model", str(model_dir),
+                 "--port", "0", *args], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not (port := _LISTENING.search(self.log())):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"mlx_lm.server did not listen:\n{self.log()}")
+            time.sleep(0.1)
+        self.url = f"http://127.0.0.1:{port.group(1)}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def pool_bytes(model_dir: Path, repo: str, fraction: int = 1) -> int:
+    """``--ram`` for a pool of ``1/fraction`` of one MoE layer's experts of the checkpoint in
+    ``model_dir`` (at least two)."""
+    from cachecd_engine.loader import load
+    from cachecd_engine.local_source import LocalSource, manifest_from_dir
+
+    manifest = manifest_from_dir(model_dir, repo=repo)
+    with LocalSource(manifest, model_dir, verify=False) as source:
+        model, _ = load(model_dir, source, ram_bytes=1, prefetch=False, speculate=False)
+        bank = model.bank
+        size = int(max(2, bank.experts_per_layer // fraction) * bank.slot_nbytes)
+        bank.close()
+    return size

@@ -13,12 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import subprocess
-import sys
 import threading
-import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,9 +21,7 @@ from typing import Any
 
 import pytest
 
-from cachecd_engine.loader import load
-from cachecd_engine.local_source import LocalSource, manifest_from_dir
-from tests.harness import TINY_REPO, Installed, OpenAIServer, short_tmp
+from tests.harness import TINY_REPO, Installed, OpenAIServer, ResidentServer, pool_bytes
 
 openai = pytest.importorskip("openai")
 
@@ -40,48 +33,11 @@ PROMPTS = ["Experts stream from the hub into a verified cache, layer after layer
 N = 4
 
 
-def one_layer_bytes(tiny_dir: Path) -> int:
-    """A pool of one MoE layer's experts, in --ram's bytes."""
-    manifest = manifest_from_dir(tiny_dir, repo=TINY_REPO)
-    with LocalSource(manifest, tiny_dir, verify=False) as source:
-        model, _ = load(tiny_dir, source, ram_bytes=1, prefetch=False, speculate=False)
-        bank = model.bank
-        size = int(bank.experts_per_layer * bank.slot_nbytes)
-        bank.close()
-    return size
-
-
-class ResidentServer:
-    """mlx_lm.server itself over the resident checkpoint (the reference)."""
-
-    def __init__(self, model_dir: Path, *args: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.log_path = short_tmp("mls") / "server.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir),
-                 "--port", str(port), *args], stdout=log, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{port}/v1"
-        while self.proc.poll() is None:  # until it listens (or dies: the assert says why)
-            try:
-                urllib.request.urlopen(f"{self.url}/models", timeout=5).close()
-                return
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.2)
-        raise AssertionError(self.log_path.read_text(errors="replace"))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
-
-
 @pytest.fixture(scope="module")
 def servers(installed_module: Installed, tiny_dir: Path) -> Iterator[tuple[Any, Any, Any]]:
     flags = ("--prefill-step-size", str(STEP))
     ours = OpenAIServer(TINY_REPO, installed_module.socket, *flags,
-                        "--ram", str(one_layer_bytes(tiny_dir)))
+                        "--ram", str(pool_bytes(tiny_dir, TINY_REPO)))
     resident = ResidentServer(tiny_dir, *flags)
     try:
         yield ours, *(openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0,
