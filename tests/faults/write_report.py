@@ -97,6 +97,12 @@ NOTES: dict[str, str] = {
         "six busy loops beside s04); a loop held by a blocking call, a stopped daemon or the GIL "
         "counts in full (test_s04_stall.py::test_the_health_bar_sees_a_held_loop). The wall "
         "figures are kept: health_max_ms, daemon_unavailable_ms_max."),
+    "s17.disk_samples_torn": (
+        "The disk samplers (s07, s17) walk tmp/ and blobs/ in a process of their own; a walk "
+        "during which a file it counted went away (an eviction) is dropped, not kept as a "
+        "sample (disk_samples_torn): it may count the evicted blob beside the one that took its "
+        "place, bytes never on the disk at once (4.57 MB over s17's 4 MiB budget was seen that "
+        "way on a loaded machine). A kept walk counted only files that all existed at its end."),
     "s17.hit_latency_p99_ms": (
         "The soak's latencies are measured on this 2-core machine shared with the test process, "
         "which checks every byte it is served (xxh3) and runs the fake hub: they describe this "
