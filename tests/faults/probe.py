@@ -3,10 +3,13 @@
 It answers n (probes that succeeded), fails, max_ms and p50_ms (wall clock) when stopped, and
 own_max_ms: each probe's wall time less the time the probe and the daemon's event-loop thread
 spent runnable but waiting for a CPU while it was out, the larger of the two (Linux's
-per-thread run delay, /proc/PID/task/TID/schedstat). That wait is the machine's other work, not the daemon's: what the
-bar checks is that the daemon never holds its loop, which own_max_ms measures whatever else the
-machine runs. Time the loop runs or sleeps (a blocking call, the GIL held by another thread of
-the daemon) stays in it. Where run delays cannot be read (not Linux), own_max_ms is max_ms.
+per-thread run delay, /proc/PID/task/TID/schedstat). That wait is the machine's other work, not
+the daemon's: what the bar checks is that the daemon never holds its loop, which own_max_ms
+measures whatever else the machine runs. Time the loop runs or sleeps (a blocking call, the GIL
+held by another thread of the daemon) stays in it. The loop's wait is left out only when the
+loop was asleep as the probe began, so that all of that wait lies inside the probe; a probe that
+found the loop runnable leaves out only its own. Where run delays cannot be read (not Linux),
+own_max_ms is max_ms.
 """
 
 from __future__ import annotations
@@ -32,6 +35,14 @@ def _delay(stat):
 stats = ["/proc/thread-self/schedstat"] + ([f"/proc/{pid}/task/{pid}/schedstat"] if pid else [])
 def waited():
     return [_delay(s) for s in stats]
+def loop_runnable():
+    # R: the loop may be waiting for a CPU already, a wait that began before this probe and
+    # would be counted whole at its end; then only the probe's own wait is left out.
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "R"
+    except (OSError, IndexError):
+        return True
 stop = False
 def _stop(*a):
     global stop
@@ -43,6 +54,7 @@ print("ready", flush=True)
 while not stop:
     # The window holds both reads of the run delays: every wait counted in it lies inside it.
     t0 = time.perf_counter()
+    busy = bool(pid) and loop_runnable()
     w0 = waited()
     try:
         if s is None:
@@ -64,7 +76,8 @@ while not stop:
         lat.append(time.perf_counter() - t0)
         # The larger of the two waits, not their sum: they may overlap, and a sum could hide
         # time the loop was held; the larger one never does.
-        own.append(max(0.0, lat[-1] - max(b - a for a, b in zip(w0, w1))))
+        waits = [b - a for a, b in zip(w0, w1)][:1 if busy else 2]
+        own.append(max(0.0, lat[-1] - max(waits)))
     except OSError:
         fails += 1
         if s is not None: s.close()

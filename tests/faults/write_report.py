@@ -92,7 +92,7 @@ NOTES: dict[str, str] = {
         "the daemon's (the client's) own time: each probe's wall time less the time the probe "
         "and the daemon's event-loop thread spent runnable but waiting for a CPU, the larger of "
         "the two (Linux schedstat run delay; the two may overlap, so their sum could hide a "
-        "held loop and is not used). Until 2026-12-05 the bar was on wall time, which a loaded "
+        "held loop and is not used; the loop's only when it was asleep as the probe began). Until 2026-12-05 the bar was on wall time, which a loaded "
         "machine misses while the daemon does nothing wrong (111 ms wall, 43 ms own, seen with "
         "six busy loops beside s04); a loop held by a blocking call, a stopped daemon or the GIL "
         "counts in full (test_s04_stall.py::test_the_health_bar_sees_a_held_loop). The wall "
