@@ -165,6 +165,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
              "pyproject.toml allows, `cachecd --help` and tests/unit in it (a few minutes)")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # The fault suite's figures live in the process that ran its tests: worker processes
+    # (pytest-xdist's -n) would each hold a part, and the report would be refused as partial
+    # without saying why.
+    workers = getattr(config.option, "numprocesses", None)
+    asked = config.getoption("--reliability-report") or os.environ.get("CACHECD_RELIABILITY_REPORT")
+    if asked and workers and not hasattr(config, "workerinput"):
+        raise pytest.UsageError(
+            "--reliability-report (or $CACHECD_RELIABILITY_REPORT) renders the figures of one "
+            f"process; this run has {workers} workers (-n): add -n 0")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Session fixtures (hubs, daemons) are torn down by now; a failed run keeps its dirs (logs).
     if exitstatus == pytest.ExitCode.OK:

@@ -4,6 +4,8 @@ answering in < 100 ms the whole time."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -30,7 +32,7 @@ def test_mid_body_stall_times_out_and_the_retry_serves_good_bytes(small: Model, 
     hub = pool.hub(small)
     hub.faults.stall_after, hub.faults.times = 2048, 1
     d = pool.daemon(hub, [small], env=ENV)
-    with HealthProbe(d.socket) as probe, d.client() as c:
+    with HealthProbe(d.socket, d.pid) as probe, d.client() as c:
         fetch_verified(c, small, small.layers[0], [3])
         health = probe.stop()
     windows = _stall_windows(hub)
@@ -46,7 +48,7 @@ def test_persistent_stall_gives_504_within_the_total_deadline(small: Model, pool
     hub = pool.hub(small)
     hub.faults.stall_after = 2048
     d = pool.daemon(hub, [small], env=ENV)
-    with HealthProbe(d.socket) as probe, d.client() as c:
+    with HealthProbe(d.socket, d.pid) as probe, d.client() as c:
         t0 = time.monotonic()
         with pytest.raises(UpstreamTimeout) as info:
             fetch_verified(c, small, small.layers[1], [4])
@@ -72,7 +74,7 @@ def test_proxy_that_never_forwards_headers_times_out_then_recovers(small: Model,
     proxy = thread.proxy()
     proxy.toxics.timeout = 0  # swallow everything the CDN answers, forever
     d = pool.daemon(thread.hub, [small], env=ENV)
-    with HealthProbe(d.socket) as probe, d.client() as c:
+    with HealthProbe(d.socket, d.pid) as probe, d.client() as c:
         t0 = time.monotonic()
         with pytest.raises(UpstreamTimeout):
             fetch_verified(c, small, small.layers[2], [6])
@@ -85,3 +87,20 @@ def test_proxy_that_never_forwards_headers_times_out_then_recovers(small: Model,
     assert proxy.toxic_hits >= 2
     assert took <= TOTAL_S + 1.0, took
     assert record_health("s04", health) < 100, health
+
+
+def test_the_health_bar_sees_a_held_loop(small: Model, pool) -> None:  # type: ignore[no-untyped-def]
+    """The bar subtracts only the machine's CPU waits: a daemon that is not answering (here
+    stopped, as a loop held by a blocking call would be) still counts in full."""
+    d = pool.daemon(pool.hub(small), [small])
+    with HealthProbe(d.socket, d.pid) as probe:
+        with d.client() as c:  # the probe has answered at least once before the hold
+            assert c.health()["ok"]
+        os.kill(d.pid, signal.SIGSTOP)
+        time.sleep(0.3)  # the hold being measured, not a wait for a state
+        os.kill(d.pid, signal.SIGCONT)
+        with d.client() as c:
+            assert c.health()["ok"]
+        health = probe.stop()
+    assert health["fails"] == 0
+    assert health["own_max_ms"] >= 250, health

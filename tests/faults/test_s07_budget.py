@@ -69,6 +69,7 @@ def test_budget_under_zipf_load_pins_and_eviction_of_open_blobs(big: Model, pool
     FIGURES.peak("s07.peak_blobs_bytes", sampler.peak_blobs)
     FIGURES.peak("s07.peak_blobs_plus_tmp_bytes", sampler.peak_total)
     FIGURES.add("s07.disk_samples", sampler.samples)
+    FIGURES.add("s07.disk_samples_torn", sampler.torn)
     FIGURES.set("s07.hottest_expert_upstream_fetches", _gets(hub, hot))
     FIGURES.set("s07.zipf_requests", len(picks))
     assert sampler.samples >= 10

@@ -59,7 +59,7 @@ class RssSampler:
 def setup(small: Model, module_pool):  # type: ignore[no-untyped-def]
     hub = module_pool.hub(small)
     d = module_pool.daemon(hub, [small])
-    probe, rss = HealthProbe(d.socket), RssSampler(d.pid)
+    probe, rss = HealthProbe(d.socket, d.pid), RssSampler(d.pid)
     yield d
     worst = record_health("s13", probe.stop())
     FIGURES.peak("s13.rss_peak_bytes", rss.stop())

@@ -16,6 +16,7 @@ import pytest
 from cachecd.errors import CachecdError, DaemonUnavailable
 from cachecd_client import Client
 from tests.faults.figures import FIGURES
+from tests.faults.probe import run_delay_s
 from tests.faults.support import Model, fetch_verified, files_under, fsck_exit_code, new_dir
 
 SHUTDOWN_S = 5.0
@@ -66,16 +67,18 @@ def test_sigterm_drains_ten_fetches_in_flight(small: Model, pool) -> None:  # ty
     assert hub.count("cdn_get") == 0
 
 
-def _time_unavailable(path: Path) -> float:
-    t0 = time.perf_counter()
-    with pytest.raises(DaemonUnavailable):
-        with Client(path, timeout=5) as c:
-            c.expert("faults/small", 1, 0)
-    t1 = time.perf_counter()
-    with pytest.raises(DaemonUnavailable):
-        with Client(path, timeout=5) as c:
-            c.health()
-    return max(t1 - t0, time.perf_counter() - t1)
+def _time_unavailable(path: Path) -> tuple[float, float]:
+    """The longest a client took to raise DaemonUnavailable: (wall, own), own being wall less
+    the time this thread waited for a CPU that the machine's other work held (probe.py)."""
+    times = []
+    for call in (lambda c: c.expert("faults/small", 1, 0), lambda c: c.health()):
+        w0, t0 = run_delay_s(), time.perf_counter()
+        with pytest.raises(DaemonUnavailable):
+            with Client(path, timeout=5) as c:
+                call(c)
+        wall = time.perf_counter() - t0
+        times.append((wall, max(0.0, wall - (run_delay_s() - w0))))
+    return max(t[0] for t in times), max(t[1] for t in times)
 
 
 def test_client_without_a_daemon_fails_fast() -> None:
@@ -85,9 +88,10 @@ def test_client_without_a_daemon_fails_fast() -> None:
     s = socket.socket(socket.AF_UNIX)
     s.bind(str(stale))
     s.close()
-    worst = max(_time_unavailable(missing), _time_unavailable(stale))
-    FIGURES.peak("s15.daemon_unavailable_ms_max", round(1000 * worst, 2))
-    assert worst < 0.1, worst
+    (wall_a, own_a), (wall_b, own_b) = _time_unavailable(missing), _time_unavailable(stale)
+    FIGURES.peak("s15.daemon_unavailable_ms_max", round(1000 * max(wall_a, wall_b), 2))
+    FIGURES.peak("s15.daemon_unavailable_own_ms_max", round(1000 * max(own_a, own_b), 2))
+    assert max(own_a, own_b) < 0.1, (wall_a, own_a, wall_b, own_b)
 
 
 def test_connected_client_retries_after_a_restart(small: Model, pool) -> None:  # type: ignore[no-untyped-def]

@@ -342,6 +342,8 @@ def test_soak_decode_load_with_faults_scrub_and_a_tight_budget(soak_model: Model
     FIGURES.set("s17.scrub_blobs_hashed", status["scrub"]["blobs"])
     FIGURES.set("s17.scrub_failures", status["scrub"]["failures"])
     FIGURES.set("s17.peak_blobs_plus_tmp_bytes", disk.peak_total)
+    FIGURES.set("s17.disk_samples", disk.samples)
+    FIGURES.set("s17.disk_samples_torn", disk.torn)
     FIGURES.set("s17.peak_rss_bytes", peak_rss)
     FIGURES.set("s17.rss_growth_after_warmup_bytes", int(rss_growth))
     FIGURES.set("s17.fds_growth_after_warmup", fds_growth)
