@@ -55,20 +55,18 @@ class DaemonSource:
                   done: Callable[[int], None] | None = None) -> int:
         """Read the experts into ``targets``; the bytes written (the transport fills exactly
         the sizes the daemon sends, or raises). ``done(i)`` as each one lands, in order."""
-        sizes = self.client.experts_into(self.repo, layer, ids, targets, done)
-        for e, size in zip(ids, sizes, strict=True):
-            if size != self.manifest.expert(layer, e).nbytes:
-                raise ExpertSizeMismatch(
-                    f"daemon served {size} bytes for layer {layer} expert {e}; the manifest "
-                    f"says {self.manifest.expert(layer, e).nbytes}"
-                )
-        return sum(sizes)
+        return self._checked(layer, ids, self.client.experts_into(self.repo, layer, ids,
+                                                                  targets, done))
 
     def read_ahead_into(self, layer: int, ids: list[int],
                         targets: Sequence[Sequence[memoryview]]) -> int:
         """``read_into`` for read-ahead: on the client's read-ahead threads, so no demand read
         waits behind it."""
-        sizes = self.client.experts_into(self.repo, layer, ids, targets, ahead=True)
+        return self._checked(layer, ids, self.client.experts_into(self.repo, layer, ids,
+                                                                  targets, ahead=True))
+
+    def _checked(self, layer: int, ids: list[int], sizes: list[int]) -> int:
+        """The bytes written, each expert's as the manifest says, else ``ExpertSizeMismatch``."""
         for e, size in zip(ids, sizes, strict=True):
             if size != self.manifest.expert(layer, e).nbytes:
                 raise ExpertSizeMismatch(

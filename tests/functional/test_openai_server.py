@@ -209,7 +209,7 @@ def test_a_follow_up_prefills_only_its_new_tokens(installed_module: Installed) -
     its new tokens go through the model (each routes to top_k experts in each MoE layer, so
     ``expert_rows`` counts the tokens that went through), and it reads fewer experts than
     the same full prompt sent to a server that keeps no prompt cache. Small prefill steps (16
-    tokens) and --ram 0 (a pool of two experts) make each step read its experts anew."""
+    tokens) and --ram 0 (a pool of two experts)."""
     flags = ("--ram", "0", "--prefill-step-size", "16")
     keeps = OpenAIServer(TINY_REPO, installed_module.socket, *flags)
     fresh = OpenAIServer(TINY_REPO, installed_module.socket, *flags, "--prompt-cache-size", "0")
@@ -248,9 +248,14 @@ def test_a_follow_up_prefills_only_its_new_tokens(installed_module: Installed) -
         assert views[1]["prompt_tokens_cached"] == one.usage.prompt_tokens + N, views[1]
         assert views[3]["prompt_tokens_cached"] == views[1]["prompt_tokens_cached"], views
         assert views[2]["prompt_tokens_cached"] == 0, views[2]
+        # Only the new tokens went through the model: a third of the rows or fewer. The reads
+        # are fewer too, but not by as much: with a pool of two experts the full prompt's
+        # prefill takes each layer's steps together (pool.chunks) and reads each routed expert
+        # of a layer once, as the follow-up's few tokens nearly do in a layer of 32 experts.
         for follow_up in (views[1], views[3]):
-            assert follow_up["experts_read"] * 3 < views[2]["experts_read"], views
-            assert follow_up["bytes_from_daemon"] * 3 < views[2]["bytes_from_daemon"], views
+            assert follow_up["expert_rows"] * 3 < views[2]["expert_rows"], views
+            assert follow_up["experts_read"] <= views[2]["experts_read"], views
+            assert follow_up["bytes_from_daemon"] <= views[2]["bytes_from_daemon"], views
     finally:
         assert keeps.stop() == 0, keeps.log()
         assert fresh.stop() == 0, fresh.log()

@@ -78,6 +78,7 @@ def test_install_dry_run_on_a_mac_is_what_launchd_needs(home: Path) -> None:
         f"$ launchctl enable gui/{uid}/{plist['Label']}",
         f"$ launchctl bootstrap gui/{uid} {agent}",
         "# note: these commands would fail here: launchctl is not on PATH",
+        f"# no daemon answers on {caches / 'run' / 'cachecd.sock'}: nothing running to compare with",
     ]
     assert files_under(home) == []
 
