@@ -18,6 +18,12 @@ Invariants:
 - The last layer's expert output of every step but the last is never computed (nothing reads
   it: the caches come before it, the logits are the last step's), as in mlx-lm's lazy loop;
   the streamed bank returns zeros for it (``ExpertBank.discarding``) and reads nothing.
+- With a pool smaller than a layer's experts, a layer's chunks go through it together
+  (``_layer_together``, ``pool.chunks``): each chunk runs the layer twice, the first run's
+  expert output thrown away and its attention's output (and cache writes) kept and replayed in
+  the second, whose expert call gets the output computed for exactly that call (its input and
+  routing checked bitwise before the pass goes on). Every array the second run makes is the
+  one mlx-lm's call makes; the masks kept are the first run's, made as above.
 - Only the model types a driver here knows are driven (``driver_for``); any other, or a
   pipelined model, is None: the caller keeps mlx-lm's own loop.
 """
