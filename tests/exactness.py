@@ -97,3 +97,18 @@ def cachecd_run_logprobs(socket: Path, repo: str, text: str, step: int,
     assert "prefill layer 1/" in proc.stderr, proc.stderr  # it ran layer by layer
     out = json.loads(proc.stdout)
     return out["tokens"], [r["logprob"] for r in out["per_token"]]
+
+
+def write_format_checkpoints(root: Path, repos: dict[str, str]) -> None:
+    """The tiny checkpoints the exactness tests serve, under ``root / repos[fmt]``, for each of
+    the formats named: ``mxfp4`` and ``fp32`` tiny K3, ``int4`` and ``fp8`` tiny K2 (fp8 with
+    whole and partial 128x128 blocks); both K2s with split experts."""
+    from cachecd.testbed.tiny_k2 import K2Options, write_tiny_k2
+    from cachecd.testbed.tiny_model import write_tiny_model
+
+    for fmt, repo in repos.items():
+        if fmt in ("mxfp4", "fp32"):
+            write_tiny_model(root / repo, seed=0, fmt=fmt)
+        else:
+            options = K2Options(fmt="fp8", moe_intermediate=192) if fmt == "fp8" else K2Options()
+            assert write_tiny_k2(root / repo, options, seed=0).split_experts

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.exactness import assert_bitwise, run_logits
+from tests.exactness import assert_bitwise, run_logits, write_format_checkpoints
 from tests.harness import DaemonProcess, HubProcess, run_cli, short_tmp
 
 PROMPT = "Every routed expert streams through the daemon, bit for bit, cold and warm."
@@ -35,14 +35,8 @@ SORTED_GATHER_ROWS = 64  # mlx-lm's gather_qmm/gather_mm sort the rows from this
 @pytest.fixture(scope="module")
 def formats_hub() -> Iterator[tuple[Path, HubProcess]]:
     """One `cachecd hub serve` over the checkpoints."""
-    from cachecd.testbed.tiny_k2 import K2Options, write_tiny_k2
-    from cachecd.testbed.tiny_model import write_tiny_model
-
     root = short_tmp("cdfh")
-    write_tiny_model(root / REPOS["fp32"], seed=0, fmt="fp32")
-    assert write_tiny_k2(root / REPOS["int4"], seed=0).split_experts
-    fp8 = K2Options(fmt="fp8", moe_intermediate=192)  # whole and partial 128x128 blocks
-    assert write_tiny_k2(root / REPOS["fp8"], fp8, seed=0).split_experts
+    write_format_checkpoints(root, REPOS)
     hub = HubProcess(root)
     yield root, hub
     hub.stop()

@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 
+from tests.exactness import write_format_checkpoints
 from tests.harness import (
     HubProcess,
     Installed,
@@ -67,15 +68,8 @@ PASS_END = re.compile(r"prefill layer (\d+)/\1:")
 @pytest.fixture(scope="module")
 def formats_hub() -> Iterator[tuple[Path, HubProcess]]:
     """One `cachecd hub serve` over the four checkpoints."""
-    from cachecd.testbed.tiny_k2 import K2Options, write_tiny_k2
-    from cachecd.testbed.tiny_model import write_tiny_model
-
     root = short_tmp("cdoe")
-    write_tiny_model(root / REPOS["mxfp4"], seed=0, fmt="mxfp4")
-    write_tiny_model(root / REPOS["fp32"], seed=0, fmt="fp32")
-    assert write_tiny_k2(root / REPOS["int4"], seed=0).split_experts
-    fp8 = K2Options(fmt="fp8", moe_intermediate=192)  # whole and partial 128x128 blocks
-    assert write_tiny_k2(root / REPOS["fp8"], fp8, seed=0).split_experts
+    write_format_checkpoints(root, REPOS)
     hub = HubProcess(root)
     yield root, hub
     hub.stop()
