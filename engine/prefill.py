@@ -213,7 +213,7 @@ def _layer_together(driver: Driver, i: int, chunks: list[Chunk], cache: list[Any
     start = 0
     while start < len(chunks):
         saved = [(c.h, copy.copy(c.blocks)) for c in chunks[start:]]
-        batch = bank.chunks = ChunkBatch(bank, i)
+        batch = bank.chunks = ChunkBatch(bank)
         record = module.self_attn = _Attention(attention)
         end = start
         try:

@@ -39,9 +39,8 @@ ExpertBank = Any  # the bank imports this module (``bank.chunks``), so this one 
 class ChunkBatch:
     """The calls one layer gets from a window of prefill chunks (``bank.chunks`` while set)."""
 
-    def __init__(self, bank: ExpertBank, layer_hint: int) -> None:
+    def __init__(self, bank: ExpertBank) -> None:
         self.bank = bank
-        self.layer_hint = layer_hint  # the prefill's layer index (the bank's layer may differ)
         self.layer: int | None = None
         self.calls: list[Call] = []
         self.outputs: list[mx.array] = []
@@ -66,12 +65,13 @@ class ChunkBatch:
         assert self.layer is not None
         if bank.trace is not None:
             bank.trace(self.layer, routed)
+        routed_ids = len(distinct(routed))
         s = bank.stats
         s.layer_calls += 1
         s.rows += routed.size
-        s.experts_routed += len(distinct(routed))
+        s.experts_routed += routed_ids
         target = dispatch.resident_kernel(bank.backend, bank.spec.mode is not None, routed.size,
-                                          bank.experts_per_layer or len(distinct(routed)))
+                                          bank.experts_per_layer or routed_ids)
         self.calls.append(Call(glu, x, routed, target))
         return mx.zeros((*indices.shape, x.shape[-1]), x.dtype)
 

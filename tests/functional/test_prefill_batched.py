@@ -25,7 +25,7 @@ from cachecd.testbed.tiny_k2 import K2Options, write_tiny_k2
 from cachecd.testbed.tiny_model import write_tiny_model
 from cachecd_engine.loader import load
 from cachecd_engine.local_source import LocalSource, manifest_from_dir
-from tests.functional.test_prefill_layer_major import assert_bitwise, cache_arrays
+from tests.functional.test_prefill_layer_major import _small_pool, assert_bitwise, cache_arrays
 
 STEP_SIZES = (16, 7)
 STEPS = (1, 2, 5)
@@ -148,9 +148,7 @@ def test_a_pool_smaller_than_a_layer_on_the_batched_path(checkpoint: tuple[Path,
     for together in (True, False):
         with LocalSource(manifest, full, verify=False) as source:
             model, _ = load(full, source, ram_bytes=1, prefetch=False, speculate=False)
-            bank = model.bank
-            bank.resize(max(2, bank.experts_per_layer // 3) * bank.slot_nbytes)
-            assert bank.groups_chunks()
+            bank = _small_pool(model, 3)
             bank.window_nbytes = 1 << 40
             if not together:
                 bank.groups_chunks = lambda: False
