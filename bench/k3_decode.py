@@ -182,9 +182,9 @@ class Throttled:
             self._free_at = max(time.perf_counter(), self._free_at) + n / self.rate
             return self._free_at
 
-    def read_into(self, layer: int, ids: list[int], targets: Any, done: Any = None) -> int:
+    def read_into(self, layer: int, ids: list[int], targets: Any, landed: Any = None) -> int:
         until = self._hold(targets)
-        got = int(self.source.read_into(layer, ids, targets, done))
+        got = int(self.source.read_into(layer, ids, targets, landed))
         time.sleep(max(0.0, until - time.perf_counter()))
         return got
 

@@ -201,15 +201,16 @@ class Client:
 
     def experts_into(self, model: str, layer: int, ids: Sequence[int],
                      targets: Sequence[Target],
-                     done: Callable[[int], None] | None = None, *,
+                     landed: Callable[[int, int], None] | None = None, *,
                      ahead: bool = False) -> list[int]:
         """Read several experts of one layer straight into the caller's memory; their sizes.
 
         ``targets[i]`` is a writable buffer of at least the expert's size, or a list of buffers
         that the expert's bytes fill one after another (each tensor into its own array, with no
         copy in between). Misses are fetched, verified and cached by the daemon first.
-        ``done(i)``, if given, is called (on this thread, in order) as soon as expert
-        ``ids[i]`` is in its target, while the rest are still being read. ``ahead``: a read of
+        ``landed(i, n)``, if given, is called (on this thread, in order) as soon as the
+        first ``n`` bytes of expert ``ids[i]`` are in its target (``n`` ends at its size),
+        while the rest are still being read (``transport.parallel_preadv``). ``ahead``: a read of
         guessed experts (read-ahead), on threads demand reads never share.
         """
         ids = [int(i) for i in ids]
@@ -229,12 +230,13 @@ class Client:
             sizes.extend(got)
             return chunk
 
-        self._read_experts(model, layer, ids, given, done, self._ahead_pool if ahead else self._pool)
+        self._read_experts(model, layer, ids, given, landed,
+                           self._ahead_pool if ahead else self._pool)
         return sizes
 
     def _read_experts(self, model: str, layer: int, ids: list[int],
                       targets: Callable[[list[int], int], list[Target]],
-                      done: Callable[[int], None] | None = None,
+                      landed: Callable[[int, int], None] | None = None,
                       pool: ThreadPoolExecutor | None = None) -> None:
         for start in range(0, len(ids), MAX_FDS_PER_FRAME):
             chunk = ids[start:start + MAX_FDS_PER_FRAME]
@@ -251,7 +253,8 @@ class Client:
                         f"daemon sent {len(fds)} descriptors and {len(sizes)} sizes for "
                         f"{len(chunk)} experts")
                 parallel_preadv(pool or self._pool, fds, sizes, targets(sizes, start),
-                                None if done is None else lambda i, s=start: done(s + i))
+                                None if landed is None
+                                else lambda i, n, s=start: landed(s + i, n))
             finally:
                 for fd in fds:
                     os.close(fd)

@@ -167,7 +167,8 @@ Target = memoryview | Sequence[memoryview]  # one buffer, or a list the bytes fi
 
 
 def parallel_preadv(pool: ThreadPoolExecutor, fds: Sequence[int], sizes: Sequence[int],
-                    outs: Sequence[Target], done: Callable[[int], None] | None = None) -> None:
+                    outs: Sequence[Target],
+                    landed: Callable[[int, int], None] | None = None) -> None:
     """Fill ``outs[i]`` with the first ``sizes[i]`` bytes of ``fds[i]``: 4 MiB windows of the
     file across the pool, small reads grouped into one job, and all of them inline when they fit
     in one job.
@@ -176,38 +177,41 @@ def parallel_preadv(pool: ThreadPoolExecutor, fds: Sequence[int], sizes: Sequenc
     one expert can land in several arrays with no copy in between. A window is one ``preadv``
     whatever the buffers it spans (fewer, aligned reads: 6% faster here than one per buffer).
 
-    ``done(i)``, if given, is called on the caller's thread, in order, as soon as ``outs[i]``
-    is filled, while later outs are still being read (a GPU copy of one can overlap the next
-    read). On an error every job still running is waited for before it is raised: no read
-    writes into the outs after this returns or raises.
+    ``landed(i, n)``, if given, is called on the caller's thread, in order, as soon as the
+    first ``n`` bytes of ``outs[i]`` are in place, once a job's windows are read (``n`` grows
+    for each out and ends at ``sizes[i]``), while later windows are still being read: a GPU
+    copy of what landed overlaps the reads after it, and the copy left after the last read is
+    one window's, not a whole expert's. On an error every job still running is waited for
+    before it is raised: no read writes into the outs after this returns or raises.
     """
     jobs: list[list[tuple[int, list[memoryview], int]]] = [[]]
-    finished: list[list[int]] = [[]]  # per job, the outs whose last window it reads
+    finished: list[dict[int, int]] = [{}]  # per job, out -> its bytes in place once it is read
     job_bytes = 0
     for i, (fd, size, out) in enumerate(zip(fds, sizes, outs, strict=False)):
         spans = _spans(out, size)
         for start in range(0, size, _CHUNK):
             if job_bytes >= _MIN_JOB:
                 jobs.append([])
-                finished.append([])
+                finished.append({})
                 job_bytes = 0
             end = min(size, start + _CHUNK)
             jobs[-1].append((fd, _window(spans, start, end), start))
+            finished[-1][i] = end
             job_bytes += end - start
-        finished[-1].append(i)
+        finished[-1][i] = size  # (an empty out lands with the job being filled)
     if len(jobs) == 1:
         _read_pieces(jobs[0])
-        if done is not None:
-            for i in finished[0]:
-                done(i)
+        if landed is not None:
+            for i, n in finished[0].items():
+                landed(i, n)
         return
     futures = [pool.submit(_read_pieces, job) for job in jobs]
     try:
-        for fut, outs_done in zip(futures, finished, strict=True):
+        for fut, job_done in zip(futures, finished, strict=True):
             fut.result()
-            if done is not None:
-                for i in outs_done:
-                    done(i)
+            if landed is not None:
+                for i, n in job_done.items():
+                    landed(i, n)
     except BaseException:
         for fut in futures:
             fut.cancel()

@@ -52,11 +52,12 @@ class DaemonSource:
         return self.manifest.expert(layer, expert)
 
     def read_into(self, layer: int, ids: list[int], targets: Sequence[Sequence[memoryview]],
-                  done: Callable[[int], None] | None = None) -> int:
+                  landed: Callable[[int, int], None] | None = None) -> int:
         """Read the experts into ``targets``; the bytes written (the transport fills exactly
-        the sizes the daemon sends, or raises). ``done(i)`` as each one lands, in order."""
+        the sizes the daemon sends, or raises). ``landed(i, n)`` as the first ``n`` bytes of
+        expert ``i`` are in place, window by window, in order."""
         return self._checked(layer, ids, self.client.experts_into(self.repo, layer, ids,
-                                                                  targets, done))
+                                                                  targets, landed))
 
     def read_ahead_into(self, layer: int, ids: list[int],
                         targets: Sequence[Sequence[memoryview]]) -> int:

@@ -56,14 +56,15 @@ class LocalSource:
         return self.manifest.expert(layer, expert)
 
     def read_into(self, layer: int, ids: list[int], targets: Sequence[Sequence[memoryview]],
-                  done: Callable[[int], None] | None = None) -> int:
+                  landed: Callable[[int, int], None] | None = None) -> int:
         with self._lock:
             self.calls.append((layer, list(ids)))
         written = 0
         for i, (e, target) in enumerate(zip(ids, targets, strict=True)):
-            written += self._read(self.entry(layer, e), list(target))
-            if done is not None:
-                done(i)
+            n = self._read(self.entry(layer, e), list(target))
+            written += n
+            if landed is not None:
+                landed(i, n)
         return written
 
     def _read(self, entry: ExpertEntry, target: list[memoryview]) -> int:

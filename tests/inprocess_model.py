@@ -133,7 +133,7 @@ class DictSource:
         self.calls: list[tuple[int, list[int]]] = []
         self.hints: list[tuple[int, list[int]]] = []
 
-    def read_into(self, layer: int, ids: list[int], targets, done=None) -> int:  # type: ignore[no-untyped-def]
+    def read_into(self, layer: int, ids: list[int], targets, landed=None) -> int:  # type: ignore[no-untyped-def]
         self.calls.append((layer, list(ids)))
         written = 0
         for i, (e, target) in enumerate(zip(ids, targets, strict=True)):
@@ -145,8 +145,8 @@ class DictSource:
                 v[:] = data[pos : pos + v.nbytes]
                 pos += v.nbytes
                 written += v.nbytes
-            if done is not None:
-                done(i)
+            if landed is not None:
+                landed(i, len(data))
         return written
 
     def entry(self, layer: int, expert: int) -> ExpertEntry:

@@ -50,10 +50,11 @@ class ExpertSource(Protocol):
     """Where expert bytes come from (the daemon client in production)."""
 
     def read_into(self, layer: int, ids: list[int], targets: Targets,
-                  done: Callable[[int], None] | None = None) -> int:
+                  landed: Callable[[int, int], None] | None = None) -> int:
         """Read each expert's bytes into its targets (thread-safe: read-ahead uses threads);
-        the bytes written. ``done(i)``, if given, is called on the caller's thread, in order,
-        once ``ids[i]``'s bytes are in place (the rest may still be being read)."""
+        the bytes written. ``landed(i, n)``, if given, is called on the caller's thread, in
+        order, once the first ``n`` bytes of ``ids[i]`` are in place (``n`` grows and ends at
+        the expert's size; the rest may still be being read)."""
         ...
 
     def entry(self, layer: int, expert: int) -> ExpertLayout:

@@ -17,7 +17,7 @@ Invariants:
 - Read-ahead threads only write slots claimed for them; the table and the stats are touched
   by the model's thread alone (``sweep``/``finish`` take finished reads in).
 - On a discrete CUDA GPU a demand read goes through pinned staging memory and the copy engine
-  (``cuda_memory.Copier``), each expert's copy started as soon as its read lands, so copies
+  (``cuda_memory.Copier``), each window's copy started as soon as its read lands, so copies
   overlap the reads after them; read-ahead writes slots from the host.
 """
 
@@ -146,20 +146,26 @@ class Filler:
         bank.stats.copied_bytes += written
 
     def _read_staged(self, layer: int, ids: list[int], claimed: dict[int, int]) -> int:
-        """Read into pinned staging memory; as each expert lands, copy its tensors to its slot
-        on the GPU's copy engine (``cuda_memory``) while the next ones are still read; the
-        bytes written, both copies counted."""
+        """Read into pinned staging memory; as each window of an expert lands, copy it to its
+        slot's tensors on the GPU's copy engine (``cuda_memory``) while the next windows are
+        still read, so what is left after the last read is one window's copy; the bytes
+        written, both copies counted."""
         bank, copier, memory = self.bank, self.copier, self.bank.memory
         assert memory is not None and copier is not None
         sizes = [bank.nbytes(layer, e) for e in ids]
         buf = copier.staging(sum(sizes))
         starts = np.cumsum([0, *sizes[:-1]]).tolist()
         base = buf.ctypes.data
+        copied = [0] * len(ids)  # per expert, the bytes whose copy has started
 
-        def landed(i: int) -> None:
-            e = ids[i]
-            for offset, n, key in bank.pieces(layer, e):
-                copier.copy(memory.address(key, claimed[e]), base + starts[i] + offset, n)
+        def landed(i: int, upto: int) -> None:
+            e, lo = ids[i], copied[i]
+            for offset, n, key in bank.pieces(layer, e):  # the pieces [lo, upto) meets
+                a, b = max(lo, offset), min(upto, offset + n)
+                if a < b:
+                    copier.copy(memory.address(key, claimed[e]) + a - offset,
+                                base + starts[i] + a, b - a)
+            copied[i] = max(lo, upto)
 
         try:
             written = bank.source.read_into(

@@ -234,23 +234,39 @@ def test_misses_through_staging_and_copies_land_whole_in_their_slots(blobs) -> N
     assert s.copied_bytes == 2 * s.source_bytes  # into staging, then into the slot
 
 
-def test_each_miss_is_copied_as_soon_as_its_read_lands(blobs) -> None:  # type: ignore[no-untyped-def]
-    """The copy to the GPU of one expert overlaps the reads after it: the filler starts an
-    expert's copies from the source's ``done(i)``, before expert i+1 of the batch is read."""
+def test_each_window_is_copied_as_soon_as_its_read_lands(blobs) -> None:  # type: ignore[no-untyped-def]
+    """The copy to the GPU overlaps the reads after it: the filler copies what the source says
+    has landed (``landed(i, n)``: the first n bytes of expert i), window by window, before the
+    rest is read. Here each expert lands in three uneven parts that cut across its tensors,
+    the staging filled with garbage before each part is written: a copy of bytes not yet
+    landed, a part copied twice or a part left out shows as wrong logits or a wrong count."""
     ref, toks = run_logits(build_resident(FMT), PROMPT, steps=2)
     model, bank = _bank(blobs, slots=10)
     events: list[str] = []
     inner = bank.source.read_into
 
-    def read_into(layer, ids, targets, done=None):  # type: ignore[no-untyped-def]
+    def read_into(layer, ids, targets, landed=None):  # type: ignore[no-untyped-def]
         events.append(f"batch {len(ids)}")
-
-        def landed(i: int) -> None:
-            events.append("landed")
-            if done is not None:
-                done(i)
-
-        return inner(layer, ids, targets, landed)
+        scratch = [[bytearray(v.nbytes) for v in t] for t in targets]
+        got = inner(layer, ids, [[memoryview(b) for b in t] for t in scratch])
+        for i, (target, parts) in enumerate(zip(targets, scratch, strict=True)):
+            whole = b"".join(parts)
+            flat = [v.cast("B") for v in target]
+            for v in flat:
+                v[:] = b"\xab" * v.nbytes
+            done = 0
+            for upto in (len(whole) // 3 + 1, 2 * len(whole) // 3 + 5, len(whole)):
+                pos = 0
+                for v in flat:  # bytes [done, upto) into the buffers they fall in
+                    a, b = max(done, pos), min(upto, pos + v.nbytes)
+                    if a < b:
+                        v[a - pos:b - pos] = whole[a:b]
+                    pos += v.nbytes
+                done = upto
+                events.append("landed")
+                if landed is not None:
+                    landed(i, upto)
+        return got
 
     class Logged(_HostCopier):
         def copy(self, dst: int, src: int, nbytes: int) -> None:
@@ -261,11 +277,12 @@ def test_each_miss_is_copied_as_soon_as_its_read_lands(blobs) -> None:  # type: 
     bank.fill.copier = Logged()
     got, _ = run_logits(model, PROMPT, toks, steps=2)
     assert_bitwise(ref, got)
+    s = bank.stats
+    assert bank.fill.copier.copied == s.source_bytes > 0  # each byte copied once
     batches = " ".join(events).split("batch ")[1:]
-    multi = [b.split() for b in batches if int(b.split()[0]) > 1]
-    assert multi, "the test needs batches of several misses"
-    for b in multi:  # landed, its copies, landed, its copies, ...: never two landings in a row
-        words = b[1:]
+    assert any(int(b.split()[0]) > 1 for b in batches), "the test needs batches of several misses"
+    for b in batches:  # landed, its copies, landed, its copies, ...: never two landings in a row
+        words = b.split()[1:]
         assert words[0] == "landed" and "landed landed" not in " ".join(words), b
 
 

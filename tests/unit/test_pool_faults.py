@@ -130,11 +130,11 @@ def _install(point: str, fault: Fault, source: LocalSource,
     elif point == "read":  # the first expert of a demand read landed, then the read fails
         real_read = source.read_into
 
-        def read_into(layer, ids, targets, done=None):  # type: ignore[no-untyped-def]
+        def read_into(layer, ids, targets, landed=None):  # type: ignore[no-untyped-def]
             if threading.current_thread() is threading.main_thread() and fault.take("read"):
                 real_read(layer, ids[:1], targets[:1])
                 raise Injected("read")
-            return real_read(layer, ids, targets, done)
+            return real_read(layer, ids, targets, landed)
 
         monkeypatch.setattr(source, "read_into", read_into)
     elif point in ("derive", "derive_staged"):  # sanitize's ops over freshly filled slots
@@ -155,10 +155,10 @@ def _gate_read_ahead(source: LocalSource, monkeypatch: pytest.MonkeyPatch, fault
     ``finish_wait`` point raises inside that wait."""
     gate, real_read, real_exc = threading.Event(), source.read_into, Future.exception
 
-    def read_into(layer, ids, targets, done=None):  # type: ignore[no-untyped-def]
+    def read_into(layer, ids, targets, landed=None):  # type: ignore[no-untyped-def]
         if threading.current_thread() is not threading.main_thread():
             assert gate.wait(60), "nothing waited for the read-ahead"
-        return real_read(layer, ids, targets, done)
+        return real_read(layer, ids, targets, landed)
 
     def exception(self: Future, timeout: float | None = None) -> Any:  # type: ignore[type-arg]
         gate.set()
