@@ -17,6 +17,8 @@ greedy decode (a 4-token prompt that differs every round, so the routing does to
   pc-hostwrite: pc with misses written into slots from the host, as on unified memory (on
              CUDA the engine reads them into pinned memory and copies them to the GPU:
              ``cachecd_engine.pool.cuda_memory``; elsewhere pc-hostwrite is pc).
+  pc-expertcopy: pc with each miss copied to the GPU once the whole expert has landed, not
+             window by window as it lands (the engine before; on CUDA only, elsewhere it is pc).
 With ``--throttle R`` every streamed case reads through one simulated disk of R GB/s
 (``Throttled``: each read, demand or read-ahead, holds the disk for its bytes / R, in arrival
 order; the page cache serves the bytes): a Mac's SSD beside this machine's compute.
@@ -77,7 +79,8 @@ from cachecd.config import parse_size
 from cachecd_client.transport import parallel_preadv
 
 REPO = "bench/k3-decode"
-CASES = ("resident", "ram", "ram-spec", "pc", "pc-ahead", "pc-spec", "pc-hostwrite")
+CASES = ("resident", "ram", "ram-spec", "pc", "pc-ahead", "pc-spec", "pc-hostwrite",
+         "pc-expertcopy")
 ENGINE = {  # pool, read-ahead, speculative steps
     "ram": ("all", False, False),
     "ram-spec": ("all", False, True),
@@ -85,6 +88,7 @@ ENGINE = {  # pool, read-ahead, speculative steps
     "pc-ahead": ("small", True, False),
     "pc-spec": ("small", False, True),
     "pc-hostwrite": ("small", False, False),
+    "pc-expertcopy": ("small", False, False),
 }
 STATS = ("readback_s", "readers_s", "wait_s", "plan_s", "source_bytes", "copied_bytes", "experts_routed",
          "ram_hits", "staged_hits", "source_hits", "staged")
@@ -219,6 +223,9 @@ def load_case(name: str, served: Served, sock: Path, small: int, dtype: Any,
             model, _ = load(served.repo, sock, ram_bytes=size, prefetch=ahead, speculate=spec)
         finally:
             cuda_memory.USE = True
+        copier = model.bank.fill.copier
+        if copier is not None:
+            copier.by_window = name != "pc-expertcopy"
         if pool == "all":
             fill_pool(model, served)
         if throttle:

@@ -74,6 +74,9 @@ class Copier:
         self._staging: np.ndarray | None = None
         self._pinned = False  # the staging is registered with the runtime
         self.copied = 0  # bytes copied to the GPU
+        # Copy each window of a miss as it lands (False: each expert once it is whole, the
+        # engine before; bench/k3_decode.py's pc-expertcopy case measures the two side by side).
+        self.by_window = True
 
     def staging(self, nbytes: int) -> np.ndarray:
         """A pinned, cache-line aligned host buffer of at least ``nbytes`` (grown as needed)."""

@@ -159,6 +159,8 @@ class Filler:
         copied = [0] * len(ids)  # per expert, the bytes whose copy has started
 
         def landed(i: int, upto: int) -> None:
+            if upto < sizes[i] and not copier.by_window:
+                return
             e, lo = ids[i], copied[i]
             for offset, n, key in bank.pieces(layer, e):  # the pieces [lo, upto) meets
                 a, b = max(lo, offset), min(upto, offset + n)
