@@ -13,14 +13,20 @@ host never touches the pool's pages, which stay on the GPU.
 The CUDA runtime is loaded by name (MLX links its own copy statically; both drive the same
 device). Any failure (no CUDA 13 runtime, a call refused) turns the copier off and the bank
 writes slots from the host as on unified memory; a bank on CUDA says so in one warning when it
-starts (``event=cuda_copier_off``), not only when a call is refused. The pinned staging is
-released (unregistered, then freed) when the bank is closed.
+starts (``event=cuda_copier_off``), not only when a call is refused.
+
+Invariant: pinned staging is unregistered before its memory is freed, whether the bank is
+closed, the staging grows, or the copier is dropped without a close (a bank let go of): the
+unregistration holds the buffer until it has run. Freeing registered memory leaves the
+driver's registration behind; a later buffer at those addresses then cannot be pinned, and a
+copy from it reads the old pages.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import weakref
 from typing import Any
 
 import numpy as np
@@ -72,7 +78,7 @@ class Copier:
     def __init__(self) -> None:
         self.on = USE and _runtime() is not None
         self._staging: np.ndarray | None = None
-        self._pinned = False  # the staging is registered with the runtime
+        self._unpin: weakref.finalize | None = None  # unregisters the staging (holds it till then)
         self.copied = 0  # bytes copied to the GPU
         # Copy each window of a miss as it lands (False: each expert once it is whole, the
         # engine before; bench/k3_decode.py's pc-expertcopy case measures the two side by side).
@@ -85,8 +91,9 @@ class Copier:
             raw = np.ones(nbytes + 64, np.uint8)  # touched: no page faults in a read
             off = -raw.ctypes.data % 64
             buf = raw[off : off + nbytes]
-            self._pinned = self.on and _lib.cudaHostRegister(buf.ctypes.data, nbytes, 0) == 0
-            if self.on and not self._pinned:
+            if self.on and _lib.cudaHostRegister(buf.ctypes.data, nbytes, 0) == 0:
+                self._unpin = weakref.finalize(self, _unregister, _lib, buf)
+            elif self.on:
                 log.debug("cuda copier: staging not pinned (pageable copies are slower)")
             self._staging = buf
         return self._staging
@@ -113,6 +120,11 @@ class Copier:
         self._release()
 
     def _release(self) -> None:
-        if self._staging is not None and self._pinned and _lib is not None:
-            _lib.cudaHostUnregister(self._staging.ctypes.data)
-        self._staging, self._pinned = None, False
+        if self._unpin is not None:
+            self._unpin()  # runs once: unregistered, then the buffer may go
+        self._staging, self._unpin = None, None
+
+
+def _unregister(lib: Any, buf: np.ndarray) -> None:
+    """Unpin ``buf`` (it is alive: the finalizer holding this call holds it)."""
+    lib.cudaHostUnregister(buf.ctypes.data)

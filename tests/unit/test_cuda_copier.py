@@ -40,10 +40,13 @@ def test_a_bank_on_cuda_without_libcudart_says_so_when_it_starts(
 
 
 class _Runtime:
-    """Stands in for libcudart: pins and unpins, and remembers what is pinned."""
+    """Stands in for libcudart: pins and unpins, and remembers what is pinned. With ``alive``
+    set (a weak reference to the pinned buffer), unpinning checks the buffer still exists."""
 
     def __init__(self) -> None:
         self.pinned: set[int] = set()
+        self.alive: Any = None
+        self.freed_first = 0  # unpinned after the buffer was freed
 
     def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802
         self.pinned.add(ptr)
@@ -51,6 +54,8 @@ class _Runtime:
 
     def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
         self.pinned.remove(ptr)
+        if self.alive is not None and self.alive() is None:
+            self.freed_first += 1
         return 0
 
 
@@ -67,3 +72,25 @@ def test_closing_a_bank_releases_the_pinned_staging(monkeypatch: pytest.MonkeyPa
     assert len(runtime.pinned) == 1
     bank.close()
     assert not runtime.pinned
+
+
+def test_a_bank_let_go_of_without_close_unpins_its_staging_before_it_is_freed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests, reloads and servers drop banks without closing them. Freeing memory that is still
+    registered leaves the driver's registration behind (a later buffer at those addresses then
+    cannot be pinned and a copy from it reads the old pages): the copier unpins the staging
+    when it is collected, while the buffer is still alive."""
+    import gc
+    import weakref
+
+    runtime: Any = _Runtime()
+    monkeypatch.setattr(cuda_memory, "_tried", True)
+    monkeypatch.setattr(cuda_memory, "_lib", runtime)
+    bank = _cuda_bank(monkeypatch)
+    assert bank.fill.copier is not None
+    buf = bank.fill.copier.staging(1 << 16)
+    runtime.alive = weakref.ref(buf.base)
+    del buf, bank
+    gc.collect()  # the bank and its filler refer to each other: a cycle
+    assert not runtime.pinned
+    assert runtime.freed_first == 0
