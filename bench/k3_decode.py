@@ -19,6 +19,8 @@ greedy decode (a 4-token prompt that differs every round, so the routing does to
              ``cachecd_engine.pool.cuda_memory``; elsewhere pc-hostwrite is pc).
   pc-expertcopy: pc with each miss copied to the GPU once the whole expert has landed, not
              window by window as it lands (the engine before; on CUDA only, elsewhere it is pc).
+  pc-defer:  pc with each layer's misses read while the model's thread builds the graph up to
+             the next MoE layer (``ExpertBank.defer_reads``, off by default).
 With ``--throttle R`` every streamed case reads through one simulated disk of R GB/s
 (``Throttled``: each read, demand or read-ahead, holds the disk for its bytes / R, in arrival
 order; the page cache serves the bytes): a Mac's SSD beside this machine's compute.
@@ -80,7 +82,7 @@ from cachecd_client.transport import parallel_preadv
 
 REPO = "bench/k3-decode"
 CASES = ("resident", "ram", "ram-spec", "pc", "pc-ahead", "pc-spec", "pc-hostwrite",
-         "pc-expertcopy")
+         "pc-expertcopy", "pc-defer")
 ENGINE = {  # pool, read-ahead, speculative steps
     "ram": ("all", False, False),
     "ram-spec": ("all", False, True),
@@ -89,6 +91,7 @@ ENGINE = {  # pool, read-ahead, speculative steps
     "pc-spec": ("small", False, True),
     "pc-hostwrite": ("small", False, False),
     "pc-expertcopy": ("small", False, False),
+    "pc-defer": ("small", False, False),
 }
 STATS = ("readback_s", "readers_s", "wait_s", "plan_s", "source_bytes", "copied_bytes", "experts_routed",
          "ram_hits", "staged_hits", "source_hits", "staged")
@@ -223,6 +226,7 @@ def load_case(name: str, served: Served, sock: Path, small: int, dtype: Any,
             model, _ = load(served.repo, sock, ram_bytes=size, prefetch=ahead, speculate=spec)
         finally:
             cuda_memory.USE = True
+        model.bank.defer_reads = name == "pc-defer"
         copier = model.bank.fill.copier
         if copier is not None:
             copier.by_window = name != "pc-expertcopy"

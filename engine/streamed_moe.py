@@ -119,6 +119,8 @@ def install_streamed_banks(model: nn.Module, bank: ExpertBank) -> list[int]:
                 bank.experts_per_layer = glu.gate_proj.weight.shape[0]
             mlp.switch_mlp = StreamedSwitchGLU(idx, as_template(glu, bank.spec), bank)
             layers.append(idx)
+    if layers:  # after it the forward evaluates: its call never leaves a read deferred
+        bank.last_layers.add(max(layers))
     log.debug("streamed banks installed layers=%d", len(layers))
     return layers
 

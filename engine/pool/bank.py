@@ -140,6 +140,12 @@ class ExpertBank:
         self.window_nbytes: int | None = None  # a window's outputs at most (None: prefill's default)
         self.min_slots = MIN_SLOTS  # the least a default-sized pool gets (the loader: 2 calls)
         self.max_slots = 0  # if set: the experts the model has (more slots would stay empty)
+        # Read a decode call's misses while the model's thread builds the graph after it, up
+        # to the next MoE layer's call (``fill.complete``); never for ``last_layers`` (the
+        # last MoE layer of each forward, after which mlx-lm evaluates). Off by default:
+        # bench/k3_decode.py's pc-defer case measures it beside pc.
+        self.defer_reads = False
+        self.last_layers: set[int] = set()
         self.fill = Filler(self, readers)
 
     # the pool ---------------------------------------------------------------------------------
@@ -240,6 +246,7 @@ class ExpertBank:
 
     def settle(self) -> None:
         """Finish every read under way and evaluate every queued reader of a slot."""
+        self.fill.complete()
         self.fill.finish_all()
         self.fill.derive_staged()
         if self.table is not None:
@@ -264,7 +271,9 @@ class ExpertBank:
         return self.table is not None and (layer, expert) in self.table
 
     def fenced(self) -> list[mx.array]:
-        """The outputs of queued calls that read slots (evaluate them with the read-back)."""
+        """The outputs of queued calls that read slots (evaluate them with the read-back); a
+        deferred read those calls wait on is completed first."""
+        self.fill.complete()
         return self.table.fenced() if self.table is not None else []
 
     def synced(self, evaluated: list[mx.array]) -> None:
@@ -298,15 +307,25 @@ class ExpertBank:
             return self._run_windowed(layer, glu, x, routed, ids, target, span)
         if fit is None or fit.pad:
             return run_groups(self, layer, glu, x, routed, ids, target)
-        slots = self.acquire(layer, ids)
+        slots = self.fill.acquire(layer, ids, defer=self._may_defer(layer))
         t1 = time.perf_counter()
         allow_sorted(glu, fit.sorted)
         y = glu(x, mx.array(local_slots(routed, slots)))
         table.fence(slots.values(), y)  # before it is queued: nothing may run unfenced
-        mx.async_eval(y)
+        if not self.fill.deferred:  # else queued by the next read-back, after ``complete``
+            mx.async_eval(y)
         s.groups += 1
         s.plan_s += time.perf_counter() - t1
         return y
+
+    def _may_defer(self, layer: int) -> bool:
+        """Whether this call's misses may be read while the model's thread goes on building
+        the graph (``defer_reads``): a decode call of a layer with another MoE layer after it
+        in this forward (whose call completes the read before any evaluation), outside
+        prefill passes."""
+        return (self.defer_reads and layer not in self.last_layers and self.chunks is None
+                and not self.discarding and self.table is not None
+                and self.table.prefill_layer is None)
 
     def _run_windowed(self, layer: int, glu: SwitchGLU, x: mx.array, routed: np.ndarray,
                       ids: list[int], target: str, span: int) -> mx.array:

@@ -16,6 +16,13 @@ Invariants:
   fences are cleared only after that evaluation has returned.
 - Read-ahead threads only write slots claimed for them; the table and the stats are touched
   by the model's thread alone (``sweep``/``finish`` take finished reads in).
+- A deferred demand read (``acquire(defer=True)``: the bank's decode calls with the option on)
+  runs on the filler's own thread while the model's thread builds the graph after the call; its
+  slots stay claimed (filling) until ``complete`` has waited for the read and its copies, and
+  ``complete`` runs before anything that evaluates or claims (the next layer call, a read-back
+  of fences, ``settle``, a speculative step, ``close``). The caller queues nothing that reads
+  those slots before then. A deferred read that fails frees its slots in ``complete`` once no
+  read writes them any more.
 - On a discrete CUDA GPU a demand read goes through pinned staging memory and the copy engine
   (``cuda_memory.Copier``), each window's copy started as soon as its read lands, so copies
   overlap the reads after them; read-ahead writes slots from the host.
@@ -24,7 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import mlx.core as mx
@@ -49,12 +56,18 @@ class Filler:
         self._underived: list[int] = []  # slots filled by read-ahead, derived arrays not yet
         self.guessed: set[Key] = set()  # experts read ahead and not used yet
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="cachecd-ahead")
+        self._demand = ThreadPoolExecutor(1, thread_name_prefix="cachecd-demand")
+        # A deferred demand read under way: its layer, expert -> slot, the read, when started.
+        self._pending: tuple[int, dict[int, int], Future[int], float] | None = None
         # On a discrete CUDA GPU misses go through pinned memory and the copy engine.
         self.copier = Copier() if bank.backend == "cuda" else None
 
-    def acquire(self, layer: int, ids: list[int]) -> dict[int, int]:
+    def acquire(self, layer: int, ids: list[int], defer: bool = False) -> dict[int, int]:
         """Every expert of ``ids`` in a slot, bytes in place: expert -> slot. Experts not held
-        are read now into free slots or the policy's victims (never one of ``ids``')."""
+        are read now into free slots or the policy's victims (never one of ``ids``'). With
+        ``defer`` (formats that derive nothing from the bytes) the misses are read on the
+        filler's thread and are in place only once ``complete`` returns."""
+        self.complete()
         t0 = time.perf_counter()
         memory, table = self.bank.pool(layer, ids[0])
         stats = self.bank.stats
@@ -71,6 +84,13 @@ class Filler:
         self.guessed.difference_update(staged)
         try:
             claimed = self._claim(layer, [e for e in ids if e not in held], set(held.values()))
+            if defer and claimed and not memory.derived and not self._underived:
+                self._defer(layer, claimed)
+                stats.ram_hits += len(held) - len(staged)
+                stats.staged_hits += len(staged)
+                stats.wait_s += (time.perf_counter() - t0) - (stats.plan_s - plan0) - (
+                    stats.readers_s - readers0)
+                return {**held, **claimed}
             self._read_now(layer, claimed)
             self.derive_staged()
             stats.copied_bytes += memory.derive(list(claimed.values()))
@@ -129,21 +149,58 @@ class Filler:
         table.forget([s for s in table.unfilled() if s not in self._reads])
 
     def _read_now(self, layer: int, claimed: dict[int, int]) -> None:
-        if not claimed:
-            return
+        if claimed:
+            self._count(layer, claimed, self._read(layer, claimed))
+
+    def _count(self, layer: int, claimed: dict[int, int], written: int) -> None:
+        stats = self.bank.stats
+        stats.source_hits += len(claimed)
+        stats.source_bytes += sum(self.bank.nbytes(layer, e) for e in claimed)
+        stats.copied_bytes += written
+
+    def _read(self, layer: int, claimed: dict[int, int]) -> int:
+        """The misses' bytes into their slots (and their copies done); the bytes written. Any
+        thread (a deferred read runs on the filler's): it touches no table and no stats."""
         bank = self.bank
-        assert bank.memory is not None and bank.table is not None
+        assert bank.memory is not None
         ids = list(claimed)
         if self.copier is not None and self.copier.on:
             per = max(1, STAGING_BYTES // bank.nbytes(layer, ids[0]))
-            written = sum(self._read_staged(layer, ids[i : i + per], claimed)
-                          for i in range(0, len(ids), per))
-        else:
-            targets = [bank.memory.targets(claimed[e], bank.pieces(layer, e)) for e in ids]
-            written = bank.source.read_into(layer, ids, targets)
-        bank.stats.source_hits += len(ids)
-        bank.stats.source_bytes += sum(bank.nbytes(layer, e) for e in ids)
-        bank.stats.copied_bytes += written
+            return sum(self._read_staged(layer, ids[i : i + per], claimed)
+                       for i in range(0, len(ids), per))
+        targets = [bank.memory.targets(claimed[e], bank.pieces(layer, e)) for e in ids]
+        return int(bank.source.read_into(layer, ids, targets))
+
+    def _defer(self, layer: int, claimed: dict[int, int]) -> None:
+        for e in claimed:  # the manifest's layouts looked up here, on the model's thread
+            self.bank.pieces(layer, e)
+        fut = self._demand.submit(self._read, layer, dict(claimed))
+        self._pending = (layer, claimed, fut, time.perf_counter())
+
+    @property
+    def deferred(self) -> bool:
+        """A deferred read is under way (``complete`` has not run since)."""
+        return self._pending is not None
+
+    def complete(self) -> None:
+        """Wait for the deferred read, if any: its slots then hold their experts (marked
+        filled), or, if it failed, are freed (only once the read has stopped) and it raises."""
+        if self._pending is None:
+            return
+        layer, claimed, fut, _ = self._pending
+        self._pending = None
+        table, stats = self.bank.table, self.bank.stats
+        t0 = time.perf_counter()
+        try:
+            written = fut.result()
+        except BaseException:
+            wait([fut])  # Ctrl-C while waiting: the read still writes the slots until it ends
+            table.forget(list(claimed.values()))
+            raise
+        finally:
+            stats.wait_s += time.perf_counter() - t0
+        self._count(layer, claimed, written)
+        table.filled(claimed.values())
 
     def _read_staged(self, layer: int, ids: list[int], claimed: dict[int, int]) -> int:
         """Read into pinned staging memory; as each window of an expert lands, copy it to its
@@ -247,6 +304,10 @@ class Filler:
                 raise
 
     def close(self) -> None:
+        try:
+            self.complete()
+        finally:
+            self._demand.shutdown(wait=True)
         for slot in list(self._reads):
             self._reads[slot][1].cancel()
         self._readers.shutdown(wait=True, cancel_futures=True)

@@ -362,3 +362,72 @@ def test_a_resize_that_fails_part_way_drops_the_pool_and_changes_no_logit(blobs,
     got, _ = run_logits(model, PROMPT, toks, steps=3)
     assert_bitwise(ref, got)
     assert bank.capacity == 30
+
+
+def _gated(bank: ExpertBank) -> list[int]:
+    """Deferred reads held until ``complete`` asks for them (what a slow disk does to a read
+    still under way when the forward goes on); the layers whose reads were deferred."""
+    import threading
+
+    gate, deferred = threading.Event(), []
+    inner, defer, complete = bank.source.read_into, bank.fill._defer, bank.fill.complete
+
+    def read_into(layer, ids, targets, landed=None):  # type: ignore[no-untyped-def]
+        if threading.current_thread() is not threading.main_thread():
+            assert gate.wait(60), "nothing completed the deferred read"
+        return inner(layer, ids, targets, landed)
+
+    def spy(layer: int, claimed: dict[int, int]) -> None:
+        gate.clear()
+        deferred.append(layer)
+        defer(layer, claimed)
+
+    def completing() -> None:
+        gate.set()
+        complete()
+
+    bank.source.read_into = read_into  # type: ignore[method-assign]
+    bank.fill._defer = spy  # type: ignore[method-assign]
+    bank.fill.complete = completing  # type: ignore[method-assign]
+    return deferred
+
+
+def test_deferred_reads_change_no_logit(blobs) -> None:  # type: ignore[no-untyped-def]
+    """With ``defer_reads`` a call's misses are read on the filler's thread while the forward
+    goes on; nothing reads their slots before ``complete`` (held here until then: a call
+    queued early would compute from slots not yet written), and the last MoE layer's call
+    never leaves a read behind (mlx-lm evaluates after it)."""
+    ref, toks = run_logits(build_resident(FMT), PROMPT, steps=6)
+    model, bank = _bank(blobs, slots=10)  # fewer than a token's experts: misses every layer
+    bank.defer_reads = True
+    deferred = _gated(bank)
+    got, _ = run_logits(model, PROMPT, toks, steps=6)
+    assert_bitwise(ref, got)
+    assert len(deferred) > 6 and max(bank.last_layers) not in deferred
+    assert not bank.fill.deferred
+
+
+def test_a_deferred_read_that_fails_frees_its_slots_and_changes_no_logit(blobs) -> None:  # type: ignore[no-untyped-def]
+    """The read fails on the filler's thread: the next call raises it, the slots it claimed
+    are freed, and the same model then computes the resident logits."""
+    import threading
+
+    ref, toks = run_logits(build_resident(FMT), PROMPT, steps=4)
+    model, bank = _bank(blobs, slots=10)
+    bank.defer_reads = True
+    inner, failed = bank.source.read_into, []
+
+    def read_into(layer, ids, targets, landed=None):  # type: ignore[no-untyped-def]
+        if threading.current_thread() is not threading.main_thread() and not failed:
+            failed.append(layer)
+            inner(layer, ids[:1], targets[:1])  # one expert lands, then the read fails
+            raise OSError("disk gone")
+        return inner(layer, ids, targets, landed)
+
+    bank.source.read_into = read_into  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="disk gone"):
+        run_logits(model, PROMPT, toks, steps=4)
+    assert failed and not bank.fill.deferred
+    assert bank.table is not None and not bank.table.unfilled()
+    got, _ = run_logits(model, PROMPT, toks, steps=4)
+    assert_bitwise(ref, got)
