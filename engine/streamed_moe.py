@@ -8,6 +8,8 @@ Invariants:
   on, and with the queued calls that read slots of the pool (so the bank knows no queued work
   reads a slot any more); the read-back runs without the GIL, so read-ahead threads keep
   reading meanwhile.
+- A call first completes the read the previous call deferred (``ExpertBank.defer_reads``):
+  nothing this call queues or evaluates runs before those slots hold their experts.
 - Every layer's template computes from the bank's one slot pool; the projections'
   ``sorted_indices`` is theirs to pass unless the bank clears it for a call (``dispatch``: to
   keep the resident call's kernel).
@@ -74,6 +76,7 @@ class StreamedSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         bank: ExpertBank = self._bank
+        bank.fill.complete()  # a read the previous call deferred (its wait counted apart)
         if bank.discarding:  # an output nothing reads (prefill.py): no read-back, no read
             return mx.zeros((*indices.shape, x.shape[-1]), x.dtype)
         if bank.chunks is not None:  # a layer's prefill chunks together (pool.chunks)
