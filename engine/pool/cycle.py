@@ -43,6 +43,8 @@ _AGES = np.array([1, 2, 3, 4, 5, 9, 17, 33])
 _USES = np.array([0.0, 0.5, 1.5, 3.0, 6.0, 12.0, 24.0])
 DECAY = 1.0 - 1.0 / 128
 CLASSES = 2 * len(_AGES) * len(_USES)  # x (forecast for the next call or not)
+# Per age (clipped to 1.._AGES[-1]), its bucket's first class: a lookup, not a search, per expert.
+_AGE_CLASS = (np.searchsorted(_AGES, np.arange(_AGES[-1] + 1), side="right") - 1) * len(_USES)
 _NEVER = 1 << 30
 PRIOR_WEIGHT = 4.0  # pseudo-counts: a class seen a few times is scored near the prior
 HALVE_AT = 1 << 22  # counted experts between halvings of every count (the classes keep adapting)
@@ -66,6 +68,7 @@ class LayerCycle:
 
     def __init__(self, capacity: int, experts_per_layer: int = 0) -> None:
         self._pos: dict[int, int] = {}  # layer -> its place in the cycle (ascending layers)
+        self._pos_of = np.zeros(0, dtype=np.int64)  # per row, its layer's place in the cycle
         self._row: dict[int, int] = {}  # layer -> its row in the arrays below
         self._last = np.full((0, experts_per_layer), -_NEVER, dtype=np.int64)  # routed at call
         self._uses = np.zeros((0, experts_per_layer))  # decayed uses
@@ -100,10 +103,11 @@ class LayerCycle:
     def visit(self, layer: int, experts: Iterable[int]) -> None:
         """``layer`` is called with these experts routed: count every expert of the layer in
         its class (routed or not), then remember these as routed now."""
-        ids = np.unique(np.fromiter(experts, dtype=np.int64))
-        if ids.size == 0:
+        routed = sorted(set(experts))
+        if not routed:
             return
-        row = self._grow(layer, int(ids.max()))
+        ids = np.array(routed, dtype=np.int64)
+        row = self._grow(layer, routed[-1])
         if layer != self._at:  # a call in groups visits once
             self._visits[row] += 1
             self._uses[row] *= DECAY
@@ -111,8 +115,12 @@ class LayerCycle:
         guess = self._forecast
         if guess is not None and guess[0] == layer:
             self._forecast = None
-        cls = self._classes(np.full(self._last.shape[1], row), np.arange(self._last.shape[1]),
-                            0, guess)
+        # Every expert of the layer, as it is now: its row read whole (no gather), and the
+        # forecast named only if it is for this layer.
+        age = self._visits[row] - self._last[row]
+        named = self._named(guess[1], self._last.shape[1]) \
+            if guess is not None and guess[0] == layer else None
+        cls = self._class_of(age, self._uses[row], named)
         self._seen += np.bincount(cls, minlength=CLASSES)
         self._routed += np.bincount(cls[ids], minlength=CLASSES)
         self._counted += cls.size
@@ -127,6 +135,8 @@ class LayerCycle:
         if row is None:
             row = self._row[layer] = len(self._row)
             self._pos = {m: i for i, m in enumerate(sorted(self._row))}
+            # Per row (rows in the order layers came), its place in the cycle.
+            self._pos_of = np.array([self._pos[m] for m in self._row], dtype=np.int64)
         rows, cols = max(row + 1, self._last.shape[0]), max(expert + 1, self._last.shape[1])
         if (rows, cols) != self._last.shape:
             last = np.full((rows, cols), -_NEVER, dtype=np.int64)
@@ -142,13 +152,29 @@ class LayerCycle:
         """The class of each (row, expert) as it is (``ahead`` 0) or will be at its layer's
         next call (``ahead`` 1): age, decayed uses, and whether ``guess`` names it."""
         age = self._visits[rows] + ahead - self._last[rows, experts]
-        uses = self._uses[rows, experts] * (DECAY if ahead else 1.0)
-        cls = (np.searchsorted(_AGES, np.maximum(age, 1), side="right") - 1) * len(_USES) \
-            + np.searchsorted(_USES, uses, side="right") - 1
+        uses = self._uses[rows, experts] * DECAY if ahead else self._uses[rows, experts]
+        named = None
         if guess is not None and guess[0] in self._row:
-            named = (rows == self._row[guess[0]]) & np.isin(experts, list(guess[1]))
+            named = (rows == self._row[guess[0]]) \
+                & self._named(guess[1], self._last.shape[1])[experts]
+        return self._class_of(age, uses, named)
+
+    @staticmethod
+    def _class_of(age: np.ndarray, uses: np.ndarray, named: np.ndarray | None) -> np.ndarray:
+        """The class of each expert from its age, decayed uses and whether the forecast names
+        it (``named``: a mask, or None for none)."""
+        cls = _AGE_CLASS[np.clip(age, 1, _AGES[-1])] + np.searchsorted(_USES, uses, side="right")
+        cls -= 1
+        if named is not None:
             cls[named] += CLASSES // 2
-        return cls.astype(np.int64)
+        return cls
+
+    @staticmethod
+    def _named(guess: set[int], experts: int) -> np.ndarray:
+        """Per expert id below ``experts``, whether ``guess`` names it."""
+        mask = np.zeros(experts, dtype=bool)
+        mask[[e for e in guess if 0 <= e < experts]] = True
+        return mask
 
     # what it tells the table ------------------------------------------------------------------
     def chances(self) -> np.ndarray:
@@ -162,14 +188,12 @@ class LayerCycle:
         out = np.full(self._rows.size, np.inf)
         if not used.any() or self._at is None:
             return out
-        cycle, at = len(self._pos), self._pos[self._at]
-        pos_of = np.zeros(len(self._row), dtype=np.int64)
-        pos_of[list(self._row.values())] = [self._pos[m] for m in self._row]
-        rows = self._rows[used]
-        dist = (pos_of[rows] - at) % cycle
+        cycle = len(self._pos)
+        dist = (self._pos_of - self._pos[self._at]) % cycle  # per row, calls until its next
         dist[dist == 0] = cycle
+        rows = self._rows[used]
         cls = self._classes(rows, self._expert[used], 1, self._forecast)
-        out[used] = self.chances()[cls] / dist
+        out[used] = self.chances()[cls] / dist[rows]
         return out
 
     def below(self, n: int, held: set[int], layer: int, experts: list[int]) -> list[int]:
