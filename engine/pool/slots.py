@@ -322,8 +322,10 @@ class SlotTable:
 
     def filled(self, slots: Iterable[int]) -> None:
         """These slots' bytes are in place."""
-        self.version += 1
+        filling = len(self._filling)
         self._filling.difference_update(slots)
+        if len(self._filling) != filling:  # a call whose experts were all held changes nothing
+            self.version += 1
 
     def forget(self, slots: Iterable[int]) -> None:
         """Free slots whose read failed or was dropped (their bytes are not the expert's);

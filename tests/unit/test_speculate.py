@@ -15,7 +15,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from cachecd_engine.formats import QUANT_SPECS
 from cachecd_engine.loader import streamed_classes
 from cachecd_engine.pool.bank import EngineStats, ExpertBank
-from cachecd_engine.pool.speculate import Speculator, restorable
+from cachecd_engine.pool.speculate import DeviceMap, Speculator, restorable
 from cachecd_engine.streamed_moe import install_streamed_banks
 from tests.exactness import assert_bitwise, run_logits
 from tests.inprocess_model import DictSource, build_resident, serialize_experts
@@ -65,6 +65,20 @@ def test_steps_that_miss_are_thrown_away_without_a_trace(reference) -> None:  # 
     assert_bitwise(ref, got)
     assert bank.speculator.missed > 0
     assert bank.stats.layer_calls == 5 * (STEPS + 1)  # a thrown-away step counts no call
+
+
+def test_a_call_with_every_expert_held_leaves_the_device_map_as_built() -> None:
+    model = build_resident(FMT)
+    source = DictSource(serialize_experts(model, FMT))
+    bank = ExpertBank(source, QUANT_SPECS[FMT], 16 * source.entry(1, 0).nbytes, EngineStats(),
+                      experts_per_layer=32)
+    device_map = DeviceMap(bank, [1])
+    bank.acquire(1, [0, 1, 2])
+    built = device_map.array()
+    bank.acquire(1, [0, 1, 2])  # every expert held: nothing moved or filled, nothing to rebuild
+    assert device_map.array() is built and bank.stats.ram_hits == 3
+    bank.acquire(1, [3])
+    assert device_map.array() is not built
 
 
 def test_only_restorable_caches_are_speculated() -> None:
