@@ -26,6 +26,11 @@ Invariants:
 - Pure bookkeeping over slot numbers (no MLX): the table (``slots.SlotTable``) says which slots
   are held; this policy only ranks the others. Every miss is admitted (the kernel reads only
   the pool); the ranking decides what leaves.
+- A slot's class is kept between calls and computed again only when it can have changed: its
+  layer was called, the forecast for its layer changed, or another expert was placed in it.
+  The scores are then those computed afresh for every slot, bit for bit (the same arithmetic
+  on the same values), so the victims are too; a call's own host work scans the pool only in
+  numpy, never slot by slot in Python.
 """
 
 from __future__ import annotations
@@ -85,6 +90,12 @@ class LayerCycle:
         """The slots are renumbered (``SlotTable.resize``): ``owners[slot]`` holds now."""
         self._rows = np.full(capacity, -1, dtype=np.int64)  # per slot, its layer's row
         self._expert = np.zeros(capacity, dtype=np.int64)
+        # Per slot, its class at its layer's next call, as last computed: a slot's class
+        # changes only when its layer is called, the forecast for its layer changes or another
+        # expert is placed in it, and each of those marks it stale (computed again by ``scores``).
+        self._cls = np.zeros(capacity, dtype=np.int64)
+        self._stale_rows: set[int] = set()
+        self._stale_slots: set[int] = set()
         for slot, key in enumerate(owners):
             if key is not None:
                 self.placed(slot, key)
@@ -92,13 +103,23 @@ class LayerCycle:
     def placed(self, slot: int, key: Key) -> None:
         self._rows[slot] = self._grow(*key)
         self._expert[slot] = key[1]
+        self._stale_slots.add(slot)
 
     def left(self, slot: int) -> None:
         self._rows[slot] = -1
 
     def forecast(self, layer: int, experts: Iterable[int]) -> None:
         """The router's guess of ``layer``'s experts for its coming call."""
+        if self._forecast is not None:
+            self._stale(self._forecast[0])
         self._forecast = (layer, set(experts))
+        self._stale(layer)
+
+    def _stale(self, layer: int) -> None:
+        """The classes of ``layer``'s slots are to be computed again."""
+        row = self._row.get(layer)
+        if row is not None:
+            self._stale_rows.add(row)
 
     def visit(self, layer: int, experts: Iterable[int]) -> None:
         """``layer`` is called with these experts routed: count every expert of the layer in
@@ -128,6 +149,7 @@ class LayerCycle:
             self._counted, self._seen, self._routed = 0, self._seen / 2, self._routed / 2
         self._last[row, ids] = self._visits[row]
         self._uses[row, ids] += 1.0
+        self._stale_rows.add(row)
 
     def _grow(self, layer: int, expert: int) -> int:
         """The layer's row, the arrays grown to hold it and ``expert``."""
@@ -191,10 +213,24 @@ class LayerCycle:
         cycle = len(self._pos)
         dist = (self._pos_of - self._pos[self._at]) % cycle  # per row, calls until its next
         dist[dist == 0] = cycle
-        rows = self._rows[used]
-        cls = self._classes(rows, self._expert[used], 1, self._forecast)
-        out[used] = self.chances()[cls] / dist[rows]
+        self._refresh()
+        out[used] = self.chances()[self._cls[used]] / dist[self._rows[used]]
         return out
+
+    def _refresh(self) -> None:
+        """Compute again the classes of the stale slots (those of the stale rows, and those
+        placed since): the same classes as computing every slot's, for a few layers' slots."""
+        if not self._stale_rows and not self._stale_slots:
+            return
+        stale = np.zeros(len(self._row) + 1, dtype=bool)  # the last entry: an empty slot's (-1)
+        stale[list(self._stale_rows)] = True
+        marked = stale[self._rows]
+        marked[list(self._stale_slots)] = True
+        marked &= self._rows >= 0
+        idx = np.flatnonzero(marked)
+        self._cls[idx] = self._classes(self._rows[idx], self._expert[idx], 1, self._forecast)
+        self._stale_rows.clear()
+        self._stale_slots.clear()
 
     def below(self, n: int, held: set[int], layer: int, experts: list[int]) -> list[int]:
         """Up to ``n`` slots outside ``held`` scored below every one of ``layer``'s guessed
