@@ -48,8 +48,11 @@ _AGES = np.array([1, 2, 3, 4, 5, 9, 17, 33])
 _USES = np.array([0.0, 0.5, 1.5, 3.0, 6.0, 12.0, 24.0])
 DECAY = 1.0 - 1.0 / 128
 CLASSES = 2 * len(_AGES) * len(_USES)  # x (forecast for the next call or not)
-# Per age (clipped to 1.._AGES[-1]), its bucket's first class: a lookup, not a search, per expert.
-_AGE_CLASS = (np.searchsorted(_AGES, np.arange(_AGES[-1] + 1), side="right") - 1) * len(_USES)
+# Per age (at most _AGES[-1]), its bucket's first class: a lookup, not a search, per expert. An
+# age is never negative (an expert is last routed at its layer's current call at the latest) and
+# 0 counts as 1.
+_AGE_CLASS = (np.searchsorted(_AGES, np.maximum(np.arange(_AGES[-1] + 1), 1), side="right") - 1) \
+    * len(_USES)
 _NEVER = 1 << 30
 PRIOR_WEIGHT = 4.0  # pseudo-counts: a class seen a few times is scored near the prior
 HALVE_AT = 1 << 22  # counted experts between halvings of every count (the classes keep adapting)
@@ -82,6 +85,7 @@ class LayerCycle:
         self._forecast: tuple[int, set[int]] | None = None  # (layer, experts) guessed for it
         self._seen = np.zeros(CLASSES)
         self._routed = np.zeros(CLASSES)
+        self._chances: np.ndarray | None = None  # of the counts as they are (None: to compute)
         self._counted = 0
         self.resize(capacity, [None] * capacity)
 
@@ -142,6 +146,7 @@ class LayerCycle:
         named = self._named(guess[1], self._last.shape[1]) \
             if guess is not None and guess[0] == layer else None
         cls = self._class_of(age, self._uses[row], named)
+        self._chances = None
         self._seen += np.bincount(cls, minlength=CLASSES)
         self._routed += np.bincount(cls[ids], minlength=CLASSES)
         self._counted += cls.size
@@ -185,7 +190,7 @@ class LayerCycle:
     def _class_of(age: np.ndarray, uses: np.ndarray, named: np.ndarray | None) -> np.ndarray:
         """The class of each expert from its age, decayed uses and whether the forecast names
         it (``named``: a mask, or None for none)."""
-        cls = _AGE_CLASS[np.clip(age, 1, _AGES[-1])] + np.searchsorted(_USES, uses, side="right")
+        cls = _AGE_CLASS[np.minimum(age, _AGES[-1])] + np.searchsorted(_USES, uses, side="right")
         cls -= 1
         if named is not None:
             cls[named] += CLASSES // 2
@@ -201,8 +206,10 @@ class LayerCycle:
     # what it tells the table ------------------------------------------------------------------
     def chances(self) -> np.ndarray:
         """Per class, the chance an expert of it is routed at its layer's next call."""
-        prior = self._routed.sum() / max(self._seen.sum(), 1.0)
-        return (self._routed + PRIOR_WEIGHT * prior) / (self._seen + PRIOR_WEIGHT)
+        if self._chances is None:  # the counts change only when a layer is called
+            prior = self._routed.sum() / max(self._seen.sum(), 1.0)
+            self._chances = (self._routed + PRIOR_WEIGHT * prior) / (self._seen + PRIOR_WEIGHT)
+        return self._chances
 
     def scores(self) -> np.ndarray:
         """Per slot, expected hits per layer call until its layer's next call (inf: empty)."""
