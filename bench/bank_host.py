@@ -13,8 +13,9 @@ Cases: top-16 (K3) and top-4 (the H200's 92-layer run: 122 slots), pools of a th
 token's experts, one token's, and ``--slots`` (a Mac's pool: 64 GB of K3 experts is ~3,650);
 ``hit``: the same tokens again once the pool holds them (every expert a hit), ``miss``: new
 tokens (a pool smaller than the working set misses most). Per case: plan_s per layer call, the
-whole call's host time per layer call, hits, and the speculative step's device map rebuild
-(``DeviceMap.array`` after a token's calls: the table changed). ``decisions`` is a digest of
+whole call's host time per layer call, hits, and the time a token spends getting the
+speculative step's device map (``DeviceMap.array`` after its calls: made again if the table
+changed, the first token's built whole). ``decisions`` is a digest of
 every slot the bank gave every expert and of the table's counters: equal digests before and
 after a change mean the same slots, victims and hits. ``--profile`` prints cProfile's top
 entries (by own time) over the measured calls of each case.
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", type=int, default=0, help="print this many profile entries")
     args = ap.parse_args(argv)
     chosen = [c for c in cases(args.slots) if not args.cases or c.name in args.cases.split(",")]
-    print("| case | slots | plan us/call | host us/call | hit rate | map ms/rebuild | decisions |")
+    print("| case | slots | plan us/call | host us/call | hit rate | map ms/token | decisions |")
     print("|---|---|---|---|---|---|---|")
     worst = 0.0
     for case in chosen:
