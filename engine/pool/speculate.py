@@ -128,16 +128,23 @@ class DeviceMap:
         """The entries of these slots as the table has them now: every old entry of theirs
         cleared first, then each one's ready expert's written (an expert that moved between two
         of them is cleared, then written where it is now)."""
-        host = self._host
+        wrote, rows, experts, slots = self._wrote, [], [], []
         for slot in moved:
-            old = self._wrote.pop(slot, None)
-            if old is not None:
-                host[old] = 0
+            entry = wrote.pop(slot, None)
+            if entry is not None:
+                rows.append(entry[0])
+                experts.append(entry[1])
+        self._host[rows, experts] = 0
+        rows, experts = [], []
         for slot in moved:
             key = table.owner(slot)
-            if key is not None and key[0] in self.row and not table.filling(slot):
-                self._wrote[slot] = entry = (self.row[key[0]], key[1])
-                host[entry] = slot
+            if key is not None and (row := self.row.get(key[0])) is not None \
+                    and not table.filling(slot):
+                wrote[slot] = (row, key[1])
+                rows.append(row)
+                experts.append(key[1])
+                slots.append(slot)
+        self._host[rows, experts] = slots  # no two slots hold one expert: none written twice
 
 
 class Speculator:
