@@ -83,6 +83,7 @@ class LayerCycle:
         self._visits = np.zeros(0, dtype=np.int64)  # per row, the layer's calls so far
         self._at: int | None = None  # the layer called last
         self._forecast: tuple[int, set[int]] | None = None  # (layer, experts) guessed for it
+        self._forecast_mask: np.ndarray | None = None  # its experts as a mask (None: to make)
         self._seen = np.zeros(CLASSES)
         self._routed = np.zeros(CLASSES)
         self._chances: np.ndarray | None = None  # of the counts as they are (None: to compute)
@@ -116,7 +117,7 @@ class LayerCycle:
         """The router's guess of ``layer``'s experts for its coming call."""
         if self._forecast is not None:
             self._stale(self._forecast[0])
-        self._forecast = (layer, set(experts))
+        self._forecast, self._forecast_mask = (layer, set(experts)), None
         self._stale(layer)
 
     def _stale(self, layer: int) -> None:
@@ -139,7 +140,7 @@ class LayerCycle:
         self._at = layer
         guess = self._forecast
         if guess is not None and guess[0] == layer:
-            self._forecast = None
+            self._forecast, self._forecast_mask = None, None
         # Every expert of the layer, as it is now: its row read whole (no gather), and the
         # forecast named only if it is for this layer.
         age = self._visits[row] - self._last[row]
@@ -182,8 +183,7 @@ class LayerCycle:
         uses = self._uses[rows, experts] * DECAY if ahead else self._uses[rows, experts]
         named = None
         if guess is not None and guess[0] in self._row:
-            named = (rows == self._row[guess[0]]) \
-                & self._named(guess[1], self._last.shape[1])[experts]
+            named = (rows == self._row[guess[0]]) & self._forecast_named(guess)[experts]
         return self._class_of(age, uses, named)
 
     @staticmethod
@@ -195,6 +195,15 @@ class LayerCycle:
         if named is not None:
             cls[named] += CLASSES // 2
         return cls
+
+    def _forecast_named(self, guess: tuple[int, set[int]]) -> np.ndarray:
+        """``_named`` of the forecast, kept until it changes (or the arrays grow)."""
+        mask = self._forecast_mask
+        if guess is not self._forecast or mask is None or mask.size != self._last.shape[1]:
+            mask = self._named(guess[1], self._last.shape[1])
+            if guess is self._forecast:
+                self._forecast_mask = mask
+        return mask
 
     @staticmethod
     def _named(guess: set[int], experts: int) -> np.ndarray:
