@@ -107,7 +107,7 @@ class DeviceMap:
         self._version = -1
         self._table: SlotTable | None = None  # the table the host copy follows
         self._host = np.zeros((len(self.row), bank.experts_per_layer), np.uint32)
-        self._wrote: dict[int, tuple[int, int]] = {}  # slot -> the entry it is written in
+        self._entry = np.zeros(0, np.int64)  # per slot, the entry it is written in (flat), or -1
 
     def array(self) -> mx.array:
         table = self.bank.table
@@ -116,7 +116,7 @@ class DeviceMap:
             moved = table.moved(self)
             if moved is None or self._table is not table:  # a new table, or slots renumbered
                 self._host = np.zeros((len(self.row), self.bank.experts_per_layer), np.uint32)
-                self._wrote = {}
+                self._entry = np.full(table.capacity, -1, np.int64)
                 moved = {slot for _, slot in table.items()}
             self._table = table
             self._write(table, moved)
@@ -128,23 +128,20 @@ class DeviceMap:
         """The entries of these slots as the table has them now: every old entry of theirs
         cleared first, then each one's ready expert's written (an expert that moved between two
         of them is cleared, then written where it is now)."""
-        wrote, rows, experts, slots = self._wrote, [], [], []
+        flat, width = self._host.reshape(-1), self._host.shape[1]
+        changed = np.fromiter(moved, np.int64, len(moved))
+        old = self._entry[changed]
+        flat[old[old >= 0]] = 0
+        self._entry[changed] = -1
+        owner, filling, row_of = table.owner, table.filling, self.row.get
+        entries, slots = [], []
         for slot in moved:
-            entry = wrote.pop(slot, None)
-            if entry is not None:
-                rows.append(entry[0])
-                experts.append(entry[1])
-        self._host[rows, experts] = 0
-        rows, experts = [], []
-        for slot in moved:
-            key = table.owner(slot)
-            if key is not None and (row := self.row.get(key[0])) is not None \
-                    and not table.filling(slot):
-                wrote[slot] = (row, key[1])
-                rows.append(row)
-                experts.append(key[1])
+            key = owner(slot)
+            if key is not None and (row := row_of(key[0])) is not None and not filling(slot):
+                entries.append(row * width + key[1])
                 slots.append(slot)
-        self._host[rows, experts] = slots  # no two slots hold one expert: none written twice
+        flat[entries] = slots  # no two slots hold one expert: no entry is written twice
+        self._entry[slots] = entries
 
 
 class Speculator:
