@@ -15,7 +15,7 @@ token's experts, one token's, and ``--slots`` (a Mac's pool: 64 GB of K3 experts
 tokens (a pool smaller than the working set misses most). Per case: plan_s per layer call, the
 whole call's host time per layer call, hits, and the time a token spends getting the
 speculative step's device map (``DeviceMap.array`` after its calls: made again if the table
-changed, the first token's built whole). ``decisions`` is a digest of
+changed; built whole once before the measured tokens). ``decisions`` is a digest of
 every slot the bank gave every expert and of the table's counters: equal digests before and
 after a change mean the same slots, victims and hits. ``--profile`` prints cProfile's top
 entries (by own time) over the measured calls of each case.
@@ -179,6 +179,7 @@ def measure(case: Case, tokens: int, seed: int = 0, profile: int = 0) -> Result:
     s = bank.stats
     s.reset()
     dmap = DeviceMap(bank, list(range(LAYERS)))
+    dmap.array()  # built whole once, as the first speculative step does: then per token
     prof = cProfile.Profile() if profile else None
     call_s = map_s = 0.0
     for t in order:
