@@ -26,6 +26,11 @@ Invariants:
 - Pure bookkeeping over slot numbers (no MLX): the table (``slots.SlotTable``) says which slots
   are held; this policy only ranks the others. Every miss is admitted (the kernel reads only
   the pool); the ranking decides what leaves.
+- A slot's class is kept between calls and computed again only when it can have changed: its
+  layer was called, the forecast for its layer changed, or another expert was placed in it.
+  The scores are then those computed afresh for every slot, bit for bit (the same arithmetic
+  on the same values), so the victims are too; a call's own host work scans the pool only in
+  numpy, never slot by slot in Python.
 """
 
 from __future__ import annotations
@@ -43,6 +48,11 @@ _AGES = np.array([1, 2, 3, 4, 5, 9, 17, 33])
 _USES = np.array([0.0, 0.5, 1.5, 3.0, 6.0, 12.0, 24.0])
 DECAY = 1.0 - 1.0 / 128
 CLASSES = 2 * len(_AGES) * len(_USES)  # x (forecast for the next call or not)
+# Per age (at most _AGES[-1]), its bucket's first class: a lookup, not a search, per expert. An
+# age is never negative (an expert is last routed at its layer's current call at the latest) and
+# 0 counts as 1.
+_AGE_CLASS = (np.searchsorted(_AGES, np.maximum(np.arange(_AGES[-1] + 1), 1), side="right") - 1) \
+    * len(_USES)
 _NEVER = 1 << 30
 PRIOR_WEIGHT = 4.0  # pseudo-counts: a class seen a few times is scored near the prior
 HALVE_AT = 1 << 22  # counted experts between halvings of every count (the classes keep adapting)
@@ -66,14 +76,17 @@ class LayerCycle:
 
     def __init__(self, capacity: int, experts_per_layer: int = 0) -> None:
         self._pos: dict[int, int] = {}  # layer -> its place in the cycle (ascending layers)
+        self._pos_of = np.zeros(0, dtype=np.int64)  # per row, its layer's place in the cycle
         self._row: dict[int, int] = {}  # layer -> its row in the arrays below
         self._last = np.full((0, experts_per_layer), -_NEVER, dtype=np.int64)  # routed at call
         self._uses = np.zeros((0, experts_per_layer))  # decayed uses
         self._visits = np.zeros(0, dtype=np.int64)  # per row, the layer's calls so far
         self._at: int | None = None  # the layer called last
         self._forecast: tuple[int, set[int]] | None = None  # (layer, experts) guessed for it
+        self._forecast_mask: np.ndarray | None = None  # its experts as a mask (None: to make)
         self._seen = np.zeros(CLASSES)
         self._routed = np.zeros(CLASSES)
+        self._chances: np.ndarray | None = None  # of the counts as they are (None: to compute)
         self._counted = 0
         self.resize(capacity, [None] * capacity)
 
@@ -82,6 +95,12 @@ class LayerCycle:
         """The slots are renumbered (``SlotTable.resize``): ``owners[slot]`` holds now."""
         self._rows = np.full(capacity, -1, dtype=np.int64)  # per slot, its layer's row
         self._expert = np.zeros(capacity, dtype=np.int64)
+        # Per slot, its class at its layer's next call, as last computed: a slot's class
+        # changes only when its layer is called, the forecast for its layer changes or another
+        # expert is placed in it, and each of those marks it stale (computed again by ``scores``).
+        self._cls = np.zeros(capacity, dtype=np.int64)
+        self._stale_rows: set[int] = set()
+        self._stale_slots: set[int] = set()
         for slot, key in enumerate(owners):
             if key is not None:
                 self.placed(slot, key)
@@ -89,30 +108,46 @@ class LayerCycle:
     def placed(self, slot: int, key: Key) -> None:
         self._rows[slot] = self._grow(*key)
         self._expert[slot] = key[1]
+        self._stale_slots.add(slot)
 
     def left(self, slot: int) -> None:
         self._rows[slot] = -1
 
     def forecast(self, layer: int, experts: Iterable[int]) -> None:
         """The router's guess of ``layer``'s experts for its coming call."""
-        self._forecast = (layer, set(experts))
+        if self._forecast is not None:
+            self._stale(self._forecast[0])
+        self._forecast, self._forecast_mask = (layer, set(experts)), None
+        self._stale(layer)
+
+    def _stale(self, layer: int) -> None:
+        """The classes of ``layer``'s slots are to be computed again."""
+        row = self._row.get(layer)
+        if row is not None:
+            self._stale_rows.add(row)
 
     def visit(self, layer: int, experts: Iterable[int]) -> None:
         """``layer`` is called with these experts routed: count every expert of the layer in
         its class (routed or not), then remember these as routed now."""
-        ids = np.unique(np.fromiter(experts, dtype=np.int64))
-        if ids.size == 0:
+        routed = sorted(set(experts))
+        if not routed:
             return
-        row = self._grow(layer, int(ids.max()))
+        ids = np.array(routed, dtype=np.int64)
+        row = self._grow(layer, routed[-1])
         if layer != self._at:  # a call in groups visits once
             self._visits[row] += 1
             self._uses[row] *= DECAY
         self._at = layer
         guess = self._forecast
         if guess is not None and guess[0] == layer:
-            self._forecast = None
-        cls = self._classes(np.full(self._last.shape[1], row), np.arange(self._last.shape[1]),
-                            0, guess)
+            self._forecast, self._forecast_mask = None, None
+        # Every expert of the layer, as it is now: its row read whole (no gather), and the
+        # forecast named only if it is for this layer.
+        age = self._visits[row] - self._last[row]
+        named = self._named(guess[1], self._last.shape[1]) \
+            if guess is not None and guess[0] == layer else None
+        cls = self._class_of(age, self._uses[row], named)
+        self._chances = None
         self._seen += np.bincount(cls, minlength=CLASSES)
         self._routed += np.bincount(cls[ids], minlength=CLASSES)
         self._counted += cls.size
@@ -120,6 +155,7 @@ class LayerCycle:
             self._counted, self._seen, self._routed = 0, self._seen / 2, self._routed / 2
         self._last[row, ids] = self._visits[row]
         self._uses[row, ids] += 1.0
+        self._stale_rows.add(row)
 
     def _grow(self, layer: int, expert: int) -> int:
         """The layer's row, the arrays grown to hold it and ``expert``."""
@@ -127,6 +163,8 @@ class LayerCycle:
         if row is None:
             row = self._row[layer] = len(self._row)
             self._pos = {m: i for i, m in enumerate(sorted(self._row))}
+            # Per row (rows in the order layers came), its place in the cycle.
+            self._pos_of = np.array([self._pos[m] for m in self._row], dtype=np.int64)
         rows, cols = max(row + 1, self._last.shape[0]), max(expert + 1, self._last.shape[1])
         if (rows, cols) != self._last.shape:
             last = np.full((rows, cols), -_NEVER, dtype=np.int64)
@@ -142,19 +180,45 @@ class LayerCycle:
         """The class of each (row, expert) as it is (``ahead`` 0) or will be at its layer's
         next call (``ahead`` 1): age, decayed uses, and whether ``guess`` names it."""
         age = self._visits[rows] + ahead - self._last[rows, experts]
-        uses = self._uses[rows, experts] * (DECAY if ahead else 1.0)
-        cls = (np.searchsorted(_AGES, np.maximum(age, 1), side="right") - 1) * len(_USES) \
-            + np.searchsorted(_USES, uses, side="right") - 1
+        uses = self._uses[rows, experts] * DECAY if ahead else self._uses[rows, experts]
+        named = None
         if guess is not None and guess[0] in self._row:
-            named = (rows == self._row[guess[0]]) & np.isin(experts, list(guess[1]))
+            named = (rows == self._row[guess[0]]) & self._forecast_named(guess)[experts]
+        return self._class_of(age, uses, named)
+
+    @staticmethod
+    def _class_of(age: np.ndarray, uses: np.ndarray, named: np.ndarray | None) -> np.ndarray:
+        """The class of each expert from its age, decayed uses and whether the forecast names
+        it (``named``: a mask, or None for none)."""
+        cls = _AGE_CLASS[np.minimum(age, _AGES[-1])] + np.searchsorted(_USES, uses, side="right")
+        cls -= 1
+        if named is not None:
             cls[named] += CLASSES // 2
-        return cls.astype(np.int64)
+        return cls
+
+    def _forecast_named(self, guess: tuple[int, set[int]]) -> np.ndarray:
+        """``_named`` of the forecast, kept until it changes (or the arrays grow)."""
+        mask = self._forecast_mask
+        if guess is not self._forecast or mask is None or mask.size != self._last.shape[1]:
+            mask = self._named(guess[1], self._last.shape[1])
+            if guess is self._forecast:
+                self._forecast_mask = mask
+        return mask
+
+    @staticmethod
+    def _named(guess: set[int], experts: int) -> np.ndarray:
+        """Per expert id below ``experts``, whether ``guess`` names it."""
+        mask = np.zeros(experts, dtype=bool)
+        mask[[e for e in guess if 0 <= e < experts]] = True
+        return mask
 
     # what it tells the table ------------------------------------------------------------------
     def chances(self) -> np.ndarray:
         """Per class, the chance an expert of it is routed at its layer's next call."""
-        prior = self._routed.sum() / max(self._seen.sum(), 1.0)
-        return (self._routed + PRIOR_WEIGHT * prior) / (self._seen + PRIOR_WEIGHT)
+        if self._chances is None:  # the counts change only when a layer is called
+            prior = self._routed.sum() / max(self._seen.sum(), 1.0)
+            self._chances = (self._routed + PRIOR_WEIGHT * prior) / (self._seen + PRIOR_WEIGHT)
+        return self._chances
 
     def scores(self) -> np.ndarray:
         """Per slot, expected hits per layer call until its layer's next call (inf: empty)."""
@@ -162,15 +226,27 @@ class LayerCycle:
         out = np.full(self._rows.size, np.inf)
         if not used.any() or self._at is None:
             return out
-        cycle, at = len(self._pos), self._pos[self._at]
-        pos_of = np.zeros(len(self._row), dtype=np.int64)
-        pos_of[list(self._row.values())] = [self._pos[m] for m in self._row]
-        rows = self._rows[used]
-        dist = (pos_of[rows] - at) % cycle
+        cycle = len(self._pos)
+        dist = (self._pos_of - self._pos[self._at]) % cycle  # per row, calls until its next
         dist[dist == 0] = cycle
-        cls = self._classes(rows, self._expert[used], 1, self._forecast)
-        out[used] = self.chances()[cls] / dist
+        self._refresh()
+        out[used] = self.chances()[self._cls[used]] / dist[self._rows[used]]
         return out
+
+    def _refresh(self) -> None:
+        """Compute again the classes of the stale slots (those of the stale rows, and those
+        placed since): the same classes as computing every slot's, for a few layers' slots."""
+        if not self._stale_rows and not self._stale_slots:
+            return
+        stale = np.zeros(len(self._row) + 1, dtype=bool)  # the last entry: an empty slot's (-1)
+        stale[list(self._stale_rows)] = True
+        marked = stale[self._rows]
+        marked[list(self._stale_slots)] = True
+        marked &= self._rows >= 0
+        idx = np.flatnonzero(marked)
+        self._cls[idx] = self._classes(self._rows[idx], self._expert[idx], 1, self._forecast)
+        self._stale_rows.clear()
+        self._stale_slots.clear()
 
     def below(self, n: int, held: set[int], layer: int, experts: list[int]) -> list[int]:
         """Up to ``n`` slots outside ``held`` scored below every one of ``layer``'s guessed

@@ -179,6 +179,7 @@ def _totals(rows: int, experts: int) -> list[int]:
                    *(m for m in marks if m > rows)})
 
 
+@lru_cache(maxsize=1024)  # asked again at every layer call with the same few arguments
 def fit(backend: str, quantized: bool, target: str, rows: int, experts: int,
         sorted_rows: bool) -> Fit:
     """How a call over ``rows`` rows and ``experts`` experts reaches the ``target`` kernel: the
@@ -195,6 +196,7 @@ def fit(backend: str, quantized: bool, target: str, rows: int, experts: int,
         f"--prefill-step-size, or a larger pool (--ram), changes the rows per expert")
 
 
+@lru_cache(maxsize=1024)
 def resident_kernel(backend: str, quantized: bool, rows: int, resident_experts: int) -> str:
     """The kernel the resident model's call takes (its stack holds every expert of the layer)."""
     return kernel(backend, quantized, Gather(rows, resident_experts, rows >= SORT_ROWS))

@@ -80,7 +80,7 @@ class Filler:
                  and not self.finish(slot)]  # read-ahead that failed: read it now
         for e in again:
             del held[e]
-        staged = self.guessed.intersection((layer, e) for e in held)
+        staged = self.guessed.intersection((layer, e) for e in held) if self.guessed else set()
         self.guessed.difference_update(staged)
         try:
             claimed = self._claim(layer, [e for e in ids if e not in held], set(held.values()))
@@ -113,6 +113,8 @@ class Filler:
         is evaluated first), then ones read-ahead is filling (after those reads land)."""
         table = self.bank.table
         assert table is not None
+        if not ids:  # every expert held: nothing to claim
+            return {}
         t0 = time.perf_counter()
         slots = table.claim(layer, ids, keep, take_fenced=False, use=True).slots
         self.bank.stats.plan_s += time.perf_counter() - t0

@@ -28,6 +28,8 @@ Invariants:
   worth: hit rate 0.00 for lru, lfuda and wlfu alone, 0.12 and 0.36 so, against 0.41 and 0.54
   for Belady; at 1.5 and 2.5 steps' worth within 0.06 of wlfu alone, above it on flat routing).
   Uses are counted per expert and halved every ``HALVE_EVERY`` x slots uses.
+- ``version`` changes whenever a slot's expert or its readiness changes, and ``moved`` names
+  every such slot to its reader (the speculative step's device map).
 - Not thread-safe: only the thread that runs the model calls it (read-ahead threads only fill
   slots this thread claimed for them).
 """
@@ -93,6 +95,10 @@ class SlotTable:
         self._uses: dict[Key, int] = {}  # uses per expert, halved now and then
         self._counted = 0
         self.version = 0  # changes whenever which expert is where (or ready) changes
+        # The slots where that changed since ``moved`` was last asked (None: any may have), and
+        # who asked.
+        self._moved: set[int] | None = None
+        self._reader: object = None
         # A layer-major prefill at this layer (engine.prefill): layers before it go first.
         self.prefill_layer: int | None = None
 
@@ -293,7 +299,7 @@ class SlotTable:
         return out
 
     def _evict(self, slot: int) -> Any:
-        self.version += 1
+        self._change(slot)
         key = self._owner[slot]
         assert key is not None
         del self._slot[key]
@@ -308,7 +314,7 @@ class SlotTable:
         return self._fence.get(slot)  # kept until the evaluation that includes it clears it
 
     def _insert(self, layer: int, expert: int, slot: int, admit: bool = True) -> None:
-        self.version += 1
+        self._change(slot)
         self._slot[(layer, expert)] = slot
         self._owner[slot] = (layer, expert)
         self._filling.add(slot)
@@ -322,8 +328,25 @@ class SlotTable:
 
     def filled(self, slots: Iterable[int]) -> None:
         """These slots' bytes are in place."""
+        done = self._filling.intersection(slots)
+        if done:  # a call whose experts were all held changes nothing
+            self._filling -= done
+            self._change(*done)
+
+    def _change(self, *slots: int) -> None:
+        """Which expert these slots hold, or whether it is ready, changed."""
         self.version += 1
-        self._filling.difference_update(slots)
+        if self._moved is not None:
+            self._moved.update(slots)
+
+    def moved(self, reader: object) -> set[int] | None:
+        """The slots whose expert or readiness changed since ``reader`` last asked (the
+        speculative step's device map, ``speculate.DeviceMap``); None, for any may have, when it
+        has not asked before, when another reader asked since, or after a resize (slots
+        renumbered)."""
+        moved = self._moved if reader is self._reader else None
+        self._moved, self._reader = set(), reader
+        return moved
 
     def forget(self, slots: Iterable[int]) -> None:
         """Free slots whose read failed or was dropped (their bytes are not the expert's);
@@ -344,6 +367,7 @@ class SlotTable:
             raise ValueError(f"a slot pool needs at least one slot, got {capacity}")
         assert not self._filling, "resize while reads are under way"
         self.version += 1
+        self._moved = None
         excess = len(self._slot) - capacity
         if excess > 0:
             for slot in self._victims(excess, set(), True):
@@ -389,7 +413,7 @@ class SlotTable:
                 self._free.append(b if ka is None else a)
                 self._free.sort(reverse=True)  # pop() hands out the lowest first
         if pairs:
-            self.version += 1
+            self._change(*(slot for pair in pairs for slot in pair))
 
     def fence(self, slots: Iterable[int], output: Any) -> None:
         """Queued work computing ``output`` reads these slots."""

@@ -12,7 +12,10 @@ resident model's is, and the host waits only for the routing before it checks.
 Invariants:
 - A kept step computed every row from the expert the model routed it to: the host checks every
   layer's routed experts against the table the device map was built from, which nothing
-  changes while the step is built (no slot is claimed until the read-back).
+  changes while the step is built (no slot is claimed until the read-back). The map is the
+  whole table's: it is updated from the slots the table names as changed since it last asked
+  (``SlotTable.moved``: every slot whose expert or readiness changed), and built whole for a
+  new table or after a resize.
 - A thrown-away step leaves no trace: it is let finish (its kernels read slots) before any slot
   is refilled, the KV caches' offsets and the linear-attention states are restored, and
   nothing of it is kept.
@@ -42,6 +45,7 @@ from cachecd_engine.pool import dispatch
 from cachecd_engine.pool.bank import ExpertBank
 from cachecd_engine.pool.calls import allow_sorted, distinct
 from cachecd_engine.pool.dispatch import current_backend
+from cachecd_engine.pool.slots import SlotTable
 
 
 def speculate_by_default() -> bool:
@@ -92,26 +96,52 @@ def restore(cache: list[Any], snap: list[Any]) -> None:
 
 class DeviceMap:
     """The table's expert -> slot map as an MLX array ``[moe layers, experts]`` (uint32),
-    rebuilt only when the table changed; entries not ready hold slot 0 (their rows' results
-    are never kept: the host check finds them)."""
+    made again only when the table changed, from a host copy in which only the entries of the
+    slots that changed (``SlotTable.moved``) are written; entries not ready hold slot 0 (their
+    rows' results are never kept: the host check finds them)."""
 
     def __init__(self, bank: ExpertBank, layers: list[int]) -> None:
         self.bank = bank
         self.row = {layer: i for i, layer in enumerate(layers)}
         self._array: mx.array | None = None
         self._version = -1
+        self._table: SlotTable | None = None  # the table the host copy follows
+        self._host = np.zeros((len(self.row), bank.experts_per_layer), np.uint32)
+        self._entry = np.zeros(0, np.int64)  # per slot, the entry it is written in (flat), or -1
 
     def array(self) -> mx.array:
         table = self.bank.table
         assert table is not None
-        if self._array is None or self._version != table.version:
-            host = np.zeros((len(self.row), self.bank.experts_per_layer), np.uint32)
-            for (layer, e), slot in table.items():
-                if layer in self.row and not table.filling(slot):
-                    host[self.row[layer], e] = slot
-            self._array = mx.array(host)
+        if self._array is None or self._version != table.version or self._table is not table:
+            moved = table.moved(self)
+            if moved is None or self._table is not table:  # a new table, or slots renumbered
+                self._host = np.zeros((len(self.row), self.bank.experts_per_layer), np.uint32)
+                self._entry = np.full(table.capacity, -1, np.int64)
+                moved = {slot for _, slot in table.items()}
+            self._table = table
+            self._write(table, moved)
+            self._array = mx.array(self._host)  # a copy: the host copy may change after
             self._version = table.version
         return self._array
+
+    def _write(self, table: SlotTable, moved: set[int]) -> None:
+        """The entries of these slots as the table has them now: every old entry of theirs
+        cleared first, then each one's ready expert's written (an expert that moved between two
+        of them is cleared, then written where it is now)."""
+        flat, width = self._host.reshape(-1), self._host.shape[1]
+        changed = np.fromiter(moved, np.int64, len(moved))
+        old = self._entry[changed]
+        flat[old[old >= 0]] = 0
+        self._entry[changed] = -1
+        owner, filling, row_of = table.owner, table.filling, self.row.get
+        entries, slots = [], []
+        for slot in moved:
+            key = owner(slot)
+            if key is not None and (row := row_of(key[0])) is not None and not filling(slot):
+                entries.append(row * width + key[1])
+                slots.append(slot)
+        flat[entries] = slots  # no two slots hold one expert: no entry is written twice
+        self._entry[slots] = entries
 
 
 class Speculator:

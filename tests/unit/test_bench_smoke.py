@@ -154,6 +154,20 @@ def test_pool_policy_script_ends_with_ratio(capsys: pytest.CaptureFixture[str]) 
     assert len(rows) == 10 and RATIO_LINE.match(lines[-1])
 
 
+def test_bank_host_script_counts_the_banks_work(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _load("bank_host")
+    bench.main(["--cases", "top4-122-miss,top4-368-hit", "--tokens", "1", "--profile", "3"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = [line.split("|") for line in lines if line.startswith("| top4-")]
+    assert [r[1].strip() for r in rows] == ["top4-122-miss", "top4-368-hit"]
+    assert float(rows[1][5]) == 1.0 and float(rows[0][5]) < 1.0  # the hit case hits, all
+    assert any("(run)" in line for line in lines)  # the profile names the bank's call
+    assert re.match(r"^plan_us_per_call_max=\d+\.\d$", lines[-1])
+    # The same routing and pool give the same decisions (the digest is of the slots given).
+    case = bench.cases(4000)[0]
+    assert bench.measure(case, 1).decisions == bench.measure(case, 1).decisions
+
+
 def test_k3_delivery_core(served) -> None:  # type: ignore[no-untyped-def]
     res = _load("k3_delivery").measure(served, n_ids=4, reps=1, readers=2, rounds=1)
     _finite_positive(res.ours_gibs, res.raw_gibs, res.ratio, res.paired)

@@ -3,7 +3,10 @@ driven as the bank drives the table (``cachecd.plan.simulate.through_pool``)."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from cachecd.plan.simulate import through_pool
+from cachecd_engine.pool.cycle import LayerCycle
 from cachecd_engine.pool.slots import SlotTable
 
 
@@ -99,3 +102,43 @@ def test_a_swap_moves_what_the_ranker_knows_with_the_experts() -> None:
     assert after[empty] == before[c] and after[c] == before[empty]
     claim = table.claim(3, [7])
     assert claim.slots[7] == c  # the slot emptied is the free one handed out
+
+
+def test_the_scores_kept_between_calls_are_those_computed_afresh() -> None:
+    """The ranker keeps each slot's class between calls and computes again only those whose
+    layer was called, whose layer's forecast changed or that took another expert (a pool of
+    thousands of slots is not scanned in Python per call). Through calls, forecasts, swaps and
+    forgotten reads of a 3-layer cycle, its scores equal a twin's whose every class is computed
+    afresh before each look (``resize`` places every slot again)."""
+    rng = np.random.default_rng(0)
+    table = SlotTable(24, experts_per_layer=16)
+    twin = LayerCycle(24, 16)
+    assert table.ranker is not None
+    ranker = table.ranker
+    table.ranker = _Both(ranker, twin)
+    for call in range(300):
+        layer = call % 3
+        if rng.random() < 0.7:  # the next layer's guess, now and then another layer's
+            guessed = (layer + 1) % 3 if rng.random() < 0.7 else int(rng.integers(3))
+            table.forecast(guessed, rng.choice(16, 4, replace=False).tolist())
+        through_pool(table, layer, rng.choice(16, 6, replace=False).tolist())
+        if call % 17 == 0:  # a read-ahead that failed: the slot is freed
+            table.forget([table.slot(next(iter(k for k, _ in table.items())))])
+        if call % 23 == 0:  # a Metal call brought within one window, its readers evaluated
+            table.clear_fences(table.fenced())
+            table.swap([(0, 1 + call % 20)])
+        twin.resize(24, [table.owner(s) for s in range(24)])
+        assert np.array_equal(ranker.scores(), twin.scores())
+
+
+class _Both:
+    """Tells two rankers every event; ranks as the first."""
+
+    def __init__(self, first: LayerCycle, second: LayerCycle) -> None:
+        self.first, self.second = first, second
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        def both(*args, **kwargs):  # type: ignore[no-untyped-def]
+            getattr(self.second, name)(*args, **kwargs)
+            return getattr(self.first, name)(*args, **kwargs)
+        return both

@@ -9,13 +9,14 @@ holds, so their rows were computed from slot 0's bytes; keeping any of them woul
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from cachecd_engine.formats import QUANT_SPECS
 from cachecd_engine.loader import streamed_classes
 from cachecd_engine.pool.bank import EngineStats, ExpertBank
-from cachecd_engine.pool.speculate import Speculator, restorable
+from cachecd_engine.pool.speculate import DeviceMap, Speculator, restorable
 from cachecd_engine.streamed_moe import install_streamed_banks
 from tests.exactness import assert_bitwise, run_logits
 from tests.inprocess_model import DictSource, build_resident, serialize_experts
@@ -65,6 +66,61 @@ def test_steps_that_miss_are_thrown_away_without_a_trace(reference) -> None:  # 
     assert_bitwise(ref, got)
     assert bank.speculator.missed > 0
     assert bank.stats.layer_calls == 5 * (STEPS + 1)  # a thrown-away step counts no call
+
+
+def test_a_call_with_every_expert_held_leaves_the_device_map_as_built() -> None:
+    model = build_resident(FMT)
+    source = DictSource(serialize_experts(model, FMT))
+    bank = ExpertBank(source, QUANT_SPECS[FMT], 16 * source.entry(1, 0).nbytes, EngineStats(),
+                      experts_per_layer=32)
+    device_map = DeviceMap(bank, [1])
+    bank.acquire(1, [0, 1, 2])
+    built = device_map.array()
+    bank.acquire(1, [0, 1, 2])  # every expert held: nothing moved or filled, nothing to rebuild
+    assert device_map.array() is built and bank.stats.ram_hits == 3
+    bank.acquire(1, [3])
+    assert device_map.array() is not built
+
+
+def test_the_device_map_follows_the_table_through_every_change() -> None:
+    """The map is made again from a host copy in which only the slots that changed are written:
+    through claims, reads landing, forgotten reads, swaps and resizes of a small pool (two
+    layers mapped, one not), it equals the map built from the whole table each time."""
+    model = build_resident(FMT)
+    source = DictSource(serialize_experts(model, FMT))
+    bank = ExpertBank(source, QUANT_SPECS[FMT], 12 * source.entry(1, 0).nbytes, EngineStats(),
+                      experts_per_layer=32)
+    bank.prepare(1)
+    table = bank.table
+    assert table is not None
+    rows = {1: 0, 3: 1}
+    device_map = DeviceMap(bank, list(rows))
+    rng = np.random.default_rng(0)
+    for step in range(400):
+        op = rng.random()
+        if op < 0.5:
+            layer, ids = int(rng.choice([1, 3, 5])), rng.choice(32, 3, replace=False).tolist()
+            held = table.use(layer, ids)  # as a call does: then the misses get slots
+            claim = table.claim(layer, ids, keep=held.values())
+            landed = [s for s in claim.slots.values() if rng.random() < 0.7]
+            table.filled(landed)  # the others stay filling for now
+        elif op < 0.7:
+            table.filled(table.unfilled())
+        elif op < 0.8:
+            table.forget([s for s in table.unfilled() if rng.random() < 0.5])
+        elif op < 0.95:
+            ready = [s for s in range(table.capacity) if not table.filling(s)]
+            a, b = rng.choice(ready, 2, replace=False).tolist()
+            table.swap([(a, b)])
+        else:
+            table.filled(table.unfilled())
+            table.resize(int(rng.integers(6, 14)))
+        if step % 3 == 0:
+            want = np.zeros((2, 32), np.uint32)
+            for (layer, e), slot in table.items():
+                if layer in rows and not table.filling(slot):
+                    want[rows[layer], e] = slot
+            assert np.array_equal(np.array(device_map.array()), want), step
 
 
 def test_only_restorable_caches_are_speculated() -> None:
