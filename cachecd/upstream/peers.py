@@ -31,7 +31,8 @@ Invariants:
   request of it is answered again, and is not asked for ``down_skip``: ``down_skip_s`` after
   the first fault, doubled at each fault in a row up to ``down_skip_max_s``; while skipped its
   misses go to the source at once. Requests in flight together that fail together are one
-  fault (the first sets the skip, the others find it set). An answer ends the streak.
+  fault (the first sets the skip, the others find it set). An answer ends the streak. A share
+  that answers busy (503, ``Retry-After: 1``) is up: its misses go to the source, not skipped.
 - A peer's redirect is never followed (a 3xx is a refusal): the bytes come from the URL named.
 """
 
@@ -276,8 +277,9 @@ class Peers:
         self.counters[f"faults_{_kind(exc)}"] += 1
         now, why = time.monotonic(), _why(exc)
         self.down[url] = (why, self.down.get(url, ("", now))[1])
-        if self._skipped(url):
-            log.info("peer unavailable url=%s err=%r (already skipped)", url, exc)
+        busy = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
+        if busy or self._skipped(url):  # busy: it answers, asked again at the next miss
+            log.info("peer unavailable url=%s err=%r", url, exc)
             return
         n = self.faults_in_a_row[url] = self.faults_in_a_row.get(url, 0) + 1
         skip = down_skip(n, self.down_skip_s, self.down_skip_max_s)

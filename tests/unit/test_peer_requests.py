@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import xxhash
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from cachecd.daemon.app import Daemon
@@ -210,3 +211,26 @@ def test_a_down_peer_is_skipped_longer_at_each_fault_in_a_row_until_it_answers(t
 
 def test_down_skip_doubles_to_its_most():
     assert [down_skip(n, 5.0, 300.0) for n in (1, 2, 3, 6, 7, 100)] == [5, 10, 20, 160, 300, 300]
+
+
+def test_a_busy_share_is_not_skipped(tmp_path):
+    """A 503 (the share at its bounds, ``Retry-After: 1``) is an answer: asked at each miss."""
+    _, _, entries, _ = _share(tmp_path, 1)
+    app = web.Application()
+
+    async def busy(request: web.Request) -> web.Response:
+        return web.Response(status=503, headers={"Retry-After": "1"})
+
+    app.router.add_post("/v2/blobs", busy)
+
+    async def go() -> Peers:
+        async with TestServer(app, host="127.0.0.1") as server:
+            peers = Peers([str(server.make_url(""))], "t")
+            for _ in range(2):
+                assert await _fetch(peers, entries, _Spool(CacheDir(tmp_path / "c", 0)), {}) == set()
+            await peers.close()
+            return peers
+
+    peers = asyncio.run(go())
+    assert peers.counters["requests"] == 2 and peers.counters["faults_refused"] == 2
+    assert peers.describe()[0]["skipped_for_s"] == 0 and peers.stats()["skipped"] == 0
