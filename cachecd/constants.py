@@ -79,6 +79,11 @@ MAX_PARALLEL_FETCHES = 8
 # well within the Hub's time, or it is not worth asking; a slow, steady transfer is waited for.
 PEER_DEADLINE_S = 2.0
 PEER_SKIP_S = 300.0  # a peer that served wrong bytes or trickled is not asked again for this long
+# A peer that could not be reached or did not answer (refused, no route, stalled, an HTTP error)
+# is not asked for this long, doubled at each such fault in a row up to the most, until it
+# answers: a powered-off host would otherwise cost each batch of misses its connect deadline.
+PEER_DOWN_SKIP_S = 5.0
+PEER_DOWN_SKIP_MAX_S = 300.0
 # A peer's request may take the deadline plus its bytes at this rate, no longer: one that sends
 # slower (a trickle just inside the stall deadline) is worth less than the Hub, and is skipped.
 PEER_MIN_RATE = 1 << 20

@@ -45,7 +45,7 @@ from cachecd.errors import CachecdError, ConfigInvalid
 from cachecd_client import Client
 from cachecd_engine.pipeline import launched_group, rank_path
 from cachecd_engine.pool.bank import EngineStats
-from cachecd_engine.prefill_progress import LayerLog, watch
+from cachecd_engine.prefill_progress import LayerLog, log_wait, watch
 from cachecd_engine.registered import check_name, load
 from cachecd_engine.request_view import RequestViews
 from cachecd_engine.run import cold_cost_notice
@@ -101,8 +101,10 @@ class StreamedModelProvider(ModelProvider):
         except BaseException:
             _close(model)
             raise
-        # A layer-by-layer prefill's progress in the log (its keepalives come all the same).
+        # A layer-by-layer prefill's progress in the log (its keepalives come all the same),
+        # and a cold layer's wait on the Hub while it lasts (the first token's delay).
         watch(model, LayerLog(self.stats, model.bank.source.client))
+        model.bank.source.client.on_wait(log_wait)
         if getattr(model, "ahead", None) is not None:
             model.ahead.on_rows = batched_keepalives
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:

@@ -9,7 +9,8 @@ and the last layer of a pass, and at most one line every ``LOG_EVERY_S`` between
 Between those lines a layer's read can wait on the Hub for long (a cold prompt's first layers:
 tens of seconds); ``wait_line`` says how that wait goes (the daemon client's ``on_wait``, about
 once a second): experts fetched of those under way, bytes, rate and time left. ``run`` prints
-it, ``warm --prompts`` shows it beside its bar.
+it, ``warm --prompts`` shows it beside its bar, ``cachecd openai`` logs it (``log_wait``: a
+cold request's first token is slow for that, and its log says so while it lasts).
 
 Invariants:
 - The figures are differences from the pass's start (``on_layer(0, layers)``): nothing here
@@ -103,6 +104,12 @@ def wait_line(p: Any) -> str:
             f"routed: {p.fetched} of {p.fetched + p.fetching} fetched from the Hub "
             f"({format_size(p.fetched_bytes)} of {format_size(p.fetched_bytes + p.fetching_bytes)}), "
             f"{format_size(int(p.rate))}/s, {left}")
+
+
+def log_wait(p: Any) -> None:
+    """The daemon client's ``on_wait`` for the server: a layer's wait on the Hub in its log
+    (INFO), as often as the client's watcher calls it (about once a second while a read waits)."""
+    log.info("%s", wait_line(p))
 
 
 def watch(model: Any, on_layer: Any) -> bool:

@@ -152,13 +152,19 @@ def _sharing_lines(info: dict[str, Any]) -> list[str]:
 
 
 def _peer_state(peer: dict[str, Any]) -> str:
-    """Skipped (wrong bytes, too slow), down (its last request failed), or asked first."""
+    """Skipped (down, wrong bytes, too slow), down (its last request failed, its skip over: it is
+    asked at the next miss), or asked first."""
     if peer["skipped_for_s"]:
         why = peer.get("skipped_because") or "it served wrong bytes"
-        return f"SKIPPED for {peer['skipped_for_s']:.0f}s more: {why}"
+        state = f"SKIPPED for {peer['skipped_for_s']:.0f}s more: {why}"
+        if why.startswith("down: ") and "down_because" in peer:
+            n = peer.get("down_faults_in_a_row", 1)
+            state += (f" (down for {peer['down_for_s']:.0f}s, {n} fault{'s' * (n != 1)} in a "
+                      "row); the Hub serves meanwhile (check it, or --peer)")
+        return state
     if "down_because" in peer:
-        return (f"DOWN for {peer['down_for_s']:.0f}s: {peer['down_because']}; the Hub serves "
-                f"meanwhile, and the peer is asked again at each miss (check it, or --peer)")
+        return (f"DOWN for {peer['down_for_s']:.0f}s: {peer['down_because']}; asked again at "
+                f"the next miss (check it, or --peer)")
     return "asked before the Hub"
 
 

@@ -86,7 +86,9 @@ _DAEMON_COUNTERS = {
 _UPSTREAM_GAUGES = {
     "in_flight": "Upstream HTTP requests under way.",
     "peak_in_flight": "Most upstream HTTP requests under way at once since start.",
-    "peer_skipped": "Peers skipped now: they served wrong bytes or sent too slowly (--peer).",
+    "peer_skipped": ("Peers skipped now: down (could not be reached or did not answer: "
+                     "skipped a while, longer at each fault in a row), served wrong bytes or "
+                     "sent too slowly (--peer)."),
     "peer_in_flight": "Requests to peers under way (--peer).",
 }
 _UPSTREAM_COUNTERS = {

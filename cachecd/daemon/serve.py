@@ -60,7 +60,10 @@ def add_daemon_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-deadline", metavar="S",
                    help=f"seconds a peer may take to connect, to start answering, or with no "
                         f"byte coming (a stall), before the Hub is asked instead; a peer that "
-                        f"keeps sending is waited for (default: {constants.PEER_DEADLINE_S:g})")
+                        f"keeps sending is waited for, one that misses it is skipped for "
+                        f"{constants.PEER_DOWN_SKIP_S:g} s, doubled at each fault in a row up "
+                        f"to {constants.PEER_DOWN_SKIP_MAX_S / 60:g} min, until it answers "
+                        f"(default: {constants.PEER_DEADLINE_S:g})")
     p.add_argument("--peer-min-rate", metavar="RATE",
                    help="a peer's request may take --peer-deadline plus its bytes at RATE (e.g. "
                         "1MiB/s), no longer; a peer that sends slower is dropped for the Hub and "

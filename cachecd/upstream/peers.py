@@ -26,9 +26,13 @@ Invariants:
 - A request's whole time is bounded too, by its bytes at ``min_rate`` plus the deadline
   (``_paced``): a peer that trickles bytes just inside the stall deadline is cut there.
 - A peer that answered wrong bytes, or was cut for sending too slowly, is not asked again for
-  ``skip_s`` (``lies``, ``slow`` count them); ``describe`` says why. One whose last request
-  failed (it could not be reached, timed out, refused) is down in ``describe`` from that fault
-  until a request of it is answered again; it is still asked at each miss.
+  ``skip_s`` (``lies``, ``slow`` count them); ``describe`` says why. One whose request failed
+  (it could not be reached, timed out, refused) is down in ``describe`` from that fault until a
+  request of it is answered again, and is not asked for ``down_skip``: ``down_skip_s`` after
+  the first fault, doubled at each fault in a row up to ``down_skip_max_s``; while skipped its
+  misses go to the source at once. Requests in flight together that fail together are one
+  fault (the first sets the skip, the others find it set). An answer ends the streak. A share
+  that answers busy (503, ``Retry-After: 1``) is up: its misses go to the source, not skipped.
 - A peer's redirect is never followed (a 3xx is a refusal): the bytes come from the URL named.
 """
 
@@ -73,6 +77,8 @@ class Peers:
     def __init__(self, urls: Sequence[str], token: str, *,
                  deadline_s: float = constants.PEER_DEADLINE_S,
                  skip_s: float = constants.PEER_SKIP_S,
+                 down_skip_s: float = constants.PEER_DOWN_SKIP_S,
+                 down_skip_max_s: float = constants.PEER_DOWN_SKIP_MAX_S,
                  min_rate: int = constants.PEER_MIN_RATE,
                  max_experts: int = constants.SHARE_MAX_EXPERTS_PER_REQUEST,
                  max_parallel: int = constants.MAX_PARALLEL_FETCHES,
@@ -83,9 +89,11 @@ class Peers:
         self.max_parallel = max(1, min(max_parallel, constants.SHARE_MAX_REQUESTS))
         self.target_bytes = target_bytes
         self.min_rate = min_rate
+        self.down_skip_s, self.down_skip_max_s = down_skip_s, down_skip_max_s
         self.skipped_until: dict[str, float] = {}
         self.skipped_why: dict[str, str] = {}
         self.down: dict[str, tuple[str, float]] = {}  # url -> (why, since: monotonic)
+        self.faults_in_a_row: dict[str, int] = {}  # url -> faults since it last answered
         self._asking: dict[str, dict[object, float]] = {}  # url -> requests under way: start
         self.counters: Counter[str] = Counter()
         self._session: aiohttp.ClientSession | None = None
@@ -122,7 +130,8 @@ class Peers:
         if url not in self.down:
             return {}
         why, since = self.down[url]
-        return {"down_because": why, "down_for_s": round(now - since, 1)}
+        return {"down_because": why, "down_for_s": round(now - since, 1),
+                "down_faults_in_a_row": self.faults_in_a_row.get(url, 0)}
 
     async def close(self) -> None:
         if self._session is not None:
@@ -165,10 +174,7 @@ class Peers:
                     faulted = True
                 except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
                     if not faulted:  # the requests in flight with it mostly fail the same way
-                        self.counters[f"faults_{_kind(exc)}"] += 1
-                        log.info("peer unavailable url=%s err=%r", url, exc)
-                        since = self.down.get(url, ("", time.monotonic()))[1]
-                        self.down[url] = (_why(exc), since)
+                        self._fault(url, exc)
                     faulted = True
 
         reqs = batches(want, parallel=self.max_parallel, max_experts=self.max_experts,
@@ -190,7 +196,7 @@ class Peers:
                 await self._ask(url, batch, hand, spool, pool, done)
         except TimeoutError:
             if not bound.expired():
-                raise  # the stall deadline: counted as a timeout, asked again at the next miss
+                raise  # the stall deadline: a timeout, the peer is down for a while
             self._slow(url, nbytes, time.monotonic() - started, allowed)
             raise _Fault() from None
         finally:
@@ -209,7 +215,7 @@ class Peers:
             if resp.status != 200:
                 raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
                                                   message=resp.reason or "")
-            self.down.pop(url, None)  # it answers
+            self._answers(url)
             pieces = self._pieces(url, batch, resp.headers.get(SIZES_HEADER, ""))
             stream = Stream(0, pieces, spool, pool)
             try:
@@ -264,6 +270,33 @@ class Peers:
             self._lied(url, lie.message)
             raise _Fault()
 
+    def _fault(self, url: str, exc: BaseException) -> None:
+        """A request could not reach ``url`` or got no answer: it is down, and skipped for
+        ``down_skip`` of its faults in a row (unless a fault of a request in flight with this
+        one already skipped it: the same outage)."""
+        self.counters[f"faults_{_kind(exc)}"] += 1
+        now, why = time.monotonic(), _why(exc)
+        self.down[url] = (why, self.down.get(url, ("", now))[1])
+        busy = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
+        if busy or self._skipped(url):  # busy: it answers, asked again at the next miss
+            log.info("peer unavailable url=%s err=%r", url, exc)
+            return
+        n = self.faults_in_a_row[url] = self.faults_in_a_row.get(url, 0) + 1
+        skip = down_skip(n, self.down_skip_s, self.down_skip_max_s)
+        self.skipped_until[url] = now + skip
+        self.skipped_why[url] = f"down: {why}"
+        log.warning("peer unavailable url=%s err=%r faults_in_a_row=%d skipped_for_s=%.0f "
+                    "(the source serves its misses meanwhile)", url, exc, n, skip)
+
+    def _answers(self, url: str) -> None:
+        """``url`` answered: not down, its streak of faults over, and a skip for being down
+        (a request in flight with the fault's) lifted."""
+        self.down.pop(url, None)
+        if self.faults_in_a_row.pop(url, None) and self.skipped_why.get(url, "").startswith(
+                "down: "):
+            self.skipped_until.pop(url, None)
+            self.skipped_why.pop(url, None)
+
     def _slow(self, url: str, nbytes: int, took: float, allowed: float) -> None:
         self.counters["slow"] += 1
         self.skipped_until[url] = time.monotonic() + self.skip_s
@@ -289,6 +322,12 @@ async def _read_into(resp: aiohttp.ClientResponse, stream: Stream, length: int) 
         pos += len(chunk)
     if pos != length:
         raise ValueError(f"{pos} bytes of the {length} announced")
+
+
+def down_skip(faults: int, first_s: float, most_s: float) -> float:
+    """How long a peer down ``faults`` times in a row is skipped: ``first_s``, doubled at each
+    fault after the first, at most ``most_s``."""
+    return min(most_s, first_s * 2.0 ** min(faults - 1, 64))
 
 
 def batches(entries: Sequence[EntryLike], *, parallel: int, max_experts: int, target_bytes: int,

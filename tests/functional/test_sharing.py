@@ -250,10 +250,10 @@ def test_a_peer_down_or_stalling_costs_at_most_its_deadline(how, logged_hub, tin
         assert took < 0.5 + 5.0
         assert up[f"peer_faults_{'timeout' if how == 'stalls' else 'connect'}"] == 1
         assert up["requests_range"] >= 1
-        # status says so: down, not "asked before the Hub"
+        # status says so: down and skipped for a while, not "asked before the Hub"
         status = run_cli("status", "--socket", str(b.socket)).stdout
         why = "no answer within its deadline" if how == "stalls" else "could not connect"
-        assert f"peer        {url} DOWN for " in status and why in status, status
+        assert f"peer        {url} SKIPPED for " in status and f"down: {why}" in status, status
     finally:
         b.cleanup()
         if proxy:

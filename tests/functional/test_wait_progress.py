@@ -1,8 +1,9 @@
 """A cold prompt's wait on the Hub, shown while it lasts: `cachecd run` prints, about once a
 second while a layer's read waits on the daemon's fetches, the experts fetched of those under
 way, bytes, rate and time left; `cachecd warm --prompts` shows the same beside its bar on a
-terminal. The Hub here is the local hub behind a proxy that holds every expert range it is asked
-for until the test has seen the line (a state, not a time), then lets them through."""
+terminal; `cachecd openai` logs it while a request waits. The Hub here is the local hub behind
+a proxy that holds every expert range it is asked for until the test has seen the line (a state,
+not a time), then lets them through."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import pytest
 from aiohttp import web
 
 from tests.fakes.counting_proxy import CountingProxy
-from tests.harness import CACHECD, TINY_REPO, Installed
+from tests.harness import CACHECD, TINY_REPO, Installed, OpenAIServer
 
 WAIT_LINE = re.compile(r"layer (\d+): waiting (\d+) s on the daemon for (\d+) experts routed: "
                        r"(\d+) of (\d+) fetched from the Hub \((.+?) of (.+?)\), (.+?)/s, "
@@ -143,3 +144,24 @@ def test_warm_prompts_shows_the_wait_beside_its_bar(held: tuple[Installed, Holdi
         reader.join()
         os.close(main)
     assert proc.returncode == 0, seen.decode(errors="replace")[-3000:]
+
+
+def test_openai_logs_the_wait_on_the_hub(held: tuple[Installed, HoldingProxy]) -> None:
+    openai = pytest.importorskip("openai")
+    inst, proxy = held
+    srv = OpenAIServer(TINY_REPO, inst.socket)
+    client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=300)
+    answers: list[Any] = []
+    asking = threading.Thread(target=lambda: answers.append(client.completions.create(
+        model=TINY_REPO, prompt="Experts stream in.", max_tokens=2)))
+    asking.start()
+    try:
+        found = _until_line(srv.log, WAIT_LINE, srv.proc)  # while the request waits
+        assert proxy.held > 0 and not answers
+        _check(found)
+    finally:
+        proxy.holding.clear()
+        asking.join(300)
+        log = srv.log()
+        code = srv.stop()
+    assert code == 0 and answers and answers[0].usage.completion_tokens > 0, log[-3000:]

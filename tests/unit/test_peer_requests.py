@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import xxhash
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from cachecd.daemon.app import Daemon
 from cachecd.daemon.share import Sharing
 from cachecd.store.blobs import BlobWriter, CacheDir
-from cachecd.upstream.peers import Peers, batches
+from cachecd.upstream.peers import Peers, batches, down_skip
+from tests.harness import free_port
 
 K3 = 17_547_264
 
@@ -171,3 +173,64 @@ def test_wrong_bytes_are_never_handed_over_their_temp_goes_and_the_peer_is_skipp
     assert again == set() and peers.counters["requests"] == 1  # skipped: not asked again
     assert peers.counters["lies"] == 1 and peers.stats()["skipped"] == 1
     assert not list((tmp_path / "cache" / "tmp").iterdir())
+
+
+def test_a_down_peer_is_skipped_longer_at_each_fault_in_a_row_until_it_answers(tmp_path):
+    """Refused, refused, then it answers, then refused again: skipped 5 s, 10 s, not at all, 5 s.
+    The skip's end is moved to now where the test lets time pass (a state, not a sleep)."""
+    sharing, _, entries, datas = _share(tmp_path, 1)
+    spool, handed = _Spool(CacheDir(tmp_path / "cache", 0)), {}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    peers = Peers([url], "t", deadline_s=2.0)
+    seen: list[tuple[float, str, int]] = []
+
+    def look() -> None:
+        d = peers.describe()[0]
+        seen.append((d["skipped_for_s"], d["skipped_because"], d.get("down_faults_in_a_row", 0)))
+        peers.skipped_until[url] = 0.0  # its skip is over
+
+    async def go() -> None:
+        for _ in range(2):
+            assert await _fetch(peers, entries, spool, handed) == set()
+            look()
+        async with TestServer(sharing.app(), host="127.0.0.1", port=port):
+            assert await _fetch(peers, entries, spool, handed) == {(0, 0)}
+            look()
+        assert await _fetch(peers, entries, spool, handed) == set()
+        look()
+        await peers.close()
+
+    asyncio.run(go())
+    assert handed == {0: datas[0]}
+    assert [round(s + 0.4) for s, _, _ in seen] == [5, 10, 0, 5]  # describe rounds to 0.1 s
+    assert [n for _, _, n in seen] == [1, 2, 0, 1]
+    assert seen[0][1].startswith("down: could not connect") and seen[1][1] == seen[0][1]
+    assert peers.counters["faults_connect"] == 3 and peers.counters["requests"] == 4
+
+
+def test_down_skip_doubles_to_its_most():
+    assert [down_skip(n, 5.0, 300.0) for n in (1, 2, 3, 6, 7, 100)] == [5, 10, 20, 160, 300, 300]
+
+
+def test_a_busy_share_is_not_skipped(tmp_path):
+    """A 503 (the share at its bounds, ``Retry-After: 1``) is an answer: asked at each miss."""
+    _, _, entries, _ = _share(tmp_path, 1)
+    app = web.Application()
+
+    async def busy(request: web.Request) -> web.Response:
+        return web.Response(status=503, headers={"Retry-After": "1"})
+
+    app.router.add_post("/v2/blobs", busy)
+
+    async def go() -> Peers:
+        async with TestServer(app, host="127.0.0.1") as server:
+            peers = Peers([str(server.make_url(""))], "t")
+            for _ in range(2):
+                assert await _fetch(peers, entries, _Spool(CacheDir(tmp_path / "c", 0)), {}) == set()
+            await peers.close()
+            return peers
+
+    peers = asyncio.run(go())
+    assert peers.counters["requests"] == 2 and peers.counters["faults_refused"] == 2
+    assert peers.describe()[0]["skipped_for_s"] == 0 and peers.stats()["skipped"] == 0
