@@ -224,7 +224,10 @@ class LayerCycle:
         """Per slot, expected hits per layer call until its layer's next call (inf: empty)."""
         used = self._rows >= 0
         out = np.full(self._rows.size, np.inf)
-        if not used.any() or self._at is None:
+        if not used.any():
+            return out
+        if self._at is None:  # no call seen yet: nothing tells the held experts apart
+            out[used] = 0.0
             return out
         cycle = len(self._pos)
         dist = (self._pos_of - self._pos[self._at]) % cycle  # per row, calls until its next

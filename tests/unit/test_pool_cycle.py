@@ -142,3 +142,14 @@ class _Both:
             getattr(self.second, name)(*args, **kwargs)
             return getattr(self.first, name)(*args, **kwargs)
         return both
+
+
+def test_a_pool_filled_before_any_call_can_shrink() -> None:
+    """Experts claimed before any layer call was seen (a bench filling the pool, a read-ahead
+    at start): a resize that keeps fewer gives some up rather than failing for want of a
+    ranking."""
+    t = SlotTable(8, experts_per_layer=16)
+    got = t.claim(1, [1, 2, 3, 4, 5, 6], use=False)
+    t.filled(got.slots.values())
+    moves = t.resize(3)
+    assert len(moves) == 3 and len(t) == 3 and t.capacity == 3
