@@ -306,12 +306,14 @@ class Filler:
                 raise
 
     def close(self) -> None:
+        """Wait for every read, then release the threads and the pinned staging (a deferred
+        read's failure is raised after that)."""
         try:
             self.complete()
         finally:
             self._demand.shutdown(wait=True)
-        for slot in list(self._reads):
-            self._reads[slot][1].cancel()
-        self._readers.shutdown(wait=True, cancel_futures=True)
-        if self.copier is not None:
-            self.copier.close()
+            for slot in list(self._reads):
+                self._reads[slot][1].cancel()
+            self._readers.shutdown(wait=True, cancel_futures=True)
+            if self.copier is not None:
+                self.copier.close()
