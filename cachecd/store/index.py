@@ -77,6 +77,16 @@ def coverage_prefix(model_key: str) -> bytes:
     return b"m" + model_key.encode() + b"\x00"
 
 
+def log_failure(fut: Future[None], what: str) -> None:
+    """Log a write that failed where nobody waits on its Future."""
+
+    def done(f: Future[None]) -> None:
+        if f.exception() is not None:
+            log.error("event=index_write_failed what=%s err=%s", what, f.exception())
+
+    fut.add_done_callback(done)
+
+
 class _RWLock:
     """Many readers or one writer, writer first (``set_mapsize`` must not starve): only used to
     keep read txns out of ``set_mapsize``."""
