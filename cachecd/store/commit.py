@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Protocol
 
 from cachecd import errors
 from cachecd.store import sources
@@ -27,22 +29,31 @@ from cachecd.store.sources import ORIGIN_SOURCE
 log = logging.getLogger(__name__)
 
 
+class Room(Protocol):
+    """What a commit asks of the store: room (its eviction) and a cached blob's sources."""
+
+    def evict_sync(self, digests: list[str] | None = None, nbytes: int = 0) -> int: ...
+
+    def reserve_sync(self, nbytes: int) -> Reservation: ...
+
+    def add_source(self, digest: str, source: str, origin: bytes = ORIGIN_SOURCE) -> bool: ...
+
+
 class BlobCommitter:
-    """The store's commit, given the store's own eviction (``evict``, ``reserve``) and
-    ``add_source``, and the integrity's ``verified`` map to mark what it committed."""
+    """The store's commit; ``verified`` is the integrity's map, where it marks what it
+    committed."""
 
     def __init__(
-        self, blobs: BlobDirs, index: Index, ledger: Ledger, verified: dict[str, float], *,
-        evict: Callable[..., int], reserve: Callable[[int], Reservation],
-        add_source: Callable[[str, str, bytes], bool],
+        self, blobs: BlobDirs, index: Index, ledger: Ledger, verified: dict[str, float],
+        store: Room,
     ) -> None:
         self.blobs = blobs
         self.index = index
         self.ledger = ledger
         self._verified = verified
-        self.evict_sync = evict
-        self.reserve_sync = reserve
-        self.add_source = add_source
+        # Weak: the store owns its committer, and a cycle would keep a dropped store's entries
+        # and policy (~10^5 objects at K3 scale) alive until the collector runs.
+        self._store: Room = weakref.proxy(store)
 
     def commit_sync(
         self,
@@ -69,9 +80,9 @@ class BlobCommitter:
                 unlinking = self.ledger.unlinking.get(digest)
             if present:
                 res.release()
-                if self.add_source(digest, source, origin):
+                if self._store.add_source(digest, source, origin):
                     return
-                res = self.reserve_sync(nbytes)  # evicted since: store the bytes after all
+                res = self._store.reserve_sync(nbytes)  # evicted since: store the bytes after all
             if unlinking is not None:
                 unlinking.wait()  # an eviction of these same bytes must not unlink our file
             entry = self._write_and_index(digest, data, nbytes, writer, (source, origin))
@@ -98,7 +109,7 @@ class BlobCommitter:
             # With no byte budget the free space is the budget: make room by policy and try
             # once more. With a budget the operator sized the cache; a full disk is theirs.
             budget = self.ledger.budget
-            if data is None or budget.limit or not self.evict_sync(nbytes=2 * nbytes + 1):
+            if data is None or budget.limit or not self._store.evict_sync(nbytes=2 * nbytes + 1):
                 raise
             log.warning("event=disk_full_evicted digest=%s", digest)
             return self._write_once(digest, data, nbytes, source)
@@ -136,7 +147,7 @@ class BlobCommitter:
         except errors.IndexFull:
             # The map is at its ceiling: evict a slice of the cache (deletes may use the map's
             # slack), then try once more; if that is not enough the caller gets a 507.
-            if not self.evict_sync(nbytes=max(self.ledger.budget.used // 64, 1)):
+            if not self._store.evict_sync(nbytes=max(self.ledger.budget.used // 64, 1)):
                 raise
             log.warning("event=index_full_evicted digest=%s", digest)
             submit().result()

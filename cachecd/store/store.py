@@ -57,10 +57,7 @@ class Store:
         self._models = ModelRecords(index)
         self._closed = False
         self._integrity = BlobIntegrity(blobs, index, ledger)
-        self._commits = BlobCommitter(
-            blobs, index, ledger, self._integrity.verified, evict=self.evict_sync,
-            reserve=self.reserve_sync, add_source=self.add_source,
-        )
+        self._commits = BlobCommitter(blobs, index, ledger, self._integrity.verified, self)
 
     @property
     def budget(self) -> Budget:
