@@ -4,18 +4,15 @@ Re-running is idempotent and resumes: files already present and verified are ski
 resident file resumes from its progress record. Nothing of a routed expert is downloaded here:
 the daemon fetches experts when routing first needs them. Next to another revision of the repo
 registered with the daemon, it says what the new one reuses and copies what is unchanged
-(``delta``); both stay registered.
+(``delta``); both stay registered. Which manifest it installs by is ``manifest_choice``'s, the
+daemon it registers with (started if none runs) ``daemon_start``'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import logging
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +24,15 @@ from cachecd.config import (
     load_settings,
 )
 from cachecd.errors import (
-    CachecdError,
-    DaemonUnavailable,
-    ManifestInvalid,
     ManifestMismatch,
     Offline,
 )
 from cachecd.manifest.repo_ref import is_commit, parse_ref
 from cachecd.manifest.sha256 import file_sha256
-from cachecd.service.render import sharing_arguments
 from cachecd.setup import pipeline, preflight, record
+from cachecd.setup.daemon_start import ensure_daemon
 from cachecd.setup.delta import compare, copy_if_same, installed_before
+from cachecd.setup.manifest_choice import choose_manifest
 from cachecd.setup.resident import make_private
 from cachecd.sizes import format_size
 
@@ -108,120 +103,6 @@ def resolve_commit(repo: str, rev: str, endpoint: str, offline: bool) -> str:
     from huggingface_hub import HfApi
 
     return str(HfApi(endpoint=endpoint).model_info(repo, revision=rev).sha)
-
-
-def choose_manifest(args: argparse.Namespace, repo: str, commit: str,
-                    settings: Settings) -> tuple[Path, Any, str]:
-    """The manifest file to use: --manifest FILE or hf://..., the shipped one, or one built now;
-    it must pin ``repo@commit`` and agree with the Hub's metadata and the shards' headers at that
-    commit. With it, where it came from: ``built``, ``shipped`` or what --manifest named."""
-    from cachecd.manifest import published
-    from cachecd.manifest.manifest import Manifest, shipped_manifest
-
-    path: Path | None
-    origin = "shipped"
-    if args.manifest and published.is_published(args.manifest):
-        from huggingface_hub import get_token
-
-        path, at = published.fetch(args.manifest, endpoint=settings.endpoint, token=get_token())
-        origin = args.manifest
-        print(f"manifest {args.manifest}" + (f" (its repo at {at})" if at else ""))
-    elif args.manifest:
-        path = Path(args.manifest)
-        origin = str(path.resolve())
-    else:
-        path = shipped_manifest(repo)
-        stale = path if path is not None and Manifest.load(path).revision != commit else None
-        path = None if stale else path
-        if path is None:  # a re-run reuses what an earlier setup built or registered
-            path, origin = stored_manifest(settings, repo, commit) or (None, "built")
-        if path is None and not args.build_manifest:
-            raise _no_manifest(repo, commit, stale)
-    if path is None:
-        path = settings.models_dir / "manifests" / manifest_name(repo, commit)
-        _build_manifest(repo, commit, settings.endpoint, path)
-        origin = "built"
-    manifest = Manifest.load(path)
-    if args.manifest:
-        manifest.source = args.manifest  # messages name what the user gave (a hf:// URL)
-    if manifest.repo != repo or manifest.revision != commit:
-        raise ManifestInvalid(f"{manifest.source}: pins {manifest.repo}@{manifest.revision}, not "
-                              f"{repo}@{commit}; pass --stream {manifest.repo}@{manifest.revision} "
-                              f"to install the revision it pins, or a manifest of {commit}")
-    check_on_use(manifest, settings)
-    return path, manifest, origin
-
-
-def check_on_use(manifest: Any, settings: Settings) -> None:
-    """Refuse a manifest the Hub's metadata or the shards' own headers at its commit contradict
-    (hub_check); offline, only against headers kept from an earlier check."""
-    from huggingface_hub import get_token
-
-    from cachecd.manifest.headers import keep_dir
-    from cachecd.manifest.hub_check import check_against_hub, check_layout_at
-
-    keep = keep_dir(settings.models_dir)
-    if settings.offline:
-        print("offline (HF_HUB_OFFLINE): the manifest is not checked against the Hub's metadata")
-        try:
-            check_layout_at(manifest, endpoint=settings.endpoint, keep=keep, offline=True)
-            print("its experts' byte ranges checked against the shards' headers kept in " + str(keep))
-        except Offline as exc:
-            print(f"nor its layout: {exc.message}")
-        return
-    check_against_hub(manifest, endpoint=settings.endpoint, token=get_token(), keep=keep)
-    print(f"manifest checked against {settings.endpoint}: {manifest.key}, its "
-          f"{len(manifest.files)} files' sizes, the shards' sha256 and the config's hash, and "
-          f"every expert's byte ranges against the shards' safetensors headers")
-
-
-def manifest_name(repo: str, commit: str) -> str:
-    """The file name setup builds to and the daemon stores its copy under (``registry``)."""
-    return f"{repo.replace('/', '--')}--{commit}.manifest"
-
-
-def stored_manifest(settings: Settings, repo: str, commit: str) -> tuple[Path, str] | None:
-    """The manifest of ``repo@commit`` an earlier setup left, with where it came from (what
-    ``status`` tells): built into the models dir, or registered with the daemon (which keeps its
-    own copy and its origin). It is checked like any other."""
-    path = settings.models_dir / "manifests" / manifest_name(repo, commit)
-    if path.is_file():
-        print(f"manifest {path} (stored by an earlier setup)")
-        return path, "built"
-    from cachecd_client import Client
-
-    try:
-        with Client(settings.socket, timeout=10) as client:
-            info = client.model(f"{repo}@{commit}")
-    except CachecdError:  # no daemon, or the repo is not registered with it
-        return None
-    path = Path(info.get("manifest") or "")
-    if info.get("revision") != commit or not path.is_file():
-        return None
-    print(f"manifest {path} (registered with the daemon by an earlier setup)")
-    return path, str(info.get("manifest_origin") or path)
-
-
-def _no_manifest(repo: str, commit: str, stale: Path | None) -> ManifestInvalid:
-    if stale is not None:
-        return ManifestInvalid(f"the shipped manifest {stale.name} pins another revision of "
-                               f"{repo} than {commit}; pass --manifest FILE, @<its commit>, or "
-                               "--build-manifest")
-    return ManifestInvalid(f"no manifest ships for {repo} and no earlier setup stored one for "
-                           f"{commit}; pass --manifest FILE or --build-manifest (reads the whole "
-                           "revision once)")
-
-
-def _build_manifest(repo: str, commit: str, endpoint: str, out: Path) -> None:
-    from huggingface_hub import get_token
-
-    from cachecd.manifest.build import build_to_file
-    from cachecd.manifest.source import HubSource
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Finished shards stay in OUT.parts until the manifest is written: a rerun resumes there.
-    build_to_file(HubSource(repo, commit, endpoint=endpoint, token=get_token()), out,
-                  progress=sys.stderr.isatty(), say=lambda m: print(m, file=sys.stderr))
 
 
 def fetch_small_files(manifest: Any, local: Path, endpoint: str,
@@ -322,68 +203,6 @@ async def fetch_resident(manifest: Any, local: Path, settings: Settings,
     finally:
         bar.close()
         await upstream.close()
-
-
-def ensure_daemon(settings: Settings, args: argparse.Namespace) -> Any:
-    from cachecd_client import Client
-
-    client = Client(settings.socket)
-    try:
-        client.health()
-        return client
-    except DaemonUnavailable:
-        if args.no_start:
-            raise
-    log_path = daemon_log_path(settings.socket)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "cachecd.cli", "serve", "--socket", str(settings.socket),
-           "--endpoint", settings.endpoint, "--models-dir", str(settings.models_dir)]
-    for d in settings.cache_dirs:
-        cmd += ["--cache-dir", str(d)]
-    if settings.budget:
-        cmd += ["--budget", str(settings.budget)]
-    cmd += sharing_arguments(settings)
-    # The daemon rotates its log itself; its stderr (a crash's traceback) starts afresh each start.
-    with open(log_path.with_suffix(".stderr"), "wb") as err:
-        proc = subprocess.Popen([*cmd, "--log-file", str(log_path)], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    print(f"started a daemon (pid {proc.pid}, log {log_path})")
-    print(service_hint(cmd[cmd.index("serve") + 1:]))
-    return wait_healthy(client, proc, log_path)
-
-
-def daemon_log_path(socket: Path) -> Path:
-    """Where a daemon this command starts logs: the platform's log dir, one file per socket."""
-    if socket == constants.DEFAULT_SOCKET:
-        return constants.LOG_DIR / "daemon.log"
-    return constants.LOG_DIR / f"daemon-{hashlib.sha256(str(socket).encode()).hexdigest()[:8]}.log"
-
-
-def service_hint(serve_args: list[str]) -> str:
-    """How to keep a daemon running across logins and reboots, or why this machine cannot."""
-    import shlex
-
-    from cachecd.service.manager import manager_for
-
-    if manager_for(None).unavailable():  # `cachecd service status` says why, at length
-        return ("no service manager here (cachecd service status says why): keep `cachecd "
-                "serve` running under your own supervisor")
-    return f"to keep it running across reboots: cachecd service install {shlex.join(serve_args)}"
-
-
-def wait_healthy(client: Any, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = "".join(p.read_text(errors="replace")[-2000:] for p in
-                           (log_path, log_path.with_suffix(".stderr")) if p.exists())
-            raise DaemonUnavailable(f"the daemon exited with {proc.returncode}:\n{tail}")
-        try:
-            client.health()
-            return client
-        except DaemonUnavailable:
-            time.sleep(0.05)
-    raise DaemonUnavailable(f"the daemon did not answer within {timeout:.0f}s; see {log_path}")
 
 
 def run(args: argparse.Namespace) -> int:

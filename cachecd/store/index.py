@@ -11,16 +11,10 @@ Lives at ``CACHE_DIR0/index.lmdb``. Named databases:
     sources  digest + source key (16 + 16 raw bytes) -> origin (one byte): the exact bytes each
              blob was verified as (``sources.py``; schema 2). A row's sources go with the row.
 
+Every write runs on the writer thread of ``IndexWriter`` (index_writer.py), whose invariants
+(one writer, batched commits, map growth, a failed commit leaves the index unchanged) hold here.
+
 Invariants:
-- Every write goes through one writer thread (``submit``); callers get a Future. So when the map
-  is full the writer holds no open write txn and may call ``set_mapsize`` (x2, up to a ceiling);
-  read txns (any thread) take the shared side of a lock that ``set_mapsize`` and a write txn's
-  abort take exclusively (py-lmdb >= 2 makes both wait for every other thread's LMDB call).
-- Writes queued together commit in one txn (one fsync); if that txn fails, each job is rerun
-  alone so one bad job cannot fail the others. A Future completes only after its commit.
-- A failed commit leaves the index unchanged: the txn is aborted. MapFull past the ceiling raises
-  ``IndexFull``; any other ``lmdb.Error`` (a full tmpfs gives ``mdb_txn_commit: Input/output
-  error``) raises ``DiskFull``.
 - Access counts are recorded in memory and flushed every ``flush_every`` accesses or every
   ``flush_interval`` seconds; a crash loses at most that window of statistics, never an entry.
 """
@@ -29,34 +23,26 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import struct
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import lmdb
 
 from cachecd import constants, errors
 from cachecd.store import sources
-from cachecd.store.crash import crash_point
+from cachecd.store.index_writer import FLUSH, IndexWriter
 
 log = logging.getLogger(__name__)
 
 INDEX_DIRNAME = "index.lmdb"  # inside cache dir 0
-T = TypeVar("T")
 _ENTRY = struct.Struct("<HQd")
 _ACCESS = struct.Struct("<Qd")
 _LAYER_EXPERT = struct.Struct(">ii")
-_STOP = object()
-_FLUSH = object()
-_MAX_BATCH = 64
-_Job = tuple[Callable[[lmdb.Transaction], Any], Future[Any], bool]
 
 # Migrations: schema version N -> N+1, run inside one write txn.
 MIGRATIONS: dict[int, Callable[[lmdb.Transaction, Index], None]] = {1: sources.migrate_to_2}
@@ -77,46 +63,17 @@ def coverage_prefix(model_key: str) -> bytes:
     return b"m" + model_key.encode() + b"\x00"
 
 
-class _RWLock:
-    """Many readers or one writer, writer first (``set_mapsize`` must not starve): only used to
-    keep read txns out of ``set_mapsize``."""
+def log_failure(fut: Future[None], what: str) -> None:
+    """Log a write that failed where nobody waits on its Future."""
 
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._waiting_writers = 0
+    def done(f: Future[None]) -> None:
+        if f.exception() is not None:
+            log.error("event=index_write_failed what=%s err=%s", what, f.exception())
 
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
-            while self._writer or self._waiting_writers:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            self._waiting_writers += 1
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._waiting_writers -= 1
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
+    fut.add_done_callback(done)
 
 
-class Index:
+class Index(IndexWriter):
     def __init__(
         self,
         path: Path,
@@ -126,174 +83,36 @@ class Index:
         flush_every: int = 1000,
         flush_interval: float = 1.0,
     ) -> None:
-        self.path = Path(path)
-        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.map_ceiling = map_ceiling or constants.LMDB_MAP_CEILING
+        path = Path(path)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
         # sync and metasync: a commit returns once LMDB has synced its own file. Linux: the data
         # pages are fdatasync'd, then the meta page is written through an O_DSYNC fd. macOS:
         # LMDB's MDB_FDATASYNC is fcntl(F_FULLFSYNC) (mdb.c, `#if defined(__APPLE__)`) for the
         # data pages, and from LMDB 0.9.36 (ITS#10454; py-lmdb 3.0, which pyproject asks for on
         # macOS) the meta page gets one too; before, it stopped at O_DSYNC, short of the drive's
         # media. docs/daemon.md, "Durability on Linux and macOS".
-        self.env = lmdb.open(
-            str(self.path), map_size=map_size or constants.LMDB_MAP_SIZE, max_dbs=8,
+        env = lmdb.open(
+            str(path), map_size=map_size or constants.LMDB_MAP_SIZE, max_dbs=8,
             subdir=True, sync=True, metasync=True, readahead=False, meminit=False,
         )
+        super().__init__(env, path, map_ceiling or constants.LMDB_MAP_CEILING, flush_interval)
         self.meta = self.env.open_db(b"meta")
         self.entries = self.env.open_db(b"entries")
         self.access = self.env.open_db(b"access")
         self.pins = self.env.open_db(b"pins")
         self.models = self.env.open_db(b"models")
         self.sources = self.env.open_db(b"sources")
-        self._rw = _RWLock()
         self._flush_every = flush_every
-        self._flush_interval = flush_interval
         self._pending_lock = threading.Lock()
         self._pending: dict[bytes, tuple[int, float]] = {}
-        self._flush_requested = False
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._closed = False
-        self._submit_lock = threading.Lock()
         try:
             self._migrate()
         except BaseException:
             self.env.close()
             raise
-        self._thread = threading.Thread(target=self._writer, name="cachecd-index", daemon=True)
-        self._thread.start()
-
-    # ---- the writer thread -------------------------------------------------------------
-
-    def submit(self, fn: Callable[[lmdb.Transaction], T], *, frees: bool = False) -> Future[T]:
-        """Run ``fn(txn)`` in one write txn on the writer thread; it may be re-run on map full.
-
-        ``frees``: the op only deletes. LMDB needs fresh pages even to delete (copy-on-write),
-        so such ops may grow the map past the ceiling by a slack; otherwise a full index could
-        never be evicted from.
-        """
-        fut: Future[T] = Future()
-        with self._submit_lock:  # nothing may be queued behind _STOP, it would never run
-            if self._closed:
-                fut.set_exception(errors.ShuttingDown("the index is closed"))
-                return fut
-            self._queue.put((fn, fut, frees))
-        return fut
-
-    def _writer(self) -> None:
-        next_flush = time.monotonic() + self._flush_interval
-        stop = False
-        while not stop:
-            try:
-                item = self._queue.get(timeout=max(next_flush - time.monotonic(), 0.01))
-            except queue.Empty:
-                item = None
-            jobs, stop = self._drain(item)
-            if jobs:
-                self._run_jobs(jobs)
-            if len(self._pending) >= self._flush_every or time.monotonic() >= next_flush:
-                # A _FLUSH token ends a drain, so the stats it asked for are written before
-                # any job queued after it completes.
-                self._flush_pending()
-                next_flush = time.monotonic() + self._flush_interval
-        self._flush_pending()
-
-    def _drain(self, item: Any) -> tuple[list[_Job], bool]:
-        """``item`` plus whatever else is queued (up to a batch): one txn, one fsync for all."""
-        jobs: list[_Job] = []
-        stop = False
-        while item is not None:
-            if item is _STOP:
-                stop = True
-            elif item is _FLUSH:
-                self._flush_requested = False
-                break
-            elif item[1].set_running_or_notify_cancel():
-                jobs.append(item)
-            if stop or len(jobs) >= _MAX_BATCH:
-                break
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                item = None
-        return jobs, stop
-
-    def _run_jobs(self, jobs: list[_Job]) -> None:
-        if len(jobs) > 1:
-            try:
-                results = self._write(
-                    lambda txn: [fn(txn) for fn, _, _ in jobs], all(f for _, _, f in jobs)
-                )
-            except BaseException as exc:  # noqa: BLE001 - rerun one by one: a bad job fails alone
-                log.debug("event=index_batch_failed n=%d err=%s", len(jobs), exc)
-            else:
-                for (_, fut, _), result in zip(jobs, results, strict=True):
-                    fut.set_result(result)
-                return
-        for fn, fut, frees in jobs:
-            try:
-                fut.set_result(self._write(fn, frees))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(exc)
-
-    def _write(self, fn: Callable[[lmdb.Transaction], T], frees: bool = False) -> T:
-        while True:
-            try:
-                txn = self.env.begin(write=True)
-            except lmdb.Error as exc:
-                raise errors.DiskFull(f"index write failed to start: {exc}") from exc
-            try:
-                result = fn(txn)
-                txn.commit()
-                return result
-            except lmdb.MapFullError:
-                self._abort(txn)
-                self._grow(frees)
-            except lmdb.Error as exc:
-                self._abort(txn)
-                log.error("event=index_commit_failed err=%s", exc)
-                raise errors.DiskFull(
-                    f"index commit failed ({exc}); the index is unchanged. Free space in "
-                    f"{self.path.parent} and retry"
-                ) from exc
-            except BaseException:
-                self._abort(txn)
-                raise
-
-    def _abort(self, txn: lmdb.Transaction) -> None:
-        # py-lmdb >= 2 makes a write txn's abort wait until no other thread is inside an LMDB
-        # call; readers that never pause would starve it for ever. Readers are held off.
-        with self._rw.exclusive():
-            txn.abort()
-
-    def _grow(self, frees: bool) -> None:
-        current = self.env.info()["map_size"]
-        limit = self.map_ceiling + (max(self.map_ceiling // 8, 256 * 1024) if frees else 0)
-        if current >= limit:
-            raise errors.IndexFull(
-                f"index map is at its ceiling ({self.map_ceiling} bytes); evict entries"
-            )
-        new = min(current * 2, limit)
-        log.info("event=index_map_growing old=%d new=%d", current, new)
-        with self._rw.exclusive():
-            self.env.set_mapsize(new)
-        crash_point("during_map_growth")  # grown, and the txn that needed it not retried yet
-        log.info("event=index_map_grown old=%d new=%d", current, new)
-
-    def close(self) -> None:
-        with self._submit_lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._queue.put(_STOP)
-        self._thread.join()
-        self.env.close()
+        self._start()
 
     # ---- reads (any thread) ------------------------------------------------------------
-
-    @contextmanager
-    def read(self) -> Iterator[lmdb.Transaction]:
-        with self._rw.shared(), self.env.begin(write=False, buffers=False) as txn:
-            yield txn
 
     def load_entries(self) -> dict[str, Entry]:
         out: dict[str, Entry] = {}
@@ -431,7 +250,7 @@ class Index:
             if wake:
                 self._flush_requested = True
         if wake:
-            self._queue.put(_FLUSH)
+            self._queue.put(FLUSH)
 
     def flush_access(self) -> None:
         """Write pending access stats now (from any thread; waits for the writer)."""
@@ -452,6 +271,9 @@ class Index:
                 txn.put(k, _ACCESS.pack(count + n, max(prev, last)), db=self.access)
 
         return op
+
+    def _flush_due(self) -> bool:
+        return len(self._pending) >= self._flush_every
 
     def _flush_pending(self) -> None:
         if not self._pending:

@@ -13,9 +13,9 @@ Invariants:
 - A hit for an expert counts only if its source key is among its blob's sources (the daemon's
   ``MissFiller.missing``): a set look-up in memory (``Ledger.sources``), no LMDB read per hit.
 - A source is added only after bytes read from that source (or stated by a peer for it) hashed
-  to the digest; a commit writes it before the blob's file and row (``Store._write_once``), so a
-  blob adopted by recovery after a crash in between still has it. A row's sources are deleted
-  with it, in the same txn (``Index.delete_entries``).
+  to the digest; a commit writes it before the blob's file and row (commit.py,
+  ``BlobCommitter._write_once``), so a blob adopted by recovery after a crash in between still
+  has it. A row's sources are deleted with it, in the same txn (``Index.delete_entries``).
   A source row left without its blob (an eviction raced the add) is still true, since the
   shard's sha256 pins its bytes: ``load`` skips it while the digest has no row, and it counts
   again, rightly, once those bytes are cached again.

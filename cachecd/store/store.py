@@ -1,24 +1,16 @@
 """The store: the one object the daemon uses for cached expert bytes.
 
 It ties together the blob files (blobs.py), the LMDB index (index.py), the byte budget
-(budget.py) and an eviction policy (policies.py), and runs recovery (recovery.py) at open.
+(budget.py) and an eviction policy (policies.py), and runs recovery (recovery.py) at open. The
+write path is commit.py's, the hashes on open and the quarantine integrity.py's, the model
+records models.py's; their invariants are stated there.
 
 Invariants:
-- No index row without a complete, fsynced, renamed blob: a commit writes the blob, fsyncs it,
-  renames it, fsyncs the dir, and only then commits the row.
 - A blob on disk without a row is a stray: recovery adopts it (hash == name) or quarantines it
   at the next open. Eviction deletes the row first, then the file, so a crash between the two
   leaves a stray, never a dangling row.
 - Usage <= budget + reservations, and usage + reservations <= budget once ``reserve`` returns:
   the bytes a reservation needs are evicted (unlinked) before ``reserve`` returns.
-- A blob is hashed against its name before this process first serves it, unless this process
-  committed it (its bytes were verified on the way in): rot that happened while no daemon ran
-  is caught on first open (quarantine, row dropped, refetch). A blob is hashed again when it
-  is opened ``constants.REVERIFY_AFTER_S`` (a day) after its last hash. Hits through an fd the
-  daemon already holds are zero-copy and not re-hashed: rot under a blob in constant use is
-  caught by the background scrub (scrub.py), which hashes every blob in turn, or by
-  ``cachecd fsck``. A quarantine takes the blob out of the ledger before anything else, and
-  bumps ``quarantine_seq``, so a request that opened the blob earlier can tell and open again.
 - An eviction never cuts off a read in progress: a reader holds an fd from ``open_blob`` and the
   kernel keeps an unlinked file's bytes until the last fd closes. No reader refcount is needed.
 - In-memory state (entries, policy, budget, pins) lives in the ``Ledger`` (budget.py) under one
@@ -29,25 +21,24 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import errno
 import gc
 import logging
-import os
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from cachecd import constants, errors
+from cachecd import errors
 from cachecd.store import sources
-from cachecd.store.blobs import BlobDirs, BlobWriter, hash_fd, validate_digest
+from cachecd.store.blobs import BlobDirs, BlobWriter, validate_digest
 from cachecd.store.budget import Budget, Reservation
-from cachecd.store.crash import crash_point
+from cachecd.store.commit import BlobCommitter
 from cachecd.store.index import INDEX_DIRNAME, Entry, Index
+from cachecd.store.integrity import BlobIntegrity
 from cachecd.store.ledger import Ledger, Victims
+from cachecd.store.models import ModelRecords
 from cachecd.store.policies import make_policy
 from cachecd.store.recovery import RecoveryReport, mark_clean, recover
 from cachecd.store.sources import ORIGIN_SOURCE
@@ -63,16 +54,19 @@ class Store:
         self.index = index
         self.ledger = ledger
         self.recovery = report
-        self._models = index.load_models()
-        self._models_mu = threading.Lock()
+        self._models = ModelRecords(index)
         self._closed = False
-        self._verified: dict[str, float] = {}  # blob -> when this process last hashed it
-        self.quarantine_seq = 0  # bumped by every quarantine
-        self._quarantined: dict[str, int] = {}  # blob -> quarantine_seq of its last quarantine
+        self._integrity = BlobIntegrity(blobs, index, ledger)
+        self._commits = BlobCommitter(blobs, index, ledger, self._integrity.verified, self)
 
     @property
     def budget(self) -> Budget:
         return self.ledger.budget
+
+    @property
+    def quarantine_seq(self) -> int:
+        """Bumped by every quarantine (``integrity.py``)."""
+        return self._integrity.quarantine_seq
 
     # ---- open / close ------------------------------------------------------------------
 
@@ -192,99 +186,27 @@ class Store:
 
     def quarantined_since(self, seq: int, digests: list[str]) -> bool:
         """Whether any of ``digests`` was quarantined after ``quarantine_seq`` was ``seq``."""
-        with self.ledger.mu:
-            return any(self._quarantined.get(d, 0) > seq for d in digests)
+        return self._integrity.quarantined_since(seq, digests)
 
     def digests(self) -> list[str]:
         with self.ledger.mu:
             return list(self.ledger.entries)
 
     def open_blob(self, digest_hex: str) -> tuple[int, int]:
-        """(fd, size) of a committed blob; the caller closes the fd.
-
-        A blob whose file is gone or has the wrong size loses its row (a wrong one goes to
-        quarantine/) and ``ExpertNotFound`` is raised, so the caller refetches.
-        """
-        digest = validate_digest(digest_hex)
-        entry = self.ledger.entries.get(digest)
-        if entry is None:
-            raise errors.ExpertNotFound(f"blob {digest} is not in the cache")
-        try:
-            fd, size = self.blobs.open_read(entry.dir_index, digest)
-        except (FileNotFoundError, IsADirectoryError) as exc:
-            self._drop(digest, entry, quarantine=False, missing=True)
-            raise errors.ExpertNotFound(f"blob {digest} vanished from the cache ({exc})") from exc
-        except OSError as exc:
-            if exc.errno != errno.ELOOP:  # EMFILE, EIO...: not the blob's fault, keep it
-                raise errors.Internal(f"cannot open blob {digest}: {exc}") from exc
-            self._drop(digest, entry, quarantine=True, missing=True)  # a symlink planted there
-            raise errors.ExpertNotFound(f"blob {digest} was not a regular file") from exc
-        if size != entry.size:
-            os.close(fd)
-            self._drop(digest, entry, quarantine=True, missing=True)
-            raise errors.ExpertNotFound(
-                f"blob {digest} has {size} bytes on disk, expected {entry.size}; refetch it"
-            )
-        return fd, size
+        """(fd, size) of a committed blob; the caller closes the fd. ``BlobIntegrity.open_blob``."""
+        return self._integrity.open_blob(digest_hex)
 
     def unverified(self, digest: str) -> bool:
-        """True until this process hashed the blob's bytes (its commit or an open did), and
-        again once that hash is older than ``constants.REVERIFY_AFTER_S``."""
-        when = self._verified.get(digest)
-        return when is None or time.monotonic() - when > constants.REVERIFY_AFTER_S
+        """True until this process hashed the blob's bytes; ``BlobIntegrity.unverified``."""
+        return self._integrity.unverified(digest)
 
     def verify_open_blob(self, digest: str, fd: int) -> None:
-        """Hash an opened blob against its name, its xxh3-128, and close ``fd``. Rot goes to
-        quarantine/ and raises ``ExpertNotFound`` so the caller refetches. Blocking (reads the
-        whole blob): a thread's work."""
-        try:
-            got, _ = hash_fd(fd)
-        finally:
-            os.close(fd)
-        with self.ledger.mu:
-            self.ledger.counters["verified_on_open" if got == digest else "bit_rot_on_open"] += 1
-        if got == digest:
-            self._verified[digest] = time.monotonic()
-            return
-        log.error("event=bit_rot_on_open digest=%s got=%s", digest, got)
-        self.quarantine_sync(digest)
-        raise errors.ExpertNotFound(
-            f"blob {digest} failed its hash when opened (bit rot); quarantined, fetch it again"
-        )
+        """Hash an opened blob and close ``fd``; ``BlobIntegrity.verify_open_blob``."""
+        self._integrity.verify_open_blob(digest, fd)
 
     def scrub_verdict(self, digest: str, entry: Entry, got: str) -> bool:
-        """The scrub hashed ``entry``'s blob to ``got``: True if that is its name. Otherwise the
-        blob goes to quarantine/ and loses its row, unless the row is no longer ``entry``."""
-        if got == digest:
-            self._verified[digest] = time.monotonic()
-            return True
-        self._drop(digest, entry, quarantine=True, why="scrub")
-        log.error("event=scrub_bit_rot digest=%s got=%s", digest, got)
-        return False
-
-    def _drop(
-        self, digest: str, entry: Entry, *, quarantine: bool, why: str = "bad_on_open",
-        missing: bool = False,
-    ) -> None:
-        """Forget ``entry``'s row (and move its file to quarantine/); ``missing``: an open found
-        its file gone, short or not a file (``missing_on_open``)."""
-        # Under the ledger lock so the row delete is queued before any later re-commit's put.
-        with self.ledger.mu:
-            if self.ledger.forget(digest, entry) is None:
-                return  # someone else already dropped or replaced it
-            if quarantine:
-                self.quarantine_seq += 1
-                self._quarantined[digest] = self.quarantine_seq
-                self.blobs.quarantine(entry.dir_index, digest, why)
-                # Its bytes stay on the disk: they stay in the budget until quarantine/ prunes
-                # them (less than the entry held, so nothing needs evicting for it).
-                self.ledger.budget.set_aside = self.blobs.quarantine_bytes()
-                self.ledger.counters["quarantined"] += 1
-            if missing:
-                self.ledger.counters["missing_on_open"] += 1
-            fut = self.index.delete_entries([digest])
-        _log_failure(fut, "drop_row")
-        log.warning("event=blob_dropped digest=%s quarantined=%s", digest, quarantine)
+        """The scrub's hash of ``entry``'s blob; ``BlobIntegrity.scrub_verdict``."""
+        return self._integrity.scrub_verdict(digest, entry, got)
 
     # ---- writing -----------------------------------------------------------------------
 
@@ -345,92 +267,7 @@ class Store:
         source: str = "",
         origin: bytes = ORIGIN_SOURCE,
     ) -> None:
-        try:
-            digest = validate_digest(digest_hex)
-            if data is None and writer is None:
-                raise errors.Internal(f"commit of {digest} with neither bytes nor a writer")
-            nbytes = writer.nbytes if data is None else memoryview(data).nbytes  # type: ignore[union-attr]
-            if res.done:
-                raise errors.Internal("commit with a reservation that already ended")
-            if nbytes > res.nbytes:
-                raise errors.InvalidRequest(
-                    f"blob of {nbytes} bytes exceeds its reservation of {res.nbytes}"
-                )
-            with self.ledger.mu:
-                present = digest in self.ledger.entries
-                unlinking = self.ledger.unlinking.get(digest)
-            if present:
-                res.release()
-                if self.add_source(digest, source, origin):
-                    return
-                res = self.reserve_sync(nbytes)  # evicted since: store the bytes after all
-            if unlinking is not None:
-                unlinking.wait()  # an eviction of these same bytes must not unlink our file
-            entry = self._write_and_index(digest, data, nbytes, writer, (source, origin))
-            crash_point("after_index_commit")
-            self.ledger.insert(digest, entry, res, source)
-            self._verified[digest] = time.monotonic()
-        except BaseException:
-            res.release()
-            raise
-        finally:
-            if writer is not None:
-                writer.abort()  # a no-op once it was finished
-
-    def _write_and_index(
-        self, digest: str, data: bytes | memoryview | None, nbytes: int, writer: BlobWriter | None,
-        source: tuple[str, bytes],
-    ) -> Entry:
-        # nbytes is the writer's own when it holds the bytes (commit): only its name can differ.
-        if writer is not None and writer.digest != digest:
-            raise errors.Internal(f"blob writer for {writer.digest} used to commit {digest}")
-        try:
-            return self._write_once(digest, data, nbytes, source, writer)
-        except errors.DiskFull:
-            # With no byte budget the free space is the budget: make room by policy and try
-            # once more. With a budget the operator sized the cache; a full disk is theirs.
-            if data is None or self.budget.limit or not self.evict_sync(nbytes=2 * nbytes + 1):
-                raise
-            log.warning("event=disk_full_evicted digest=%s", digest)
-            return self._write_once(digest, data, nbytes, source)
-
-    def _write_once(
-        self,
-        digest: str,
-        data: bytes | memoryview | None,
-        nbytes: int,
-        source: tuple[str, bytes],
-        writer: BlobWriter | None = None,
-    ) -> Entry:
-        # The source first: "those shard bytes hash to this digest" is true whatever becomes of
-        # the file, and a blob that recovery adopts after a crash before its row (a stray) then
-        # still serves the expert it was verified as (sources.py).
-        self._index_write(digest, lambda: sources.put(self.index, [(digest, *source)]))
-        if writer is not None:
-            dir_index = writer.finish()
-        else:
-            dir_index = self.blobs.write_blob(digest, data)  # type: ignore[arg-type]
-        crash_point("before_index_commit")
-        entry = Entry(dir_index, nbytes, time.time())
-        try:
-            self._index_write(digest, lambda: self.index.put_entry(digest, entry, source))
-        except BaseException:
-            # The row did not commit: take the file back so it neither counts as a stray nor
-            # eats disk outside the budget.
-            self.blobs.unlink(dir_index, digest)
-            raise
-        return entry
-
-    def _index_write(self, digest: str, submit: Callable[[], Future[None]]) -> None:
-        try:
-            submit().result()
-        except errors.IndexFull:
-            # The map is at its ceiling: evict a slice of the cache (deletes may use the map's
-            # slack), then try once more; if that is not enough the caller gets a 507.
-            if not self.evict_sync(nbytes=max(self.budget.used // 64, 1)):
-                raise
-            log.warning("event=index_full_evicted digest=%s", digest)
-            submit().result()
+        self._commits.commit_sync(digest_hex, data, res, writer, source, origin)
 
     # ---- access, pins, eviction --------------------------------------------------------
 
@@ -512,9 +349,7 @@ class Store:
         await asyncio.to_thread(self.quarantine_sync, digest)
 
     def quarantine_sync(self, digest: str) -> None:
-        entry = self.ledger.entries.get(digest)
-        if entry is not None:
-            self._drop(digest, entry, quarantine=True, why="bit_rot")
+        self._integrity.quarantine_sync(digest)
 
     # ---- reports and models ------------------------------------------------------------
 
@@ -533,26 +368,17 @@ class Store:
     def put_model(self, key: str, record: dict[str, Any]) -> Future[None]:
         """Visible to ``get_model`` at once; durable when the returned Future completes
         (``await asyncio.wrap_future(...)`` from async code)."""
-        with self._models_mu:
-            self._models[key] = dict(record)
-        fut = self.index.put_model(key, record)
-        _log_failure(fut, "put_model")
-        return fut
+        return self._models.put(key, record)
 
     def delete_model(self, key: str) -> Future[None]:
-        with self._models_mu:
-            self._models.pop(key, None)
-        return self.index.delete_model(key)
+        return self._models.delete(key)
 
     def get_model(self, key: str) -> dict[str, Any] | None:
-        with self._models_mu:
-            rec = self._models.get(key)
-            return dict(rec) if rec is not None else None
+        return self._models.get(key)
 
     def models(self) -> list[dict[str, Any]]:
         """Every registered model record, each with its ``key`` added."""
-        with self._models_mu:
-            return [{**rec, "key": key} for key, rec in sorted(self._models.items())]
+        return self._models.all()
 
 
 @contextmanager
@@ -568,10 +394,3 @@ def collector_paused() -> Iterator[None]:
         if was:
             gc.enable()
 
-
-def _log_failure(fut: Future[None], what: str) -> None:
-    def done(f: Future[None]) -> None:
-        if f.exception() is not None:
-            log.error("event=index_write_failed what=%s err=%s", what, f.exception())
-
-    fut.add_done_callback(done)
