@@ -8,9 +8,9 @@ Invariants:
   once its bytes and derived arrays are in place; any exception before that (a read, the wait
   for a slot's queued readers or for read-ahead, a derive, an allocation failure or Ctrl-C
   anywhere between) frees every slot the call claimed before it leaves ``acquire``: outside
-  ``acquire`` and ``stage``, every filling slot is a read-ahead under way. A read-ahead slot
-  whose derive fails is freed too; a failed read-ahead of a routed expert is read again on
-  demand. A freed slot keeps its fence (``slots``): its queued readers are evaluated before it
+  ``acquire`` and ``stage``, every filling slot is a read-ahead or a deferred read under way.
+  A read-ahead slot whose derive fails is freed too; a failed read-ahead of a routed expert is
+  read again on demand. A freed slot keeps its fence (``slots``): its queued readers are evaluated before it
   is written again.
 - The queued readers of the slots a claim takes are evaluated before any is written, and their
   fences are cleared only after that evaluation has returned.
@@ -146,9 +146,11 @@ class Filler:
 
     def _undo(self) -> None:
         """Free every slot claimed on this thread and not filled: an exception is leaving
-        ``acquire`` or ``stage``, and only read-ahead under way may keep a slot filling."""
+        ``acquire`` or ``stage``, and only read-ahead and a deferred read under way may keep a
+        slot filling."""
         table = self.bank.table
-        table.forget([s for s in table.unfilled() if s not in self._reads])
+        pending = set(self._pending[1].values()) if self._pending is not None else set()
+        table.forget([s for s in table.unfilled() if s not in self._reads and s not in pending])
 
     def _read_now(self, layer: int, claimed: dict[int, int]) -> None:
         if claimed:
