@@ -68,8 +68,8 @@ def run_calls(bank: ExpertBank, layer: int, calls: list[Call], ids: list[int]) -
             outs[j].append(y)
             parts[j].append(rows)
             ys.append(y)
+        table.fence(slots.values(), ys)  # before they are queued: nothing runs unfenced
         mx.async_eval(ys)  # computes while the next group is read
-        table.fence(slots.values(), ys)
     return [_assemble(o, p, c.routed.shape) for o, p, c in zip(outs, parts, calls, strict=True)]
 
 
