@@ -87,7 +87,8 @@ def _routing(spec: CycleSpec, c: float, w: float) -> tuple[np.ndarray, np.ndarra
     popularity = np.full((spec.layers, n), (1.0 - w) / (n - hot))
     for layer in range(spec.layers):
         popularity[layer, rng.choice(n, hot, replace=False)] = w / hot
-    logp = np.log(popularity)
+    with np.errstate(divide="ignore"):  # w = 1: the cold experts are never drawn (log 0)
+        logp = np.log(popularity)
     routed = np.empty((spec.tokens, spec.layers, k), dtype=np.int64)
     prev: np.ndarray | None = None
     for t in range(spec.tokens):
