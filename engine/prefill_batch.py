@@ -25,10 +25,10 @@ Invariants:
 - The pass's steps are what ``_next`` will take while its rows stay the same and no padding is
   needed: it stops before a row would be split off (its last token left), before steps of
   unequal lengths, and where a queued request could join the batch.
-- The pass keeps, besides the copy of the caches (dropped when the pass ends), each step's
-  key/value rows (once the prompt's) and each step's linear-attention state, until the step's
-  call; what a batch that stopped mid-prefill never took is dropped at the next batched
-  prefill call or the next call on its caches.
+- The pass keeps, besides the copy of the caches (freed as the pass ends, not left to the
+  garbage collector), each step's key/value rows (once the prompt's) and each step's
+  linear-attention state, until the step's call; what a batch that stopped mid-prefill never
+  took is dropped at the next batched prefill call or the next call on its caches.
 """
 
 from __future__ import annotations
@@ -262,6 +262,11 @@ class BatchAhead:
                     self._per_layer(batch, generator), logits=False, after=after)
         finally:
             self.running = False
+            # The recorders refer to their caches (a cycle): without them the copy, the whole
+            # prompt's KV, goes now, not when the collector next runs.
+            for c in shadow:
+                c.__dict__.pop("update_and_fetch", None)
+            shadow.clear()
         return Pass(cache, tokens, writes)
 
     def _per_layer(self, batch: Any, generator: Any) -> Callable[[int, int], None]:

@@ -160,3 +160,41 @@ def test_a_pool_smaller_than_a_layer_on_the_batched_path(checkpoint: tuple[Path,
             reads[together] = sum(len(ids) for _, ids in source.calls)
             model.bank.close()
     assert reads[True] < reads[False], reads
+
+
+def test_the_pass_copy_of_the_caches_goes_when_the_pass_ends(
+        checkpoint: tuple[Path, Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pass runs on a copy of the batch's caches, which holds the whole prompt's keys and
+    values by its end: it is freed as the pass ends (with the collector off, as between its
+    runs), not kept beside the real caches the replay fills."""
+    import copy
+    import gc
+    import weakref
+
+    from cachecd_engine import prefill_batch
+
+    full, manifest, _ = checkpoint
+    copies: list[Any] = []
+    real = copy.deepcopy
+
+    def recorded(x: Any, *a: Any) -> Any:
+        out = real(x, *a)
+        if isinstance(out, list) and out and prefill_batch.batch_caches(out):
+            copies.extend(weakref.ref(c) for c in out)
+        return out
+
+    monkeypatch.setattr(prefill_batch.copy, "deepcopy", recorded)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 384, size=3 * 16 + 1).tolist() for _ in range(2)]
+    with LocalSource(manifest, full, verify=False) as source:
+        model, _ = load(full, source, ram_bytes=1, prefetch=False, speculate=False)
+        gc.collect()
+        gc.disable()
+        try:
+            batch_generate(model, Tokens(), prompts, max_tokens=1, prefill_step_size=16)
+            assert model.ahead.passes >= 1 and copies
+            alive = [r for r in copies if r() is not None]
+        finally:
+            gc.enable()
+        model.bank.close()
+    assert not alive, f"{len(alive)} of {len(copies)} copied caches outlived the pass"
