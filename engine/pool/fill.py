@@ -57,8 +57,8 @@ class Filler:
         self.guessed: set[Key] = set()  # experts read ahead and not used yet
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="cachecd-ahead")
         self._demand = ThreadPoolExecutor(1, thread_name_prefix="cachecd-demand")
-        # A deferred demand read under way: its layer, expert -> slot, the read, when started.
-        self._pending: tuple[int, dict[int, int], Future[int], float] | None = None
+        # A deferred demand read under way: its layer, expert -> slot, the read.
+        self._pending: tuple[int, dict[int, int], Future[int]] | None = None
         # On a discrete CUDA GPU misses go through pinned memory and the copy engine.
         self.copier = Copier() if bank.backend == "cuda" else None
 
@@ -179,7 +179,7 @@ class Filler:
         for e in claimed:  # the manifest's layouts looked up here, on the model's thread
             self.bank.pieces(layer, e)
         fut = self._demand.submit(self._read, layer, dict(claimed))
-        self._pending = (layer, claimed, fut, time.perf_counter())
+        self._pending = (layer, claimed, fut)
 
     @property
     def deferred(self) -> bool:
@@ -191,7 +191,7 @@ class Filler:
         filled), or, if it failed, are freed (only once the read has stopped) and it raises."""
         if self._pending is None:
             return
-        layer, claimed, fut, _ = self._pending
+        layer, claimed, fut = self._pending
         self._pending = None
         table, stats = self.bank.table, self.bank.stats
         t0 = time.perf_counter()
