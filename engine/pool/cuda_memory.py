@@ -91,10 +91,12 @@ class Copier:
             raw = np.ones(nbytes + 64, np.uint8)  # touched: no page faults in a read
             off = -raw.ctypes.data % 64
             buf = raw[off : off + nbytes]
-            if self.on and _lib.cudaHostRegister(buf.ctypes.data, nbytes, 0) == 0:
+            err = _lib.cudaHostRegister(buf.ctypes.data, nbytes, 0) if self.on else -1
+            if err == 0:
                 self._unpin = weakref.finalize(self, _unregister, _lib, buf)
-            elif self.on:
-                log.debug("cuda copier: staging not pinned (pageable copies are slower)")
+            elif self.on:  # 712: part of it is registered already (memory freed while pinned)
+                log.warning("event=cuda_staging_unpinned err=%d bytes=%d: the copier's staging "
+                            "could not be pinned; its copies are pageable (slower)", err, nbytes)
             self._staging = buf
         return self._staging
 
