@@ -94,3 +94,21 @@ def test_a_bank_let_go_of_without_close_unpins_its_staging_before_it_is_freed(
     gc.collect()  # the bank and its filler refer to each other: a cycle
     assert not runtime.pinned
     assert runtime.freed_first == 0
+
+
+def test_staging_that_cannot_be_pinned_is_said(monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """The runtime refuses to pin (712: part of the range is registered already, what memory
+    freed while pinned leaves behind): the copier says so with the error, and goes on with
+    pageable copies."""
+    runtime: Any = _Runtime()
+    runtime.cudaHostRegister = lambda ptr, nbytes, flags: 712
+    monkeypatch.setattr(cuda_memory, "_tried", True)
+    monkeypatch.setattr(cuda_memory, "_lib", runtime)
+    bank = _cuda_bank(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger=cuda_memory.__name__):
+        buf = bank.fill.copier.staging(1 << 16)
+    assert buf.size == 1 << 16 and bank.fill.copier.on
+    assert "event=cuda_staging_unpinned err=712" in caplog.text
+    bank.close()
+    assert not runtime.pinned
