@@ -275,10 +275,13 @@ class Peers:
         ``down_skip`` of its faults in a row (unless a fault of a request in flight with this
         one already skipped it: the same outage)."""
         self.counters[f"faults_{_kind(exc)}"] += 1
+        if isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503:
+            self._answers(url)  # busy: up (it answered), asked again at the next miss
+            log.info("peer busy url=%s err=%r", url, exc)
+            return
         now, why = time.monotonic(), _why(exc)
         self.down[url] = (why, self.down.get(url, ("", now))[1])
-        busy = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
-        if busy or self._skipped(url):  # busy: it answers, asked again at the next miss
+        if self._skipped(url):
             log.info("peer unavailable url=%s err=%r", url, exc)
             return
         n = self.faults_in_a_row[url] = self.faults_in_a_row.get(url, 0) + 1

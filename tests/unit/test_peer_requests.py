@@ -234,3 +234,4 @@ def test_a_busy_share_is_not_skipped(tmp_path):
     peers = asyncio.run(go())
     assert peers.counters["requests"] == 2 and peers.counters["faults_refused"] == 2
     assert peers.describe()[0]["skipped_for_s"] == 0 and peers.stats()["skipped"] == 0
+    assert "down_because" not in peers.describe()[0]  # busy is up: status does not say DOWN
