@@ -25,11 +25,13 @@ Invariants:
   read writes them any more.
 - On a discrete CUDA GPU a demand read goes through pinned staging memory and the copy engine
   (``cuda_memory.Copier``), each window's copy started as soon as its read lands, so copies
-  overlap the reads after them; read-ahead writes slots from the host.
+  overlap the reads after them; a read-ahead through its reader thread's own staging and copy
+  stream, its copies done before the read counts as landed.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -56,6 +58,9 @@ class Filler:
         self._underived: list[int] = []  # slots filled by read-ahead, derived arrays not yet
         self.guessed: set[Key] = set()  # experts read ahead and not used yet
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="cachecd-ahead")
+        self._local = threading.local()  # a reader thread's own copier (CUDA)
+        self._ahead_copiers: list[Copier] = []
+        self._lock = threading.Lock()
         self._demand = ThreadPoolExecutor(1, thread_name_prefix="cachecd-demand")
         # A deferred demand read under way: its layer, expert -> slot, the read.
         self._pending: tuple[int, dict[int, int], Future[int]] | None = None
@@ -264,12 +269,40 @@ class Filler:
 
     def _read_ahead(self, layer: int, expert: int, slot: int) -> int:
         """On a reader thread: the expert's bytes into its slot (on the source's read-ahead
-        threads where it has them: ``read_ahead_into``, never queued before a demand read)."""
+        threads where it has them: ``read_ahead_into``, never queued before a demand read);
+        the bytes written. On CUDA through this thread's own pinned staging and copy engine
+        stream (``cuda_memory.Copier``), the copies done before it returns."""
         memory = self.bank.memory
         assert memory is not None
         source = self.bank.source
         read = getattr(source, "read_ahead_into", None) or source.read_into
-        return int(read(layer, [expert], [memory.targets(slot, self.bank.pieces(layer, expert))]))
+        pieces = self.bank.pieces(layer, expert)
+        copier = self._ahead_copier()
+        if copier is None:
+            return int(read(layer, [expert], [memory.targets(slot, pieces)]))
+        n = self.bank.nbytes(layer, expert)
+        buf = copier.staging(n)
+        written = int(read(layer, [expert], [[buf[:n].data]]))
+        try:
+            for offset, size, key in pieces:
+                copier.copy(memory.address(key, slot), buf.ctypes.data + offset, size)
+        finally:  # no copy may still read staging or write a slot once this returns
+            ok = copier.wait()
+        if not ok:  # the copier gave up: write the slot from the host
+            memory.fill(slot, pieces, buf[:n])
+        return written + n
+
+    def _ahead_copier(self) -> Copier | None:
+        """This reader thread's copier (its own staging and stream), where misses go through
+        one (CUDA); None elsewhere or once the bank's copier is off."""
+        if self.copier is None or not self.copier.on:
+            return None
+        copier = getattr(self._local, "copier", None)
+        if copier is None:
+            copier = self._local.copier = type(self.copier)()
+            with self._lock:
+                self._ahead_copiers.append(copier)
+        return copier if copier.on else None
 
     def sweep(self) -> None:
         """Take in read-ahead that has finished (failed ones free their slot)."""
@@ -317,5 +350,6 @@ class Filler:
             for slot in list(self._reads):
                 self._reads[slot][1].cancel()
             self._readers.shutdown(wait=True, cancel_futures=True)
-            if self.copier is not None:
-                self.copier.close()
+            for copier in [self.copier, *self._ahead_copiers]:
+                if copier is not None:
+                    copier.close()

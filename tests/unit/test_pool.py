@@ -437,3 +437,34 @@ def test_a_deferred_read_that_fails_frees_its_slots_and_changes_no_logit(blobs) 
     assert bank.table is not None and not bank.table.unfilled()
     got, _ = run_logits(model, PROMPT, toks, steps=4)
     assert_bitwise(ref, got)
+
+
+def test_on_cuda_read_ahead_goes_through_its_threads_own_copier(blobs) -> None:  # type: ignore[no-untyped-def]
+    """Read-ahead on CUDA: each reader thread reads a guess into its own staging and copies it
+    to the slot on its own stream (host writes into the GPU's pages were what made read-ahead
+    slow there), the copies done before the read lands; the logits stay the resident ones and
+    every byte read ahead went through a reader's copier."""
+    import threading
+
+    from cachecd_engine.streamed_moe import install_prefetch
+
+    ref, toks = run_logits(build_resident(FMT), PROMPT, steps=6)
+    model, bank = _bank(blobs, slots=14)
+    install_prefetch(model, bank)
+    threads: set[str] = set()
+
+    class Threaded(_HostCopier):
+        def copy(self, dst: int, src: int, nbytes: int) -> None:
+            threads.add(threading.current_thread().name)
+            super().copy(dst, src, nbytes)
+
+    bank.fill.copier = Threaded()
+    got, _ = run_logits(model, PROMPT, toks, steps=6)
+    assert_bitwise(ref, got)
+    bank.settle()  # read-ahead still under way lands (and is counted)
+    s = bank.stats
+    ahead = sum(c.copied for c in bank.fill._ahead_copiers)
+    assert s.staged > 0 and ahead > 0
+    assert bank.fill.copier.copied + ahead == s.source_bytes  # every byte read went to a copier
+    assert any(name.startswith("cachecd-ahead") for name in threads), threads
+    bank.close()
