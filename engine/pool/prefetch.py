@@ -36,7 +36,8 @@ def read_ahead_by_default() -> bool:
     """Off everywhere it was measured side by side (bench/k3_decode.py, pc vs pc-ahead): on the
     CPU the read-ahead's copies take the cores the compute needs (0.73-0.78x of the resident
     model's tokens/s with it, 0.73-0.98x without); on the H200 (CUDA) a pool smaller than the
-    working set ran 0.39 decode steps a second with it and 0.47 without. With the disk throttled
+    working set ran 0.39 decode steps a second with it and 0.47 without (read-ahead then wrote
+    the GPU's pages from the host; it now goes through the copy engine, not yet measured there). With the disk throttled
     (``--throttle``, issue 37) it paid only where a token's reads took about its compute (1.5
     GB/s here: 0.780 against 0.611 tok/s); with the disk far slower than compute, as a Mac's
     SSD is beside K3's compute (0.2 GB/s here: 0.114 against 0.126), or far faster (13.6 GB/s:
