@@ -40,6 +40,8 @@ import mlx.core as mx
 import numpy as np
 
 from cachecd import errors
+from cachecd_engine.formats import Piece
+from cachecd_engine.pool.arrays import PoolMemory
 from cachecd_engine.pool.cuda_memory import Copier
 from cachecd_engine.pool.slots import Key
 
@@ -89,21 +91,19 @@ class Filler:
         self.guessed.difference_update(staged)
         try:
             claimed = self._claim(layer, [e for e in ids if e not in held], set(held.values()))
-            if defer and claimed and not memory.derived and not self._underived:
+            deferred = bool(defer and claimed and not memory.derived and not self._underived)
+            if deferred:  # filled by ``complete``
                 self._defer(layer, claimed)
-                stats.ram_hits += len(held) - len(staged)
-                stats.staged_hits += len(staged)
-                stats.wait_s += (time.perf_counter() - t0) - (stats.plan_s - plan0) - (
-                    stats.readers_s - readers0)
-                return {**held, **claimed}
-            self._read_now(layer, claimed)
-            self.derive_staged()
-            stats.copied_bytes += memory.derive(list(claimed.values()))
+            else:
+                self._read_now(layer, claimed)
+                self.derive_staged()
+                stats.copied_bytes += memory.derive(list(claimed.values()))
         except BaseException:
             self._undo()
             raise
         t1 = time.perf_counter()
-        table.filled(claimed.values())  # the commit: bytes and derived arrays in place
+        if not deferred:
+            table.filled(claimed.values())  # the commit: bytes and derived arrays in place
         stats.ram_hits += len(held) - len(staged)
         stats.staged_hits += len(staged)
         t2 = time.perf_counter()
@@ -228,11 +228,8 @@ class Filler:
             if upto < sizes[i] and not copier.by_window:
                 return
             e, lo = ids[i], copied[i]
-            for offset, n, key in bank.pieces(layer, e):  # the pieces [lo, upto) meets
-                a, b = max(lo, offset), min(upto, offset + n)
-                if a < b:
-                    copier.copy(memory.address(key, claimed[e]) + a - offset,
-                                base + starts[i] + a, b - a)
+            _copy_span(copier, memory, bank.pieces(layer, e), claimed[e], base + starts[i],
+                       lo, upto)
             copied[i] = max(lo, upto)
 
         try:
@@ -284,8 +281,7 @@ class Filler:
         buf = copier.staging(n)
         written = int(read(layer, [expert], [[buf[:n].data]]))
         try:
-            for offset, size, key in pieces:
-                copier.copy(memory.address(key, slot), buf.ctypes.data + offset, size)
+            _copy_span(copier, memory, pieces, slot, buf.ctypes.data, 0, n)
         finally:  # no copy may still read staging or write a slot once this returns
             ok = copier.wait()
         if not ok:  # the copier gave up: write the slot from the host
@@ -353,3 +349,13 @@ class Filler:
             for copier in [self.copier, *self._ahead_copiers]:
                 if copier is not None:
                     copier.close()
+
+
+def _copy_span(copier: Copier, memory: PoolMemory, pieces: tuple[Piece, ...], slot: int, src: int,
+               lo: int, hi: int) -> None:
+    """Copy bytes [lo, hi) of an expert's blob, held at ``src``, to ``slot``'s tensors: each
+    piece the span meets, the part of it inside the span."""
+    for offset, n, key in pieces:
+        a, b = max(lo, offset), min(hi, offset + n)
+        if a < b:
+            copier.copy(memory.address(key, slot) + a - offset, src + a, b - a)
