@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +114,19 @@ def write_format_checkpoints(root: Path, repos: dict[str, str]) -> None:
         else:
             options = K2Options(fmt="fp8", moe_intermediate=192) if fmt == "fp8" else K2Options()
             assert write_tiny_k2(root / repo, options, seed=0).split_experts
+
+
+@contextmanager
+def formats_served(prefix: str, repos: dict[str, str]) -> Iterator[tuple[Path, Any]]:
+    """The per-format checkpoints (``write_format_checkpoints``) under a short temp dir, and
+    one `cachecd hub serve` over them; both gone after."""
+    from tests.harness import HubProcess, short_tmp
+
+    root = short_tmp(prefix)
+    write_format_checkpoints(root, repos)
+    hub = HubProcess(root)
+    try:
+        yield root, hub
+    finally:
+        hub.stop()
+        shutil.rmtree(root, ignore_errors=True)

@@ -10,7 +10,6 @@ then warm (hits only), then warm with the RAM tier on.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,8 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.exactness import assert_bitwise, run_logits, write_format_checkpoints
-from tests.harness import DaemonProcess, HubProcess, run_cli, short_tmp
+from tests.exactness import assert_bitwise, formats_served, run_logits
+from tests.harness import DaemonProcess, HubProcess, run_cli
 
 PROMPT = "Every routed expert streams through the daemon, bit for bit, cold and warm."
 REPOS = {
@@ -35,12 +34,8 @@ SORTED_GATHER_ROWS = 64  # mlx-lm's gather_qmm/gather_mm sort the rows from this
 @pytest.fixture(scope="module")
 def formats_hub() -> Iterator[tuple[Path, HubProcess]]:
     """One `cachecd hub serve` over the checkpoints."""
-    root = short_tmp("cdfh")
-    write_format_checkpoints(root, REPOS)
-    hub = HubProcess(root)
-    yield root, hub
-    hub.stop()
-    shutil.rmtree(root, ignore_errors=True)
+    with formats_served("cdfh", REPOS) as served:
+        yield served
 
 
 @dataclass

@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 
-from tests.exactness import write_format_checkpoints
+from tests.exactness import formats_served
 from tests.harness import (
     HubProcess,
     Installed,
@@ -68,12 +68,8 @@ PASS_END = re.compile(r"prefill layer (\d+)/\1:")
 @pytest.fixture(scope="module")
 def formats_hub() -> Iterator[tuple[Path, HubProcess]]:
     """One `cachecd hub serve` over the four checkpoints."""
-    root = short_tmp("cdoe")
-    write_format_checkpoints(root, REPOS)
-    hub = HubProcess(root)
-    yield root, hub
-    hub.stop()
-    shutil.rmtree(root, ignore_errors=True)
+    with formats_served("cdoe", REPOS) as served:
+        yield served
 
 
 @dataclass
@@ -92,13 +88,15 @@ class Installs:
     def __init__(self, root: Path, hub: HubProcess) -> None:
         self.root, self.hub = root, hub
         self.current: Install | None = None
+        self._manifest_dir: Path | None = None
 
     def get(self, fmt: str) -> Install:
         if self.current is not None and self.current.fmt == fmt:
             return self.current
         self.cleanup()
         repo, url = REPOS[fmt], self.hub.url
-        manifest = short_tmp("cdoem") / "model.manifest"
+        self._manifest_dir = short_tmp("cdoem")
+        manifest = self._manifest_dir / "model.manifest"
         run_cli("manifest", "build", f"{repo}@main", "--endpoint", url, "--output", str(manifest))
         installed = Installed.setup(url, manifest, repo)
         full = self.root / repo
@@ -109,6 +107,9 @@ class Installs:
         if self.current is not None:
             self.current.installed.cleanup()
             self.current = None
+        if self._manifest_dir is not None:
+            shutil.rmtree(self._manifest_dir, ignore_errors=True)
+            self._manifest_dir = None
 
 
 @pytest.fixture(scope="module")
