@@ -25,7 +25,7 @@ from cachecd.testbed.tiny_k2 import K2Options, write_tiny_k2
 from cachecd.testbed.tiny_model import write_tiny_model
 from cachecd_engine.loader import load
 from cachecd_engine.local_source import LocalSource, manifest_from_dir
-from tests.functional.test_prefill_layer_major import _small_pool, assert_bitwise, cache_arrays
+from tests.functional.test_prefill_layer_major import _grouped, assert_bitwise, cache_arrays
 
 STEP_SIZES = (16, 7)
 STEPS = (1, 2, 5)
@@ -148,10 +148,7 @@ def test_a_pool_smaller_than_a_layer_on_the_batched_path(checkpoint: tuple[Path,
     for together in (True, False):
         with LocalSource(manifest, full, verify=False) as source:
             model, _ = load(full, source, ram_bytes=1, prefetch=False, speculate=False)
-            bank = _small_pool(model, 3)
-            bank.window_nbytes = 1 << 40
-            if not together:
-                bank.groups_chunks = lambda: False
+            _grouped(model, together)
             logits, tokens, cache = generate(model, prompts, 16)
             assert tokens == ref_tokens
             assert_bitwise(ref_logits, logits, f"together={together}: logits")

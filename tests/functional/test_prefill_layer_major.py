@@ -214,6 +214,16 @@ def _small_pool(model: Any, fraction: int) -> Any:
     return bank
 
 
+def _grouped(model: Any, together: bool) -> Any:
+    """A pool of a third of a layer, a prefill pass's window as large as it gets, and the
+    layer's steps taken together (``pool.chunks``) or each call in turn (the way before)."""
+    bank = _small_pool(model, 3)
+    bank.window_nbytes = 1 << 40
+    if not together:
+        bank.groups_chunks = lambda: False
+    return bank
+
+
 def test_a_pool_smaller_than_a_layer_reads_each_expert_once(
         checkpoint: tuple[Path, Any, Any]) -> None:
     """A pool of a third of a layer's experts: a prompt of 5 steps reads each routed expert of
@@ -226,10 +236,7 @@ def test_a_pool_smaller_than_a_layer_reads_each_expert_once(
     for together in (True, False):
         with LocalSource(manifest, full, verify=False) as source:
             model, _ = load(full, source, ram_bytes=1, prefetch=False, speculate=False)
-            bank = _small_pool(model, 3)
-            bank.window_nbytes = 1 << 40
-            if not together:
-                bank.groups_chunks = lambda: False
+            _grouped(model, together)
             prompt = rng.integers(0, 384, size=5 * 16 + 1).tolist()
             for _ in generate_step(mx.array(prompt), model, max_tokens=0, prefill_step_size=16,
                                    prompt_cache=make_prompt_cache(model)):
