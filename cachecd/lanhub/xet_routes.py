@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import logging
 import re
 import secrets
 import time
@@ -40,6 +41,8 @@ from cachecd.lanhub.repo import RepoFile, RepoSnapshot
 from cachecd.lanhub.xet_faults import XetFaults
 from cachecd.lanhub.xet_store import XetFile, XetStore
 from cachecd.xet import hashing, proof, xorb
+
+log = logging.getLogger("cachecd.lanhub.server")
 
 DEFAULT_TOKEN_TTL_S = 3600.0
 DEFAULT_XORB_URL_TTL_S = 3600.0
@@ -65,7 +68,11 @@ class XetSide:
         files = {}
         for path, f in snap.files.items():
             if f.git_oid is None and f.size > 0 and f.xet_hash is None:
-                f = dataclasses.replace(f, xet_hash=self.store.xet_hash(f.real, f.sha256, f.size))
+                try:
+                    f = dataclasses.replace(
+                        f, xet_hash=self.store.xet_hash(f.real, f.sha256, f.size))
+                except OSError as exc:  # served by the LFS route alone until a build succeeds
+                    log.warning("xet build failed file=%s error=%s: LFS route only", path, exc)
             files[path] = f
         return dataclasses.replace(snap, files=files)
 
