@@ -243,6 +243,20 @@ def test_expired_url_is_403_expired_token_401(root: Path) -> None:
         lo = entry["ranges"][0]["bytes"]["start"]
         status, _, _ = _request(entry["url"], headers={"Range": f"bytes={lo}-{lo + 10**9}"})
         assert status == 403
+        # The knobs: N answers spoiled, then honest ones (what a recovering client meets).
+        side.faults.expired_url, side.faults.times = True, 1
+        entry = next(iter(_reconstruction(url, xet_hash, token)["xorbs"].values()))[0]
+        assert _fetch(entry)[0] == 403
+        entry = next(iter(_reconstruction(url, xet_hash, token)["xorbs"].values()))[0]
+        assert _fetch(entry)[0] == 206
+        side.faults.expired_url = False
+        side.faults.expired_token, side.faults.times = True, 1
+        _, stale = _xet(url)
+        status, _, _ = _request(f"{stale['casUrl']}/v2/reconstructions/{xet_hash}",
+                                headers={"Authorization": f"Bearer {stale['accessToken']}"})
+        assert status == 401
+        _, fresh = _xet(url)
+        assert _reconstruction(url, xet_hash, fresh)["terms"]
         side.token_ttl_s = -1
         _, stale = _xet(url)
         status, _, _ = _request(f"{stale['casUrl']}/v2/reconstructions/{xet_hash}",
