@@ -61,6 +61,7 @@ from cachecd.lanhub.repo import (
     valid_relpath,
 )
 from cachecd.manifest.repo_ref import REVISION, valid_part
+from cachecd.secrets import Secret
 
 log = logging.getLogger("cachecd.lanhub.server")
 
@@ -81,7 +82,7 @@ class _Hub:
                  gated: frozenset[str] = frozenset(), limit: ResolveLimit | None = None) -> None:
         self.root = root.resolve()
         self.limit = limit
-        self.token = token
+        self.token = Secret(token) if token is not None else None  # redacted in any repr
         self.gated = gated
         self.signer = signer
         self.hashes = hashes
@@ -294,7 +295,7 @@ class _Hub:
                 "GatedRepo",
                 "Access to this server is restricted: pass its token as HF_TOKEN",
             )
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.token.reveal()}".encode()):
             # The Hub's own wording: huggingface_hub keys its "invalid token" message on it.
             raise hf_error(
                 web.HTTPUnauthorized, None, "Invalid credentials in Authorization header"

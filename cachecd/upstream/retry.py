@@ -145,6 +145,11 @@ class Retrier:
                 raise Transient(
                     errors.UpstreamError(f"{host} cut the body short: {exc}"), "truncated"
                 ) from exc
+            except aiohttp.ClientResponseError as exc:  # aiohttp could not parse the answer
+                raise Transient(  # its message only: the error's repr holds the request headers
+                    errors.UpstreamError(f"{host} sent an answer that cannot be read (HTTP "
+                                         f"{exc.status}: {exc.message})"), "bad_answer",
+                ) from exc
             except (aiohttp.ClientConnectionError, ConnectionError) as exc:
                 raise Transient(
                     errors.UpstreamError(

@@ -331,6 +331,8 @@ def test_share_refuses_without_the_token_and_serves_only_blobs_by_digest(sharer,
     (None, 0o600, "cannot read"),
     ("", 0o600, "is empty"),
     (TOKEN, 0o644, "readable by every user"),
+    (TOKEN, 0o620, "writable by its group (mode 620); make it private: `chmod 600"),
+    (TOKEN, 0o602, "writable by every user"),
 ])
 def test_a_bad_token_file_stops_serve_with_what_to_do(text, mode, says):
     path = token_file(text or "", mode)
