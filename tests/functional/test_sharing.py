@@ -23,11 +23,13 @@ from tests.harness import (
     LoggedHub,
     expert_bytes_from_files,
     free_port,
+    plant,
     run_cli,
     short_tmp,
 )
 
 TOKEN = "s3cret-token-for-tests-only-0123456789"
+plant(TOKEN)  # every daemon's log is searched for it at its cleanup (tests/harness.py)
 
 
 def token_file(text: str = TOKEN, mode: int = 0o600) -> Path:
