@@ -109,8 +109,9 @@ class Sharing:
         (and a closed connection) before a byte of its body is asked for."""
         if not self._token_ok(request):
             self.counters["refused_unauthorized"] += 1
-            request.protocol.force_close()
-            return web.Response(status=401, headers={"WWW-Authenticate": "Bearer"})
+            refused = web.Response(status=401, headers={"WWW-Authenticate": "Bearer"})
+            refused.force_close()  # closed after its 401, as the door closes a stranger's
+            return refused
         await _default_expect_handler(request)  # aiohttp's own: "100 Continue" or a 417
         return None
 

@@ -158,6 +158,9 @@ class ShareDoor:
             self.note("body_timed_out")
             request.protocol.force_close()
             raise web.HTTPRequestTimeout() from None
+        except ConnectionResetError:  # it hung up mid-body: counted, no traceback in the log
+            self.note("body_lost")
+            raise web.HTTPBadRequest() from None
 
     def arrive(self, conn: _Conn) -> bool:
         """Whether a connection just made is kept, after pushing out another if need be."""
