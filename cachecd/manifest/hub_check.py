@@ -157,18 +157,33 @@ def metadata_problems(manifest: Manifest, *, endpoint: str,
 
 
 def _model_info(manifest: Manifest, endpoint: str, token: str | None) -> Any:
-    """The Hub's metadata of the pinned commit (``model_info`` with file metadata, its answer
-    read within ``bounded_http``'s bounds); None when the Hub has no such repo or commit."""
+    """The Hub's metadata of the pinned commit; None when the Hub has no such repo or commit."""
+    from huggingface_hub import errors as hf_errors
+
+    try:
+        return model_info(manifest.repo, manifest.revision, endpoint=endpoint, token=token)
+    except errors.NotFound as exc:
+        cause = exc.__cause__
+        if isinstance(cause, hf_errors.RevisionNotFoundError | hf_errors.RepositoryNotFoundError):
+            return None
+        raise
+
+
+def model_info(repo: str, revision: str, *, endpoint: str, token: str | None = None,
+               files: bool = True) -> Any:
+    """huggingface_hub's ``ModelInfo`` of ``repo@revision`` (with each file's metadata when
+    ``files``), its answer read within ``bounded_http``'s bounds: a bad one is
+    ``UpstreamAnswerInvalid`` naming the repo; the Hub's errors as ``hub_errors`` types them."""
     from urllib.parse import quote
 
-    from huggingface_hub import errors as hf_errors
     from huggingface_hub import get_session
     from huggingface_hub.hf_api import ModelInfo
     from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
 
-    what = f"{manifest.repo}@{manifest.revision} on {endpoint}"
-    url = (f"{endpoint}/api/models/{manifest.repo}/revision/"
-           f"{quote(manifest.revision, safe='')}?blobs=true")
+    endpoint = endpoint.rstrip("/")
+    what = f"{repo}@{revision} on {endpoint}"
+    url = (f"{endpoint}/api/models/{repo}/revision/{quote(revision, safe='')}"
+           f"{'?blobs=true' if files else ''}")
 
     def get() -> Any:
         answer = bounded_http.get(get_session(), url, build_hf_headers(token=token),
@@ -183,13 +198,7 @@ def _model_info(manifest: Manifest, endpoint: str, token: str | None) -> Any:
                 f"metadata of {what}: its answer is not a model's metadata ({type(exc).__name__}); "
                 "try again later, or another endpoint (--endpoint / HF_ENDPOINT)") from None
 
-    try:
-        return hub_errors(what, get)
-    except errors.NotFound as exc:
-        cause = exc.__cause__
-        if isinstance(cause, hf_errors.RevisionNotFoundError | hf_errors.RepositoryNotFoundError):
-            return None
-        raise
+    return hub_errors(what, get)
 
 
 def _small_file_sha256(manifest: Manifest, endpoint: str, token: str | None, s: Any) -> str:

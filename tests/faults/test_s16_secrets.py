@@ -205,14 +205,25 @@ def test_status_answers_while_a_start_check_stalls(small: Model, evil: Model, po
     assert [m["repo"] for m in d.status()["models"]] == [small.repo]  # its answer was not JSON
 
 
-def test_manifest_verify_says_one_line_for_a_bad_answer(small: Model, evil: Model, pool) -> None:  # type: ignore[no-untyped-def]
+def test_manifest_verify_and_setup_say_one_line_for_a_bad_answer(small: Model, evil: Model,  # type: ignore[no-untyped-def]
+                                                                  pool) -> None:
     t = _hostile(pool, small, evil)
     t.hub.api[evil.repo] = b"[" * 200_000
-    proc = run_cli("manifest", "verify", str(evil.manifest_path), "--endpoint", t.hub.url,
-                   check=False, timeout=60, env={"HF_TOKEN": FAKE_TOKEN})
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith("cachecd: upstream_answer_invalid: ") and evil.repo in lines[0]
+    base = short_tmp("cdvs")
+    (base / "none.toml").touch()  # no user config reaches the commands
+    env = {"HF_TOKEN": FAKE_TOKEN, "HF_HOME": str(base / "hf"),
+           "CACHECD_CONFIG": str(base / "none.toml")}
+    verify = run_cli("manifest", "verify", str(evil.manifest_path), "--endpoint", t.hub.url,
+                     check=False, timeout=60, env=env)
+    setup = run_cli("setup", "--stream", f"{evil.repo}@main", "--endpoint", t.hub.url,
+                    "--socket", str(base / "s.sock"), "--cache-dir", str(base / "c"),
+                    "--models-dir", str(base / "m"), "--no-start", check=False, timeout=60,
+                    env=env)
+    for proc in (verify, setup):
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+        assert lines[0].startswith("cachecd: upstream_answer_invalid: ") and evil.repo in lines[0]
+        assert FAKE_TOKEN not in proc.stdout + proc.stderr
 
 
 def test_a_redirect_off_the_web_is_refused_by_name(small: Model, pool) -> None:  # type: ignore[no-untyped-def]
