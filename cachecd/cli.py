@@ -19,6 +19,8 @@ from cachecd import __version__
 from cachecd.cli_help import Parser, add_exit_codes, group_commands
 from cachecd.errors import EXIT_INTERRUPTED, EXIT_USAGE, exit_codes
 from cachecd.hub_errors import translate
+from cachecd.secrets import install as scrub_logs
+from cachecd.secrets import scrub
 
 # Modules that own commands; `--help` lists the commands in cli_help's groups.
 _COMMAND_MODULES: tuple[str, ...] = (
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=log_level(args), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    scrub_logs()  # no token in a log line or a traceback, whatever carried it there
     # huggingface_hub's HTTP client logs every request at INFO; that is noise on a terminal.
     for noisy in ("httpx", "httpx2", "httpcore", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if args.verbose:
             traceback.print_exception(exc)
-        print(f"cachecd: {line}", file=sys.stderr)
+        print(f"cachecd: {scrub(line)}", file=sys.stderr)
         return code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

@@ -25,6 +25,7 @@ from typing import Any
 
 from cachecd import constants
 from cachecd.errors import ConfigInvalid
+from cachecd.secrets import Secret
 from cachecd.store.policies import POLICIES
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
@@ -192,9 +193,10 @@ def _urls(value: Any, key: str) -> list[str]:
     return out
 
 
-def read_token_file(path: Path | None, key: str) -> str:
-    """The bearer token in ``path``: refused when missing, empty, readable by group or others,
-    owned by another user, or shorter than ``TOKEN_MIN_BITS`` of secret."""
+def read_token_file(path: Path | None, key: str) -> Secret:
+    """The bearer token in ``path``: refused when missing, empty, readable or writable by group
+    or others (one who can write it can swap the token), owned by another user, or shorter
+    than ``TOKEN_MIN_BITS`` of secret. A ``Secret``: redacted wherever it is printed."""
     what = (f"{key}: write a long random token to a file only you can read, e.g. `python3 -c "
             "'import secrets; print(secrets.token_hex(32))' > FILE && chmod 600 FILE`, the same "
             "token on every host that shares or peers")
@@ -205,9 +207,12 @@ def read_token_file(path: Path | None, key: str) -> str:
         token = path.read_text().strip()
     except OSError as exc:
         raise ConfigInvalid(f"{key}: cannot read {path} ({exc.strerror}); {what}") from None
-    if st.st_mode & 0o044:
-        who = "every user" if st.st_mode & 0o004 else "its group"
-        raise ConfigInvalid(f"{key}: {path} is readable by {who}; `chmod 600 {path}`")
+    if st.st_mode & 0o077:
+        who = "every user" if st.st_mode & 0o007 else "its group"
+        how = "readable" if st.st_mode & 0o044 else "writable"
+        how = "readable and writable" if st.st_mode & 0o044 and st.st_mode & 0o022 else how
+        raise ConfigInvalid(f"{key}: {path} is {how} by {who} (mode {st.st_mode & 0o777:o}); "
+                            f"make it private: `chmod 600 {path}`")
     if st.st_uid != os.geteuid():
         # Its owner can change the token, or read it whatever its mode says.
         raise ConfigInvalid(f"{key}: {path} is owned by uid {st.st_uid}, not by the user the "
@@ -218,7 +223,7 @@ def read_token_file(path: Path | None, key: str) -> str:
         raise ConfigInvalid(f"{key}: the token in {path} holds about {bits} bits of secret, "
                             f"fewer than {TOKEN_MIN_BITS}: anyone on the link could guess it; "
                             f"{what}")
-    return token
+    return Secret(token)
 
 
 TOKEN_MIN_BITS = 128

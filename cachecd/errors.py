@@ -4,12 +4,15 @@ Each error has a stable ``code`` (the wire name), the ``http_status`` the daemon
 ``retryable``: whether asking again later can succeed, and ``exit_code``: what a command that
 ends in it exits with (``cli_help.EXIT_CODES`` has the table ``--help`` and docs/daemon.md show). The wire form is
 ``{"error": code, "message": ..., "retryable": bool}``; the client turns it back into the same
-type with :func:`error_from_wire`. A message says what failed and what to do next.
+type with :func:`error_from_wire`. A message says what failed and what to do next, and never
+holds a token: every message is scrubbed (``secrets.scrub``) when the error is made.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
+
+from cachecd.secrets import scrub
 
 
 class CachecdError(Exception):
@@ -19,6 +22,7 @@ class CachecdError(Exception):
     exit_code: ClassVar[int] = 1  # the command failed; its line on stderr says what
 
     def __init__(self, message: str = "", *, request_id: str | None = None) -> None:
+        message = scrub(message)  # no token reaches a log, a wire body or a terminal through us
         super().__init__(message or self.code)
         self.message = message or self.code
         self.request_id = request_id
@@ -255,6 +259,21 @@ class ServiceCommandFailed(CachecdError):
     """A launchctl/systemctl command run by ``cachecd service`` exited non-zero."""
 
     code, http_status = "service_command_failed", 500
+
+
+class UpstreamAnswerInvalid(CachecdError):
+    """An endpoint's answer that cachecd will not read: over its byte bound (decompressed or
+    not), nested too deep, not JSON where JSON was asked, in an encoding it does not read. The
+    model it was about is refused; the message names the endpoint, the model and what to do."""
+
+    code, http_status = "upstream_answer_invalid", 502
+
+
+class RedirectRefused(CachecdError):
+    """An endpoint redirected where cachecd does not follow: not http(s) (``file://``), or to a
+    loopback or link-local host (a cloud's metadata service) from an endpoint that is not one."""
+
+    code, http_status = "redirect_refused", 502
 
 
 class Internal(CachecdError):

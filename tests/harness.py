@@ -216,7 +216,31 @@ class DaemonProcess:
     def cleanup(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.kill()
+        leaked = planted_in(self.base)  # every log and stderr this daemon wrote, before they go
         shutil.rmtree(self.base, ignore_errors=True)
+        assert not leaked, f"a planted secret reached a daemon's log: {leaked}"
+
+
+# Tokens tests hand daemons (a LAN token, a Hub token): none may appear in any file a daemon
+# leaves under its base dir (its log, a --log-file), checked at every cleanup.
+PLANTED: set[str] = set()
+
+
+def plant(*secrets: str) -> None:
+    PLANTED.update(secrets)
+
+
+def planted_in(base: Path) -> list[str]:
+    """``path: secret`` for each planted secret found in a file under ``base``."""
+    found = []
+    for path in (base.rglob("*") if PLANTED and base.exists() else ()):
+        if (".log" in path.name or path.suffix == ".stderr") and path.is_file():
+            try:
+                text = path.read_bytes()
+            except OSError:
+                continue
+            found += [f"{path}: {s[:6]}..." for s in PLANTED if s.encode() in text]
+    return found
 
 
 def keep_headers(models_dir: Path, manifest: Any, repo_dir: Path, endpoint: str) -> None:

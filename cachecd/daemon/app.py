@@ -323,6 +323,7 @@ class Daemon:
             "peers": self.upstream.peers.describe() if self.upstream.peers is not None else [],
             "models": [m.describe() for m in self.registry.all()],
             "refused_models": dict(self.registry.refused),
+            "starting": sorted(self.registry.starting),  # --manifest paths not registered yet
             "scrub": self.scrub.status(),
             "debug": {**_process_counts(), "blob_fds": len(self.blob_fds)},
         }

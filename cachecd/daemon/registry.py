@@ -53,7 +53,10 @@ from cachecd.errors import (
     InvalidRequest,
     LayerNotServed,
     ManifestMismatch,
+    ManifestUnchecked,
+    RedirectRefused,
     RepoNotAllowed,
+    UpstreamAnswerInvalid,
 )
 from cachecd.manifest.manifest import Manifest
 from cachecd.manifest.repo_ref import parse_ref
@@ -62,6 +65,9 @@ from cachecd.store.store import Store
 
 log = logging.getLogger(__name__)
 
+# What refuses a model at registration (the rest leaves it registered, unchecked): the Hub's
+# word against the manifest, and an answer about it that cachecd will not read or follow.
+_REFUSES = (ManifestMismatch, UpstreamAnswerInvalid, RedirectRefused)
 
 
 def check_restriction(layers: Any, pipeline: Any) -> tuple[tuple[int, int] | None,
@@ -189,6 +195,7 @@ class Registry:
         self._gate = LayoutGate(layout)
         self.refused: dict[str, str] = {}  # record key -> why its manifest was refused
         self.at_start: set[str] = set()  # repos `serve --manifest` registers at every start
+        self.starting: set[str] = set()  # --manifest paths still being registered at start
 
     async def load_registered(self) -> None:
         for record in self._store.models():
@@ -290,7 +297,7 @@ class Registry:
             try:
                 await in_thread(self._check, manifest)
                 why = ""
-            except ManifestMismatch:
+            except _REFUSES:
                 raise
             except CachecdError as exc:
                 why = exc.message
@@ -302,7 +309,7 @@ class Registry:
         try:
             await in_thread(self._layout, manifest)
             return True
-        except ManifestMismatch:
+        except _REFUSES:
             raise
         except CachecdError as exc:
             log.warning("layout_unchecked repo=%s revision=%s reason=%s", manifest.repo,
@@ -380,6 +387,9 @@ class Registry:
         refused = self._refused_key(spec)
         why = self.refused.get(refused) if refused else None
         hint = f" (its manifest was refused: {why})" if why else ""
+        if self.starting and not why:  # it may be one of them: ask again, not "not allowed"
+            raise ManifestUnchecked(f"{spec} is not registered yet: the daemon is still checking "
+                                    f"the manifests it was started with; retry in a moment")
         raise RepoNotAllowed(model_names.miss_message(spec, repo, rev, self.all(), hint))
 
     def all(self) -> list[RegisteredModel]:

@@ -102,7 +102,9 @@ def _ids(text: str) -> list[int]:
 
 async def healthz(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    return web.json_response({"ok": not d.draining, "pid": os.getpid(), "version": d.status()["version"]})
+    starting = bool(d.registry.starting)  # answering, not yet serving every --manifest model
+    return web.json_response({"ok": not d.draining and not starting, "starting": starting,
+                              "pid": os.getpid(), "version": d.status()["version"]})
 
 
 async def status(request: web.Request) -> web.Response:

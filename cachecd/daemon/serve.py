@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 from cachecd import constants
 from cachecd.config import MODELS_DIR_HELP, Settings, load_settings, parse_size
 from cachecd.daemon.notify import notify
+from cachecd.secrets import Secret
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +111,25 @@ def log_to_file(path: Path, max_bytes: int, backups: int = constants.DAEMON_LOG_
     ``backups + 1`` files of ``max_bytes`` on disk however long the daemon runs."""
     from logging.handlers import RotatingFileHandler
 
+    from cachecd.secrets import install
+
+    class PrivateLog(RotatingFileHandler):
+        """Each file 0600 from its creation (a rotation's new one too): a log may name hosts,
+        models and paths; only the daemon's user reads it."""
+
+        def _open(self) -> Any:
+            fd = os.open(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.fchmod(fd, 0o600)  # one an older cachecd left 0644
+            return open(fd, "a", encoding=self.encoding, errors=self.errors)
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
+    handler = PrivateLog(path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
     root = logging.getLogger()
     for old in root.handlers[:]:
         handler.setFormatter(old.formatter)  # cli's format
         root.removeHandler(old)
     root.addHandler(handler)
+    install()  # the new handler scrubs tokens as the old one did
 
 
 class _MalformedRequestLine(logging.Filter):
@@ -165,11 +179,8 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     daemon = Daemon(settings, store, upstream)
     await daemon.registry.load_registered()
     await adopt_pre_provenance(store, daemon.registry.all())  # once, after a schema-1 index
-    for path in settings.manifests:
-        await _register_or_refuse(daemon, Path(path))
-    for line in start_warnings(daemon):
-        log.warning(line)
-        print(f"cachecd: warning: {line}", file=sys.stderr, flush=True)
+    # The sockets answer first: `status` works while the models given at start are checked
+    # against their endpoint (a stalled endpoint holds those checks, not the daemon).
     control = bind_private_socket(settings.socket)
     data = bind_private_socket(settings.data_socket)
     handler_args: dict[str, Any] = {"access_log": None}
@@ -180,6 +191,13 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     await ControlSite(runner, control, door).start()
     data_server = DataServer(daemon, data)
     data_server.start()
+    daemon.registry.starting = {str(p) for p in settings.manifests}
+    for path in settings.manifests:
+        await _register_or_refuse(daemon, Path(path))
+        daemon.registry.starting.discard(str(path))
+    for line in start_warnings(daemon):
+        log.warning(line)
+        print(f"cachecd: warning: {line}", file=sys.stderr, flush=True)
     daemon.scrub.start()
     servers: list[Any] = [runner, data_server]
     if share_token:
@@ -191,7 +209,7 @@ async def _start(settings: Settings) -> tuple[Any, list[Any]]:
     return daemon, servers
 
 
-def tokens(settings: Settings) -> tuple[str | None, str | None]:
+def tokens(settings: Settings) -> tuple[Secret | None, Secret | None]:
     """The share and peer tokens the settings ask for (ConfigInvalid saying what to do)."""
     from cachecd.config import read_token_file
 
@@ -239,6 +257,12 @@ async def _register_or_refuse(daemon: Any, path: Path) -> None:
         reason = exc.message if isinstance(exc, CachecdError) else f"cannot read {path}: {exc}"
         daemon.registry.refused[str(path)] = reason
         log.error("model refused manifest=%s reason=%s", path, reason)
+    except Exception as exc:  # anything else about one model refuses that model, never the daemon
+        reason = (f"{path}: its registration failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                  f"`cachecd manifest verify {path}` says more")
+        daemon.registry.refused[str(path)] = reason
+        log.error("model refused manifest=%s reason=%s", path, reason)
+        log.debug("model refused manifest=%s", path, exc_info=True)
 
 
 async def serve(settings: Settings) -> int:

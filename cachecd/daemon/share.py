@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import os
 import re
@@ -37,10 +36,13 @@ from collections import Counter
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler
 
 from cachecd import constants
 from cachecd.daemon.share_door import ShareDoor, ShareSite, connection_limit
-from cachecd.errors import ExpertNotFound
+from cachecd.errors import ExpertNotFound, ManifestInvalid
+from cachecd.manifest.bounds import loads as bounded_loads
+from cachecd.secrets import Secret, reveal
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +57,12 @@ CHUNK = 1 << 20
 class Sharing:
     """The HTTP server peers ask; ``counters`` feed ``status()['share']`` and ``/metrics``."""
 
-    def __init__(self, daemon: Any, token: str, *,
+    def __init__(self, daemon: Any, token: Secret | str, *,
                  max_requests: int = constants.SHARE_MAX_REQUESTS,
                  max_bytes: int = constants.SHARE_MAX_BYTES_IN_FLIGHT,
                  max_experts: int = constants.SHARE_MAX_EXPERTS_PER_REQUEST) -> None:
         self.daemon = daemon
-        self._token = f"Bearer {token}".encode()
+        self._token = f"Bearer {reveal(token)}".encode()
         self.max_requests, self.max_bytes, self.max_experts = max_requests, max_bytes, max_experts
         self.requests = 0
         self.bytes_in_flight = 0
@@ -71,8 +73,9 @@ class Sharing:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self.door.middleware, self._guard],
                               client_max_size=1 << 20)
-        app.router.add_get("/v2/blob/{digest}/{source}", self._one)
-        app.router.add_post("/v2/blobs", self._many)
+        # Expect: 100-continue is answered by the route before any middleware: the token first.
+        app.router.add_get("/v2/blob/{digest}/{source}", self._one, expect_handler=self._expect)
+        app.router.add_post("/v2/blobs", self._many, expect_handler=self._expect)
         app.router.add_route("*", "/v1/{tail:.*}", self._gone)
         app.router.add_get("/metrics", self._metrics)
         return app
@@ -98,10 +101,23 @@ class Sharing:
         self.counters[f"refused_{reason}"] += 1
         return exc(**kw)
 
+    def _token_ok(self, request: web.BaseRequest) -> bool:
+        return hmac.compare_digest(request.headers.get("Authorization", "").encode(), self._token)
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: "continue" only to a token holder; anyone else gets the 401
+        (and a closed connection) before a byte of its body is asked for."""
+        if not self._token_ok(request):
+            self.counters["refused_unauthorized"] += 1
+            refused = web.Response(status=401, headers={"WWW-Authenticate": "Bearer"})
+            refused.force_close()  # closed after its 401, as the door closes a stranger's
+            return refused
+        await _default_expect_handler(request)  # aiohttp's own: "100 Continue" or a 417
+        return None
+
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        got = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(got, self._token):
+        if not self._token_ok(request):
             raise self._refuse("unauthorized", web.HTTPUnauthorized,
                                headers={"WWW-Authenticate": "Bearer"})
         await self.door.authorized(request)  # its body in, within a deadline, before a slot
@@ -129,9 +145,10 @@ class Sharing:
         return await self._send(request, opened)
 
     async def _many(self, request: web.Request) -> web.StreamResponse:
-        try:
-            asked = _asked(json.loads(await request.read()), self.max_experts)
-        except ValueError:
+        try:  # bounded: a token holder's 100,000-deep list is a 400, not a RecursionError
+            asked = _asked(bounded_loads(await request.read(), "/v2/blobs", "body", 1 << 20),
+                           self.max_experts)
+        except (ValueError, ManifestInvalid):
             raise self._refuse("bad_request", web.HTTPBadRequest, text=(
                 f"expected a JSON list of 1..{self.max_experts} "
                 '{"digest": ..., "source": ...}')) from None

@@ -20,6 +20,11 @@ door keeps the share's connections within a budget of file descriptors:
   (from the address holding the most, for the total bound), else one idle longest since its last
   answer; when every connection holds a request under way or just answered, the newcomer is
   closed at once. A request under way is never cut by a newcomer.
+- Token holders keep their share of the door under churn: an address a request showed the
+  right token from (the last ``TRUSTED_ADDRESSES`` of them) is trusted, and a new connection
+  from it is not a stranger's: strangers' newcomers never push it out before its request head
+  has been read, so however fast they churn, a peer's reconnection is served. A wrong token
+  from a trusted address ends its trust.
 - What the door does is counted (``connections_*`` in the share's status) and logged at most one
   line per ``LOG_EVERY_S``, however many connections a flood opens; so is a request aiohttp
   cannot parse (``connections_malformed``), which it would log a line for each.
@@ -51,6 +56,7 @@ IDLE_S = constants.SHARE_IDLE_DEADLINE_S
 # An authorized connection may be closed for a newcomer once its last answer is this old.
 IDLE_CLOSE_AFTER_S = 1.0
 LOG_EVERY_S = 10.0
+TRUSTED_ADDRESSES = 256  # addresses remembered for having shown the token, the latest kept
 # Far more than the daemon's bounds add up to (control 128, data 256, share 128, blob fds 256,
 # upstream); a modest ceiling, as an unlimited hard limit (launchd's) cannot be a soft one.
 _FD_CEILING = 65536
@@ -120,6 +126,7 @@ class ShareDoor:
         self._by_handler: dict[RequestHandler, _Conn] = {}
         self._unsaid: Counter[str] = Counter()
         self._say_handle: asyncio.TimerHandle | None = None
+        self._trusted: dict[str, None] = {}  # addresses that showed the token, oldest first
 
     def admit(self, server: web.Server) -> asyncio.BaseProtocol:
         """A protocol factory: the connection's fate is decided once its address is known."""
@@ -137,7 +144,8 @@ class ShareDoor:
         try:
             return await handler(request)
         except web.HTTPUnauthorized as exc:
-            conn.authorized = False
+            conn.authorized = conn.trusted = False
+            self._trusted.pop(conn.address, None)  # a wrong token: its address is a stranger's
             exc.force_close()  # closed after its 401: a stranger keeps nothing open
             raise
         finally:
@@ -149,6 +157,7 @@ class ShareDoor:
         conn = self._by_handler.get(request.protocol)
         if conn is not None:
             conn.authorized = True
+            self.trust(conn.address)
         if not request.can_read_body:
             return
         try:
@@ -158,9 +167,19 @@ class ShareDoor:
             self.note("body_timed_out")
             request.protocol.force_close()
             raise web.HTTPRequestTimeout() from None
+        except ConnectionResetError:  # it hung up mid-body: counted, no traceback in the log
+            self.note("body_lost")
+            raise web.HTTPBadRequest() from None
+
+    def trust(self, address: str) -> None:
+        self._trusted.pop(address, None)
+        self._trusted[address] = None
+        if len(self._trusted) > TRUSTED_ADDRESSES:
+            del self._trusted[next(iter(self._trusted))]
 
     def arrive(self, conn: _Conn) -> bool:
         """Whether a connection just made is kept, after pushing out another if need be."""
+        conn.trusted = conn.address in self._trusted
         mine = [c for c in self._open if c.address == conn.address]
         victim: _Conn | None = None
         if len(mine) >= self.per_address:
@@ -185,7 +204,7 @@ class ShareDoor:
         return sorted(self._open, key=lambda c: -held[c.address])  # stable: oldest first within
 
     def _victim(self, among: list[_Conn]) -> _Conn | None:
-        stranger = next((c for c in among if not c.authorized and not c.active), None)
+        stranger = next((c for c in among if not (c.authorized or c.trusted or c.active)), None)
         if stranger is not None:
             return stranger
         cutoff = asyncio.get_running_loop().time() - IDLE_CLOSE_AFTER_S
@@ -245,6 +264,7 @@ class _Conn(asyncio.Protocol):
         self.handler, self._door = handler, door
         self.address: str = ""
         self.authorized = False  # a request of it showed the right token
+        self.trusted = False  # it came from an address that showed the token before
         self.active = 0  # its requests in the app now
         self.idle_since = math.inf
         self.transport: asyncio.BaseTransport | None = None

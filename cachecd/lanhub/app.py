@@ -62,6 +62,7 @@ from cachecd.lanhub.repo import (
 )
 from cachecd.lanhub.xet_routes import CAS_PREFIX, XORB_PREFIX, XetSide
 from cachecd.manifest.repo_ref import REVISION, valid_part
+from cachecd.secrets import Secret
 
 log = logging.getLogger("cachecd.lanhub.server")
 
@@ -84,7 +85,7 @@ class _Hub:
         self.root = root.resolve()
         self.xet = xet  # None: the LFS route only (repos not on Xet)
         self.limit = limit
-        self.token = token
+        self.token = Secret(token) if token is not None else None  # redacted in any repr
         self.gated = gated
         self.signer = signer
         self.hashes = hashes
@@ -308,7 +309,7 @@ class _Hub:
                 "GatedRepo",
                 "Access to this server is restricted: pass its token as HF_TOKEN",
             )
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.token.reveal()}".encode()):
             # The Hub's own wording: huggingface_hub keys its "invalid token" message on it.
             raise hf_error(
                 web.HTTPUnauthorized, None, "Invalid credentials in Authorization header"

@@ -44,6 +44,7 @@ from urllib.parse import urljoin, urlsplit
 
 from cachecd import constants, errors
 from cachecd.durable import write_atomic
+from cachecd.manifest.bounded_http import check_redirect
 from cachecd.manifest.entries import FileInfo
 from cachecd.manifest.manifest import Manifest
 from cachecd.manifest.safetensors_header import header_length, parse_header_columns
@@ -240,7 +241,7 @@ def _resolve(session: Any, url: str, hf: dict[str, str],
             "etag": (h.get("X-Linked-Etag") or h.get("ETag") or "").removeprefix("W/")
             .strip('"').lower()}
     if resp.status_code in _REDIRECTS and h.get("Location"):
-        return urljoin(url, h["Location"]), True, said
+        return check_redirect(url, urljoin(url, h["Location"]), what), True, said
     return url, False, said
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecd import constants, errors
+from cachecd.manifest import bounded_http
 from cachecd.manifest.headers import PARALLEL, confirm_fresh, keep_fresh, shard_headers
 from cachecd.manifest.layout_check import layout_problems, mismatch
 from cachecd.manifest.manifest import Manifest
@@ -157,21 +158,47 @@ def metadata_problems(manifest: Manifest, *, endpoint: str,
 
 def _model_info(manifest: Manifest, endpoint: str, token: str | None) -> Any:
     """The Hub's metadata of the pinned commit; None when the Hub has no such repo or commit."""
-    from huggingface_hub import HfApi
     from huggingface_hub import errors as hf_errors
 
-    api = HfApi(endpoint=endpoint, token=token)
     try:
-        return hub_errors(
-            f"{manifest.repo}@{manifest.revision} on {endpoint}",
-            lambda: api.model_info(manifest.repo, revision=manifest.revision, files_metadata=True,
-                                   timeout=constants.CONNECT_TIMEOUT_S),
-        )
+        return model_info(manifest.repo, manifest.revision, endpoint=endpoint, token=token)
     except errors.NotFound as exc:
         cause = exc.__cause__
         if isinstance(cause, hf_errors.RevisionNotFoundError | hf_errors.RepositoryNotFoundError):
             return None
         raise
+
+
+def model_info(repo: str, revision: str, *, endpoint: str, token: str | None = None,
+               files: bool = True) -> Any:
+    """huggingface_hub's ``ModelInfo`` of ``repo@revision`` (with each file's metadata when
+    ``files``), its answer read within ``bounded_http``'s bounds: a bad one is
+    ``UpstreamAnswerInvalid`` naming the repo; the Hub's errors as ``hub_errors`` types them."""
+    from urllib.parse import quote
+
+    from huggingface_hub import get_session
+    from huggingface_hub.hf_api import ModelInfo
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
+
+    endpoint = endpoint.rstrip("/")
+    what = f"{repo}@{revision} on {endpoint}"
+    url = (f"{endpoint}/api/models/{repo}/revision/{quote(revision, safe='')}"
+           f"{'?blobs=true' if files else ''}")
+
+    def get() -> Any:
+        answer = bounded_http.get(get_session(), url, build_hf_headers(token=token),
+                                  cap=bounded_http.METADATA_BYTES, what=f"metadata of {what}",
+                                  endpoint=endpoint, timeout=constants.CONNECT_TIMEOUT_S)
+        hf_raise_for_status(bounded_http.as_response(answer))
+        data = bounded_http.json_answer(answer, f"metadata of {what}")
+        try:
+            return ModelInfo(**data)
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise errors.UpstreamAnswerInvalid(
+                f"metadata of {what}: its answer is not a model's metadata ({type(exc).__name__}); "
+                "try again later, or another endpoint (--endpoint / HF_ENDPOINT)") from None
+
+    return hub_errors(what, get)
 
 
 def _small_file_sha256(manifest: Manifest, endpoint: str, token: str | None, s: Any) -> str:
@@ -180,14 +207,17 @@ def _small_file_sha256(manifest: Manifest, endpoint: str, token: str | None, s: 
     from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
 
     url = hf_hub_url(manifest.repo, s.rfilename, revision=manifest.revision, endpoint=endpoint)
+    what = f"{manifest.repo}/{s.rfilename}"
 
     def get() -> bytes:
-        resp = get_session().get(url, headers=build_hf_headers(token=token),
-                                 follow_redirects=True, timeout=constants.READ_TIMEOUT_S)
-        hf_raise_for_status(resp)
-        return bytes(resp.content)
+        hf = build_hf_headers(token=token)
+        plain = {k: v for k, v in hf.items() if k.lower() != "authorization"}
+        answer = bounded_http.get(get_session(), url, hf, cap=bounded_http.SMALL_FILE_BYTES,
+                                  what=what, endpoint=endpoint, follow=True, plain=plain)
+        hf_raise_for_status(bounded_http.as_response(answer))
+        return answer.body
 
-    data = hub_errors(f"{manifest.repo}/{s.rfilename}", get)
+    data = hub_errors(what, get)
     blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
     if s.blob_id and blob != s.blob_id:
         raise errors.ChecksumMismatch(

@@ -77,21 +77,30 @@ def request_headers(url: str, endpoint: str, hf_headers: dict[str, str],
 def read_first_bytes(session: Any, url: str, headers: dict[str, str], nbytes: int,
                      size: int | None, what: str) -> bytes:
     """The first ``nbytes`` of a file by one Range GET: insists on 206 with exactly
-    ``bytes 0-(nbytes-1)/size`` and that many bytes."""
+    ``bytes 0-(nbytes-1)/size`` and that many bytes, checked before the body is read, and the
+    body read within ``nbytes`` (``bounded_http``: a padded or compressed one stops there)."""
+    from cachecd.manifest.bounded_http import read_body
+
     rng = f"bytes=0-{nbytes - 1}"
+    want = f"bytes 0-{nbytes - 1}/{size if size is not None else ''}"
     try:
-        resp = session.get(url, headers={**headers, "Range": rng}, follow_redirects=False,
-                           timeout=constants.READ_TIMEOUT_S)
+        with session.stream("GET", url, headers={**headers, "Range": rng},
+                            follow_redirects=False, timeout=constants.READ_TIMEOUT_S) as resp:
+            got = resp.headers.get("Content-Range", "")
+            if resp.status_code != 206 or not got.startswith(want):
+                raise errors.BadUpstreamRange(
+                    f"{what}: asked {rng}, got HTTP {resp.status_code} Content-Range {got!r}")
+            try:
+                body = read_body(resp, nbytes, what, constants.READ_TIMEOUT_S * 2)
+            except errors.UpstreamAnswerInvalid as exc:
+                raise errors.BadUpstreamRange(f"{what}: for {rng}: {exc.message}") from None
+    except errors.CachecdError:
+        raise
     except Exception as exc:  # httpx transport errors
         raise errors.UpstreamError(f"{what}: {type(exc).__name__}: {exc}") from exc
-    got = resp.headers.get("Content-Range", "")
-    want = f"bytes 0-{nbytes - 1}/{size if size is not None else ''}"
-    if resp.status_code != 206 or not got.startswith(want):
-        raise errors.BadUpstreamRange(
-            f"{what}: asked {rng}, got HTTP {resp.status_code} Content-Range {got!r}")
-    if len(resp.content) != nbytes:
-        raise errors.BadUpstreamRange(f"{what}: {len(resp.content)} bytes for {rng}")
-    return bytes(resp.content)
+    if len(body) != nbytes:
+        raise errors.BadUpstreamRange(f"{what}: {len(body)} bytes for {rng}")
+    return body
 
 
 def hub_errors(what: str, fn: Callable[[], T]) -> T:

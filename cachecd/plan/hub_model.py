@@ -93,15 +93,19 @@ def config_of(repo: str, revision: str, sha256: str, *, endpoint: str,
     from huggingface_hub.utils import build_hf_headers
 
     from cachecd import errors
+    from cachecd.manifest import bounded_http
     from cachecd.manifest.source import hub_errors, request_headers
 
     url = hf_hub_url(repo, "config.json", revision=revision, endpoint=endpoint)
     headers = request_headers(url, endpoint, build_hf_headers(token=token), {})
+    plain = {k: v for k, v in headers.items() if k.lower() != "authorization"}
 
     def get() -> bytes:
-        r = get_session().get(url, headers=headers, follow_redirects=True, timeout=10)
-        r.raise_for_status()
-        return bytes(r.content)
+        answer = bounded_http.get(get_session(), url, headers, cap=bounded_http.SMALL_FILE_BYTES,
+                                  what=f"{repo}@{revision}/config.json", endpoint=endpoint,
+                                  timeout=10, follow=True, plain=plain)
+        bounded_http.as_response(answer).raise_for_status()
+        return answer.body
 
     data = hub_errors(f"{repo}@{revision}/config.json", get)
     if hashlib.sha256(data).hexdigest() != sha256:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import subprocess
 import sys
 import time
@@ -39,7 +40,10 @@ def ensure_daemon(settings: Settings, args: argparse.Namespace) -> Any:
         cmd += ["--budget", str(settings.budget)]
     cmd += sharing_arguments(settings)
     # The daemon rotates its log itself; its stderr (a crash's traceback) starts afresh each start.
-    with open(log_path.with_suffix(".stderr"), "wb") as err:
+    # 0600, as the log itself: only the daemon's user reads what a daemon wrote.
+    err_fd = os.open(log_path.with_suffix(".stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(err_fd, 0o600)
+    with open(err_fd, "wb") as err:
         proc = subprocess.Popen([*cmd, "--log-file", str(log_path)], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     print(f"started a daemon (pid {proc.pid}, log {log_path})")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+from cachecd.secrets import Secret
 from cachecd.upstream.fetch import Upstream
 from cachecd.upstream.source import ExpertSource
 
@@ -43,7 +44,8 @@ def open_source(settings: Any, token: Token = None) -> ExpertSource:
     return KINDS.get(urlsplit(settings.endpoint).scheme, _hub)(settings, token)
 
 
-def open_upstream(settings: Any, token: Token = None, peer_token: str | None = None) -> Upstream:
+def open_upstream(settings: Any, token: Token = None,
+                  peer_token: Secret | str | None = None) -> Upstream:
     """Verified fetches over ``open_source(settings, token)``, asking ``settings.peers`` first
     when ``peer_token`` is given. huggingface_hub may read a small registry synchronously the
     first time it builds headers: call it off the event loop."""

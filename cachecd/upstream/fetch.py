@@ -94,7 +94,7 @@ async def _contained(key: ExpertKey, failures: dict[ExpertKey, errors.CachecdErr
         failures[key] = exc
     except Exception as exc:
         log.exception("on_verified failed layer=%d expert=%d", *key)
-        failures[key] = errors.Internal(f"storing expert {key} failed: {exc!r}")
+        failures[key] = errors.Internal(f"storing expert {key} failed: {type(exc).__name__}: {exc}")
 
 
 class Upstream:
@@ -195,7 +195,10 @@ class Upstream:
                 buf, err = None, exc
             except Exception as exc:  # a bug must fail these experts, not the whole batch
                 log.exception("upstream request failed file=%s", req.file)
-                buf, err = None, errors.Internal(f"upstream fetch failed: {exc!r}")
+                # Its type and message, never its repr: an aiohttp error's holds the request's
+                # headers, the token among them (errors.CachecdError scrubs it besides).
+                buf, err = None, errors.Internal(
+                    f"upstream fetch of {req.file} failed: {type(exc).__name__}: {exc}")
             if stream is not None:
                 await self._streamed(stream, states, buf is not None)
             done: list[_Assembly] = []

@@ -17,6 +17,7 @@ from huggingface_hub import get_token
 from huggingface_hub.utils import build_hf_headers
 
 from cachecd import constants
+from cachecd.secrets import register
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ class HubAuth:
         self._token: str | None = token if isinstance(token, str) else None
         if self._follow:
             self._token = get_token()
+        if self._token:
+            register(self._token)  # scrubbed from every log line and error from now on
         self.headers = _headers(self._token)
         self.plain = {"user-agent": self.headers["user-agent"]}
 
@@ -53,6 +56,8 @@ class HubAuth:
             return False
         if token == self._token:
             return False
+        if token:
+            register(token)
         self.headers = await asyncio.to_thread(_headers, token)
         self._token = token
         log.info("event=token_changed token=%s", "set" if token else "none")

@@ -27,6 +27,7 @@ import aiohttp
 from huggingface_hub import hf_hub_url
 
 from cachecd import constants, errors
+from cachecd.manifest.bounded_http import check_redirect
 from cachecd.upstream import hub_http as hh
 from cachecd.upstream.hub_auth import HubAuth
 from cachecd.upstream.retry import DeadlinePassed, Retrier, Transient
@@ -217,7 +218,10 @@ class HubClient:
         log.debug("resolved repo=%s file=%s redirected=%s", manifest.repo, file, target is not None)
         if target is None:
             return Location(url, False, time.monotonic() + self.signed_url_ttl)
-        target = urljoin(url, target)
+        # Only to http(s), and to a loopback or link-local host only from one (never a blind GET
+        # of a cloud's metadata service, nor a file:// URL).
+        target = check_redirect(self.endpoint, urljoin(url, target),
+                                f"resolve {manifest.repo}@{manifest.revision[:12]} {file}")
         wall_expiry = hh.signed_url_expiry(target)
         ttl = self.signed_url_ttl if wall_expiry is None else wall_expiry - time.time()
         # A minute's margin on the Hub's hour; a tenth of a shorter life, so a URL that lives

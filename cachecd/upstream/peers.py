@@ -51,6 +51,7 @@ from typing import Any
 import aiohttp
 
 from cachecd import constants, errors
+from cachecd.secrets import Secret, reveal
 from cachecd.upstream.hub_client import READ_BUFSIZE
 from cachecd.upstream.hub_plan import EntryLike
 from cachecd.upstream.hub_stream import Stream
@@ -74,7 +75,7 @@ class _Fault(Exception):
 class Peers:
     """The named peers, asked in order; ``stats`` feed status and ``/metrics``."""
 
-    def __init__(self, urls: Sequence[str], token: str, *,
+    def __init__(self, urls: Sequence[str], token: Secret | str, *,
                  deadline_s: float = constants.PEER_DEADLINE_S,
                  skip_s: float = constants.PEER_SKIP_S,
                  down_skip_s: float = constants.PEER_DOWN_SKIP_S,
@@ -84,7 +85,7 @@ class Peers:
                  max_parallel: int = constants.MAX_PARALLEL_FETCHES,
                  target_bytes: int = constants.COALESCE_TARGET_BYTES) -> None:
         self.urls = [u.rstrip("/") for u in urls]
-        self._auth = {"Authorization": f"Bearer {token}"}
+        self._auth = {"Authorization": f"Bearer {reveal(token)}"}
         self.deadline_s, self.skip_s, self.max_experts = deadline_s, skip_s, max_experts
         self.max_parallel = max(1, min(max_parallel, constants.SHARE_MAX_REQUESTS))
         self.target_bytes = target_bytes
@@ -100,7 +101,7 @@ class Peers:
         self._gates: dict[str, asyncio.Semaphore] = {}  # requests in flight per peer
 
     @classmethod
-    def from_settings(cls, settings: Any, token: str) -> Peers:
+    def from_settings(cls, settings: Any, token: Secret | str) -> Peers:
         return cls(settings.peers, token, deadline_s=settings.peer_deadline,
                    min_rate=settings.peer_min_rate,
                    max_parallel=settings.max_parallel)
@@ -277,19 +278,19 @@ class Peers:
         self.counters[f"faults_{_kind(exc)}"] += 1
         if isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503:
             self._answers(url)  # busy: up (it answered), asked again at the next miss
-            log.info("peer busy url=%s err=%r", url, exc)
+            log.info("peer busy url=%s err=%s", url, _why(exc))
             return
         now, why = time.monotonic(), _why(exc)
         self.down[url] = (why, self.down.get(url, ("", now))[1])
         if self._skipped(url):
-            log.info("peer unavailable url=%s err=%r", url, exc)
+            log.info("peer unavailable url=%s err=%s", url, why)
             return
         n = self.faults_in_a_row[url] = self.faults_in_a_row.get(url, 0) + 1
         skip = down_skip(n, self.down_skip_s, self.down_skip_max_s)
         self.skipped_until[url] = now + skip
         self.skipped_why[url] = f"down: {why}"
-        log.warning("peer unavailable url=%s err=%r faults_in_a_row=%d skipped_for_s=%.0f "
-                    "(the source serves its misses meanwhile)", url, exc, n, skip)
+        log.warning("peer unavailable url=%s err=%s faults_in_a_row=%d skipped_for_s=%.0f "
+                    "(the source serves its misses meanwhile)", url, why, n, skip)
 
     def _answers(self, url: str) -> None:
         """``url`` answered: not down, its streak of faults over, and a skip for being down

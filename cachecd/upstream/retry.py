@@ -145,6 +145,12 @@ class Retrier:
                 raise Transient(
                     errors.UpstreamError(f"{host} cut the body short: {exc}"), "truncated"
                 ) from exc
+            except aiohttp.ClientResponseError as exc:  # aiohttp could not parse the answer
+                # Not retried: the same server answers the same way. Its message only: the
+                # error's repr holds the request's headers, the token among them.
+                raise errors.UpstreamError(f"{host} sent an answer that cannot be read (HTTP "
+                                           f"{exc.status}: {exc.message}); try again later, or "
+                                           "another endpoint") from None
             except (aiohttp.ClientConnectionError, ConnectionError) as exc:
                 raise Transient(
                     errors.UpstreamError(

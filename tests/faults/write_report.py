@@ -51,7 +51,10 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "s15": ("shutdown, restart, client", "SIGTERM drains in-flight fetches within "
             "shutdown_timeout, exit 0; DaemonUnavailable < 100 ms (the client's own time); "
             "retries after restart"),
-    "s16": ("secret hygiene", "no hf_ token in any log or error body"),
+    "s16": ("secrets, hostile endpoints", "no Hub or LAN token in any log, stderr or error body; "
+            "a hostile hub's or peer's answer refuses that model only, in one line; reads "
+            "bounded (gzip bomb, 200,000-deep JSON, stalled body); redirects off the web "
+            "refused; the socket answers while start checks stall"),
     "s17": ("soak", "decode-shaped clients, warm/status/coverage/evict, a tight budget, the "
             "scrub and a faulty upstream for the soak's length: no wrong byte served, budget "
             "held, the scrub finds nothing, RSS/fds/tasks do not grow after warm-up"),

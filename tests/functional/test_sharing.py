@@ -23,11 +23,13 @@ from tests.harness import (
     LoggedHub,
     expert_bytes_from_files,
     free_port,
+    plant,
     run_cli,
     short_tmp,
 )
 
 TOKEN = "s3cret-token-for-tests-only-0123456789"
+plant(TOKEN)  # every daemon's log is searched for it at its cleanup (tests/harness.py)
 
 
 def token_file(text: str = TOKEN, mode: int = 0o600) -> Path:
@@ -327,10 +329,34 @@ def test_share_refuses_without_the_token_and_serves_only_blobs_by_digest(sharer,
     assert 'cachecd_share_refused_total{reason="bad_digest"}' in text
 
 
+def _expect_first_line(url: str, token: str) -> bytes:
+    """The first line a share answers a POST that waits for ``100 Continue`` before its body."""
+    import socket as sk
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with sk.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(f"POST /v2/blobs HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}"
+                     "\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n".encode())
+        return conn.makefile("rb").readline().strip()
+
+
+def test_the_share_checks_the_token_before_it_answers_100_continue(sharer):
+    assert _expect_first_line(sharer.share_url, "not-the-token") == b"HTTP/1.1 401 Unauthorized"
+    assert _expect_first_line(sharer.share_url, TOKEN) == b"HTTP/1.1 100 Continue"
+
+
+def test_a_token_holders_nested_json_is_a_400_not_a_500(sharer):
+    status, _, body = ask(f"{sharer.share_url}/v2/blobs", data=b"[" * 100_000 + b"]" * 100_000)
+    assert status == 400 and b"expected a JSON list" in body, (status, body[:200])
+    assert "Traceback" not in sharer.log(), sharer.log()[-3000:]
+
+
 @pytest.mark.parametrize(("text", "mode", "says"), [
     (None, 0o600, "cannot read"),
     ("", 0o600, "is empty"),
     (TOKEN, 0o644, "readable by every user"),
+    (TOKEN, 0o620, "writable by its group (mode 620); make it private: `chmod 600"),
+    (TOKEN, 0o602, "writable by every user"),
 ])
 def test_a_bad_token_file_stops_serve_with_what_to_do(text, mode, says):
     path = token_file(text or "", mode)

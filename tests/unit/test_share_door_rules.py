@@ -48,3 +48,44 @@ def test_serve_raises_the_soft_fd_limit_to_the_hard_one():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          preexec_fn=launchd_like, timeout=60, check=True).stdout
     assert out.split() == ["2048", "2048"]
+
+
+class _Handler:
+    def force_close(self) -> None:
+        self.closed = True
+
+
+def test_a_token_holders_reconnection_outlasts_any_churn_of_strangers() -> None:
+    """A door of 4 full of strangers; a peer whose address showed the token reconnects, then 100
+    strangers arrive, one after another: its connection is never the one pushed out (before,
+    it went after 4 arrivals unless its head had been read by then)."""
+    import asyncio
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from cachecd.daemon.share_door import ShareDoor, _Conn
+
+    async def run() -> tuple[int, int]:
+        door = ShareDoor(Counter(), limit=4, per_address=4)
+
+        def arrive(address: str) -> _Conn:
+            conn = _Conn(_Handler(), door)  # type: ignore[arg-type]
+            conn.address = address
+            assert door.arrive(conn)
+            return conn
+
+        first = arrive("10.0.0.2")  # its token passed on an earlier connection, since closed
+        await door.authorized(SimpleNamespace(protocol=first.handler, can_read_body=False))
+        first.close()
+        for i in range(4):
+            arrive(f"127.0.1.{i}")
+        peer = arrive("10.0.0.2")
+        kept = 0
+        for i in range(100):
+            arrive(f"127.0.2.{i}")
+            kept += peer in door._open
+        door.close()
+        return kept, door.counters["connections_dropped"]
+
+    kept, dropped = asyncio.run(run())
+    assert kept == 100 and dropped == 101  # each stranger newcomer pushed out another
