@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
+import weakref
 from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
@@ -37,6 +38,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from cachecd import errors
 from cachecd_engine.pool.speculate import plain_caches
 from cachecd_engine.prefill import Driver, driver_for, prefill
 
@@ -85,8 +87,49 @@ def dropped_by_caller(frame: FrameType | None, inputs: Any, cache: Any, extra: b
         and isinstance(cache, list) and plain_caches(cache)
 
 
+class _Held:
+    """The steps one run of the loop held back on one cache. Both are the caller's: the cache's
+    entries and the loop's progress callback are held weakly (what the loop's frame keeps alive
+    while it runs), so an abandoned prompt leaves nothing here."""
+
+    def __init__(self, cache: list[Any], loop: FrameType) -> None:
+        self.layers = [weakref.ref(c) for c in cache]
+        self.loop = id(loop)
+        # A new function each run of the loop: a dead frame's id can be a new frame's.
+        self.fn = weakref.ref(loop.f_locals["_model_call"])
+        self.steps: list[mx.array] = []
+        self.tokens = 0
+        self.progress: tuple[Callable[[], Any], int, int] | None = None
+
+    def of(self, cache: Any) -> bool:
+        return isinstance(cache, list) and len(cache) == len(self.layers) \
+            and all(r() is c for r, c in zip(self.layers, cache, strict=True))
+
+    def cache(self) -> list[Any] | None:
+        out = [r() for r in self.layers]
+        return None if any(c is None for c in out) else out
+
+    def alive(self, frame: FrameType | None) -> bool:
+        """Its loop still runs: its frame is on the stack ``frame`` is on (the loop never
+        yields while it prefills, so a loop off the stack has ended, however it ended)."""
+        fn = self.fn()
+        while fn is not None and frame is not None:
+            if id(frame) == self.loop and frame.f_code is _GENERATE_STEP:
+                return frame.f_locals.get("_model_call") is fn
+            frame = frame.f_back
+        return False
+
+
+def _weak(fn: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(fn)
+    except TypeError:  # not weakly referable: kept while its steps are
+        return lambda: fn
+
+
 class Deferral:
-    """Held-back prefill steps of one cache, run layer-major when output is needed."""
+    """Held-back prefill steps, each loop's on its cache, run layer-major when output is
+    needed; dropped when their loop ends without asking for it."""
 
     def __init__(self, model: Any, bank: Any, on: bool = True) -> None:
         self.driver: Driver | None = driver_for(model)
@@ -95,79 +138,135 @@ class Deferral:
         if on and self.driver is not None and not self.on:
             log.warning("prefill runs step by step: mlx_lm.generate_step is not the loop "
                         "reviewed for layer-by-layer prefill (mlx-lm %s)", _mlx_lm_version())
-        self.held: list[mx.array] = []
-        self.cache: list[Any] | None = None
+        self._held: list[_Held] = []
+        # Caches a failed pass or an ended loop left part way (by their entries, weakly): why.
+        self._unusable: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         # Called with (0, layers) as a pass starts and (layers done, layers) after each layer,
         # before the loop's own progress callback is called again with what it last reported.
         self.on_layer: Callable[[int, int], None] | None = None
         self.running = False  # a pass is running (the loop's callback hears it again per layer)
-        self._progress: tuple[Callable[[int, int], None], int, int] | None = None
         self.passes = 0  # layer-major runs
         self.held_steps = 0  # steps held back, in all
+        self.dropped_steps = 0  # steps dropped as their loop ended without running them
+
+    @property
+    def held(self) -> list[mx.array]:
+        """The steps held now, of every cache."""
+        return [s for h in self._held for s in h.steps]
 
     def call(self, forward: Callable[[], mx.array], inputs: mx.array, cache: Any,
              frame: FrameType | None, extra: bool) -> mx.array | None:
-        """The model's call: held back (None), or run (with what is held)."""
+        """The model's call: held back (None), or run (with what its cache holds)."""
+        if self._held:
+            self._drop_ended(frame)
+        if len(self._unusable) and isinstance(cache, list):
+            self._check_usable(cache)
         if self.on and dropped_by_caller(frame, inputs, cache, extra):
-            if self.held and cache is not self.cache:
-                self.run()
-            self.cache = cache
-            self.held.append(inputs)
-            self.held_steps += 1
-            self._loop_progress(frame)
+            self._hold(inputs, cache, frame)
             return None
-        if not self.held:
-            return forward()
-        same = cache is self.cache and not extra and isinstance(inputs, mx.array) \
-            and inputs.ndim == 2 and inputs.shape[0] == 1
-        if not (same and frame is not None and frame.f_code is _MODEL_CALL):
-            self._progress = None  # not the loop's own last step: its callback is not called
+        h = next((h for h in self._held if h.of(cache)), None)
+        if h is None:
+            return forward()  # another cache's held steps are not this call's to run
+        same = not extra and isinstance(inputs, mx.array) and inputs.ndim == 2 \
+            and inputs.shape[0] == 1
+        outer = frame.f_back if frame is not None and frame.f_code is _MODEL_CALL else None
+        if not (same and outer is not None and outer.f_back is not None
+                and id(outer.f_back) == h.loop):
+            h.progress = None  # not the loop's own last step: its callback is not called
         if same:
-            return self.run(inputs)
-        self.run()
+            return self._run(h, inputs)
+        self._run(h)
         return forward()
 
-    def _loop_progress(self, frame: FrameType | None) -> None:
-        """What the loop will report once this step returns (its progress callback, tokens
-        done, tokens in all): repeated after each layer of the pass, so whatever the loop's
-        callback does per step (the server's keepalive comments) goes on during it."""
-        outer = frame.f_back if frame is not None else None
-        f = outer.f_locals if outer is not None else {}
-        try:
-            self._progress = (f["prompt_progress_callback"],
-                              int(f["prompt_processed_tokens"]) + int(f["n_to_process"]),
-                              int(f["total_prompt_tokens"]))
-        except (KeyError, TypeError, ValueError):
-            self._progress = None
+    def _hold(self, inputs: mx.array, cache: list[Any], frame: FrameType | None) -> None:
+        assert frame is not None and frame.f_back is not None  # dropped_by_caller saw them
+        loop = frame.f_back
+        h = next((h for h in self._held if h.of(cache)), None)
+        if h is not None and h.loop != id(loop):
+            self._run(h)  # another running loop's steps on this cache come first
+            h = None
+        if h is None:
+            h = _Held(cache, loop)
+            self._held.append(h)
+        h.steps.append(inputs)
+        h.tokens += int(inputs.shape[1])
+        self.held_steps += 1
+        h.progress = _loop_progress(loop)
 
-    def _per_layer(self) -> Callable[[int, int], None] | None:
-        on_layer, loop = self.on_layer, self._progress
-        if loop is None:
-            return on_layer
+    def _drop_ended(self, frame: FrameType | None) -> None:
+        """Drop the steps of loops that ended without asking for output (an exception from
+        their progress callback, Ctrl-C, a closed generator): nobody will, and running them
+        for another call would spend that call's reads and call a stopped request's callback."""
+        for h in [h for h in self._held if not h.alive(frame)]:
+            self._held.remove(h)
+            self.dropped_steps += len(h.steps)
+            cache = h.cache()
+            log.info("prefill: dropped %d held steps (%d tokens) of a loop that ended before "
+                     "its last step", len(h.steps), h.tokens)
+            if cache is not None:
+                self._mark(cache, f"its prefill loop ended with {h.tokens} prompt tokens held "
+                                  f"back for a layer-by-layer pass, which were dropped")
+
+    def _mark(self, cache: list[Any], why: str) -> None:
+        for c in cache:
+            self._unusable[c] = why
+
+    def _check_usable(self, cache: list[Any]) -> None:
+        why = next((self._unusable[c] for c in cache if c in self._unusable), None)
+        if why is not None:
+            raise errors.PromptCacheUnusable(
+                f"this prompt cache cannot be used: {why}, so its layers do not hold what "
+                f"mlx-lm's loop would leave in them; make a new one "
+                f"(mlx_lm.models.cache.make_prompt_cache) and prefill the prompt again")
+
+    def _per_layer(self, h: _Held, at: list[int]) -> Callable[[int, int], None]:
+        on_layer, loop = self.on_layer, h.progress
 
         def both(layer: int, layers: int) -> None:
+            at[0] = layer
             if on_layer is not None:
                 on_layer(layer, layers)
-            callback, done, total = loop
-            callback(done, total)
+            callback = loop[0]() if loop is not None else None
+            if loop is not None and callback is not None:
+                callback(loop[1], loop[2])
 
         return both
 
-    def run(self, last: mx.array | None = None) -> mx.array:
-        """Run what is held (and ``last``) layer-major; the logits of the last step."""
-        steps, cache = self.held + ([last] if last is not None else []), self.cache
-        on_layer, self.held, self.cache, self._progress = self._per_layer(), [], None, None
-        assert self.driver is not None and cache is not None
+    def _run(self, h: _Held, last: mx.array | None = None) -> mx.array:
+        """Run what ``h`` holds (and ``last``) layer-major; the logits of the last step. A pass
+        that fails leaves its cache marked: its layers hold the prompt up to different steps."""
+        self._held.remove(h)
+        cache = h.cache()
+        assert self.driver is not None and cache is not None  # the caller passed it
+        steps = h.steps + ([last] if last is not None else [])
+        at = [0]
         self.passes += 1
         self.running = True
         try:
             if self.on_layer is not None:
                 self.on_layer(0, self.driver.num_layers)
-            logits = prefill(self.driver, steps, cache, self.bank, on_layer)
+            logits = prefill(self.driver, steps, cache, self.bank, self._per_layer(h, at))
             assert logits is not None
             return logits
+        except BaseException as exc:
+            self._mark(cache, f"a layer-by-layer prefill pass over it failed after {at[0]} of "
+                              f"{self.driver.num_layers} layers ({type(exc).__name__})")
+            raise
         finally:
             self.running = False
+
+
+def _loop_progress(loop: FrameType) -> tuple[Callable[[], Any], int, int] | None:
+    """What the loop will report once this step returns (its progress callback, held weakly,
+    tokens done, tokens in all): repeated after each layer of the pass, so whatever the loop's
+    callback does per step (the server's keepalive comments) goes on during it."""
+    f = loop.f_locals
+    try:
+        return (_weak(f["prompt_progress_callback"]),
+                int(f["prompt_processed_tokens"]) + int(f["n_to_process"]),
+                int(f["total_prompt_tokens"]))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _mlx_lm_version() -> str:
