@@ -44,7 +44,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+from mlx_lm.generate import BatchGenerator, PromptProcessingBatch, _right_pad_prompts
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
 from cachecd_engine.prefill import Driver, prefill
@@ -77,15 +77,18 @@ def loop_reviewed() -> bool:
         and source_sha256(BatchGenerator._next) == REVIEWED_SHA256["_next"]
 
 
-def batch_step(frame: FrameType | None) -> tuple[Any, Any] | None:
-    """(prompt batch, generator) when ``frame`` (the model call's caller) is an unpadded prefill
+def batch_step(frame: FrameType | None) -> tuple[Any, Any, bool] | None:
+    """(prompt batch, generator, padded) when ``frame`` (the model call's caller) is a prefill
     step of ``BatchGenerator``; None otherwise."""
     if frame is None or frame.f_code is not _PROMPT:
         return None
     outer = frame.f_back
-    if outer is None or outer.f_code is not _NEXT or frame.f_locals.get("max_padding") != 0:
+    if outer is None or outer.f_code is not _NEXT:
         return None
-    return frame.f_locals["self"], outer.f_locals["self"]
+    padding = frame.f_locals.get("max_padding")
+    if not isinstance(padding, int):
+        return None
+    return frame.f_locals["self"], outer.f_locals["self"], padding > 0
 
 
 def batch_caches(cache: Any) -> bool:
@@ -97,21 +100,31 @@ def batch_caches(cache: Any) -> bool:
 
 def next_steps(generator: Any, step_size: int) -> list[list[list[int]]]:
     """The prompt batch's next steps as ``_next`` will take them, while its rows stay the same
-    and unpadded (each a list of rows' tokens)."""
+    (each a list of rows' tokens): up to the first whose rows' lengths differ (``prompt`` pads
+    it, and after it a row whose prompt ended leaves the batch), that one included."""
     if generator._unprocessed_sequences:  # the next _next may take one in: rows change
         return []
     rows = [[list(s) for s in seq[0]] for seq in generator._currently_processing]
     steps: list[list[list[int]]] = []
     while rows and all(r and not (len(r) == 1 and len(r[0]) == 1) for r in rows):
         take = [r[0][:step_size] for r in rows]
-        if len({len(t) for t in take}) != 1:
-            break  # rows of unequal lengths: a padded step
         steps.append(take)
+        if len({len(t) for t in take}) != 1:
+            break  # rows of unequal lengths: a padded step, after which rows may leave
         for r, t in zip(rows, take, strict=True):
             r[0] = r[0][len(t):]
             if not r[0]:
                 r.pop(0)
     return steps
+
+
+def padded(step: list[list[int]]) -> tuple[list[int], list[int]] | None:
+    """(lengths, right padding) ``prompt`` prepares the caches with for a step whose rows'
+    lengths differ; None for an unpadded step."""
+    lengths = [len(t) for t in step]
+    if len(set(lengths)) == 1:
+        return None
+    return lengths, [max(lengths) - n for n in lengths]
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -142,9 +155,22 @@ def _same_attr(v: Any, s: Any) -> bool:
     return _same(v, s)
 
 
-def _unchanged(cache: list[Any], seen: list[dict[str, Any]]) -> bool:
+# What ``prepare`` sets for a padded step, by cache type: the only attribute it changes.
+_PREPARED = {BatchKVCache: "_right_padding", ArraysCache: "lengths"}
+
+
+def _unchanged(cache: list[Any], seen: list[dict[str, Any]],
+               prepared: tuple[list[int], list[int]] | None = None) -> bool:
+    """Every cache as ``seen``; for a padded step, but for what ``prepare`` set, which must be
+    the step's (lengths, right padding)."""
+    def same(c: Any, k: str, v: Any, s: Any) -> bool:
+        if prepared is None or k != _PREPARED.get(type(c)):
+            return _same_attr(v, s)
+        want = prepared[0] if k == "lengths" else prepared[1]
+        return isinstance(v, mx.array) and np.array_equal(np.array(v), want)
+
     return len(cache) == len(seen) and all(
-        vars(c).keys() == s.keys() and all(_same_attr(v, s[k]) for k, v in vars(c).items())
+        vars(c).keys() == s.keys() and all(same(c, k, v, s[k]) for k, v in vars(c).items())
         for c, s in zip(cache, seen, strict=True))
 
 
@@ -155,6 +181,7 @@ class Pass:
     cache: list[Any]  # the real caches
     tokens: list[np.ndarray]  # each step's tokens [B, n], the first already replayed
     writes: list[list[Any]]  # per step, per layer: update_and_fetch args, or ArraysCache state
+    prepared: list[tuple[list[int], list[int]] | None]  # per step: ``padded``'s
     done: int = 0  # steps replayed
     seen: list[dict[str, Any]] = field(default_factory=list)
 
@@ -174,7 +201,7 @@ class Pass:
 
     def answers(self, inputs: mx.array, cache: Any) -> bool:
         return cache is self.cache and self.done < len(self.tokens) \
-            and _unchanged(cache, self.seen) \
+            and _unchanged(cache, self.seen, self.prepared[self.done]) \
             and np.array_equal(np.array(inputs), self.tokens[self.done])
 
 
@@ -190,6 +217,7 @@ class BatchAhead:
         self.current: Pass | None = None
         self.passes = 0  # layer-major runs
         self.replayed = 0  # steps answered from a pass
+        self.padded = 0  # padded steps among them
         self.running = False
         # Called with (0, layers) as a pass starts and (layers done, layers) after each layer.
         self.on_layer: Callable[[int, int], None] | None = None
@@ -206,14 +234,15 @@ class BatchAhead:
                 self.current = None  # another call on its caches: they move on without it
             return forward()
         if self.current is not None and self.current.answers(inputs, cache):
+            self.padded += self.current.prepared[self.current.done] is not None
             self.current.replay()
             self.replayed += 1
             if self.current.done == len(self.current.tokens):
                 self.current = None
             return None
         self.current = None  # its rows or its caches changed: run step by step from here
-        batch, generator = found
-        steps = next_steps(generator, batch.prefill_step_size)
+        batch, generator, pads = found
+        steps = next_steps(generator, batch.prefill_step_size) if not pads else []
         if not steps:
             return forward()
         self.current = self._run(np.array(inputs), steps, cache, batch, generator)
@@ -225,7 +254,8 @@ class BatchAhead:
         """Run ``first`` and ``steps`` layer-major on a copy of ``cache``, keeping what each
         step writes into each layer's cache."""
         assert self.driver is not None
-        tokens = [first] + [np.array(s, dtype=first.dtype) for s in steps]
+        tokens = [first] + [np.array(_right_pad_prompts(s), dtype=first.dtype) for s in steps]
+        prepared = [None] + [padded(s) for s in steps]
         shadow = copy.deepcopy(cache)
         writes: list[list[Any]] = [[[] for _ in cache] for _ in tokens]
         at = [0]  # the step running
@@ -250,8 +280,17 @@ class BatchAhead:
                 writes[step][layer] = (list(c.cache), _frozen(c.left_padding),
                                        _frozen(c.lengths))
                 state: list[Any] = c.cache
-                return [a for a in state if a is not None]
-            return [a for args in writes[step][layer] for a in args]
+                kept = [a for a in state if a is not None]
+            else:
+                kept = [a for args in writes[step][layer] for a in args]
+            # A padded step's ``prepare`` and ``finalize``, as ``prompt`` calls them around it,
+            # on this layer's cache: after the step before it has written, after it has.
+            if prepared[step] is not None:
+                c.finalize()
+            nxt = prepared[step + 1] if step + 1 < len(tokens) else None
+            if nxt is not None:
+                c.prepare(lengths=nxt[0], right_padding=nxt[1])
+            return kept
 
         self.passes += 1
         self.running = True
@@ -267,7 +306,7 @@ class BatchAhead:
             for c in shadow:
                 c.__dict__.pop("update_and_fetch", None)
             shadow.clear()
-        return Pass(cache, tokens, writes)
+        return Pass(cache, tokens, writes, prepared)
 
     def _per_layer(self, batch: Any, generator: Any) -> Callable[[int, int], None]:
         rows = [(uid, (int(seq[1]), int(seq[2])))
