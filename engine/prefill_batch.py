@@ -37,6 +37,7 @@ import copy
 import hashlib
 import inspect
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import CodeType, FrameType
@@ -178,31 +179,42 @@ def _unchanged(cache: list[Any], seen: list[dict[str, Any]],
 class Pass:
     """Steps run ahead on a copy of one prompt batch's caches, replayed a step a call."""
 
-    cache: list[Any]  # the real caches
+    layers: list[weakref.ref[Any]]  # the real caches (the batch's: held weakly)
     tokens: list[np.ndarray]  # each step's tokens [B, n], the first already replayed
     writes: list[list[Any]]  # per step, per layer: update_and_fetch args, or ArraysCache state
     prepared: list[tuple[list[int], list[int]] | None]  # per step: ``padded``'s
     done: int = 0  # steps replayed
     seen: list[dict[str, Any]] = field(default_factory=list)
+    forget: Any = None  # the finalizer that drops the pass when its caches go
 
-    def replay(self) -> None:
+    def of(self, cache: Any) -> bool:
+        return isinstance(cache, list) and len(cache) == len(self.layers) \
+            and all(r() is c for r, c in zip(self.layers, cache, strict=True))
+
+    def replay(self, cache: list[Any]) -> None:
         """Write step ``done``'s cache updates into the real caches, as its call would."""
-        for c, w in zip(self.cache, self.writes[self.done], strict=True):
+        for c, w in zip(cache, self.writes[self.done], strict=True):
             if isinstance(c, ArraysCache):
-                cache, c.left_padding, c.lengths = w
-                for k, a in enumerate(cache):
+                state, c.left_padding, c.lengths = w
+                for k, a in enumerate(state):
                     c[k] = a
             else:
                 for args in w:
                     c.update_and_fetch(*args)
         self.writes[self.done] = []  # the real caches hold them now
         self.done += 1
-        self.seen = _fingerprint(self.cache)
+        self.seen = _fingerprint(cache)
 
     def answers(self, inputs: mx.array, cache: Any) -> bool:
-        return cache is self.cache and self.done < len(self.tokens) \
+        return self.of(cache) and self.done < len(self.tokens) \
             and _unchanged(cache, self.seen, self.prepared[self.done]) \
             and np.array_equal(np.array(inputs), self.tokens[self.done])
+
+
+def _forget(ahead: weakref.ref[BatchAhead], p: weakref.ref[Pass]) -> None:
+    a = ahead()
+    if a is not None and a.current is not None and a.current is p():
+        a.current = None
 
 
 class BatchAhead:
@@ -214,7 +226,7 @@ class BatchAhead:
         if on and driver is not None and not self.on:
             log.warning("BatchGenerator's prefill runs step by step: its loop is not the one "
                         "reviewed for layer-by-layer prefill")
-        self.current: Pass | None = None
+        self._current: Pass | None = None
         self.passes = 0  # layer-major runs
         self.replayed = 0  # steps answered from a pass
         self.padded = 0  # padded steps among them
@@ -225,17 +237,33 @@ class BatchAhead:
         # generator reports them once the step returns (the server's keepalives).
         self.on_rows: Callable[[list[tuple[int, tuple[int, int]]]], None] | None = None
 
+    @property
+    def current(self) -> Pass | None:
+        """The pass whose steps are being replayed, if any."""
+        return self._current
+
+    @current.setter
+    def current(self, p: Pass | None) -> None:
+        old, self._current = self._current, p
+        if old is not None and old is not p and old.forget is not None:
+            old.forget.detach()
+        if p is not None and p.forget is None:
+            first = p.layers[0]()
+            # The batch's caches go (a generator closed or dropped mid-prefill): the steps run
+            # ahead for them go too, not at some later call.
+            p.forget = weakref.finalize(first, _forget, weakref.ref(self), weakref.ref(p))
+
     def call(self, forward: Callable[[], mx.array], inputs: Any, cache: Any,
              frame: FrameType | None, extra: bool) -> mx.array | None:
         """The model's call: answered from a pass (None), or run."""
         found = batch_step(frame) if self.on and not extra else None
         if found is None or not isinstance(inputs, mx.array) or not batch_caches(cache):
-            if self.current is not None and cache is self.current.cache:
+            if self.current is not None and self.current.of(cache):
                 self.current = None  # another call on its caches: they move on without it
             return forward()
         if self.current is not None and self.current.answers(inputs, cache):
             self.padded += self.current.prepared[self.current.done] is not None
-            self.current.replay()
+            self.current.replay(cache)
             self.replayed += 1
             if self.current.done == len(self.current.tokens):
                 self.current = None
@@ -246,7 +274,7 @@ class BatchAhead:
         if not steps:
             return forward()
         self.current = self._run(np.array(inputs), steps, cache, batch, generator)
-        self.current.replay()
+        self.current.replay(cache)
         return None
 
     def _run(self, first: np.ndarray, steps: list[list[list[int]]], cache: list[Any],
@@ -306,7 +334,7 @@ class BatchAhead:
             for c in shadow:
                 c.__dict__.pop("update_and_fetch", None)
             shadow.clear()
-        return Pass(cache, tokens, writes, prepared)
+        return Pass([weakref.ref(c) for c in cache], tokens, writes, prepared)
 
     def _per_layer(self, batch: Any, generator: Any) -> Callable[[int, int], None]:
         rows = [(uid, (int(seq[1]), int(seq[2])))

@@ -223,3 +223,29 @@ def test_prompts_of_unequal_lengths_read_each_layer_once(checkpoint: tuple[Path,
             model.bank.close()
     together, apart = reads[0], reads[1] + reads[2]
     assert together <= 1.2 * apart, (together, apart)
+
+
+def test_a_batch_dropped_mid_prefill_leaves_nothing(checkpoint: tuple[Path, Any, Any]) -> None:
+    """A generator closed after its first prefill step (a server's batch cancelled, a caller
+    that stops): the steps run ahead for it, and its caches, go with it, not at a later call."""
+    import gc
+    import weakref
+
+    from mlx_lm.generate import BatchGenerator
+
+    full, manifest, _ = checkpoint
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 384, size=5 * 16 + 1).tolist() for _ in range(2)]
+    with LocalSource(manifest, full, verify=False) as source:
+        model, _ = load(full, source, ram_bytes=1 << 30, prefetch=False)
+        gen = BatchGenerator(model, max_tokens=1, prefill_step_size=16)
+        gen.insert(prompts)
+        gen.next()  # the first step: the prompts' steps run ahead, the first replayed
+        assert model.ahead.current is not None and model.ahead.passes == 1
+        caches = [weakref.ref(c) for c in gen._prompt_batch.prompt_cache]
+        gen.close()
+        del gen
+        gc.collect()
+        assert model.ahead.current is None
+        assert all(r() is None for r in caches), "the engine keeps a dropped batch's caches"
+        model.bank.close()
