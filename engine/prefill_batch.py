@@ -49,6 +49,7 @@ from mlx_lm.generate import BatchGenerator, PromptProcessingBatch, _right_pad_pr
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
 from cachecd_engine.prefill import Driver, prefill
+from cachecd_engine.prefill_fallback import Said, cache_reason
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +228,7 @@ class BatchAhead:
             log.warning("BatchGenerator's prefill runs step by step: its loop is not the one "
                         "reviewed for layer-by-layer prefill")
         self._current: Pass | None = None
+        self.said = Said()  # why a prefill runs step by step, once a reason
         self.passes = 0  # layer-major runs
         self.replayed = 0  # steps answered from a pass
         self.padded = 0  # padded steps among them
@@ -257,6 +259,10 @@ class BatchAhead:
              frame: FrameType | None, extra: bool) -> mx.array | None:
         """The model's call: answered from a pass (None), or run."""
         found = batch_step(frame) if self.on and not extra else None
+        if found is not None and isinstance(inputs, mx.array) and not batch_caches(cache):
+            why = cache_reason(cache, batched=True)
+            if why is not None and not found[2] and inputs.shape[1] > 1:
+                self.said(*why)
         if found is None or not isinstance(inputs, mx.array) or not batch_caches(cache):
             if self.current is not None and self.current.of(cache):
                 self.current = None  # another call on its caches: they move on without it

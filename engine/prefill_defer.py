@@ -30,17 +30,20 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
+import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import CodeType, FrameType
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, speculative_generate_step
 
 from cachecd import errors
 from cachecd_engine.pool.speculate import plain_caches
 from cachecd_engine.prefill import Driver, driver_for, prefill
+from cachecd_engine.prefill_batch import batch_step
+from cachecd_engine.prefill_fallback import HELPER, ChunkedLoops, Said, cache_reason, loop_reason
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,9 @@ log = logging.getLogger(__name__)
 # the prefill loop drops ``_model_call``'s output and reads the caches only through
 # ``mx.eval([c.state ...])`` and ``quantize_cache_fn`` (a no-op without kv_bits).
 REVIEWED_SHA256 = "f5dd8df9242ffb752fc65160d08fde54ae5148813dd4332b4a7f35852f36bdb0"
+# The same of ``speculative_generate_step`` (a draft model): its ``_prefill`` drops the model's
+# output and reads the caches as above; its first verify step (``_step``) is one call.
+REVIEWED_SPECULATIVE_SHA256 = "84bed200ad064afddeaeb972f79469cce568f74ccc8813d8f5cda7c97ea1d0fd"
 
 
 def _source_sha256(fn: Callable[..., Any]) -> str | None:
@@ -62,8 +68,19 @@ def _nested_code(code: CodeType, name: str) -> CodeType | None:
                 None)
 
 
+def _codes(code: CodeType) -> set[CodeType]:
+    return {code} | {n for c in code.co_consts if isinstance(c, CodeType) for n in _codes(c)}
+
+
 _GENERATE_STEP = generate_step.__code__
 _MODEL_CALL = _nested_code(_GENERATE_STEP, "_model_call")
+_SPECULATIVE = speculative_generate_step.__code__
+_SPEC_PREFILL = _nested_code(_SPECULATIVE, "_prefill")
+# Each loop's function that calls the model for a prefill step, and the closure that is new
+# each run of the loop (what tells one run's frame from another's at the same address).
+_RUN_LOCAL = {_GENERATE_STEP: "_model_call", _SPECULATIVE: "_prefill"}
+# Every code object of the loops: the caller's own loop of chunks is none of these.
+_KNOWN = _codes(_GENERATE_STEP) | _codes(_SPECULATIVE)
 
 
 def loop_reviewed() -> bool:
@@ -71,17 +88,33 @@ def loop_reviewed() -> bool:
     return _MODEL_CALL is not None and _source_sha256(generate_step) == REVIEWED_SHA256
 
 
-def dropped_by_caller(frame: FrameType | None, inputs: Any, cache: Any, extra: bool) -> bool:
-    """True when ``frame`` (the model call's caller) is generate_step's prefill loop, which
-    drops the output, under the conditions the module docstring lists."""
-    if frame is None or frame.f_code is not _MODEL_CALL or extra:
-        return False
-    outer = frame.f_back
-    if outer is None or outer.f_code is not _GENERATE_STEP:
-        return False  # _step, the call whose logits are used
-    if frame.f_locals.get("input_embeddings") is not None:
-        return False
-    if outer.f_locals.get("kv_bits") is not None:
+def _steps() -> dict[CodeType, CodeType]:
+    """The reviewed loops' prefill-step functions (code -> their loop's code)."""
+    out = {}
+    if loop_reviewed() and _MODEL_CALL is not None:
+        out[_MODEL_CALL] = _GENERATE_STEP
+    if _SPEC_PREFILL is not None \
+            and _source_sha256(speculative_generate_step) == REVIEWED_SPECULATIVE_SHA256:
+        out[_SPEC_PREFILL] = _SPECULATIVE
+    return out
+
+
+def _kv_bits(loop: FrameType) -> bool:
+    return loop.f_locals.get("kv_bits") is not None
+
+
+def dropped_by_caller(frame: FrameType | None, inputs: Any, cache: Any, extra: bool,
+                      steps: dict[CodeType, CodeType] | None = None) -> bool:
+    """True when ``frame`` (the model call's caller) is a reviewed loop's prefill step
+    (generate_step's ``_model_call`` from the loop, speculative_generate_step's ``_prefill``),
+    which drops the output, under the conditions the module docstring lists."""
+    steps = _steps() if steps is None else steps
+    loop = steps.get(frame.f_code) if frame is not None and not extra else None
+    outer = frame.f_back if frame is not None else None
+    if loop is None or outer is None or outer.f_code is not loop:
+        return False  # not a loop's prefill step (generate_step's _step: the logits are used)
+    assert frame is not None
+    if frame.f_locals.get("input_embeddings") is not None or _kv_bits(outer):
         return False
     return isinstance(inputs, mx.array) and inputs.ndim == 2 and inputs.shape[0] == 1 \
         and isinstance(cache, list) and plain_caches(cache)
@@ -92,11 +125,12 @@ class _Held:
     entries and the loop's progress callback are held weakly (what the loop's frame keeps alive
     while it runs), so an abandoned prompt leaves nothing here."""
 
-    def __init__(self, cache: list[Any], loop: FrameType) -> None:
+    def __init__(self, cache: list[Any], loop: FrameType | None) -> None:
         self.layers = [weakref.ref(c) for c in cache]
         self.loop = id(loop)
         # A new function each run of the loop: a dead frame's id can be a new frame's.
-        self.fn = weakref.ref(loop.f_locals["_model_call"])
+        self.fn = weakref.ref(loop.f_locals[_RUN_LOCAL[loop.f_code]]) if loop is not None \
+            else lambda: None
         self.steps: list[mx.array] = []
         self.tokens = 0
         self.progress: tuple[Callable[[], Any], int, int] | None = None
@@ -114,8 +148,8 @@ class _Held:
         yields while it prefills, so a loop off the stack has ended, however it ended)."""
         fn = self.fn()
         while fn is not None and frame is not None:
-            if id(frame) == self.loop and frame.f_code is _GENERATE_STEP:
-                return frame.f_locals.get("_model_call") is fn
+            if id(frame) == self.loop and frame.f_code in _RUN_LOCAL:
+                return frame.f_locals.get(_RUN_LOCAL[frame.f_code]) is fn
             frame = frame.f_back
         return False
 
@@ -138,6 +172,9 @@ class Deferral:
         if on and self.driver is not None and not self.on:
             log.warning("prefill runs step by step: mlx_lm.generate_step is not the loop "
                         "reviewed for layer-by-layer prefill (mlx-lm %s)", _mlx_lm_version())
+        self.steps = _steps() if self.on else {}
+        self.said = Said()  # why a prefill runs step by step, once a reason
+        self._chunked = ChunkedLoops()
         self._held: list[_Held] = []
         # Caches a failed pass or an ended loop left part way (by their entries, weakly): why.
         self._unusable: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
@@ -161,22 +198,45 @@ class Deferral:
             self._drop_ended(frame)
         if len(self._unusable) and isinstance(cache, list):
             self._check_usable(cache)
-        if self.on and dropped_by_caller(frame, inputs, cache, extra):
+        if self.on and dropped_by_caller(frame, inputs, cache, extra, self.steps):
             self._hold(inputs, cache, frame)
             return None
         h = next((h for h in self._held if h.of(cache)), None)
         if h is None:
+            if self.on:
+                self._say(frame, inputs, cache)
             return forward()  # another cache's held steps are not this call's to run
         same = not extra and isinstance(inputs, mx.array) and inputs.ndim == 2 \
             and inputs.shape[0] == 1
-        outer = frame.f_back if frame is not None and frame.f_code is _MODEL_CALL else None
-        if not (same and outer is not None and outer.f_back is not None
-                and id(outer.f_back) == h.loop):
+        up = frame.f_back if frame is not None else None
+        if not (same and frame is not None and frame.f_code in _KNOWN and up is not None
+                and h.loop in (id(up), id(up.f_back))):
             h.progress = None  # not the loop's own last step: its callback is not called
         if same:
             return self._run(h, inputs)
         self._run(h)
         return forward()
+
+    def _say(self, frame: FrameType | None, inputs: Any, cache: Any) -> None:
+        """Say, once, why a prefill step runs step by step (``prefill_fallback``)."""
+        several = isinstance(inputs, mx.array) and inputs.ndim == 2 and inputs.shape[1] > 1
+        if frame is None or frame.f_code in _KNOWN or frame.f_code is _PREFILL_CHUNKS \
+                or batch_step(frame) is not None:
+            chunked = None  # mlx-lm's own calls (decode, verify steps) or the batched path
+        else:
+            chunked = self._chunked.seen(frame, inputs, cache)
+        if not several:
+            return
+        why = loop_reason(frame, self.steps, _kv_bits)
+        if why is None and frame is not None and frame.f_code in self.steps:
+            why = cache_reason(cache)  # a loop's prefill step, not held for its caches
+        if why is None and chunked is not None:
+            why = ("chunked_loop", f"the model is called in a loop of chunks on one cache at "
+                                   f"{chunked}: each chunk runs through every layer before the "
+                                   f"next; prefill them with {HELPER}, the same calls layer by "
+                                   f"layer")
+        if why is not None:
+            self.said(*why)
 
     def _hold(self, inputs: mx.array, cache: list[Any], frame: FrameType | None) -> None:
         assert frame is not None and frame.f_back is not None  # dropped_by_caller saw them
@@ -232,6 +292,21 @@ class Deferral:
 
         return both
 
+    def run_chunks(self, chunks: list[mx.array], cache: list[Any]) -> mx.array:
+        """``prefill_chunks``: what the cache holds back (its loop's steps) and ``chunks``, in
+        one pass; the last chunk's logits."""
+        if self._held:
+            self._drop_ended(sys._getframe(1))
+        if len(self._unusable):
+            self._check_usable(cache)
+        h = next((h for h in self._held if h.of(cache)), None) or _Held(cache, None)
+        if h in self._held:
+            h.progress = None  # its loop's callback: called by its loop only
+        else:
+            self._held.append(h)
+        h.steps += chunks[:-1]
+        return self._run(h, chunks[-1])
+
     def _run(self, h: _Held, last: mx.array | None = None) -> mx.array:
         """Run what ``h`` holds (and ``last``) layer-major; the logits of the last step. A pass
         that fails leaves its cache marked: its layers hold the prompt up to different steps."""
@@ -254,6 +329,38 @@ class Deferral:
             raise
         finally:
             self.running = False
+
+
+def prefill_chunks(model: Any, chunks: Sequence[mx.array], cache: list[Any]) -> mx.array:
+    """What ``for c in chunks: out = model(c, cache=cache)`` returns (the last chunk's logits)
+    and the caches it leaves, bitwise, for a caller's own loop of chunks (token arrays
+    ``[B, n]`` in prompt order): layer by layer on a model from ``cachecd_engine.load`` (each
+    layer's experts read once for all the chunks), else that loop, saying why once."""
+    chunks = list(chunks)
+    if not chunks:
+        raise ValueError("prefill_chunks needs at least one chunk")
+    deferral: Deferral | None = getattr(model, "__dict__", {}).get("deferral")
+    why = None
+    if deferral is not None:
+        why = cache_reason(cache) or (None if plain_caches(cache) else (
+            "cache_type", "caches mlx-lm's make_prompt_cache(model) did not make"))
+        if deferral.driver is None:
+            why = ("model_type", f"{type(model).__name__} has no layer driver "
+                                 f"(another model type, or split over machines)")
+        elif any(not isinstance(c, mx.array) or c.ndim != 2 for c in chunks):
+            why = ("chunk_shape", "chunks must be token arrays [B, n]")
+    if deferral is not None and why is None:
+        return deferral.run_chunks(chunks, cache)
+    if deferral is not None and why is not None:
+        deferral.said(*why)
+    out = None
+    for c in chunks:
+        out = model(c, cache=cache)
+    assert out is not None
+    return out
+
+
+_PREFILL_CHUNKS = prefill_chunks.__code__
 
 
 def _loop_progress(loop: FrameType) -> tuple[Callable[[], Any], int, int] | None:

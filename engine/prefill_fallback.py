@@ -1,0 +1,127 @@
+"""Why a prefill runs step by step, said once: in the log and as a Python warning.
+
+A prompt prefilled step by step reads every layer's experts again each step (a 32k-token K3
+prompt: 16 passes over 1.446 TB), so each path that takes it says so, with the reason and what
+to do, once per model and reason (``Said``): a rotating or quantized KV cache, input
+embeddings, the model called through a wrapper inside mlx-lm's loop, a copy of that loop, the
+caller's own loop of chunks (``cachecd_engine.prefill_chunks`` runs those layer by layer).
+
+Invariants:
+- Saying never changes what runs: every call here only reads frames and caches.
+- A reason is said once per model (``Said.keys``); Python's warning filters may show it fewer
+  times, never more.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import Any
+
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+log = logging.getLogger(__name__)
+
+HELPER = "cachecd_engine.prefill_chunks(model, chunks, cache)"
+WRAPPER_DEPTH = 4  # frames between the model's call and mlx-lm's loop still taken as a wrapper
+_LOOP_NAMES = {"generate_step", "speculative_generate_step", "_model_call", "_prefill"}
+
+
+class PrefillStepByStep(UserWarning):
+    """A prefill runs step by step (every layer's experts read again each step), not layer by
+    layer: the message says why and what to do."""
+
+
+class Said:
+    """Each reason said once (``log.warning`` and ``warnings.warn``)."""
+
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+
+    def __call__(self, key: str, message: str) -> None:
+        if key in self.keys:
+            return
+        self.keys.add(key)
+        text = f"prefill runs step by step, reading every layer's experts again each step: {message}"
+        log.warning("%s (event=prefill_step_by_step reason=%s)", text, key)
+        warnings.warn(text, PrefillStepByStep, stacklevel=4)
+
+
+def _where(frame: FrameType) -> str:
+    return f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"
+
+
+def cache_reason(cache: Any, batched: bool = False) -> tuple[str, str] | None:
+    """Why these caches (``BatchGenerator``'s where ``batched``) are not run layer by layer
+    (key, message); None if they can be."""
+    if not isinstance(cache, list) or not cache:
+        return None
+    allowed = (BatchKVCache, ArraysCache) if batched else (KVCache, ArraysCache)
+    kinds = sorted({type(c).__name__ for c in cache if type(c) not in allowed})
+    if any("Rotating" in k for k in kinds):
+        return "rotating_cache", (
+            "a rotating KV cache (max_kv_size) keeps a window of each layer's tokens, which a "
+            "layer-by-layer pass does not replay; leave max_kv_size unset to prefill layer by "
+            "layer")
+    if any("Quantized" in k for k in kinds):
+        return "quantized_cache", ("a quantized KV cache (kv_bits) is read between steps; "
+                                   "leave kv_bits unset to prefill layer by layer")
+    if kinds:
+        return "cache_type", (f"caches of type {', '.join(kinds)}: only KVCache and "
+                              f"ArraysCache are run layer by layer; use make_prompt_cache(model)")
+    if not batched and any(type(c) is ArraysCache and (c.lengths is not None or c.left_padding is not None)
+           for c in cache):
+        return "padded_cache", "padded linear-attention caches: use make_prompt_cache(model)"
+    return None
+
+
+def loop_reason(frame: FrameType | None, steps: dict[CodeType, CodeType],
+                kv_bits: Callable[[FrameType], bool]) -> tuple[str, str] | None:
+    """Why a prefill step of one of mlx-lm's loops (``steps``: step function's code -> its
+    loop's) runs step by step, when ``frame`` (the model call's caller) is in such a loop's
+    prefill but the call is not held back; None when it is not such a step."""
+    f, depth = frame, 0
+    while f is not None and depth <= WRAPPER_DEPTH:
+        loop = steps.get(f.f_code)
+        if loop is not None and f.f_back is not None and f.f_back.f_code is loop:
+            if depth > 0:
+                assert frame is not None
+                return "wrapped", (
+                    f"the model is called through {_where(frame)} inside mlx-lm's prefill loop, "
+                    f"so the engine cannot see that the loop drops the output; give mlx-lm the "
+                    f"model cachecd_engine.load returned, unwrapped, or prefill with {HELPER}")
+            if kv_bits(f.f_back):
+                return "quantized_cache", ("a quantized KV cache (kv_bits) is read between "
+                                           "steps; leave kv_bits unset to prefill layer by layer")
+            if f.f_locals.get("input_embeddings") is not None:
+                return "input_embeddings", ("input embeddings (images) are prefilled as mlx-lm "
+                                            "does; a text-only prompt runs layer by layer")
+            return None
+        if f.f_code.co_name in _LOOP_NAMES and f.f_code not in steps.values():
+            return "copied_loop", (
+                f"the model is called from {_where(f)}, a copy of mlx-lm's loop or another "
+                f"mlx-lm's (the engine holds back steps only for the loop it reviewed); call "
+                f"mlx_lm.generate_step / stream_generate, or prefill with {HELPER}")
+        f, depth = f.f_back, depth + 1
+    return None
+
+
+class ChunkedLoops:
+    """The caller's own loop of chunks: two calls of several tokens each in a row on one cache
+    from one line of code (its decode steps are one token; mlx-lm's loops are told apart before
+    this is asked)."""
+
+    def __init__(self) -> None:
+        self.last: tuple[int, CodeType, int] | None = None  # (cache entry id, code, line)
+
+    def seen(self, frame: FrameType | None, inputs: Any, cache: Any) -> str | None:
+        """The caller's place when this call continues its chunked loop, else None."""
+        if frame is None or not isinstance(cache, list) or not cache \
+                or getattr(inputs, "ndim", 0) != 2 or inputs.shape[1] < 2:
+            self.last = None
+            return None
+        here = (id(cache[0]), frame.f_code, frame.f_lineno)
+        again, self.last = self.last == here, here
+        return _where(frame) if again else None
