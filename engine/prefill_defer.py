@@ -44,6 +44,7 @@ from cachecd_engine.pool.speculate import plain_caches
 from cachecd_engine.prefill import Driver, driver_for, prefill
 from cachecd_engine.prefill_batch import batch_step
 from cachecd_engine.prefill_fallback import HELPER, ChunkedLoops, Said, cache_reason, loop_reason
+from cachecd_engine.prefill_progress import LoopProgress, set_local
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ class _Held:
         self.steps: list[mx.array] = []
         self.tokens = 0
         self.progress: tuple[Callable[[], Any], int, int] | None = None
+        self.stand_in: Callable[[], Any] = lambda: None  # the loop's LoopProgress, weakly
 
     def of(self, cache: Any) -> bool:
         return isinstance(cache, list) and len(cache) == len(self.layers) \
@@ -251,7 +253,9 @@ class Deferral:
         h.steps.append(inputs)
         h.tokens += int(inputs.shape[1])
         self.held_steps += 1
-        h.progress = _loop_progress(loop)
+        h.progress = _loop_progress(loop, len(h.steps) == 1)
+        if h.progress is not None and isinstance(h.progress[0](), LoopProgress):
+            h.stand_in = h.progress[0]
 
     def _drop_ended(self, frame: FrameType | None) -> None:
         """Drop the steps of loops that ended without asking for output (an exception from
@@ -282,12 +286,18 @@ class Deferral:
     def _per_layer(self, h: _Held, at: list[int]) -> Callable[[int, int], None]:
         on_layer, loop = self.on_layer, h.progress
 
+        callback = loop[0]() if loop is not None else None
+        stand_in = h.stand_in()
+        if stand_in is not None:
+            stand_in.holding = False  # the loop's next report comes after the pass
+
         def both(layer: int, layers: int) -> None:
             at[0] = layer
             if on_layer is not None:
                 on_layer(layer, layers)
-            callback = loop[0]() if loop is not None else None
-            if loop is not None and callback is not None:
+            if isinstance(callback, LoopProgress):
+                callback.layer(layer, layers)
+            elif loop is not None and callback is not None:
                 callback(loop[1], loop[2])
 
         return both
@@ -363,17 +373,27 @@ def prefill_chunks(model: Any, chunks: Sequence[mx.array], cache: list[Any]) -> 
 _PREFILL_CHUNKS = prefill_chunks.__code__
 
 
-def _loop_progress(loop: FrameType) -> tuple[Callable[[], Any], int, int] | None:
-    """What the loop will report once this step returns (its progress callback, held weakly,
-    tokens done, tokens in all): repeated after each layer of the pass, so whatever the loop's
-    callback does per step (the server's keepalive comments) goes on during it."""
+def _loop_progress(loop: FrameType, first: bool) -> tuple[Callable[[], Any], int, int] | None:
+    """The loop's progress callback (held weakly; in its place a ``LoopProgress`` where the
+    frame takes one), tokens done once this step returns, tokens in all: heard after each layer
+    of the pass, so whatever the callback does per step (the server's keepalive comments) goes
+    on during it."""
     f = loop.f_locals
     try:
-        return (_weak(f["prompt_progress_callback"]),
-                int(f["prompt_processed_tokens"]) + int(f["n_to_process"]),
-                int(f["total_prompt_tokens"]))
+        callback, total = f["prompt_progress_callback"], int(f["total_prompt_tokens"])
+        before = int(f["prompt_processed_tokens"])
+        done = before + int(f["n_to_process"])
     except (KeyError, TypeError, ValueError):
         return None
+    if not isinstance(callback, LoopProgress):
+        stand_in = LoopProgress(callback, before, total)
+        if set_local(loop, "prompt_progress_callback", stand_in):
+            callback = stand_in
+    if isinstance(callback, LoopProgress):
+        if first:
+            callback.start = before
+        callback.end, callback.holding = done, True
+    return _weak(callback), done, total
 
 
 def _mlx_lm_version() -> str:

@@ -185,22 +185,25 @@ def test_an_interrupted_prefills_cache_is_refused(checkpoint: tuple[Path, Any, A
 
 
 def test_the_loop_hears_from_each_layer(checkpoint: tuple[Path, Any, Any]) -> None:
-    """The loop's progress callback (the server's keepalive comments) is called after each
-    layer of the pass with what it last reported, then the loop's own last call."""
+    """The loop's progress callback (a library caller's, the server's keepalive comments) hears
+    steady progress: nothing for a held step (no work done yet), then after each layer of the
+    pass the tokens that share of the pass stands for, then the loop's own last report; never
+    the last held step's figure at once and again each layer."""
     full, manifest, _ = checkpoint
     prompt = np.random.default_rng(5).integers(0, 384, size=3 * 16 + 1).tolist()
     heard: list[tuple[int, int]] = []
     with LocalSource(manifest, full, verify=False) as source:
         model, _ = load(full, source, ram_bytes=1 << 30, prefetch=False)
-        layers = len(model.layers)
+        layers = model.deferral.driver.num_layers
         for _ in generate_step(mx.array(prompt), model, max_tokens=1, prefill_step_size=16,
-                               prompt_cache=make_prompt_cache(model),
-                               prompt_progress_callback=lambda d, t: heard.append((d, t))):
+                               prompt_progress_callback=lambda d, t: heard.append((d, t)),
+                               prompt_cache=make_prompt_cache(model)):
             pass
         model.bank.close()
     total = len(prompt)
-    steps = [(0, total), (16, total), (32, total), (48, total)]
-    assert heard == steps + [(48, total)] * layers + [(total, total)]
+    assert heard == [(0, total)] + [(48 * n // layers, total) for n in range(1, layers + 1)] \
+        + [(total, total)]
+    assert [d for d, _ in heard] == sorted(d for d, _ in heard)
 
 
 def _small_pool(model: Any, fraction: int) -> Any:
