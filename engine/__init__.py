@@ -32,7 +32,7 @@ def __getattr__(name: str) -> Any:
 
         return load
     if name == "prefill_chunks":  # a caller's own loop of chunks, layer by layer
-        from cachecd_engine.prefill_defer import prefill_chunks
+        from cachecd_engine.prefill_fallback import prefill_chunks
 
         return prefill_chunks
     if name == "PrefillStepByStep":  # the warning a prefill that runs step by step gives

@@ -6,23 +6,33 @@ caches, and then calls ``model(last, cache)`` for the logits (its ``_step``). Th
 cannot change that loop, so it holds back the calls whose output the loop drops and, when the
 next call needs real output, runs all of them and that call layer-major (``prefill``).
 
+``speculative_generate_step`` (a draft model) prefills the same way in its ``_prefill``, then
+verifies the drafts in one call (its ``_step``): its steps are held back and run with that call.
+
 Invariants:
-- A call is held back only when its caller is, provably, that loop: the calling frame is the
-  loop's ``_model_call`` called from ``generate_step`` itself (its ``_step`` is the other
-  caller), ``generate_step``'s source is the one reviewed here (``REVIEWED_SHA256``; another
-  mlx-lm turns holding back off, and a test fails), no KV quantization (the loop would read the
-  caches' offsets), no input embeddings, batch 1, no other argument, and every cache a plain
-  ``KVCache`` or ``ArraysCache``. A held-back call returns None: no number at all to misuse.
-- Between held-back calls the loop only evaluates the caches' state (unchanged, so a no-op) and
-  reports progress; any call that is not held back first runs what is held (with it, if it is
-  the same cache's next step; before it otherwise), so nothing reads a cache that is behind.
-- The loop's progress callback still hears from it during a pass: once a layer, with the
-  figures it last reported (the server's keepalive comments keep coming). ``on_layer``, where
-  set, hears first: ``(0, layers)`` as a pass starts, then ``(layers done, layers)`` after each
-  layer (``cachecd run``, ``warm --prompts`` and the server's log show layers done); while the
-  pass runs ``running`` is True.
-- If the layer-major run fails, what was held is dropped (the caches are as partial as a
-  failed step leaves them in mlx-lm's loop) and the error goes to the caller.
+- A call is held back only when its caller is, provably, such a loop: the calling frame is the
+  loop's ``_model_call`` (``_prefill``) called from the loop itself (its ``_step`` is the other
+  caller), the loop's source is the one reviewed here (``REVIEWED_SHA256``,
+  ``REVIEWED_SPECULATIVE_SHA256``; another mlx-lm turns holding back off, and a test fails), no
+  KV quantization (the loop would read the caches' offsets), no input embeddings, batch 1, no
+  other argument, and every cache a plain ``KVCache`` or ``ArraysCache``. A held-back call
+  returns None: no number at all to misuse. Every other prefill of several steps is said once
+  (``prefill_fallback``).
+- Held steps belong to their loop's run and their cache (``_Held``), both held weakly: a call on
+  another cache never runs them; a call on their cache that is not their loop's next step runs
+  them first, so nothing reads a cache that is behind; once their loop is off the stack (it
+  never yields while it prefills, so it ended: an exception, Ctrl-C) they are dropped at the next
+  call, never run.
+- A cache left part way is refused (``PromptCacheUnusable``, naming what to do) at its next
+  call: one whose held steps were dropped (mlx-lm's loop would have run them), one whose pass
+  failed (its layers hold the prompt up to different steps).
+- The loop's progress callback hears steady progress (``prefill_progress.LoopProgress`` in its
+  place in the loop's frame): nothing for a held step, which has done no work; after each layer
+  of the pass the tokens that share of the pass stands for (the server's keepalive comments
+  keep coming); then the loop's own reports. ``on_layer``, where set, hears first: ``(0,
+  layers)`` as a pass starts, then ``(layers done, layers)`` after each layer (``cachecd run``,
+  ``warm --prompts`` and the server's log show layers done); while the pass runs ``running`` is
+  True.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import inspect
 import logging
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
@@ -43,7 +53,14 @@ from cachecd import errors
 from cachecd_engine.pool.speculate import plain_caches
 from cachecd_engine.prefill import Driver, driver_for, prefill
 from cachecd_engine.prefill_batch import batch_step
-from cachecd_engine.prefill_fallback import HELPER, ChunkedLoops, Said, cache_reason, loop_reason
+from cachecd_engine.prefill_fallback import (
+    HELPER,
+    PREFILL_CHUNKS,
+    ChunkedLoops,
+    Said,
+    cache_reason,
+    loop_reason,
+)
 from cachecd_engine.prefill_progress import LoopProgress, set_local
 
 log = logging.getLogger(__name__)
@@ -222,14 +239,14 @@ class Deferral:
     def _say(self, frame: FrameType | None, inputs: Any, cache: Any) -> None:
         """Say, once, why a prefill step runs step by step (``prefill_fallback``)."""
         several = isinstance(inputs, mx.array) and inputs.ndim == 2 and inputs.shape[1] > 1
-        if frame is None or frame.f_code in _KNOWN or frame.f_code is _PREFILL_CHUNKS \
+        if frame is None or frame.f_code in _KNOWN or frame.f_code is PREFILL_CHUNKS \
                 or batch_step(frame) is not None:
             chunked = None  # mlx-lm's own calls (decode, verify steps) or the batched path
         else:
             chunked = self._chunked.seen(frame, inputs, cache)
         if not several:
             return
-        why = loop_reason(frame, self.steps, _kv_bits)
+        why = loop_reason(frame, self.steps, _KNOWN, _kv_bits)
         if why is None and frame is not None and frame.f_code in self.steps:
             why = cache_reason(cache)  # a loop's prefill step, not held for its caches
         if why is None and chunked is not None:
@@ -339,38 +356,6 @@ class Deferral:
             raise
         finally:
             self.running = False
-
-
-def prefill_chunks(model: Any, chunks: Sequence[mx.array], cache: list[Any]) -> mx.array:
-    """What ``for c in chunks: out = model(c, cache=cache)`` returns (the last chunk's logits)
-    and the caches it leaves, bitwise, for a caller's own loop of chunks (token arrays
-    ``[B, n]`` in prompt order): layer by layer on a model from ``cachecd_engine.load`` (each
-    layer's experts read once for all the chunks), else that loop, saying why once."""
-    chunks = list(chunks)
-    if not chunks:
-        raise ValueError("prefill_chunks needs at least one chunk")
-    deferral: Deferral | None = getattr(model, "__dict__", {}).get("deferral")
-    why = None
-    if deferral is not None:
-        why = cache_reason(cache) or (None if plain_caches(cache) else (
-            "cache_type", "caches mlx-lm's make_prompt_cache(model) did not make"))
-        if deferral.driver is None:
-            why = ("model_type", f"{type(model).__name__} has no layer driver "
-                                 f"(another model type, or split over machines)")
-        elif any(not isinstance(c, mx.array) or c.ndim != 2 for c in chunks):
-            why = ("chunk_shape", "chunks must be token arrays [B, n]")
-    if deferral is not None and why is None:
-        return deferral.run_chunks(chunks, cache)
-    if deferral is not None and why is not None:
-        deferral.said(*why)
-    out = None
-    for c in chunks:
-        out = model(c, cache=cache)
-    assert out is not None
-    return out
-
-
-_PREFILL_CHUNKS = prefill_chunks.__code__
 
 
 def _loop_progress(loop: FrameType, first: bool) -> tuple[Callable[[], Any], int, int] | None:

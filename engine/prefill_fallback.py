@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import CodeType, FrameType
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+from cachecd_engine.pool.speculate import plain_caches
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +80,12 @@ def cache_reason(cache: Any, batched: bool = False) -> tuple[str, str] | None:
     return None
 
 
-def loop_reason(frame: FrameType | None, steps: dict[CodeType, CodeType],
+def loop_reason(frame: FrameType | None, steps: dict[CodeType, CodeType], known: set[CodeType],
                 kv_bits: Callable[[FrameType], bool]) -> tuple[str, str] | None:
     """Why a prefill step of one of mlx-lm's loops (``steps``: step function's code -> its
-    loop's) runs step by step, when ``frame`` (the model call's caller) is in such a loop's
-    prefill but the call is not held back; None when it is not such a step."""
+    loop's; ``known``: every code object of the reviewed loops) runs step by step, when
+    ``frame`` (the model call's caller) is in such a loop's prefill but the call is not held
+    back; None when it is not such a step."""
     f, depth = frame, 0
     while f is not None and depth <= WRAPPER_DEPTH:
         loop = steps.get(f.f_code)
@@ -99,7 +103,7 @@ def loop_reason(frame: FrameType | None, steps: dict[CodeType, CodeType],
                 return "input_embeddings", ("input embeddings (images) are prefilled as mlx-lm "
                                             "does; a text-only prompt runs layer by layer")
             return None
-        if f.f_code.co_name in _LOOP_NAMES and f.f_code not in steps.values():
+        if f.f_code.co_name in _LOOP_NAMES and f.f_code not in known:
             return "copied_loop", (
                 f"the model is called from {_where(f)}, a copy of mlx-lm's loop or another "
                 f"mlx-lm's (the engine holds back steps only for the loop it reviewed); call "
@@ -125,3 +129,35 @@ class ChunkedLoops:
         here = (id(cache[0]), frame.f_code, frame.f_lineno)
         again, self.last = self.last == here, here
         return _where(frame) if again else None
+
+
+def prefill_chunks(model: Any, chunks: Sequence[mx.array], cache: list[Any]) -> mx.array:
+    """What ``for c in chunks: out = model(c, cache=cache)`` returns (the last chunk's logits)
+    and the caches it leaves, bitwise, for a caller's own loop of chunks (token arrays
+    ``[B, n]`` in prompt order): layer by layer on a model from ``cachecd_engine.load`` (each
+    layer's experts read once for all the chunks), else that loop, saying why once."""
+    chunks = list(chunks)
+    if not chunks:
+        raise ValueError("prefill_chunks needs at least one chunk")
+    deferral: Any = getattr(model, "__dict__", {}).get("deferral")  # prefill_defer.Deferral
+    why = None
+    if deferral is not None:
+        why = cache_reason(cache) or (None if plain_caches(cache) else (
+            "cache_type", "caches mlx-lm's make_prompt_cache(model) did not make"))
+        if deferral.driver is None:
+            why = ("model_type", f"{type(model).__name__} has no layer driver "
+                                 f"(another model type, or split over machines)")
+        elif any(not isinstance(c, mx.array) or c.ndim != 2 for c in chunks):
+            why = ("chunk_shape", "chunks must be token arrays [B, n]")
+    if deferral is not None and why is None:
+        return deferral.run_chunks(chunks, cache)
+    if deferral is not None and why is not None:
+        deferral.said(*why)
+    out = None
+    for c in chunks:
+        out = model(c, cache=cache)
+    assert out is not None
+    return out
+
+
+PREFILL_CHUNKS = prefill_chunks.__code__  # its own loop of chunks is not the caller's

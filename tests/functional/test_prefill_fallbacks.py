@@ -204,3 +204,16 @@ def test_a_callers_own_chunked_loop_is_said_and_prefill_chunks_runs_it_layer_by_
     assert_bitwise(cache_arrays(want_cache), cache_arrays(cache), "prefill_chunks: cache")
     reads = Counter((layer, e) for layer, ids in source.calls for e in ids)
     assert reads and max(reads.values()) == 1
+
+
+def test_nothing_is_said_where_the_prefill_runs_layer_by_layer(
+        checkpoint: tuple[str, Path, Any, Any], streamed: Any) -> None:
+    """generate_step's prompts of one step (its last call alone) and of several, and
+    batch_generate's (equal and unequal lengths), say nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrefillStepByStep)
+        for size in (5, STEP + 5, 3 * STEP + 5):  # one step (its last call alone), two, four
+            _logits(generate_step, streamed, _prompt(4)[:size])
+        batch_generate(streamed, Tokens(), [_prompt(3), _prompt(3)[:40]], max_tokens=1,
+                       prefill_step_size=STEP)
+    assert streamed.deferral.passes >= 2 and streamed.ahead.passes >= 1
