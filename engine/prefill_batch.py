@@ -262,7 +262,7 @@ class BatchAhead:
         if found is not None and isinstance(inputs, mx.array) and not batch_caches(cache):
             why = cache_reason(cache, batched=True)
             if why is not None and not found[2] and inputs.shape[1] > 1:
-                self.said(*why)
+                self.said(*why, stacklevel=6)
         if found is None or not isinstance(inputs, mx.array) or not batch_caches(cache):
             if self.current is not None and self.current.of(cache):
                 self.current = None  # another call on its caches: they move on without it

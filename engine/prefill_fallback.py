@@ -43,13 +43,15 @@ class Said:
     def __init__(self) -> None:
         self.keys: set[str] = set()
 
-    def __call__(self, key: str, message: str) -> None:
+    def __call__(self, key: str, message: str, stacklevel: int = 5) -> None:
+        """``stacklevel``: the warning points at the model's caller (through the model's
+        ``__call__`` and the deferral by default)."""
         if key in self.keys:
             return
         self.keys.add(key)
         text = f"prefill runs step by step, reading every layer's experts again each step: {message}"
         log.warning("%s (event=prefill_step_by_step reason=%s)", text, key)
-        warnings.warn(text, PrefillStepByStep, stacklevel=4)
+        warnings.warn(text, PrefillStepByStep, stacklevel=stacklevel)
 
 
 def _where(frame: FrameType) -> str:
@@ -152,7 +154,7 @@ def prefill_chunks(model: Any, chunks: Sequence[mx.array], cache: list[Any]) -> 
     if deferral is not None and why is None:
         return deferral.run_chunks(chunks, cache)
     if deferral is not None and why is not None:
-        deferral.said(*why)
+        deferral.said(*why, stacklevel=3)
     out = None
     for c in chunks:
         out = model(c, cache=cache)
