@@ -198,9 +198,9 @@ class Deferral:
         # Caches a failed pass or an ended loop left part way (by their entries, weakly): why.
         self._unusable: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         # Called with (0, layers) as a pass starts and (layers done, layers) after each layer,
-        # before the loop's own progress callback is called again with what it last reported.
+        # before the loop's progress callback hears that layer's share of the pass.
         self.on_layer: Callable[[int, int], None] | None = None
-        self.running = False  # a pass is running (the loop's callback hears it again per layer)
+        self.running = False  # a pass is running (the loop's callback hears from each layer)
         self.passes = 0  # layer-major runs
         self.held_steps = 0  # steps held back, in all
         self.dropped_steps = 0  # steps dropped as their loop ended without running them
@@ -302,7 +302,6 @@ class Deferral:
 
     def _per_layer(self, h: _Held, at: list[int]) -> Callable[[int, int], None]:
         on_layer, loop = self.on_layer, h.progress
-
         callback = loop[0]() if loop is not None else None
         stand_in = h.stand_in()
         if stand_in is not None:

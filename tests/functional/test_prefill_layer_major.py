@@ -159,15 +159,15 @@ class Stop(Exception):
 
 
 def test_an_interrupted_prefills_cache_is_refused(checkpoint: tuple[Path, Any, Any]) -> None:
-    """The loop stops after two of its steps (its progress callback raises): the steps held
-    back are dropped as the loop ends, and the cache, which lacks them (mlx-lm's would hold
-    them), is refused with a typed error rather than read (tests/functional/
-    test_prefill_abandoned.py: nothing else is left behind)."""
+    """The loop's progress callback raises once it hears two steps' tokens (during the pass:
+    a held step reports nothing): the pass stops part way, and its cache, whose layers hold
+    the prompt up to different steps, is refused with a typed error rather than read
+    (tests/functional/test_prefill_abandoned.py: nothing else is left behind)."""
     full, manifest, _ = checkpoint
     prompt = np.random.default_rng(4).integers(0, 384, size=4 * 16 + 1).tolist()
 
     def stop(done: int, total: int) -> None:
-        if done == 2 * 16:
+        if done >= 2 * 16:
             raise Stop
 
     with LocalSource(manifest, full, verify=False) as source:
@@ -177,10 +177,9 @@ def test_an_interrupted_prefills_cache_is_refused(checkpoint: tuple[Path, Any, A
             for _ in generate_step(mx.array(prompt), model, prefill_step_size=16,
                                    prompt_cache=cache, prompt_progress_callback=stop):
                 pass
+        assert model.deferral.held_steps == 4 and model.deferral.passes == 1
         with pytest.raises(errors.PromptCacheUnusable):
             model(mx.array(prompt[:5])[None], cache=cache)
-        assert model.deferral.held_steps == 2 and model.deferral.passes == 0
-        assert model.deferral.dropped_steps == 2 and not source.calls
         model.bank.close()
 
 
