@@ -134,11 +134,13 @@ class Injected(Exception):
     pass
 
 
+@pytest.mark.parametrize("error", [Injected, KeyboardInterrupt], ids=["read error", "ctrl-c"])
 def test_a_pass_failing_at_a_layer_marks_its_cache(checkpoint: tuple[Path, Any, Any],
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """A read error at the third MoE layer of a pass: the cache's layers hold the prompt up to
-    different steps, so reusing it raises a typed error naming what to do (it gave wrong
-    logits silently); a new cache on the same model is bitwise mlx-lm's."""
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   error: type[BaseException]) -> None:
+    """A read error, or Ctrl-C, at the third MoE layer of a pass: the cache's layers hold the
+    prompt up to different steps, so reusing it raises a typed error naming what to do (it gave
+    wrong logits silently); a new cache on the same model is bitwise mlx-lm's."""
     full, manifest, reference = checkpoint
     cancelled, prompt = _prompts()
     with LocalSource(manifest, full, verify=False) as source:
@@ -149,12 +151,12 @@ def test_a_pass_failing_at_a_layer_marks_its_cache(checkpoint: tuple[Path, Any, 
 
         def read_into(layer, ids, targets, landed=None):  # type: ignore[no-untyped-def]
             if layer == moe[2]:
-                raise Injected(f"layer {layer}")
+                raise error(f"layer {layer}")
             return real(layer, ids, targets, landed)
 
         monkeypatch.setattr(source, "read_into", read_into)
         cache = make_prompt_cache(model)
-        with pytest.raises(Injected):
+        with pytest.raises(error):
             for _ in generate_step(mx.array(cancelled), model, prefill_step_size=STEP,
                                    prompt_cache=cache):
                 pass
