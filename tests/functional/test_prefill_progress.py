@@ -47,7 +47,7 @@ def test_openai_keeps_alive_and_logs_layers_during_a_layer_by_layer_prefill(
     # step has done no work: it reports nothing).
     done = [d for d, _ in alive]
     assert len(alive) >= 1 + LAYERS and done == sorted(done) and done[0] == 0, alive
-    assert len(set(done)) >= LAYERS, alive
+    assert len(set(done)) >= LAYERS and max(done.count(d) for d in done) <= 2, alive
     layer_lines = re.findall(r"prefill layer (\d+)/(\d+): (\d+) experts read through the daemon "
                              r"\(.+?\), \d+ fetched from the Hub, [\d.]+ s, .+?/s, about \d+ s "
                              r"left", log)
