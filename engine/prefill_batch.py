@@ -212,6 +212,60 @@ class Pass:
             and np.array_equal(np.array(inputs), self.tokens[self.done])
 
 
+class _Recording:
+    """A pass's copy of a batch's caches, recording what each step writes into each layer's:
+    a ``BatchKVCache``'s ``update_and_fetch`` calls, an ``ArraysCache``'s state; a padded step's
+    ``prepare`` and ``finalize`` called around it, as ``prompt`` calls them."""
+
+    def __init__(self, cache: list[Any], steps: int,
+                 prepared: list[tuple[list[int], list[int]] | None]) -> None:
+        self.shadow = copy.deepcopy(cache)
+        self.writes: list[list[Any]] = [[[] for _ in cache] for _ in range(steps)]
+        self.prepared = prepared
+        self.at = 0  # the step running
+        for i, c in enumerate(self.shadow):
+            if isinstance(c, BatchKVCache):
+                c.update_and_fetch = self._recorder(c, i)  # type: ignore[method-assign]
+
+    def _recorder(self, c: Any, i: int) -> Callable[..., Any]:
+        update = c.update_and_fetch
+
+        def record(*args: mx.array) -> Any:
+            self.writes[self.at][i].append(args)
+            return update(*args)
+
+        return record
+
+    def after(self, layer: int, step: int) -> list[mx.array]:
+        """``prefill``'s ``after``: step ``step``'s writes into layer ``layer``'s cache kept;
+        the arrays to evaluate with the layer."""
+        steps = len(self.writes)
+        self.at = step + 1 if step + 1 < steps else 0
+        c = self.shadow[layer]
+        if isinstance(c, ArraysCache):
+            self.writes[step][layer] = (list(c.cache), _frozen(c.left_padding),
+                                        _frozen(c.lengths))
+            state: list[Any] = c.cache
+            kept = [a for a in state if a is not None]
+        else:
+            kept = [a for args in self.writes[step][layer] for a in args]
+        # A padded step's ``prepare`` and ``finalize`` on this layer's cache: after the step
+        # before it has written, after it has.
+        if self.prepared[step] is not None:
+            c.finalize()
+        nxt = self.prepared[step + 1] if step + 1 < steps else None
+        if nxt is not None:
+            c.prepare(lengths=nxt[0], right_padding=nxt[1])
+        return kept
+
+    def close(self) -> None:
+        """The recorders refer to their caches (a cycle): without them the copy, the whole
+        prompt's KV, goes now, not when the collector next runs."""
+        for c in self.shadow:
+            c.__dict__.pop("update_and_fetch", None)
+        self.shadow.clear()
+
+
 def _forget(ahead: weakref.ref[BatchAhead], p: weakref.ref[Pass]) -> None:
     a = ahead()
     if a is not None and a.current is not None and a.current is p():
@@ -289,58 +343,19 @@ class BatchAhead:
         step writes into each layer's cache."""
         assert self.driver is not None
         tokens = [first] + [np.array(_right_pad_prompts(s), dtype=first.dtype) for s in steps]
-        prepared = [None] + [padded(s) for s in steps]
-        shadow = copy.deepcopy(cache)
-        writes: list[list[Any]] = [[[] for _ in cache] for _ in tokens]
-        at = [0]  # the step running
-
-        def recorder(c: Any, i: int) -> Callable[..., Any]:
-            update = c.update_and_fetch
-
-            def record(*args: mx.array) -> Any:
-                writes[at[0]][i].append(args)
-                return update(*args)
-
-            return record
-
-        for i, c in enumerate(shadow):
-            if isinstance(c, BatchKVCache):
-                c.update_and_fetch = recorder(c, i)  # type: ignore[method-assign]  # the copy's
-
-        def after(layer: int, step: int) -> list[mx.array]:
-            at[0] = step + 1 if step + 1 < len(tokens) else 0
-            c = shadow[layer]
-            if isinstance(c, ArraysCache):
-                writes[step][layer] = (list(c.cache), _frozen(c.left_padding),
-                                       _frozen(c.lengths))
-                state: list[Any] = c.cache
-                kept = [a for a in state if a is not None]
-            else:
-                kept = [a for args in writes[step][layer] for a in args]
-            # A padded step's ``prepare`` and ``finalize``, as ``prompt`` calls them around it,
-            # on this layer's cache: after the step before it has written, after it has.
-            if prepared[step] is not None:
-                c.finalize()
-            nxt = prepared[step + 1] if step + 1 < len(tokens) else None
-            if nxt is not None:
-                c.prepare(lengths=nxt[0], right_padding=nxt[1])
-            return kept
-
+        prepared: list[tuple[list[int], list[int]] | None] = [None]
+        rec = _Recording(cache, len(tokens), prepared + [padded(s) for s in steps])
         self.passes += 1
         self.running = True
         try:
             if self.on_layer is not None:
                 self.on_layer(0, self.driver.num_layers)
-            prefill(self.driver, [mx.array(t) for t in tokens], shadow, self.bank,
-                    self._per_layer(batch, generator), logits=False, after=after)
+            prefill(self.driver, [mx.array(t) for t in tokens], rec.shadow, self.bank,
+                    self._per_layer(batch, generator), logits=False, after=rec.after)
         finally:
             self.running = False
-            # The recorders refer to their caches (a cycle): without them the copy, the whole
-            # prompt's KV, goes now, not when the collector next runs.
-            for c in shadow:
-                c.__dict__.pop("update_and_fetch", None)
-            shadow.clear()
-        return Pass([weakref.ref(c) for c in cache], tokens, writes, prepared)
+            rec.close()
+        return Pass([weakref.ref(c) for c in cache], tokens, rec.writes, rec.prepared)
 
     def _per_layer(self, batch: Any, generator: Any) -> Callable[[int, int], None]:
         rows = [(uid, (int(seq[1]), int(seq[2])))
