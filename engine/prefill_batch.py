@@ -14,21 +14,26 @@ linear-attention state), reading no expert.
 
 Invariants:
 - Only a call from ``PromptProcessingBatch.prompt`` called by ``BatchGenerator._next`` (their
-  sources the ones reviewed, ``REVIEWED_SHA256``), unpadded (``prompt`` pads around a call only
-  where the rows' lengths differ), over caches that are all ``BatchKVCache``/``ArraysCache``, is
-  answered from a pass; every other call runs as it would (``forward``).
+  sources the ones reviewed, ``REVIEWED_SHA256``), over caches that are all
+  ``BatchKVCache``/``ArraysCache``, is answered from a pass, and a pass starts only at an
+  unpadded one; every other call runs as it would (``forward``), and a rotating cache
+  (``max_kv_size``) says so once (``prefill_fallback``).
 - A step is answered from a pass only when its tokens are the ones the pass ran and the real
   caches are, object for object, as the pass's previous step left them; anything else (a row
   taken in, split off or removed, a padded step, a cache changed by anyone) drops the pass and
   the call runs step by step: a pass can cost work, never a different bit.
 - Such a call returns None (``prompt`` drops it): no number at all to misuse.
-- The pass's steps are what ``_next`` will take while its rows stay the same and no padding is
-  needed: it stops before a row would be split off (its last token left), before steps of
-  unequal lengths, and where a queued request could join the batch.
+- The pass's steps are what ``_next`` will take while its rows stay the same: it stops before a
+  row would be split off (its last token left), where a queued request could join the batch,
+  and after the first step whose rows' lengths differ. ``prompt`` right-pads that step and calls
+  ``prepare`` before it and ``finalize`` after it on every cache: the pass does the same on each
+  layer's copy (``_Recording``), and the real call is answered only if ``prepare`` left the real
+  caches with exactly that step's lengths and padding.
 - The pass keeps, besides the copy of the caches (freed as the pass ends, not left to the
   garbage collector), each step's key/value rows (once the prompt's) and each step's
-  linear-attention state, until the step's call; what a batch that stopped mid-prefill never
-  took is dropped at the next batched prefill call or the next call on its caches.
+  linear-attention state, until the step's call. It holds the real caches weakly: what a batch
+  that stopped mid-prefill never took goes with its caches (a generator closed or dropped), or
+  at the next batched prefill call or the next call on them.
 """
 
 from __future__ import annotations
