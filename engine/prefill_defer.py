@@ -41,6 +41,7 @@ import hashlib
 import inspect
 import logging
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from types import CodeType, FrameType
@@ -146,6 +147,7 @@ class _Held:
     def __init__(self, cache: list[Any], loop: FrameType | None) -> None:
         self.layers = [weakref.ref(c) for c in cache]
         self.loop = id(loop)
+        self.thread = threading.get_ident()  # whose stack its loop is on
         # A new function each run of the loop: a dead frame's id can be a new frame's.
         self.fn = weakref.ref(loop.f_locals[_RUN_LOCAL[loop.f_code]]) if loop is not None \
             else lambda: None
@@ -166,6 +168,8 @@ class _Held:
         """Its loop still runs: its frame is on the stack ``frame`` is on (the loop never
         yields while it prefills, so a loop off the stack has ended, however it ended)."""
         fn = self.fn()
+        if self.thread != threading.get_ident():
+            return fn is not None  # another thread's loop: its own calls tell
         while fn is not None and frame is not None:
             if id(frame) == self.loop and frame.f_code in _RUN_LOCAL:
                 return frame.f_locals.get(_RUN_LOCAL[frame.f_code]) is fn
