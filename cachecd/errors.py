@@ -243,6 +243,14 @@ class DispatchUnmodelled(CachecdError):
     code, http_status = "dispatch_unmodelled", 422
 
 
+class PromptCacheUnusable(CachecdError):
+    """A prompt cache that a layer-by-layer prefill left part way: a pass failed in it (its
+    layers hold the prompt up to different tokens) or its loop stopped with steps held back
+    (dropped): it is refused rather than read. The message says what to do: a new cache."""
+
+    code, http_status = "prompt_cache_unusable", 409
+
+
 class ExpertSizeMismatch(CachecdError):
     """An expert buffer's length differs from its manifest entry: the bytes are not used."""
 

@@ -14,21 +14,26 @@ linear-attention state), reading no expert.
 
 Invariants:
 - Only a call from ``PromptProcessingBatch.prompt`` called by ``BatchGenerator._next`` (their
-  sources the ones reviewed, ``REVIEWED_SHA256``), unpadded (``prompt`` pads around a call only
-  where the rows' lengths differ), over caches that are all ``BatchKVCache``/``ArraysCache``, is
-  answered from a pass; every other call runs as it would (``forward``).
+  sources the ones reviewed, ``REVIEWED_SHA256``), over caches that are all
+  ``BatchKVCache``/``ArraysCache``, is answered from a pass, and a pass starts only at an
+  unpadded one; every other call runs as it would (``forward``), and a rotating cache
+  (``max_kv_size``) says so once (``prefill_fallback``).
 - A step is answered from a pass only when its tokens are the ones the pass ran and the real
   caches are, object for object, as the pass's previous step left them; anything else (a row
   taken in, split off or removed, a padded step, a cache changed by anyone) drops the pass and
   the call runs step by step: a pass can cost work, never a different bit.
 - Such a call returns None (``prompt`` drops it): no number at all to misuse.
-- The pass's steps are what ``_next`` will take while its rows stay the same and no padding is
-  needed: it stops before a row would be split off (its last token left), before steps of
-  unequal lengths, and where a queued request could join the batch.
+- The pass's steps are what ``_next`` will take while its rows stay the same: it stops before a
+  row would be split off (its last token left), where a queued request could join the batch,
+  and after the first step whose rows' lengths differ. ``prompt`` right-pads that step and calls
+  ``prepare`` before it and ``finalize`` after it on every cache: the pass does the same on each
+  layer's copy (``_Recording``), and the real call is answered only if ``prepare`` left the real
+  caches with exactly that step's lengths and padding.
 - The pass keeps, besides the copy of the caches (freed as the pass ends, not left to the
   garbage collector), each step's key/value rows (once the prompt's) and each step's
-  linear-attention state, until the step's call; what a batch that stopped mid-prefill never
-  took is dropped at the next batched prefill call or the next call on its caches.
+  linear-attention state, until the step's call. It holds the real caches weakly: what a batch
+  that stopped mid-prefill never took goes with its caches (a generator closed or dropped), or
+  at the next batched prefill call or the next call on them.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import copy
 import hashlib
 import inspect
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import CodeType, FrameType
@@ -44,10 +50,11 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+from mlx_lm.generate import BatchGenerator, PromptProcessingBatch, _right_pad_prompts
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
 from cachecd_engine.prefill import Driver, prefill
+from cachecd_engine.prefill_fallback import Said, cache_reason
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +84,18 @@ def loop_reviewed() -> bool:
         and source_sha256(BatchGenerator._next) == REVIEWED_SHA256["_next"]
 
 
-def batch_step(frame: FrameType | None) -> tuple[Any, Any] | None:
-    """(prompt batch, generator) when ``frame`` (the model call's caller) is an unpadded prefill
+def batch_step(frame: FrameType | None) -> tuple[Any, Any, bool] | None:
+    """(prompt batch, generator, padded) when ``frame`` (the model call's caller) is a prefill
     step of ``BatchGenerator``; None otherwise."""
     if frame is None or frame.f_code is not _PROMPT:
         return None
     outer = frame.f_back
-    if outer is None or outer.f_code is not _NEXT or frame.f_locals.get("max_padding") != 0:
+    if outer is None or outer.f_code is not _NEXT:
         return None
-    return frame.f_locals["self"], outer.f_locals["self"]
+    padding = frame.f_locals.get("max_padding")
+    if not isinstance(padding, int):
+        return None
+    return frame.f_locals["self"], outer.f_locals["self"], padding > 0
 
 
 def batch_caches(cache: Any) -> bool:
@@ -97,21 +107,31 @@ def batch_caches(cache: Any) -> bool:
 
 def next_steps(generator: Any, step_size: int) -> list[list[list[int]]]:
     """The prompt batch's next steps as ``_next`` will take them, while its rows stay the same
-    and unpadded (each a list of rows' tokens)."""
+    (each a list of rows' tokens): up to the first whose rows' lengths differ (``prompt`` pads
+    it, and after it a row whose prompt ended leaves the batch), that one included."""
     if generator._unprocessed_sequences:  # the next _next may take one in: rows change
         return []
     rows = [[list(s) for s in seq[0]] for seq in generator._currently_processing]
     steps: list[list[list[int]]] = []
     while rows and all(r and not (len(r) == 1 and len(r[0]) == 1) for r in rows):
         take = [r[0][:step_size] for r in rows]
-        if len({len(t) for t in take}) != 1:
-            break  # rows of unequal lengths: a padded step
         steps.append(take)
+        if len({len(t) for t in take}) != 1:
+            break  # rows of unequal lengths: a padded step, after which rows may leave
         for r, t in zip(rows, take, strict=True):
             r[0] = r[0][len(t):]
             if not r[0]:
                 r.pop(0)
     return steps
+
+
+def padded(step: list[list[int]]) -> tuple[list[int], list[int]] | None:
+    """(lengths, right padding) ``prompt`` prepares the caches with for a step whose rows'
+    lengths differ; None for an unpadded step."""
+    lengths = [len(t) for t in step]
+    if len(set(lengths)) == 1:
+        return None
+    return lengths, [max(lengths) - n for n in lengths]
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -142,9 +162,22 @@ def _same_attr(v: Any, s: Any) -> bool:
     return _same(v, s)
 
 
-def _unchanged(cache: list[Any], seen: list[dict[str, Any]]) -> bool:
+# What ``prepare`` sets for a padded step, by cache type: the only attribute it changes.
+_PREPARED = {BatchKVCache: "_right_padding", ArraysCache: "lengths"}
+
+
+def _unchanged(cache: list[Any], seen: list[dict[str, Any]],
+               prepared: tuple[list[int], list[int]] | None = None) -> bool:
+    """Every cache as ``seen``; for a padded step, but for what ``prepare`` set, which must be
+    the step's (lengths, right padding)."""
+    def same(c: Any, k: str, v: Any, s: Any) -> bool:
+        if prepared is None or k != _PREPARED.get(type(c)):
+            return _same_attr(v, s)
+        want = prepared[0] if k == "lengths" else prepared[1]
+        return isinstance(v, mx.array) and np.array_equal(np.array(v), want)
+
     return len(cache) == len(seen) and all(
-        vars(c).keys() == s.keys() and all(_same_attr(v, s[k]) for k, v in vars(c).items())
+        vars(c).keys() == s.keys() and all(same(c, k, v, s[k]) for k, v in vars(c).items())
         for c, s in zip(cache, seen, strict=True))
 
 
@@ -152,30 +185,96 @@ def _unchanged(cache: list[Any], seen: list[dict[str, Any]]) -> bool:
 class Pass:
     """Steps run ahead on a copy of one prompt batch's caches, replayed a step a call."""
 
-    cache: list[Any]  # the real caches
+    layers: list[weakref.ref[Any]]  # the real caches (the batch's: held weakly)
     tokens: list[np.ndarray]  # each step's tokens [B, n], the first already replayed
     writes: list[list[Any]]  # per step, per layer: update_and_fetch args, or ArraysCache state
+    prepared: list[tuple[list[int], list[int]] | None]  # per step: ``padded``'s
     done: int = 0  # steps replayed
     seen: list[dict[str, Any]] = field(default_factory=list)
+    forget: Any = None  # the finalizer that drops the pass when its caches go
 
-    def replay(self) -> None:
+    def of(self, cache: Any) -> bool:
+        return isinstance(cache, list) and len(cache) == len(self.layers) \
+            and all(r() is c for r, c in zip(self.layers, cache, strict=True))
+
+    def replay(self, cache: list[Any]) -> None:
         """Write step ``done``'s cache updates into the real caches, as its call would."""
-        for c, w in zip(self.cache, self.writes[self.done], strict=True):
+        for c, w in zip(cache, self.writes[self.done], strict=True):
             if isinstance(c, ArraysCache):
-                cache, c.left_padding, c.lengths = w
-                for k, a in enumerate(cache):
+                state, c.left_padding, c.lengths = w
+                for k, a in enumerate(state):
                     c[k] = a
             else:
                 for args in w:
                     c.update_and_fetch(*args)
         self.writes[self.done] = []  # the real caches hold them now
         self.done += 1
-        self.seen = _fingerprint(self.cache)
+        self.seen = _fingerprint(cache)
 
     def answers(self, inputs: mx.array, cache: Any) -> bool:
-        return cache is self.cache and self.done < len(self.tokens) \
-            and _unchanged(cache, self.seen) \
+        return self.of(cache) and self.done < len(self.tokens) \
+            and _unchanged(cache, self.seen, self.prepared[self.done]) \
             and np.array_equal(np.array(inputs), self.tokens[self.done])
+
+
+class _Recording:
+    """A pass's copy of a batch's caches, recording what each step writes into each layer's:
+    a ``BatchKVCache``'s ``update_and_fetch`` calls, an ``ArraysCache``'s state; a padded step's
+    ``prepare`` and ``finalize`` called around it, as ``prompt`` calls them."""
+
+    def __init__(self, cache: list[Any], steps: int,
+                 prepared: list[tuple[list[int], list[int]] | None]) -> None:
+        self.shadow = copy.deepcopy(cache)
+        self.writes: list[list[Any]] = [[[] for _ in cache] for _ in range(steps)]
+        self.prepared = prepared
+        self.at = 0  # the step running
+        for i, c in enumerate(self.shadow):
+            if isinstance(c, BatchKVCache):
+                c.update_and_fetch = self._recorder(c, i)  # type: ignore[method-assign]
+
+    def _recorder(self, c: Any, i: int) -> Callable[..., Any]:
+        update = c.update_and_fetch
+
+        def record(*args: mx.array) -> Any:
+            self.writes[self.at][i].append(args)
+            return update(*args)
+
+        return record
+
+    def after(self, layer: int, step: int) -> list[mx.array]:
+        """``prefill``'s ``after``: step ``step``'s writes into layer ``layer``'s cache kept;
+        the arrays to evaluate with the layer."""
+        steps = len(self.writes)
+        self.at = step + 1 if step + 1 < steps else 0
+        c = self.shadow[layer]
+        if isinstance(c, ArraysCache):
+            self.writes[step][layer] = (list(c.cache), _frozen(c.left_padding),
+                                        _frozen(c.lengths))
+            state: list[Any] = c.cache
+            kept = [a for a in state if a is not None]
+        else:
+            kept = [a for args in self.writes[step][layer] for a in args]
+        # A padded step's ``prepare`` and ``finalize`` on this layer's cache: after the step
+        # before it has written, after it has.
+        if self.prepared[step] is not None:
+            c.finalize()
+        nxt = self.prepared[step + 1] if step + 1 < steps else None
+        if nxt is not None:
+            c.prepare(lengths=nxt[0], right_padding=nxt[1])
+        return kept
+
+    def close(self) -> None:
+        """The recorders refer to their caches (a cycle): without them the copy, the whole
+        prompt's KV, goes now, not when the collector next runs."""
+        for c in self.shadow:
+            c.__dict__.pop("update_and_fetch", None)
+        self.shadow.clear()
+
+
+def _forget(ahead: weakref.ref[BatchAhead], p: weakref.ref[Pass]) -> None:
+    a = ahead()
+    if a is not None and a.current is not None and a.current is p():
+        a.current = None
 
 
 class BatchAhead:
@@ -187,9 +286,11 @@ class BatchAhead:
         if on and driver is not None and not self.on:
             log.warning("BatchGenerator's prefill runs step by step: its loop is not the one "
                         "reviewed for layer-by-layer prefill")
-        self.current: Pass | None = None
+        self._current: Pass | None = None
+        self.said = Said()  # why a prefill runs step by step, once a reason
         self.passes = 0  # layer-major runs
         self.replayed = 0  # steps answered from a pass
+        self.padded = 0  # padded steps among them
         self.running = False
         # Called with (0, layers) as a pass starts and (layers done, layers) after each layer.
         self.on_layer: Callable[[int, int], None] | None = None
@@ -197,27 +298,48 @@ class BatchAhead:
         # generator reports them once the step returns (the server's keepalives).
         self.on_rows: Callable[[list[tuple[int, tuple[int, int]]]], None] | None = None
 
+    @property
+    def current(self) -> Pass | None:
+        """The pass whose steps are being replayed, if any."""
+        return self._current
+
+    @current.setter
+    def current(self, p: Pass | None) -> None:
+        old, self._current = self._current, p
+        if old is not None and old is not p and old.forget is not None:
+            old.forget.detach()
+        if p is not None and p.forget is None:
+            first = p.layers[0]()
+            # The batch's caches go (a generator closed or dropped mid-prefill): the steps run
+            # ahead for them go too, not at some later call.
+            p.forget = weakref.finalize(first, _forget, weakref.ref(self), weakref.ref(p))
+
     def call(self, forward: Callable[[], mx.array], inputs: Any, cache: Any,
              frame: FrameType | None, extra: bool) -> mx.array | None:
         """The model's call: answered from a pass (None), or run."""
         found = batch_step(frame) if self.on and not extra else None
+        if found is not None and isinstance(inputs, mx.array) and not batch_caches(cache):
+            why = cache_reason(cache, batched=True)
+            if why is not None and not found[2] and inputs.shape[1] > 1:
+                self.said(*why, stacklevel=6)
         if found is None or not isinstance(inputs, mx.array) or not batch_caches(cache):
-            if self.current is not None and cache is self.current.cache:
+            if self.current is not None and self.current.of(cache):
                 self.current = None  # another call on its caches: they move on without it
             return forward()
         if self.current is not None and self.current.answers(inputs, cache):
-            self.current.replay()
+            self.padded += self.current.prepared[self.current.done] is not None
+            self.current.replay(cache)
             self.replayed += 1
             if self.current.done == len(self.current.tokens):
                 self.current = None
             return None
         self.current = None  # its rows or its caches changed: run step by step from here
-        batch, generator = found
-        steps = next_steps(generator, batch.prefill_step_size)
+        batch, generator, pads = found
+        steps = next_steps(generator, batch.prefill_step_size) if not pads else []
         if not steps:
             return forward()
         self.current = self._run(np.array(inputs), steps, cache, batch, generator)
-        self.current.replay()
+        self.current.replay(cache)
         return None
 
     def _run(self, first: np.ndarray, steps: list[list[list[int]]], cache: list[Any],
@@ -225,49 +347,20 @@ class BatchAhead:
         """Run ``first`` and ``steps`` layer-major on a copy of ``cache``, keeping what each
         step writes into each layer's cache."""
         assert self.driver is not None
-        tokens = [first] + [np.array(s, dtype=first.dtype) for s in steps]
-        shadow = copy.deepcopy(cache)
-        writes: list[list[Any]] = [[[] for _ in cache] for _ in tokens]
-        at = [0]  # the step running
-
-        def recorder(c: Any, i: int) -> Callable[..., Any]:
-            update = c.update_and_fetch
-
-            def record(*args: mx.array) -> Any:
-                writes[at[0]][i].append(args)
-                return update(*args)
-
-            return record
-
-        for i, c in enumerate(shadow):
-            if isinstance(c, BatchKVCache):
-                c.update_and_fetch = recorder(c, i)  # type: ignore[method-assign]  # the copy's
-
-        def after(layer: int, step: int) -> list[mx.array]:
-            at[0] = step + 1 if step + 1 < len(tokens) else 0
-            c = shadow[layer]
-            if isinstance(c, ArraysCache):
-                writes[step][layer] = (list(c.cache), _frozen(c.left_padding),
-                                       _frozen(c.lengths))
-                state: list[Any] = c.cache
-                return [a for a in state if a is not None]
-            return [a for args in writes[step][layer] for a in args]
-
+        tokens = [first] + [np.array(_right_pad_prompts(s), dtype=first.dtype) for s in steps]
+        prepared: list[tuple[list[int], list[int]] | None] = [None]
+        rec = _Recording(cache, len(tokens), prepared + [padded(s) for s in steps])
         self.passes += 1
         self.running = True
         try:
             if self.on_layer is not None:
                 self.on_layer(0, self.driver.num_layers)
-            prefill(self.driver, [mx.array(t) for t in tokens], shadow, self.bank,
-                    self._per_layer(batch, generator), logits=False, after=after)
+            prefill(self.driver, [mx.array(t) for t in tokens], rec.shadow, self.bank,
+                    self._per_layer(batch, generator), logits=False, after=rec.after)
         finally:
             self.running = False
-            # The recorders refer to their caches (a cycle): without them the copy, the whole
-            # prompt's KV, goes now, not when the collector next runs.
-            for c in shadow:
-                c.__dict__.pop("update_and_fetch", None)
-            shadow.clear()
-        return Pass(cache, tokens, writes)
+            rec.close()
+        return Pass([weakref.ref(c) for c in cache], tokens, rec.writes, rec.prepared)
 
     def _per_layer(self, batch: Any, generator: Any) -> Callable[[int, int], None]:
         rows = [(uid, (int(seq[1]), int(seq[2])))

@@ -122,3 +122,42 @@ def watch(model: Any, on_layer: Any) -> bool:
             part.on_layer = on_layer
             watched = True
     return watched
+
+
+class LoopProgress:
+    """Stands in for ``generate_step``'s ``prompt_progress_callback`` while the loop's steps are
+    held back (``prefill_defer``): a held step has done no work, so the loop's report after it
+    is not passed on; during the pass the callback hears, after each layer, the tokens that
+    fraction of the pass stands for, so what it hears rises steadily from the tokens before the
+    held steps to those after them (not the last held step's figure at once, then again each
+    layer); once the pass is over, the loop's own reports pass through."""
+
+    def __init__(self, callback: Any, start: int, total: int) -> None:
+        self.callback, self.start, self.end, self.total = callback, start, start, total
+        self.holding = False  # steps are held: the loop's reports are not passed on
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.holding:
+            self.callback(done, total)
+
+    def layer(self, done: int, layers: int) -> None:
+        """After layer ``done`` of the pass over the held steps."""
+        if done > 0:
+            self.callback(self.start + (self.end - self.start) * done // layers, self.total)
+
+
+def set_local(frame: Any, name: str, value: Any) -> bool:
+    """Rebind a local of a running function's ``frame`` (the loop's callback, which it calls by
+    that name); False where this Python cannot."""
+    import sys
+
+    frame.f_locals[name] = value  # from Python 3.13 (PEP 667) this writes through
+    if sys.version_info >= (3, 13):
+        return True
+    import ctypes
+
+    try:  # before 3.13 the frame's fast locals take the dict back only when told
+        ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
+    except (AttributeError, OSError):
+        return False
+    return frame.f_locals.get(name) is value

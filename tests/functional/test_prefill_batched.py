@@ -195,3 +195,57 @@ def test_the_pass_copy_of_the_caches_goes_when_the_pass_ends(
             gc.enable()
         model.bank.close()
     assert not alive, f"{len(alive)} of {len(copies)} copied caches outlived the pass"
+
+
+def test_prompts_of_unequal_lengths_read_each_layer_once(checkpoint: tuple[Path, Any, Any]) -> None:
+    """A 300- and a 157-token prompt batched: the steps both rows fill, and the padded step
+    where the shorter ends, run in one pass (its ``prepare``/``finalize`` on the pass's copy),
+    the longer's steps after it in a second: the batch reads at most 1.2x what the two prompts
+    read one after the other (the padded step alone step by step made it about 1.5x), and
+    every logit, token and cache is resident mlx-lm's ``batch_generate``'s."""
+    full, manifest, reference = checkpoint
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 384, size=n).tolist() for n in (300, 157)]
+    reads = []
+    for batch in (prompts, prompts[:1], prompts[1:]):
+        with LocalSource(manifest, full, verify=False) as source:
+            model, _ = load(full, source, ram_bytes=1, prefetch=False, speculate=False)
+            bank = model.bank
+            bank.resize(bank.experts_per_layer * bank.slot_nbytes)
+            logits, tokens, cache = generate(model, batch, 16)
+            reads.append(sum(len(ids) for _, ids in source.calls))
+            if batch is prompts:
+                ref_logits, ref_tokens, ref_cache = generate(reference, batch, 16)
+                assert tokens == ref_tokens
+                assert_bitwise(ref_logits, logits, "unequal lengths: logits")
+                assert_bitwise(ref_cache, cache, "unequal lengths: cache")
+                assert model.ahead.passes == 2 and model.ahead.padded == 1
+            model.bank.close()
+    together, apart = reads[0], reads[1] + reads[2]
+    assert together <= 1.2 * apart, (together, apart)
+
+
+def test_a_batch_dropped_mid_prefill_leaves_nothing(checkpoint: tuple[Path, Any, Any]) -> None:
+    """A generator closed after its first prefill step (a server's batch cancelled, a caller
+    that stops): the steps run ahead for it, and its caches, go with it, not at a later call."""
+    import gc
+    import weakref
+
+    from mlx_lm.generate import BatchGenerator
+
+    full, manifest, _ = checkpoint
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 384, size=5 * 16 + 1).tolist() for _ in range(2)]
+    with LocalSource(manifest, full, verify=False) as source:
+        model, _ = load(full, source, ram_bytes=1 << 30, prefetch=False)
+        gen = BatchGenerator(model, max_tokens=1, prefill_step_size=16)
+        gen.insert(prompts)
+        gen.next()  # the first step: the prompts' steps run ahead, the first replayed
+        assert model.ahead.current is not None and model.ahead.passes == 1
+        caches = [weakref.ref(c) for c in gen._prompt_batch.prompt_cache]
+        gen.close()
+        del gen
+        gc.collect()
+        assert model.ahead.current is None
+        assert all(r() is None for r in caches), "the engine keeps a dropped batch's caches"
+        model.bank.close()

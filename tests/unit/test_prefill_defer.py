@@ -43,3 +43,28 @@ def test_the_loop_reads_the_caches_only_to_evaluate_them() -> None:
     uses = [ast.unparse(s) for s in _loop().body if "prompt_cache" in ast.unparse(s)]
     assert uses == ["quantize_cache_fn(prompt_cache)",
                     "mx.eval([c.state for c in prompt_cache])"], REVIEW
+
+
+SPECULATIVE = ("mlx_lm.speculative_generate_step changed: check that its _prefill still drops "
+               "each step's output and reads the caches only through c.state and "
+               "quantize_cache_fn, and that its first _step is one call, then update "
+               "prefill_defer.REVIEWED_SPECULATIVE_SHA256")
+
+
+def test_speculative_generate_step_is_the_reviewed_loop() -> None:
+    from mlx_lm.generate import speculative_generate_step
+
+    assert prefill_defer._source_sha256(speculative_generate_step) \
+        == prefill_defer.REVIEWED_SPECULATIVE_SHA256, SPECULATIVE
+    tree = ast.parse(textwrap.dedent(inspect.getsource(speculative_generate_step)))
+    prefill = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+               and n.name == "_prefill"]
+    assert len(prefill) == 1, SPECULATIVE
+    loop = next(n for n in ast.walk(prefill[0]) if isinstance(n, ast.While))
+    calls = [s for s in loop.body if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
+             and ast.unparse(s.value.func) == "model"]
+    assert len(calls) == 1, SPECULATIVE  # a bare statement: nothing keeps the output
+    uses = [ast.unparse(s) for s in loop.body if "cache" in ast.unparse(s)
+            and "clear_cache" not in ast.unparse(s)]
+    assert uses == ["model(y[:n_to_process][None], cache=cache)", "quantize_cache_fn(cache)",
+                    "mx.eval([c.state for c in cache])"], SPECULATIVE
