@@ -13,10 +13,13 @@ import json
 import os
 import queue
 import socket
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from cachecd import protocol
 from cachecd.errors import DaemonUnavailable, error_from_wire
@@ -164,27 +167,77 @@ class DataTransport:
 
 
 Target = memoryview | Sequence[memoryview]  # one buffer, or a list the bytes fill in order
+# One job's reads: (out, fd, the window's buffers, its file offset, its end).
+_Piece = tuple[int, int, list[memoryview], int, int]
+
+
+class _Check:
+    """One out's xxh3-128, fed its windows in file order by the reader threads as they land.
+
+    A window that lands before the one ahead of it waits in ``early``; the thread that lands
+    the one ahead hashes both. So no reader ever waits for another, the hash overlaps the reads
+    still under way, and a window is mostly hashed by the thread that read it, its bytes still
+    in that core's cache (no second pass over memory)."""
+
+    def __init__(self) -> None:
+        self.hash = xxhash.xxh3_128()
+        self.pos = 0  # the bytes hashed so far
+        self.early: dict[int, tuple[int, list[memoryview]]] = {}  # start -> (end, buffers)
+        self.busy = False  # a thread is hashing: it also takes whatever lands meanwhile
+        self.lock = threading.Lock()
+
+    def landed(self, start: int, end: int, views: list[memoryview]) -> None:
+        with self.lock:
+            self.early[start] = (end, views)
+            if self.busy:
+                return
+            self.busy = True
+        try:
+            while True:
+                with self.lock:
+                    window = self.early.pop(self.pos, None)
+                    if window is None:
+                        self.busy = False
+                        return
+                for view in window[1]:
+                    self.hash.update(view)
+                with self.lock:
+                    self.pos = window[0]
+        except BaseException:
+            with self.lock:
+                self.busy = False
+            raise
+
+    def digest(self, size: int) -> bytes | None:
+        """The out's digest, None unless every one of its ``size`` bytes was hashed."""
+        return self.hash.digest() if self.pos == size and not self.early else None
 
 
 def parallel_preadv(pool: ThreadPoolExecutor, fds: Sequence[int], sizes: Sequence[int],
                     outs: Sequence[Target],
-                    landed: Callable[[int, int], None] | None = None) -> None:
+                    landed: Callable[[int, int], None] | None = None,
+                    digests: Sequence[bytes] | None = None) -> list[int]:
     """Fill ``outs[i]`` with the first ``sizes[i]`` bytes of ``fds[i]``: 4 MiB windows of the
     file across the pool, small reads grouped into one job, and all of them inline when they fit
-    in one job.
+    in one job. Returns the outs whose bytes failed their digest (none without ``digests``).
 
     An out may be a list of buffers (an iovec): the file's bytes fill them one after another, so
     one expert can land in several arrays with no copy in between. A window is one ``preadv``
     whatever the buffers it spans (fewer, aligned reads: 6% faster here than one per buffer).
 
+    ``digests[i]``, if given, is out ``i``'s xxh3-128: each window is hashed on the reader
+    thread that read it, right after its read, in file order (``_Check``), so the bytes are
+    checked as they come off the disk, before this returns, and the hash overlaps the reads.
+
     ``landed(i, n)``, if given, is called on the caller's thread, in order, as soon as the
     first ``n`` bytes of ``outs[i]`` are in place, once a job's windows are read (``n`` grows
     for each out and ends at ``sizes[i]``), while later windows are still being read: a GPU
     copy of what landed overlaps the reads after it, and the copy left after the last read is
-    one window's, not a whole expert's. On an error every job still running is waited for
-    before it is raised: no read writes into the outs after this returns or raises.
+    one window's, not a whole expert's. Landed bytes are not yet checked: only the return says
+    which outs are good. On an error every job still running is waited for before it is
+    raised: no read writes into the outs after this returns or raises.
     """
-    jobs: list[list[tuple[int, list[memoryview], int]]] = [[]]
+    jobs: list[list[_Piece]] = [[]]
     finished: list[dict[int, int]] = [{}]  # per job, out -> its bytes in place once it is read
     job_bytes = 0
     for i, (fd, size, out) in enumerate(zip(fds, sizes, outs, strict=False)):
@@ -195,17 +248,18 @@ def parallel_preadv(pool: ThreadPoolExecutor, fds: Sequence[int], sizes: Sequenc
                 finished.append({})
                 job_bytes = 0
             end = min(size, start + _CHUNK)
-            jobs[-1].append((fd, _window(spans, start, end), start))
+            jobs[-1].append((i, fd, _window(spans, start, end), start, end))
             finished[-1][i] = end
             job_bytes += end - start
         finished[-1][i] = size  # (an empty out lands with the job being filled)
+    checks = None if digests is None else [_Check() for _ in sizes]
     if len(jobs) == 1:
-        _read_pieces(jobs[0])
+        _read_pieces(jobs[0], checks)
         if landed is not None:
             for i, n in finished[0].items():
                 landed(i, n)
-        return
-    futures = [pool.submit(_read_pieces, job) for job in jobs]
+        return _failed(checks, sizes, digests)
+    futures = [pool.submit(_read_pieces, job, checks) for job in jobs]
     try:
         for fut, job_done in zip(futures, finished, strict=True):
             fut.result()
@@ -217,6 +271,15 @@ def parallel_preadv(pool: ThreadPoolExecutor, fds: Sequence[int], sizes: Sequenc
             fut.cancel()
         wait(futures)
         raise
+    return _failed(checks, sizes, digests)
+
+
+def _failed(checks: list[_Check] | None, sizes: Sequence[int],
+            digests: Sequence[bytes] | None) -> list[int]:
+    if checks is None or digests is None:
+        return []
+    return [i for i, (c, n, want) in enumerate(zip(checks, sizes, digests, strict=True))
+            if c.digest(n) != bytes(want)]
 
 
 def _window(spans: list[tuple[memoryview, int]], start: int, end: int) -> list[memoryview]:
@@ -246,9 +309,11 @@ def _spans(out: Target, size: int) -> list[tuple[memoryview, int]]:
     return spans
 
 
-def _read_pieces(pieces: list[tuple[int, list[memoryview], int]]) -> None:
-    for fd, views, offset in pieces:
+def _read_pieces(pieces: list[_Piece], checks: list[_Check] | None) -> None:
+    for i, fd, views, offset, end in pieces:
         _read_piece(fd, views, offset)
+        if checks is not None:
+            checks[i].landed(offset, end, views)
 
 
 def _read_piece(fd: int, views: list[memoryview], offset: int) -> None:
