@@ -131,10 +131,11 @@ def test_digests_check_every_out_as_its_windows_land(tmp_path: Path, monkeypatch
     monkeypatch.setattr(transport, "_read_piece", late_first)
     monkeypatch.setattr(transport._Check, "landed", seen)
     bufs = [np.zeros(n, np.uint8) for n in sizes]
+    seen: list[tuple[int, int]] = []
     try:
         with ThreadPoolExecutor(3, thread_name_prefix="reader") as pool:
             bad = transport.parallel_preadv(pool, fds, sizes, [memoryview(b) for b in bufs],
-                                            digests=digests)
+                                            lambda i, n: seen.append((i, n)), digests)
             unchecked = transport.parallel_preadv(pool, fds, sizes,
                                                   [memoryview(b) for b in bufs])
     finally:
@@ -142,6 +143,9 @@ def test_digests_check_every_out_as_its_windows_land(tmp_path: Path, monkeypatch
             os.close(fd)
     assert bad == rotten
     assert unchecked == []  # no digests: nothing checked
+    for i, size in enumerate(sizes):  # each out still lands in order, to its size
+        ns = [n for j, n in seen if j == i]
+        assert ns and ns == sorted(set(ns)) and ns[-1] == size, (i, ns)
     for i in set(range(len(sizes))) - set(rotten):
         assert bufs[i].tobytes() == datas[i]
     if len(bufs[0]) > min_job:  # several jobs: the hashing ran on the readers, not the caller
