@@ -174,12 +174,12 @@ _Piece = tuple[int, int, list[memoryview], int, int]
 
 
 class _Check:
-    """One out's xxh3-128, fed its windows in file order by the reader threads as they land.
+    """One out's xxh3-128, fed its spans in file order by the reader threads as they land.
 
-    A window that lands before the one ahead of it waits in ``early``; the thread that lands
-    the one ahead hashes both. So no reader ever waits for another, the hash overlaps the reads
-    still under way, and a window is mostly hashed by the thread that read it, its bytes still
-    in that core's cache (no second pass over memory)."""
+    A span that lands before the one ahead of it waits in ``early``; the thread that lands the
+    one ahead hashes both. So no reader ever waits for another, the hash overlaps the reads
+    still under way, and a span is mostly hashed by the thread that read it, right after, its
+    bytes still in that core's cache (no second pass over memory)."""
 
     def __init__(self) -> None:
         self.hash = xxhash.xxh3_128()
@@ -227,11 +227,13 @@ def parallel_preadv(pool: ThreadPoolExecutor, fds: Sequence[int], sizes: Sequenc
     one expert can land in several arrays with no copy in between. A window is one ``preadv``
     whatever the buffers it spans (fewer, aligned reads: 6% faster here than one per buffer).
 
-    ``digests[i]``, if given, is out ``i``'s xxh3-128: each window is hashed on the reader
-    thread that read it, right after its read, in file order (``_Check``), so the bytes are
-    checked as they come off the disk, before this returns, and the hash overlaps the reads.
+    ``digests[i]``, if given, is out ``i``'s xxh3-128: the windows are then read interleaved
+    (every out's first, then every second, ...) in 256 KiB spans, each hashed by the reader
+    thread that read it right after its read, in file order (``_Check``): the bytes are checked
+    as they come off the disk, before this returns, and the hash overlaps the reads.
 
-    ``landed(i, n)``, if given, is called on the caller's thread, in order, as soon as the
+    ``landed(i, n)``, if given, is called on the caller's thread, each out's in order (outs
+    in turn, or interleaved where checked), as soon as the
     first ``n`` bytes of ``outs[i]`` are in place, once a job's windows are read (``n`` grows
     for each out and ends at ``sizes[i]``), while later windows are still being read: a GPU
     copy of what landed overlaps the reads after it, and the copy left after the last read is
