@@ -9,8 +9,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
+import pytest
 import xxhash
 
+from cachecd.errors import ChecksumMismatch
 from tests.exactness import assert_bitwise, run_logits
 from tests.harness import TINY_REPO
 
@@ -74,3 +77,26 @@ def test_a_blob_rotting_under_a_running_engine_is_caught_read_again_and_quaranti
     assert _blob(cache, m.expert(*good).digest_hex).exists()
     model.bank.close()
     model.bank.source.close()
+
+
+def test_a_reader_whose_bytes_stay_wrong_gets_checksum_mismatch_and_evicts_nothing(
+        installed, tiny_manifest) -> None:  # type: ignore[no-untyped-def]
+    """A digest the blob can never match (the reader's bytes, not the disk's, are wrong): the
+    daemon's own hash finds the blob good and keeps it, the read is tried once more, then
+    fails with ``checksum_mismatch``; the other expert of the call is read and kept."""
+    m, layer, ids = tiny_manifest, tiny_manifest.moe_layers[0], [0, 1]
+    entries = [m.expert(layer, e) for e in ids]
+    bufs = [np.zeros(e.nbytes, np.uint8) for e in entries]
+    with installed.client() as c:
+        c.experts_into(TINY_REPO, layer, ids, [memoryview(b) for b in bufs],
+                       digests=[e.xxh3 for e in entries])  # fetched, and checked
+        with pytest.raises(ChecksumMismatch, match="twice") as err:
+            c.experts_into(TINY_REPO, layer, ids, [memoryview(b) for b in bufs],
+                           digests=[entries[0].xxh3, bytes(16)])
+        store = c.stats()["store"]
+        assert c.checksum_mismatches == 1
+    assert "experts [1]" in str(err.value) and "good" in str(err.value)
+    assert xxhash.xxh3_128(bufs[0]).digest() == entries[0].xxh3
+    assert store["quarantined"] == 0 and store["rechecked_good"] == 1
+    assert store["bit_rot_on_read"] == 0
+    assert all(_blob(installed.base / "cache", e.digest_hex).exists() for e in entries)
