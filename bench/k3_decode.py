@@ -21,6 +21,9 @@ greedy decode (a 4-token prompt that differs every round, so the routing does to
              window by window as it lands (the engine before; on CUDA only, elsewhere it is pc).
   pc-defer:  pc with each layer's misses read while the model's thread builds the graph up to
              the next MoE layer (``ExpertBank.defer_reads``, off by default).
+  pc-nocheck: pc with the check of every expert read against its xxh3-128 off
+             (``DaemonSource.verify``; on in every other case, as by default): pc / pc-nocheck
+             is what the check costs a token (issue 48).
 With ``--throttle R`` every streamed case reads through one simulated disk of R GB/s
 (``Throttled``: each read, demand or read-ahead, holds the disk for its bytes / R, in arrival
 order; the page cache serves the bytes): a Mac's SSD beside this machine's compute.
@@ -82,7 +85,7 @@ from cachecd_client.transport import parallel_preadv
 
 REPO = "bench/k3-decode"
 CASES = ("resident", "ram", "ram-spec", "pc", "pc-ahead", "pc-spec", "pc-hostwrite",
-         "pc-expertcopy", "pc-defer")
+         "pc-expertcopy", "pc-defer", "pc-nocheck")
 ENGINE = {  # pool, read-ahead, speculative steps
     "ram": ("all", False, False),
     "ram-spec": ("all", False, True),
@@ -92,6 +95,7 @@ ENGINE = {  # pool, read-ahead, speculative steps
     "pc-hostwrite": ("small", False, False),
     "pc-expertcopy": ("small", False, False),
     "pc-defer": ("small", False, False),
+    "pc-nocheck": ("small", False, False),
 }
 STATS = ("readback_s", "readers_s", "wait_s", "plan_s", "source_bytes", "copied_bytes", "experts_routed",
          "ram_hits", "staged_hits", "source_hits", "staged")
@@ -227,6 +231,7 @@ def load_case(name: str, served: Served, sock: Path, small: int, dtype: Any,
         finally:
             cuda_memory.USE = True
         model.bank.defer_reads = name == "pc-defer"
+        model.bank.source.verify = name != "pc-nocheck"
         copier = model.bank.fill.copier
         if copier is not None:
             copier.by_window = name != "pc-expertcopy"
@@ -293,6 +298,12 @@ def report(cases: dict[str, Case], rate: float, expert_bytes: int) -> None:
             line += (f"; raw read of the needed bytes {spread(d['raw'])}; token / (raw read + "
                      f"resident token) {spread(d['bar'], 1)} (bar <= 1.3)")
         print(line)
+    if "pc" in cases and "pc-nocheck" in cases:
+        pc, off = cases["pc"], cases["pc-nocheck"]
+        paired = median([a / b for a, b in zip(pc.tps, off.tps, strict=True)])
+        print(f"check: pc / pc-nocheck tok/s={median(pc.tps) / median(off.tps):.3f} (median of "
+              f"per-round ratios {paired:.3f}); expert wait a token "
+              f"{spread(pc.per_token['wait_s'])} checked, {spread(off.per_token['wait_s'])} not")
     print(f"info: raw parallel preadv {rate / GIB:.2f} GiB/s")
 
 

@@ -7,12 +7,15 @@ of a layer (one K3 token's routing of one layer), the layer cycling:
   ours: the engine's ``ExpertBank.load_stack(layer, ids)`` through the daemon, the experts
         dropped from the pool first so each is read again: one request, fds passed back,
         ``preadv`` straight into free slots of the pool (the arrays the kernel reads);
+  unchecked: ours with the check of every expert's bytes against its xxh3-128 off
+        (``DaemonSource.verify``; on by default, hashed on the reader threads as windows land);
   raw:  open the SAME blob files, ``parallel_preadv`` them into preallocated buffers with a
         pool as large as the client's, close them.
 Both read the page cache. Before the rounds, ours is checked against the manifest: every
 slot's bytes equal the expert's bytes in the checkpoint. Prints GiB/s both and the bytes the
 host wrote into memory per expert byte delivered (counted where they are written: the bytes
-each ``preadv`` into a slot returned); the bar is ratio >= 0.9.
+each ``preadv`` into a slot returned); the bar is ratio >= 0.9. ``check_ratio`` is ours /
+unchecked (the check's cost; bar >= 0.95, issue 48).
 
     python bench/k3_delivery.py [--experts 32] [--layers 4] [--ids 16] [--reps 4] [--readers 4]
                                 [--rounds 15] [--dir /tmp]
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +62,10 @@ class DeliveryResult:
     bytes_per_case: int
     copies_per_expert: float  # bytes written into memory per expert byte delivered
     paired: float
+    unchecked_gibs: float = 0.0  # ours with the xxh3-128 check off
+    check_paired: float = 0.0  # median of per-round ours / unchecked
+    cpu_checked: float = 0.0  # this process's CPU seconds a GiB delivered, check on
+    cpu_unchecked: float = 0.0  # the same, check off
 
     @property
     def ratio(self) -> float:
@@ -108,11 +116,13 @@ def measure(served: Served, *, n_ids: int, reps: int, readers: int, rounds: int)
         views = [memoryview(b) for b in bufs]
         cycle = itertools.cycle(layers)
 
-        def ours() -> None:
+        def ours(check: bool = True) -> None:
+            bank.source.verify = check
             for _ in range(reps):
                 layer = next(cycle)
                 bank.drop(layer, ids)
                 bank.load_stack(layer, ids)
+            bank.source.verify = True
 
         def raw() -> None:
             for _ in range(reps):
@@ -128,10 +138,23 @@ def measure(served: Served, *, n_ids: int, reps: int, readers: int, rounds: int)
         def rate(k: str, t: float) -> str:
             return f"{k}={per_case / t / GIB:.2f}GiB/s"
 
+        cpu: dict[bool, list[float]] = {True: [], False: []}
+
+        def ours_cpu(check: bool) -> float:
+            # CPU seconds beside the wall time: on a shared machine the wall time swings with
+            # the other processes' load, what the check costs in CPU does not.
+            c0 = time.process_time()
+            t = timed(lambda: ours(check))
+            cpu[check].append(time.process_time() - c0)
+            return t
+
         bank.stats.reset()
-        times = alternate({"ours": lambda: timed(ours), "raw": lambda: timed(raw)}, rounds, rate)
+        times = alternate({"ours": lambda: ours_cpu(True), "raw": lambda: timed(raw),
+                           "unchecked": lambda: ours_cpu(False)}, rounds, rate)
         s = bank.stats
         copies = s.copied_bytes / max(1, s.source_hits * size)
+        if bank.source.client.checksum_mismatches:
+            raise SystemExit("an expert failed its check: the bench's cache is corrupt")
         bank.close()
         bank.source.close()
     return DeliveryResult(
@@ -140,6 +163,10 @@ def measure(served: Served, *, n_ids: int, reps: int, readers: int, rounds: int)
         per_case,
         copies,
         paired_ratio(times["raw"], times["ours"]),
+        per_case / median(times["unchecked"]) / GIB,
+        paired_ratio(times["unchecked"], times["ours"]),
+        median(cpu[True][1:]) / (per_case / GIB),
+        median(cpu[False][1:]) / (per_case / GIB),
     )
 
 
@@ -172,6 +199,11 @@ def main(argv: list[str] | None = None) -> None:
         f"ours (bank.load_stack via daemon, into slots) GiB/s={res.ours_gibs:.2f}   "
         f"raw (open + parallel preadv) GiB/s={res.raw_gibs:.2f}"
     )
+    print(f"unchecked (ours, xxh3-128 check off) GiB/s={res.unchecked_gibs:.2f}   "
+          f"check_ratio (ours / unchecked)={res.ours_gibs / res.unchecked_gibs:.3f}, median of "
+          f"per-round ratios {res.check_paired:.3f} (bar >= 0.95)")
+    print(f"info: this process's CPU a GiB delivered: {res.cpu_checked:.3f} s checked, "
+          f"{res.cpu_unchecked:.3f} s unchecked (x{res.cpu_checked / res.cpu_unchecked:.3f})")
     print(f"info: bytes written per expert byte delivered (ours)={res.copies_per_expert:.2f}")
     print(f"info: median of per-round ratios={res.paired:.3f}")
     print(f"ratio={res.ratio:.3f}")

@@ -9,6 +9,8 @@ daemon sent them; ``DaemonUnavailable`` when nothing listens.
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -18,11 +20,13 @@ from typing import Any
 import numpy as np
 
 from cachecd.config import data_socket_path, load_settings
-from cachecd.errors import ExpertSizeMismatch, InvalidRequest, ModelNotFound
+from cachecd.errors import ChecksumMismatch, ExpertSizeMismatch, InvalidRequest, ModelNotFound
 from cachecd.protocol import MAX_FDS_PER_FRAME
 from cachecd_client.transport import ControlTransport, DataTransport, Target, parallel_preadv
 from cachecd_client.waits import WaitProgress, WaitWatch
 
+log = logging.getLogger(__name__)
+Landed = Callable[[int, int], None]
 
 def default_socket() -> Path:
     """The socket a daemon started with the same environment and config would use."""
@@ -70,6 +74,9 @@ class Client:
                                               thread_name_prefix="cachecd-read-ahead")
         #: experts that the daemon had to fetch upstream for this client's requests, so far
         self.upstream_fetches = 0
+        #: experts whose bytes failed their digest as read (``experts_into(digests=...)``) and
+        #: were read again, so far
+        self.checksum_mismatches = 0
         #: reads are warming (``cachecd warm --prompts``): the daemon counts them as warm
         #: fetches, not as use (no access counts, no hits or misses)
         self.warming = False
@@ -171,6 +178,16 @@ class Client:
             body.update(model=model, layer=layer, ids=[int(i) for i in ids])
         return self._control.request("POST", "/v1/evict", body)
 
+    def recheck(self, model: str, layer: int, ids: Sequence[int]) -> dict[int, str]:
+        """Ask the daemon to hash these experts' cached blobs again, because a read found their
+        bytes wrong: expert -> ``"good"`` (the blob matches its digest), ``"quarantined"`` (it
+        did not: moved to quarantine/, its row dropped, so the next read fetches it again) or
+        ``"absent"`` (not cached). The daemon quarantines only what its own hash fails, so
+        this cannot evict a good blob."""
+        body = {"layer": int(layer), "ids": [int(i) for i in ids]}
+        answer = self._control.request("POST", f"/v1/models/{model}/recheck", body)
+        return {int(e["expert"]): str(e["verdict"]) for e in answer["experts"]}
+
     # data ------------------------------------------------------------------------------------
     def expert(self, model: str, layer: int, expert: int) -> np.ndarray:
         """One expert's bytes (its tensors as they lie in the checkpoint) as a uint8 array."""
@@ -201,8 +218,8 @@ class Client:
 
     def experts_into(self, model: str, layer: int, ids: Sequence[int],
                      targets: Sequence[Target],
-                     landed: Callable[[int, int], None] | None = None, *,
-                     ahead: bool = False) -> list[int]:
+                     landed: Landed | None = None, *,
+                     ahead: bool = False, digests: Sequence[bytes] | None = None) -> list[int]:
         """Read several experts of one layer straight into the caller's memory; their sizes.
 
         ``targets[i]`` is a writable buffer of at least the expert's size, or a list of buffers
@@ -212,6 +229,13 @@ class Client:
         first ``n`` bytes of expert ``ids[i]`` are in its target (``n`` ends at its size),
         while the rest are still being read (``transport.parallel_preadv``). ``ahead``: a read of
         guessed experts (read-ahead), on threads demand reads never share.
+
+        ``digests[i]``: expert ``ids[i]``'s xxh3-128 (its manifest's). Each expert's bytes are
+        then hashed on the reader threads as they land; one that fails is rechecked by the
+        daemon (``recheck``: a rotten blob is quarantined), read again (fetched again) into the
+        same target, its ``landed`` calls starting again from its first bytes (``n`` falls
+        back), and checked again; a second failure raises ``ChecksumMismatch``. Once this
+        returns, every target holds bytes that matched their digest.
         """
         ids = [int(i) for i in ids]
         if len(targets) != len(ids):
@@ -231,33 +255,87 @@ class Client:
             return chunk
 
         self._read_experts(model, layer, ids, given, landed,
-                           self._ahead_pool if ahead else self._pool)
+                           self._ahead_pool if ahead else self._pool, digests)
         return sizes
 
     def _read_experts(self, model: str, layer: int, ids: list[int],
                       targets: Callable[[list[int], int], list[Target]],
-                      landed: Callable[[int, int], None] | None = None,
-                      pool: ThreadPoolExecutor | None = None) -> None:
+                      landed: Landed | None = None,
+                      pool: ThreadPoolExecutor | None = None,
+                      digests: Sequence[bytes] | None = None) -> None:
+        if digests is not None and len(digests) != len(ids):
+            raise InvalidRequest(f"{len(digests)} digests for {len(ids)} experts")
         for start in range(0, len(ids), MAX_FDS_PER_FRAME):
             chunk = ids[start:start + MAX_FDS_PER_FRAME]
-            frame = {"op": "experts", "model": model, "layer": int(layer), "ids": chunk}
-            if self.warming:
-                frame["warm"] = True
-            with self._waits.watch(int(layer), len(chunk)):
-                answer, fds = self._data.request(frame)
-            try:
-                sizes = [int(e["size"]) for e in answer["experts"]]
-                self.upstream_fetches += sum(1 for e in answer["experts"] if e.get("fetched"))
-                if len(fds) != len(sizes) or len(sizes) != len(chunk):
-                    raise InvalidRequest(
-                        f"daemon sent {len(fds)} descriptors and {len(sizes)} sizes for "
-                        f"{len(chunk)} experts")
-                parallel_preadv(pool or self._pool, fds, sizes, targets(sizes, start),
-                                None if landed is None
-                                else lambda i, n, s=start: landed(s + i, n))
-            finally:
-                for fd in fds:
-                    os.close(fd)
+            want = None if digests is None else list(digests[start:start + len(chunk)])
+            shifted = None if landed is None else (lambda i, n, s=start: landed(s + i, n))
+            self._read_frame(model, layer, chunk, functools.partial(_at, targets, start),
+                             shifted, pool, want)
+
+    def _read_frame(self, model: str, layer: int, chunk: list[int],
+                    targets: Callable[[list[int]], list[Target]], landed: Landed | None,
+                    pool: ThreadPoolExecutor | None, want: list[bytes] | None) -> None:
+        got: list[tuple[list[int], list[Target]]] = []
+
+        def outs(sizes: list[int]) -> list[Target]:
+            got.append((sizes, targets(sizes)))
+            return got[0][1]
+
+        bad = self._read_chunk(model, layer, chunk, outs, landed, pool, want)
+        if bad:
+            assert want is not None
+            self._read_again(model, layer, chunk, bad, got[0], landed, pool, want)
+
+    def _read_chunk(self, model: str, layer: int, chunk: list[int],
+                    outs: Callable[[list[int]], list[Target]], landed: Landed | None,
+                    pool: ThreadPoolExecutor | None, want: list[bytes] | None) -> list[int]:
+        """One frame's experts read into ``outs(sizes)``; the positions whose bytes failed."""
+        frame = {"op": "experts", "model": model, "layer": int(layer), "ids": chunk}
+        if self.warming:
+            frame["warm"] = True
+        with self._waits.watch(int(layer), len(chunk)):
+            answer, fds = self._data.request(frame)
+        try:
+            sizes = [int(e["size"]) for e in answer["experts"]]
+            self.upstream_fetches += sum(1 for e in answer["experts"] if e.get("fetched"))
+            if len(fds) != len(sizes) or len(sizes) != len(chunk):
+                raise InvalidRequest(
+                    f"daemon sent {len(fds)} descriptors and {len(sizes)} sizes for "
+                    f"{len(chunk)} experts")
+            return parallel_preadv(pool or self._pool, fds, sizes, outs(sizes), landed, want)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _read_again(self, model: str, layer: int, chunk: list[int], bad: list[int],
+                    first: tuple[list[int], list[Target]], landed: Landed | None,
+                    pool: ThreadPoolExecutor | None, want: list[bytes]) -> None:
+        """The experts at ``bad`` read wrong: the daemon hashes their blobs again (quarantining
+        rot, so this read fetches them again), then they are read into the same targets and
+        checked once more."""
+        sizes, targets = first
+        ids = [chunk[i] for i in bad]
+        self.checksum_mismatches += len(ids)
+        verdicts = self.recheck(model, layer, ids)
+        log.warning("event=expert_checksum_mismatch model=%s layer=%d experts=%s verdicts=%s",
+                    model, layer, ids, ",".join(verdicts[e] for e in ids))
+
+        def outs(again: list[int]) -> list[Target]:
+            if again != [sizes[i] for i in bad]:
+                raise ExpertSizeMismatch(
+                    f"layer {layer} experts {ids}: the daemon has {again} bytes for them now, "
+                    f"{[sizes[i] for i in bad]} before")
+            return [targets[i] for i in bad]
+
+        still = self._read_chunk(model, layer, ids, outs,
+                                 None if landed is None else lambda j, n: landed(bad[j], n),
+                                 pool, [want[i] for i in bad])
+        if still:
+            raise ChecksumMismatch(
+                f"layer {layer} experts {[ids[j] for j in still]} of {model}: their bytes failed "
+                "their xxh3-128 as read from the cache twice, the second time after the daemon "
+                f"checked the blobs ({', '.join(verdicts[ids[j]] for j in still)}): the disk or "
+                "memory may be failing; run `cachecd fsck`, check the disk, then try again")
 
     def on_wait(self, progress: Callable[[WaitProgress], None] | None) -> None:
         """While a read waits on the daemon's fetches (a cold layer's misses), call ``progress``
@@ -277,6 +355,11 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _at(targets: Callable[[list[int], int], list[Target]], start: int,
+        sizes: list[int]) -> list[Target]:
+    return targets(sizes, start)
 
 
 def _fit(buf: np.ndarray, n: int) -> np.ndarray:

@@ -4,6 +4,11 @@ The engine reads experts only through the daemon (fd data path, zero copy); the 
 parses them with is the one the daemon registered, fetched from the daemon too, so engine and
 daemon always agree on the revision. Prefetch hints are fire-and-forget on one background
 thread: a slow or failed hint never delays or changes a token.
+
+Every expert read is checked against the manifest's xxh3-128 as it lands (``verify``, on by
+default): the client hashes each window on its reader threads right after the read, so a blob
+that rotted in place is never computed from. One that fails is reported to the daemon, which
+hashes it again and quarantines it, and is read (fetched) again before the read returns.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ class DaemonSource:
         self.manifest = manifest
         self.info = info or {}  # the daemon's description of the registration (layers served)
         self.hints_failed = 0
+        #: check every expert's bytes against the manifest's xxh3-128 as they land (benches
+        #: turn it off to measure what it costs)
+        self.verify = True
         self._hints = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachecd-hint")
 
     @classmethod
@@ -54,17 +62,26 @@ class DaemonSource:
     def read_into(self, layer: int, ids: list[int], targets: Sequence[Sequence[memoryview]],
                   landed: Callable[[int, int], None] | None = None) -> int:
         """Read the experts into ``targets``; the bytes written (the transport fills exactly
-        the sizes the daemon sends, or raises). ``landed(i, n)`` as the first ``n`` bytes of
-        expert ``i`` are in place, window by window, in order."""
-        return self._checked(layer, ids, self.client.experts_into(self.repo, layer, ids,
-                                                                  targets, landed))
+        the sizes the daemon sends, or raises), each expert's checked against its digest.
+        ``landed(i, n)`` as the first ``n`` bytes of expert ``i`` are in place, window by
+        window, in order; an expert read again after its bytes failed their check lands again
+        from its start (``n`` falls back)."""
+        return self._checked(layer, ids, self.client.experts_into(
+            self.repo, layer, ids, targets, landed, digests=self._digests(layer, ids)))
 
     def read_ahead_into(self, layer: int, ids: list[int],
                         targets: Sequence[Sequence[memoryview]]) -> int:
         """``read_into`` for read-ahead: on the client's read-ahead threads, so no demand read
         waits behind it."""
-        return self._checked(layer, ids, self.client.experts_into(self.repo, layer, ids,
-                                                                  targets, ahead=True))
+        return self._checked(layer, ids, self.client.experts_into(
+            self.repo, layer, ids, targets, ahead=True, digests=self._digests(layer, ids)))
+
+    def _digests(self, layer: int, ids: list[int]) -> list[bytes] | None:
+        """The experts' xxh3-128 as the manifest has them; None with ``verify`` off."""
+        if not self.verify:
+            return None
+        m = self.manifest
+        return [m.digests[m.row(layer, e)].tobytes() for e in ids]
 
     def _checked(self, layer: int, ids: list[int], sizes: list[int]) -> int:
         """The bytes written, each expert's as the manifest says, else ``ExpertSizeMismatch``."""

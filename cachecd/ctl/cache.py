@@ -251,6 +251,9 @@ def _attention(store: dict[str, Any], counters: dict[str, Any],
     if rot := store.get("bit_rot_on_open", 0):
         out.append(f"attention   {rot} cached experts failed their hash when opened (bit rot): "
                    "quarantined and fetched again; check the disk, then `cachecd fsck`")
+    if rot := store.get("bit_rot_on_read", 0):
+        out.append(f"attention   {rot} cached experts failed their hash as the engine read them "
+                   "(bit rot): quarantined and fetched again; check the disk, then `cachecd fsck`")
     if refused := counters.get("control_connections_refused", 0):
         out.append(f"attention   {refused} control connections were refused: the daemon held "
                    "its limit of connections, each busy or just answered (`ss -xp | grep cachecd`)")

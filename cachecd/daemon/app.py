@@ -298,6 +298,17 @@ class Daemon:
         raise ExpertNotFound(f"layer {entry.layer} expert {entry.expert} vanished from the cache three "
                              "times while being opened; the budget may be too small for one batch")
 
+    async def recheck(self, repo: str, layer: Any, ids: list[Any]) -> list[dict[str, Any]]:
+        """A reader found these experts' bytes wrong as it read them: each distinct blob is
+        hashed again here, side by side on threads (``Store.recheck``), and only one that
+        fails goes to quarantine/, so the reader's next request fetches it again."""
+        entries = self.entries(self.model(repo), layer, ids, served_only=False)
+        digests = list(dict.fromkeys(e.digest_hex for e in entries))
+        verdicts = await asyncio.gather(*(asyncio.to_thread(self.store.recheck, d)
+                                          for d in digests))
+        found = dict(zip(digests, verdicts, strict=True))
+        return [{"expert": e.expert, "verdict": found[e.digest_hex]} for e in entries]
+
     def prefetch(self, repo: str, layer: Any, ids: list[Any]) -> int:
         model = self.model(repo)
         if model.other_endpoint(self.settings.endpoint) and not self.settings.allow_other_endpoint:

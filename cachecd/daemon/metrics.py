@@ -60,6 +60,10 @@ _STORE_COUNTERS = {  # key -> (name after cachecd_store_, HELP)
     "quarantined": ("quarantined", "Blobs quarantined (failed their hash, or short)."),
     "verified_on_open": ("verified_on_open", "Blobs hashed on open that matched."),
     "bit_rot_on_open": ("bit_rot_on_open", "Blobs hashed on open that did not match (bit rot)."),
+    "bit_rot_on_read": ("bit_rot_on_read", "Blobs a reader found wrong whose hash here failed "
+                                           "too (bit rot caught as read; quarantined)."),
+    "rechecked_good": ("rechecked_good", "Blobs a reader found wrong whose hash here matched "
+                                         "(the reader's bytes were wrong, not the blob's)."),
     "missing_on_open": ("missing_on_open", "Blobs found missing, short or not a file when "
                                            "opened (their rows dropped)."),
 }

@@ -252,6 +252,15 @@ async def prefetch(request: web.Request) -> web.Response:
     return web.json_response({"queued": queued}, status=202)
 
 
+async def recheck(request: web.Request) -> web.Response:
+    """A reader's report that experts' bytes failed their digest: the daemon hashes their blobs
+    again and quarantines only those that fail here (``Daemon.recheck``)."""
+    body = await _json_body(request)
+    d = request.app[DAEMON]
+    verdicts = await d.recheck(_repo(request), body.get("layer"), list(body.get("ids") or []))
+    return web.json_response({"experts": verdicts})
+
+
 async def coverage(request: web.Request) -> web.Response:
     """The coverage report; ``?detail=1`` adds the per-expert arrays (``coverage.pack_detail``)."""
     d = request.app[DAEMON]
@@ -344,6 +353,7 @@ def build_app(daemon: Any, client_max_size: int, door: Any = None) -> web.Applic
     app.router.add_get(base + "/experts/{layer}/{expert}", expert_bytes)
     app.router.add_get(base + "/experts/{layer}", expert_batch)
     app.router.add_post(base + "/prefetch", prefetch)
+    app.router.add_post(base + "/recheck", recheck)
     app.router.add_get(base + "/coverage", coverage)
     app.router.add_post(base + "/warm", warm)
     app.router.add_post(base + "/pin", pin)

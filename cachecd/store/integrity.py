@@ -11,6 +11,10 @@ Invariants:
   caught by the background scrub (scrub.py), which hashes every blob in turn, or by
   ``cachecd fsck``. A quarantine takes the blob out of the ledger before anything else, and
   bumps ``quarantine_seq``, so a request that opened the blob earlier can tell and open again.
+- The engine's reads hash every expert as it lands (``cachecd_client``'s ``digests``), so
+  rot under a blob in use is caught at its next read: the client reports it (``recheck``),
+  and the blob is quarantined only if this process's own hash of it fails too. A report
+  alone moves nothing, so no client can evict a good blob by claiming it is bad.
 """
 
 from __future__ import annotations
@@ -94,6 +98,32 @@ class BlobIntegrity:
         raise errors.ExpertNotFound(
             f"blob {digest} failed its hash when opened (bit rot); quarantined, fetch it again"
         )
+
+    def recheck(self, digest_hex: str) -> str:
+        """A reader found this blob's bytes wrong: hash it again here. ``"good"`` (kept, its
+        hash renewed), ``"quarantined"`` (it failed: to quarantine/, row dropped) or
+        ``"absent"`` (not cached, or dropped as gone or short). Blocking: a thread's work."""
+        digest = validate_digest(digest_hex)
+        try:
+            fd, _ = self.open_blob(digest)
+        except errors.ExpertNotFound:
+            return "absent"
+        try:
+            got, _ = hash_fd(fd)
+        finally:
+            os.close(fd)
+        with self.ledger.mu:
+            self.ledger.counters["rechecked_good" if got == digest else "bit_rot_on_read"] += 1
+        if got == digest:
+            self.verified[digest] = time.monotonic()
+            log.warning("event=recheck_good digest=%s (the reader's bytes were wrong, the "
+                        "blob's are not: check the reader's memory)", digest)
+            return "good"
+        log.error("event=bit_rot_on_read digest=%s got=%s", digest, got)
+        entry = self.ledger.entries.get(digest)
+        if entry is not None:
+            self.drop(digest, entry, quarantine=True, why="bit_rot_on_read")
+        return "quarantined"
 
     def scrub_verdict(self, digest: str, entry: Entry, got: str) -> bool:
         """The scrub hashed ``entry``'s blob to ``got``: True if that is its name. Otherwise the

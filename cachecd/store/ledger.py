@@ -63,7 +63,8 @@ class Ledger:
         self.inserted: list[threading.Event] = []  # each set when a blob comes in (the scrub's)
         self.counters = dict.fromkeys(
             ("hits", "misses", "inserts", "evictions", "bytes_evicted", "quarantined",
-             "verified_on_open", "bit_rot_on_open", "missing_on_open"), 0
+             "verified_on_open", "bit_rot_on_open", "missing_on_open", "bit_rot_on_read",
+             "rechecked_good"), 0
         )
         none = (0, 0.0)
         rows = [(counts.get(d, none), d, e.size) for d, e in entries.items()]

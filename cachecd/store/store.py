@@ -204,6 +204,10 @@ class Store:
         """Hash an opened blob and close ``fd``; ``BlobIntegrity.verify_open_blob``."""
         self._integrity.verify_open_blob(digest, fd)
 
+    def recheck(self, digest_hex: str) -> str:
+        """A reader found the blob's bytes wrong; ``BlobIntegrity.recheck``'s verdict."""
+        return self._integrity.recheck(digest_hex)
+
     def scrub_verdict(self, digest: str, entry: Entry, got: str) -> bool:
         """The scrub's hash of ``entry``'s blob; ``BlobIntegrity.scrub_verdict``."""
         return self._integrity.scrub_verdict(digest, entry, got)

@@ -52,9 +52,11 @@ class ExpertSource(Protocol):
     def read_into(self, layer: int, ids: list[int], targets: Targets,
                   landed: Callable[[int, int], None] | None = None) -> int:
         """Read each expert's bytes into its targets (thread-safe: read-ahead uses threads);
-        the bytes written. ``landed(i, n)``, if given, is called on the caller's thread, in
-        order, once the first ``n`` bytes of ``ids[i]`` are in place (``n`` grows and ends at
-        the expert's size; the rest may still be being read)."""
+        the bytes written, each expert's checked against its digest where the source checks
+        (``DaemonSource.verify``) before this returns. ``landed(i, n)``, if given, is called on
+        the caller's thread, in order, once the first ``n`` bytes of ``ids[i]`` are in place
+        (``n`` grows and ends at the expert's size; the rest may still be being read; an expert
+        read again after a failed check lands again from its start, ``n`` falling back)."""
         ...
 
     def entry(self, layer: int, expert: int) -> ExpertLayout:

@@ -27,6 +27,12 @@ Invariants:
   (``cuda_memory.Copier``), each window's copy started as soon as its read lands, so copies
   overlap the reads after them; a read-ahead through its reader thread's own staging and copy
   stream, its copies done before the read counts as landed.
+- Every expert read, demand or read-ahead, is checked against its xxh3-128 by the source on its
+  reader threads (``DaemonSource.verify``) before the read returns, so before its slot is
+  marked filled: a slot never holds bytes other than its expert's. A failed check is read
+  again into the same slot (the daemon quarantines a rotten blob and fetches it again); a read
+  that still fails raises, and the slot is freed as for any failed read. Hits are not hashed:
+  their bytes were checked when they came in.
 """
 
 from __future__ import annotations
@@ -227,7 +233,9 @@ class Filler:
         def landed(i: int, upto: int) -> None:
             if upto < sizes[i] and not copier.by_window:
                 return
-            e, lo = ids[i], copied[i]
+            # ``upto`` at or below what was copied: the expert failed its check and was read
+            # again (``DaemonSource.read_into``), so its copies start again from its first byte.
+            e, lo = ids[i], copied[i] if upto > copied[i] else 0
             _copy_span(copier, memory, bank.pieces(layer, e), claimed[e], base + starts[i],
                        lo, upto)
             copied[i] = max(lo, upto)

@@ -143,6 +143,8 @@ def test_body_past_client_max_size_is_413(setup: FaultDaemon) -> None:
     ("/v1/models/faults/small/prefetch", b'{"layer": 18446744073709551616, "ids": [1]}'),
     ("/v1/models/faults/small/warm", json.dumps({"layer": 1, "ids": list(range(10_000))}).encode()),
     ("/v1/models/faults/small/pin", b'{"layer": 1, "ids": [-5]}'),
+    ("/v1/models/faults/small/recheck", b'{"layer": 1, "ids": "all"}'),
+    ("/v1/models/faults/small/recheck", json.dumps({"layer": 1, "ids": list(range(10_000))}).encode()),
     ("/v1/evict", b'{"bytes": -1}'),
     ("/v1/models", b'{"manifest": 5}'),
     ("/v1/models", b'{"manifest": "/nonexistent/x.manifest"}'),

@@ -171,6 +171,8 @@ def test_bank_host_script_counts_the_banks_work(capsys: pytest.CaptureFixture[st
 def test_k3_delivery_core(served) -> None:  # type: ignore[no-untyped-def]
     res = _load("k3_delivery").measure(served, n_ids=4, reps=1, readers=2, rounds=1)
     _finite_positive(res.ours_gibs, res.raw_gibs, res.ratio, res.paired)
+    # the check on and off side by side (issue 48), in time and in this process's CPU
+    _finite_positive(res.unchecked_gibs, res.check_paired, res.cpu_checked, res.cpu_unchecked)
     assert res.copies_per_expert == 1.0  # one copy: page cache to the kernel's arrays
     assert res.bytes_per_case == 4 * int(served.manifest.sizes.max())
 

@@ -286,6 +286,36 @@ def test_each_window_is_copied_as_soon_as_its_read_lands(blobs) -> None:  # type
         assert words[0] == "landed" and "landed landed" not in " ".join(words), b
 
 
+def test_an_expert_read_again_after_a_failed_check_is_copied_again_from_its_start(blobs) -> None:  # type: ignore[no-untyped-def]
+    """An expert whose bytes failed their check is read again into the same staging and lands
+    again from its first bytes (``landed``'s ``n`` falls back: ``DaemonSource.read_into``); the
+    copies to its slot start again from its start, so the slot ends with the second bytes.
+    Here the first read of every expert lands garbage, window by window; the second the bytes."""
+    ref, toks = run_logits(build_resident(FMT), PROMPT, steps=2)
+    model, bank = _bank(blobs, slots=10)
+    inner = bank.source.read_into
+
+    def read_into(layer, ids, targets, landed=None):  # type: ignore[no-untyped-def]
+        got = inner(layer, ids, targets)  # the right bytes, kept aside
+        for i, target in enumerate(targets):
+            flat = [v.cast("B") for v in target]
+            good = [bytes(v) for v in flat]
+            size = sum(v.nbytes for v in flat)
+            for v in flat:
+                v[:] = b"\x5a" * v.nbytes  # rot, landed window by window
+            for upto in (size // 2, size):
+                landed(i, upto)
+            for v, b in zip(flat, good, strict=True):
+                v[:] = b
+            landed(i, size)  # read again: lands again, whole
+        return got
+
+    bank.source.read_into = read_into
+    bank.fill.copier = _HostCopier()
+    got, _ = run_logits(model, PROMPT, toks, steps=2)
+    assert_bitwise(ref, got)
+
+
 def _pool_peak_over(bank: ExpertBank, pool_bytes: int) -> int:
     """MLX's peak memory during ``bank.resize(pool_bytes)``, above what it held before."""
     mx.synchronize()
