@@ -113,6 +113,11 @@ MANIFEST_BUILD_JOBS = 4
 
 # Daemon behaviour.
 SHUTDOWN_TIMEOUT_S = 10.0
+# How long the engine (`cachecd run`, `cachecd openai`) waits for a daemon that stopped
+# answering mid-read to come back (a restart, `service install`) before the read fails with
+# `daemon_unavailable`; CACHECD_DAEMON_WAIT_S sets it (seconds).
+DAEMON_RETURN_S = float(os.environ.get("CACHECD_DAEMON_WAIT_S") or 60.0)
+DAEMON_RETURN_POLL_S = 0.2
 CLIENT_MAX_SIZE = 16 * 1024 * 1024
 MAX_BATCH_EXPERTS = 4096
 MAX_CONNECTIONS = 256  # data socket

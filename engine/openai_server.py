@@ -43,6 +43,13 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from cachecd.errors import CachecdError, ConfigInvalid
 from cachecd_client import Client
+from cachecd_engine.openai_daemon import (
+    OutlivingGenerator,
+    Unserved,
+    daemon_down,
+    error_body,
+    sse_error,
+)
 from cachecd_engine.pipeline import launched_group, rank_path
 from cachecd_engine.pool.bank import EngineStats
 from cachecd_engine.prefill_progress import LayerLog, log_wait, watch
@@ -222,13 +229,43 @@ class CachecdHandler(APIHandler):
         super().do_POST()
 
     def handle_completion(self, request: Any, stop_words: list[str]) -> None:
+        if (down := daemon_down(self.provider.daemon_socket())) is not None:
+            self._error(down.http_status, down.message, down.code)  # it would wait for nothing
+            return
         if not self._installed_model(self.requested_model):
             return
         self.window = self.provider.views.open()
         try:
             super().handle_completion(request, stop_words)
+        except (CachecdError, Unserved) as exc:
+            self._unserved(exc.error if isinstance(exc, Unserved) else exc)
         finally:
             self.provider.views.close(self.window)
+
+    def end_headers(self) -> None:
+        self.headers_sent = True
+        super().end_headers()
+
+    def _unserved(self, error: CachecdError) -> None:
+        """A request the engine could not serve (a daemon away too long): its error as an
+        answer, or as the stream's last event once the stream's headers are out."""
+        if getattr(self, "headers_sent", False):
+            self.wfile.write(sse_error(error))
+            self.wfile.flush()
+            return
+        self._headers_buffer: list[bytes] = []  # the 200 mlx-lm began for an answer it cannot give
+        self._error(error.http_status, error.message, error.code)
+
+    def handle_health_check(self) -> None:
+        """200 while the generation thread runs and the daemon answers; else 503, saying why."""
+        down = daemon_down(self.provider.daemon_socket())
+        if down is None and self.response_generator.is_healthy:
+            self._json({"status": "ok"})
+        elif down is not None:
+            self._json({"status": "unavailable", "message": down.message}, 503)
+        else:
+            self._json({"status": "unavailable", "message": "the generation thread died; "
+                        "restart cachecd openai (its log says why)"}, 503)
 
     def generate_response(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         response = super().generate_response(*args, **kwargs)
@@ -299,9 +336,7 @@ class CachecdHandler(APIHandler):
         self.wfile.write(data)
 
     def _error(self, status: int, message: str, code: str) -> None:
-        # OpenAI's error shape, so its clients show the message (mlx-lm's own are plain strings).
-        self._json({"error": {"message": message, "type": "invalid_request_error", "code": code}},
-                   status)
+        self._json(error_body(status, message, code), status)
 
 
 class _Server(ThreadingHTTPServer):
@@ -326,7 +361,7 @@ def serve(cli_args: argparse.Namespace, engine: dict[str, Any]) -> None:
         _check_address(cli_args.host, cli_args.port)  # before a load that can take minutes
     provider = StreamedModelProvider(cli_args, engine)
     cache_bytes = cli_args.prompt_cache_bytes or 1 << 63  # mlx-lm's LRUPromptCache's "none"
-    generator = ResponseGenerator(provider, LRUPromptCache(cli_args.prompt_cache_size, cache_bytes))
+    generator = OutlivingGenerator(provider, LRUPromptCache(cli_args.prompt_cache_size, cache_bytes))
     _wait_for_load(provider, generator)  # no daemon, an unknown model: the one-line error, now
     model: Any = provider.model
     print(prefix + cold_cost_notice(model.bank.source.client, cli_args.model), file=sys.stderr)
