@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cachecd.cli_help import count, number
 from cachecd.config import add_common_arguments
 from cachecd.sizes import format_size
 
@@ -83,15 +84,15 @@ def register(sub: Any) -> None:
     p = sub.add_parser("run", help="generate through the daemon (greedy unless --temp)")
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--prompt", required=True, help="the prompt; '-' reads it from standard input")
-    p.add_argument("--max-tokens", "--max-new", dest="max_tokens", type=int, default=64,
+    p.add_argument("--max-tokens", "--max-new", dest="max_tokens", type=count(1), default=64,
                    help="tokens to generate (default 64)")
-    p.add_argument("--temp", type=float, default=TEMP, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=TOP_P, help="nucleus sampling top-p")
-    p.add_argument("--top-k", type=int, default=TOP_K, help="top-k sampling (0: off)")
-    p.add_argument("--min-p", type=float, default=MIN_P, help="min-p sampling (0: off)")
+    p.add_argument("--temp", type=number(0), default=TEMP, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=number(0, 1), default=TOP_P, help="nucleus sampling top-p")
+    p.add_argument("--top-k", type=count(0), default=TOP_K, help="top-k sampling (0: off)")
+    p.add_argument("--min-p", type=number(0, 1), default=MIN_P, help="min-p sampling (0: off)")
     p.add_argument("--seed", type=int, help="PRNG seed: the same seed samples the same text "
                    "(default: unseeded)")
-    p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
+    p.add_argument("--prefill-step-size", type=count(1), default=PREFILL_STEP,
                    help="prompt tokens per prefill step (progress is printed after each)")
     add_engine_flags(p)
     add_trust_flag(p)

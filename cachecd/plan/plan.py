@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecd import constants
+from cachecd.cli_help import count, number
 from cachecd.config import parse_size
 from cachecd.errors import InvalidRequest
 from cachecd.manifest.manifest import Manifest
@@ -50,25 +51,25 @@ def register(sub: Any) -> None:
                    help="a doctor's figures (cachecd doctor --json > FILE); default: measure now")
     p.add_argument("--cache-dir", help="the cache dir to measure, or to read from --doctor "
                    f"(default: the doctor's first; measured: {constants.DEFAULT_CACHE_DIR})")
-    p.add_argument("--compute-ms", type=float,
+    p.add_argument("--compute-ms", type=number(0),
                    help="compute per token in ms (default: measured: a decode token of the "
                         "model built from its config.json, random weights, this machine)")
-    p.add_argument("--call-ms", type=float, nargs=2, metavar=("CALL", "MISS"),
+    p.add_argument("--call-ms", type=number(0), nargs=2, metavar=("CALL", "MISS"),
                    help="the engine's own ms per MoE layer call, and what a call with misses "
                         "adds (default: measured with the engine's streamed layer)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="the probes' dtype (default: the checkpoint's, as cachecd run computes)")
-    p.add_argument("--top-k", type=int, help="experts routed per token per layer (default: "
+    p.add_argument("--top-k", type=count(1), help="experts routed per token per layer (default: "
                    "the traces', else the model's config.json's)")
-    p.add_argument("--tokens", type=int, default=FLAT_TOKENS,
+    p.add_argument("--tokens", type=count(1), default=FLAT_TOKENS,
                    help="tokens a run generates, from a fresh pool, under flat routing "
                         "(default %(default)s, as cachecd run --max-tokens)")
-    p.add_argument("--prompt-tokens", type=int, metavar="N",
+    p.add_argument("--prompt-tokens", type=count(1), metavar="N",
                    help="project the time to the first token of a prompt of N tokens, "
                         "prefilled layer by layer (cold, warm, from the pool); default: none, no prompt projected")
-    p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
+    p.add_argument("--prefill-step-size", type=count(1), default=PREFILL_STEP,
                    help="prompt tokens per prefill step (default %(default)s, as cachecd run)")
-    p.add_argument("--prefill-ms", type=float,
+    p.add_argument("--prefill-ms", type=number(0),
                    help="the prompt's compute in ms (default: the probe's routed experts "
                         "for one step's rows, scaled by the prompt's tokens)")
     p.add_argument("--socket", help="the daemon's socket, for a model it serves (default: "
