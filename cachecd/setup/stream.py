@@ -29,7 +29,7 @@ from cachecd.errors import (
 )
 from cachecd.manifest.repo_ref import is_commit, parse_ref
 from cachecd.manifest.sha256 import file_sha256
-from cachecd.setup import model_check, pipeline, preflight, record
+from cachecd.setup import lock, model_check, pipeline, preflight, record
 from cachecd.setup.daemon_start import ensure_daemon
 from cachecd.setup.delta import compare, copy_if_same, installed_before
 from cachecd.setup.manifest_choice import choose_manifest
@@ -214,6 +214,13 @@ def run(args: argparse.Namespace) -> int:
         preflight.check_writable(settings.cache_dirs)
     preflight.check_endpoint(settings, status)
     repo, rev = parse_ref(args.stream)
+    with lock.model_lock(settings.models_dir, repo):
+        return install(args, given, settings, status, repo, rev)
+
+
+def install(args: argparse.Namespace, given: dict[str, Any], settings: Settings,
+            status: dict[str, Any] | None, repo: str, rev: str) -> int:
+    """The setup of ``repo@rev`` (``run``'s, under the model's lock)."""
     rank = pipeline.parse_rank(args.pipeline) if getattr(args, "pipeline", None) else None
     commit = resolve_commit(repo, rev, settings.endpoint, settings.offline)
     config = model_check.hub_config(repo, commit, settings.endpoint, settings.offline,
