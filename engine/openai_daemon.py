@@ -97,3 +97,43 @@ def daemon_down(socket: Any) -> CachecdError | None:
     except CachecdError as exc:
         return exc
     return None
+
+
+class DaemonAnswers:
+    """The handler's answers about the daemon (mixed into ``CachecdHandler`` before mlx-lm's
+    ``APIHandler``): ``/health`` that asks it, and a request it could not serve answered in
+    OpenAI's shape, before or after a stream's headers went out."""
+
+    headers_sent = False
+    provider: Any
+    response_generator: Any
+    wfile: Any
+
+    def end_headers(self) -> None:
+        self.headers_sent = True
+        super().end_headers()  # type: ignore[misc]
+
+    def _unserved(self, error: CachecdError) -> None:
+        if self.headers_sent:  # a stream under way: its last event says why it ends
+            self.wfile.write(sse_error(error))
+            self.wfile.flush()
+            return
+        self._headers_buffer: list[bytes] = []  # the 200 mlx-lm began for an answer it cannot give
+        self._error(error.http_status, error.message, error.code)
+
+    def handle_health_check(self) -> None:
+        """200 while the generation thread runs and the daemon answers; else 503, saying why."""
+        down = daemon_down(self.provider.daemon_socket())
+        if down is None and self.response_generator.is_healthy:
+            self._json({"status": "ok"})
+        elif down is not None:
+            self._json({"status": "unavailable", "message": down.message}, 503)
+        else:
+            self._json({"status": "unavailable", "message": "the generation thread died; "
+                        "restart cachecd openai (its log says why)"}, 503)
+
+    def _json(self, body: dict[str, Any], status: int = 200) -> None:
+        raise NotImplementedError  # the handler's
+
+    def _error(self, status: int, message: str, code: str) -> None:
+        raise NotImplementedError  # the handler's

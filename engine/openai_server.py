@@ -43,12 +43,13 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from cachecd.errors import CachecdError, ConfigInvalid
 from cachecd_client import Client
+from cachecd_engine.kernels import compiling_notice
 from cachecd_engine.openai_daemon import (
+    DaemonAnswers,
     OutlivingGenerator,
     Unserved,
     daemon_down,
     error_body,
-    sse_error,
 )
 from cachecd_engine.pipeline import launched_group, rank_path
 from cachecd_engine.pool.bank import EngineStats
@@ -207,7 +208,7 @@ def _load_draft(path: str | None, tokenizer: Any) -> Any:
     return draft
 
 
-class CachecdHandler(APIHandler):
+class CachecdHandler(DaemonAnswers, APIHandler):
     """mlx-lm's request handler, with the cache's view in each answer and the daemon's models.
 
     The view (``request_view``) goes in ``usage.cachecd`` (the non-streamed answer, and the usage
@@ -241,31 +242,6 @@ class CachecdHandler(APIHandler):
             self._unserved(exc.error if isinstance(exc, Unserved) else exc)
         finally:
             self.provider.views.close(self.window)
-
-    def end_headers(self) -> None:
-        self.headers_sent = True
-        super().end_headers()
-
-    def _unserved(self, error: CachecdError) -> None:
-        """A request the engine could not serve (a daemon away too long): its error as an
-        answer, or as the stream's last event once the stream's headers are out."""
-        if getattr(self, "headers_sent", False):
-            self.wfile.write(sse_error(error))
-            self.wfile.flush()
-            return
-        self._headers_buffer: list[bytes] = []  # the 200 mlx-lm began for an answer it cannot give
-        self._error(error.http_status, error.message, error.code)
-
-    def handle_health_check(self) -> None:
-        """200 while the generation thread runs and the daemon answers; else 503, saying why."""
-        down = daemon_down(self.provider.daemon_socket())
-        if down is None and self.response_generator.is_healthy:
-            self._json({"status": "ok"})
-        elif down is not None:
-            self._json({"status": "unavailable", "message": down.message}, 503)
-        else:
-            self._json({"status": "unavailable", "message": "the generation thread died; "
-                        "restart cachecd openai (its log says why)"}, 503)
 
     def generate_response(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         response = super().generate_response(*args, **kwargs)
@@ -359,12 +335,15 @@ def serve(cli_args: argparse.Namespace, engine: dict[str, Any]) -> None:
     prefix = f"rank {group.rank()}: " if group is not None else ""
     if serves:
         _check_address(cli_args.host, cli_args.port)  # before a load that can take minutes
+    compiling = compiling_notice()  # asked before the load, which may compile a kernel too
     provider = StreamedModelProvider(cli_args, engine)
     cache_bytes = cli_args.prompt_cache_bytes or 1 << 63  # mlx-lm's LRUPromptCache's "none"
     generator = OutlivingGenerator(provider, LRUPromptCache(cli_args.prompt_cache_size, cache_bytes))
     _wait_for_load(provider, generator)  # no daemon, an unknown model: the one-line error, now
     model: Any = provider.model
     print(prefix + cold_cost_notice(model.bank.source.client, cli_args.model), file=sys.stderr)
+    if compiling is not None:
+        print(prefix + compiling, file=sys.stderr)
     signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: mlx-lm's server cleans up
     if not serves:  # this rank's generation thread follows rank 0's requests (collectives)
         try:

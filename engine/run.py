@@ -173,9 +173,11 @@ def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from cachecd_client import resolve_model
+    from cachecd_engine.kernels import compiling_notice
     from cachecd_engine.pipeline import launched_group, shared_seed
     from cachecd_engine.pool.bank import EngineStats
 
+    compiling = compiling_notice()  # asked before the load, which may compile a kernel too
     args.model = resolve_model(args.model, args.socket)
     group = launched_group()
     prefix = f"rank {group.rank()}: " if group is not None else ""
@@ -190,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
     bank_source = model.bank.source
     try:
         print(prefix + cold_cost_notice(bank_source.client, args.model), file=sys.stderr)
+        if compiling is not None:
+            print(prefix + compiling, file=sys.stderr)
         records, last = _generate(args, model, tokenizer, stats, prefix,
                                   quiet=group is not None and group.rank() != 0)
         settle()
