@@ -88,3 +88,42 @@ def group_commands(parser: argparse.ArgumentParser, sub: Any) -> None:
         rows = [entries.pop(n) for n in names if n in entries]
         if rows:
             parser.add_argument_group(title)._group_actions.extend(rows)
+
+
+# Argument types: every command checks its numbers as argparse parses them, before any work, and
+# a bad one ends in argparse's one line naming the flag ("argument --prefill-step-size: ...").
+def count(low: int = 1, high: int | None = None) -> Callable[[str], int]:
+    """An integer from ``low`` (and up to ``high``) for ``type=``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        return _within(value, low, high)
+
+    parse.__name__ = "count"
+    return parse
+
+
+def number(low: float = 0.0, high: float | None = None) -> Callable[[str], float]:
+    """A number from ``low`` (and up to ``high``) for ``type=``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value != value:  # NaN passes every comparison
+            raise argparse.ArgumentTypeError("nan is not a number")
+        return _within(value, low, high)
+
+    parse.__name__ = "number"
+    return parse
+
+
+def _within(value: Any, low: Any, high: Any) -> Any:
+    if value < low or (high is not None and value > high):
+        wanted = f"from {low} to {high}" if high is not None else f"at least {low}"
+        raise argparse.ArgumentTypeError(f"must be {wanted}, not {value}")
+    return value

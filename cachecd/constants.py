@@ -20,6 +20,10 @@ VERSION = "0.1.0"
 INDEX_SCHEMA_VERSION = 2  # 2: the sources each blob was verified as (store/sources.py)
 MANIFEST_FORMAT_VERSION = 1
 
+# Model types the engine streams: their MoE layers expose ``mlp.switch_mlp`` as a SwitchGLU (the
+# hook point). kimi_k2 (K2-Thinking's config) is mlx-lm's deepseek_v3 through its remapping.
+SUPPORTED_MODEL_TYPES = ("kimi_k3", "kimi_k2", "deepseek_v3")
+
 # K3 facts (DESIGN.md); used by benches and the synthetic K3-sized manifest.
 K3_MOE_LAYERS = 92
 K3_EXPERTS_PER_LAYER = 896
@@ -113,6 +117,11 @@ MANIFEST_BUILD_JOBS = 4
 
 # Daemon behaviour.
 SHUTDOWN_TIMEOUT_S = 10.0
+# How long the engine (`cachecd run`, `cachecd openai`) waits for a daemon that stopped
+# answering mid-read to come back (a restart, `service install`) before the read fails with
+# `daemon_unavailable`; CACHECD_DAEMON_WAIT_S sets it (seconds).
+DAEMON_RETURN_S = float(os.environ.get("CACHECD_DAEMON_WAIT_S") or 60.0)
+DAEMON_RETURN_POLL_S = 0.2
 CLIENT_MAX_SIZE = 16 * 1024 * 1024
 MAX_BATCH_EXPERTS = 4096
 MAX_CONNECTIONS = 256  # data socket

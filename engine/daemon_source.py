@@ -9,21 +9,32 @@ Every expert read is checked against the manifest's xxh3-128 as it lands (``veri
 default): the client hashes each window on its reader threads right after the read, so a blob
 that rotted in place is never computed from. One that fails is reported to the daemon, which
 hashes it again and quarantines it, and is read (fetched) again before the read returns.
+
+A daemon that stops answering mid-read (restarted by hand, by ``service install``, after a
+crash) is waited for: the demand read says so on the log once and every ``_SAY_EVERY_S`` (the
+line names the socket and how to start a daemon), asks the daemon's health until it answers, and
+is sent again, for up to ``constants.DAEMON_RETURN_S``; then it fails with
+``DaemonUnavailable``. A read of the same experts returns the same verified bytes, so sending it
+again changes nothing it computes. Read-ahead is a guess and is never waited for.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from cachecd.errors import CachecdError, ExpertSizeMismatch, ModelNotFound
+from cachecd import constants
+from cachecd.errors import CachecdError, DaemonUnavailable, ExpertSizeMismatch, ModelNotFound
 from cachecd.manifest.entries import ExpertEntry
 from cachecd.manifest.manifest import Manifest
 
 log = logging.getLogger(__name__)
+
+_SAY_EVERY_S = 5.0
 
 
 class DaemonSource:
@@ -66,8 +77,9 @@ class DaemonSource:
         ``landed(i, n)`` as the first ``n`` bytes of expert ``i`` are in place, window by
         window, in order; an expert read again after its bytes failed their check lands again
         from its start (``n`` falls back)."""
-        return self._checked(layer, ids, self.client.experts_into(
-            self.repo, layer, ids, targets, landed, digests=self._digests(layer, ids)))
+        return self._checked(layer, ids, self._while_down(
+            lambda: self.client.experts_into(self.repo, layer, ids, targets, landed,
+                                             digests=self._digests(layer, ids))))
 
     def read_ahead_into(self, layer: int, ids: list[int],
                         targets: Sequence[Sequence[memoryview]]) -> int:
@@ -82,6 +94,45 @@ class DaemonSource:
             return None
         m = self.manifest
         return [m.digests[m.row(layer, e)].tobytes() for e in ids]
+
+    def _while_down(self, read: Callable[[], list[int]]) -> list[int]:
+        """``read()``, sent again once a daemon that stopped answering is back, within
+        ``constants.DAEMON_RETURN_S`` of its first failure; else its ``DaemonUnavailable``."""
+        since: float | None = None
+        while True:
+            try:
+                got = read()
+            except DaemonUnavailable as exc:
+                since = time.monotonic() if since is None else since
+                if not self._back(since):
+                    raise DaemonUnavailable(
+                        f"the cachecd daemon on {self.client.socket} stopped answering and did "
+                        f"not come back in {constants.DAEMON_RETURN_S:.0f} s; start it with "
+                        "`cachecd serve` (foreground) or `cachecd service install`, then "
+                        "ask again") from exc
+                continue
+            if since is not None:
+                log.warning("the cachecd daemon on %s answers again after %.0f s: reading on",
+                            self.client.socket, time.monotonic() - since)
+            return got
+
+    def _back(self, since: float) -> bool:
+        """Wait until the daemon answers its health check (True) or the wait is over (False),
+        saying so now and every ``_SAY_EVERY_S``."""
+        said = 0.0
+        while (waited := time.monotonic() - since) < constants.DAEMON_RETURN_S:
+            if waited >= said:
+                said = waited + _SAY_EVERY_S
+                log.warning("the cachecd daemon on %s does not answer: waiting %.0f s of %.0f "
+                            "for it to come back; start it with `cachecd serve` or `cachecd "
+                            "service install`", self.client.socket, waited,
+                            constants.DAEMON_RETURN_S)
+            try:
+                self.client.health()
+                return True
+            except DaemonUnavailable:
+                time.sleep(constants.DAEMON_RETURN_POLL_S)
+        return False
 
     def _checked(self, layer: int, ids: list[int], sizes: list[int]) -> int:
         """The bytes written, each expert's as the manifest says, else ``ExpertSizeMismatch``."""

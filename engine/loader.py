@@ -25,7 +25,7 @@ from mlx import nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
-from cachecd import errors
+from cachecd import constants, errors
 from cachecd.manifest.manifest import EXPERT_RE, Manifest
 from cachecd_engine.formats import quant_spec
 from cachecd_engine.pipeline import barrier, weights_of_rank
@@ -40,9 +40,9 @@ from cachecd_engine.prefill_defer import Deferral
 from cachecd_engine.streamed_moe import StreamedSwitchGLU, install_prefetch, install_streamed_banks
 from cachecd_engine.tokenizer import tokenizer_options
 
-# Model types whose MoE layers expose ``mlp.switch_mlp`` as a SwitchGLU (the hook point).
-# kimi_k2 (K2-Thinking's config) is mlx-lm's deepseek_v3 through its model-type remapping.
-SUPPORTED_MODEL_TYPES = ("kimi_k3", "kimi_k2", "deepseek_v3")
+# Model types whose MoE layers expose ``mlp.switch_mlp`` as a SwitchGLU (the hook point); setup
+# refuses the others before it installs anything.
+SUPPORTED_MODEL_TYPES = constants.SUPPORTED_MODEL_TYPES
 
 
 def is_expert_weight(key: str) -> bool:

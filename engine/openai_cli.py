@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any
 
+from cachecd.cli_help import count, number
 from cachecd.config import parse_size
 from cachecd.errors import EXIT_INTERRUPTED, CachecdError
 from cachecd_engine.run import MODEL_HELP, add_engine_flags, add_trust_flag, engine_options
@@ -24,14 +25,14 @@ def register(sub: Any) -> None:
     p = sub.add_parser("openai", help="an OpenAI-compatible HTTP server (mlx-lm's) through the daemon")
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free one)")
+    p.add_argument("--port", type=count(0, 65535), default=8080, help="port (default 8080; 0: any free one)")
     add_engine_flags(p)
-    p.add_argument("--max-tokens", type=int, default=512,
+    p.add_argument("--max-tokens", type=count(1), default=512,
                    help="tokens per answer when a request does not say (default 512)")
-    p.add_argument("--temp", type=float, default=0.0, help="default temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="default nucleus sampling top-p")
-    p.add_argument("--top-k", type=int, default=0, help="default top-k (0: off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="default min-p (0: off)")
+    p.add_argument("--temp", type=number(0), default=0.0, help="default temperature (0: greedy)")
+    p.add_argument("--top-p", type=number(0, 1), default=1.0, help="default nucleus sampling top-p")
+    p.add_argument("--top-k", type=count(0), default=0, help="default top-k (0: off)")
+    p.add_argument("--min-p", type=number(0, 1), default=0.0, help="default min-p (0: off)")
     p.add_argument("--chat-template", default="", help="a chat template to use instead of the model's (default: the model's)")
     p.add_argument("--chat-template-args", type=json.loads, default={},
                    help="JSON arguments for apply_chat_template, e.g. '{\"thinking\": false}' "
@@ -40,9 +41,9 @@ def register(sub: Any) -> None:
     p.add_argument("--allowed-origins", type=lambda s: s.split(","), default=[],
                    help="browser origins allowed to use the server, comma-separated ('*': any); "
                         "default none")
-    p.add_argument("--prefill-step-size", type=int, default=2048,
+    p.add_argument("--prefill-step-size", type=count(1), default=2048,
                    help="prompt tokens per prefill step (default 2048)")
-    p.add_argument("--prompt-cache-size", type=int, default=10,
+    p.add_argument("--prompt-cache-size", type=count(0), default=10,
                    help="distinct KV caches kept for prompt reuse (default 10)")
     _add_mlx_lm_server_flags(p)
     p.set_defaults(func=run)
@@ -53,17 +54,17 @@ def _add_mlx_lm_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-cache-bytes", type=lambda v: parse_size(v, "--prompt-cache-bytes"),
                    metavar="SIZE", help="bound on the bytes of the KV caches kept for prompt "
                    "reuse, e.g. 4GiB (default: none, as mlx_lm.server: only --prompt-cache-size)")
-    p.add_argument("--decode-concurrency", type=int, default=32,
+    p.add_argument("--decode-concurrency", type=count(1), default=32,
                    help="requests decoded together in one batch (default 32)")
-    p.add_argument("--prompt-concurrency", type=int, default=8,
+    p.add_argument("--prompt-concurrency", type=count(1), default=8,
                    help="prompts prefilled together in one batch (default 8)")
     p.add_argument("--kv-bits", type=int, default=None,
                    help="quantize the KV cache to this many bits (4 or 8; default: none); "
                         "refused for a model whose attention cannot read a quantized cache "
                         "(kimi_k3's), as mlx-lm fails on it")
-    p.add_argument("--kv-group-size", type=int, default=64,
+    p.add_argument("--kv-group-size", type=count(1), default=64,
                    help="group size of the KV cache quantization (default 64)")
-    p.add_argument("--quantized-kv-start", type=int, default=5000,
+    p.add_argument("--quantized-kv-start", type=count(0), default=5000,
                    help="token position where KV cache quantization starts (default 5000)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -75,7 +76,7 @@ def _add_mlx_lm_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", help="a small model for speculative decoding (loaded with "
                    "mlx_lm.load); refused for a model whose caches cannot be trimmed, as "
                    "speculative decoding needs (K3's KDA layers; default: none)")
-    p.add_argument("--num-draft-tokens", type=int, default=3,
+    p.add_argument("--num-draft-tokens", type=count(1), default=3,
                    help="tokens the draft model proposes a step (default 3)")
     p.add_argument("--pipeline", action="store_true",
                    help="accepted for mlx_lm.server's command lines: under mlx.launch cachecd "

@@ -43,6 +43,14 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from cachecd.errors import CachecdError, ConfigInvalid
 from cachecd_client import Client
+from cachecd_engine.kernels import compiling_notice
+from cachecd_engine.openai_daemon import (
+    DaemonAnswers,
+    OutlivingGenerator,
+    Unserved,
+    daemon_down,
+    error_body,
+)
 from cachecd_engine.pipeline import launched_group, rank_path
 from cachecd_engine.pool.bank import EngineStats
 from cachecd_engine.prefill_progress import LayerLog, log_wait, watch
@@ -200,7 +208,7 @@ def _load_draft(path: str | None, tokenizer: Any) -> Any:
     return draft
 
 
-class CachecdHandler(APIHandler):
+class CachecdHandler(DaemonAnswers, APIHandler):
     """mlx-lm's request handler, with the cache's view in each answer and the daemon's models.
 
     The view (``request_view``) goes in ``usage.cachecd`` (the non-streamed answer, and the usage
@@ -222,11 +230,16 @@ class CachecdHandler(APIHandler):
         super().do_POST()
 
     def handle_completion(self, request: Any, stop_words: list[str]) -> None:
+        if (down := daemon_down(self.provider.daemon_socket())) is not None:
+            self._error(down.http_status, down.message, down.code)  # it would wait for nothing
+            return
         if not self._installed_model(self.requested_model):
             return
         self.window = self.provider.views.open()
         try:
             super().handle_completion(request, stop_words)
+        except (CachecdError, Unserved) as exc:
+            self._unserved(exc.error if isinstance(exc, Unserved) else exc)
         finally:
             self.provider.views.close(self.window)
 
@@ -299,9 +312,7 @@ class CachecdHandler(APIHandler):
         self.wfile.write(data)
 
     def _error(self, status: int, message: str, code: str) -> None:
-        # OpenAI's error shape, so its clients show the message (mlx-lm's own are plain strings).
-        self._json({"error": {"message": message, "type": "invalid_request_error", "code": code}},
-                   status)
+        self._json(error_body(status, message, code), status)
 
 
 class _Server(ThreadingHTTPServer):
@@ -324,12 +335,15 @@ def serve(cli_args: argparse.Namespace, engine: dict[str, Any]) -> None:
     prefix = f"rank {group.rank()}: " if group is not None else ""
     if serves:
         _check_address(cli_args.host, cli_args.port)  # before a load that can take minutes
+    compiling = compiling_notice()  # asked before the load, which may compile a kernel too
     provider = StreamedModelProvider(cli_args, engine)
     cache_bytes = cli_args.prompt_cache_bytes or 1 << 63  # mlx-lm's LRUPromptCache's "none"
-    generator = ResponseGenerator(provider, LRUPromptCache(cli_args.prompt_cache_size, cache_bytes))
+    generator = OutlivingGenerator(provider, LRUPromptCache(cli_args.prompt_cache_size, cache_bytes))
     _wait_for_load(provider, generator)  # no daemon, an unknown model: the one-line error, now
     model: Any = provider.model
     print(prefix + cold_cost_notice(model.bank.source.client, cli_args.model), file=sys.stderr)
+    if compiling is not None:
+        print(prefix + compiling, file=sys.stderr)
     signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: mlx-lm's server cleans up
     if not serves:  # this rank's generation thread follows rank 0's requests (collectives)
         try:

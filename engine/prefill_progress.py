@@ -47,16 +47,31 @@ class LayerFigures:
         s = self.stats
         self.t0, self.hits0, self.bytes0 = time.perf_counter(), s.source_hits, s.source_bytes
         self.fetched0 = self._fetched()
+        self.last = (self.t0, 0, s.source_hits)  # (when, layers done, hits) at the last line
+        self.reading: tuple[float, int] | None = None  # when the first layer that read began
 
     def line(self, done: int, layers: int) -> str:
-        took = time.perf_counter() - self.t0
+        now = time.perf_counter()
+        took = now - self.t0
         nbytes = self.stats.source_bytes - self.bytes0
         rate = nbytes / took if took > 0 else 0.0
-        left = took / done * (layers - done) if done else 0.0
         return (f"prefill layer {done}/{layers}: {self.stats.source_hits - self.hits0} experts "
                 f"read through the daemon ({format_size(nbytes)}), "
                 f"{self._fetched() - self.fetched0} fetched from the Hub, {took:.1f} s, "
-                f"{format_size(int(rate))}/s, about {left:.0f} s left")
+                f"{format_size(int(rate))}/s, {self._left(now, done, layers)}")
+
+    def _left(self, now: float, done: int, layers: int) -> str:
+        """Time left, from the layers since the first one that read experts began: layers
+        before it (a dense layer, MLX compiling its kernels on a first run) say nothing of
+        the rest, so until one has read there is no estimate."""
+        then, done_then, hits_then = self.last
+        self.last = (now, done, self.stats.source_hits)
+        if self.reading is None and self.stats.source_hits > hits_then:
+            self.reading = (then, done_then)
+        if self.reading is None or done <= self.reading[1]:
+            return "time left not known yet"
+        since, base = self.reading
+        return f"about {(now - since) / (done - base) * (layers - done):.0f} s left"
 
 
 class LayerLog:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cachecd.cli_help import count, number
 from cachecd.config import add_common_arguments
 from cachecd.sizes import format_size
 
@@ -83,15 +84,15 @@ def register(sub: Any) -> None:
     p = sub.add_parser("run", help="generate through the daemon (greedy unless --temp)")
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--prompt", required=True, help="the prompt; '-' reads it from standard input")
-    p.add_argument("--max-tokens", "--max-new", dest="max_tokens", type=int, default=64,
+    p.add_argument("--max-tokens", "--max-new", dest="max_tokens", type=count(1), default=64,
                    help="tokens to generate (default 64)")
-    p.add_argument("--temp", type=float, default=TEMP, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=TOP_P, help="nucleus sampling top-p")
-    p.add_argument("--top-k", type=int, default=TOP_K, help="top-k sampling (0: off)")
-    p.add_argument("--min-p", type=float, default=MIN_P, help="min-p sampling (0: off)")
+    p.add_argument("--temp", type=number(0), default=TEMP, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=number(0, 1), default=TOP_P, help="nucleus sampling top-p")
+    p.add_argument("--top-k", type=count(0), default=TOP_K, help="top-k sampling (0: off)")
+    p.add_argument("--min-p", type=number(0, 1), default=MIN_P, help="min-p sampling (0: off)")
     p.add_argument("--seed", type=int, help="PRNG seed: the same seed samples the same text "
                    "(default: unseeded)")
-    p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
+    p.add_argument("--prefill-step-size", type=count(1), default=PREFILL_STEP,
                    help="prompt tokens per prefill step (progress is printed after each)")
     add_engine_flags(p)
     add_trust_flag(p)
@@ -172,9 +173,11 @@ def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from cachecd_client import resolve_model
+    from cachecd_engine.kernels import compiling_notice
     from cachecd_engine.pipeline import launched_group, shared_seed
     from cachecd_engine.pool.bank import EngineStats
 
+    compiling = compiling_notice()  # asked before the load, which may compile a kernel too
     args.model = resolve_model(args.model, args.socket)
     group = launched_group()
     prefix = f"rank {group.rank()}: " if group is not None else ""
@@ -189,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
     bank_source = model.bank.source
     try:
         print(prefix + cold_cost_notice(bank_source.client, args.model), file=sys.stderr)
+        if compiling is not None:
+            print(prefix + compiling, file=sys.stderr)
         records, last = _generate(args, model, tokenizer, stats, prefix,
                                   quiet=group is not None and group.rank() != 0)
         settle()

@@ -284,6 +284,28 @@ def stop_daemon(socket: Path) -> None:
     raise AssertionError(f"daemon {pid} did not stop")
 
 
+def serve_bare(socket: Path, log: Path, timeout: float = 120) -> subprocess.Popen[bytes]:
+    """`cachecd serve --socket S` with nothing else (it serves with what setup recorded), as a
+    user starts the daemon again; returned once it answers, or the test fails with its log."""
+    from cachecd.errors import DaemonUnavailable
+    from cachecd_client import Client
+
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([*CACHECD, "serve", "--socket", str(socket)], stdout=out,
+                                stderr=out)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text(errors="replace")
+        try:
+            with Client(socket, timeout=5) as c:
+                if c.health().get("ok"):
+                    return proc
+        except DaemonUnavailable:
+            time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"no daemon on {socket}:\n{log.read_text(errors='replace')}")
+
+
 class Installed:
     """What `cachecd setup --stream` installs: the resident model and the daemon it started."""
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from cachecd.cli_help import count
 from cachecd.config import add_common_arguments, load_settings
 from cachecd.ctl import MODEL_HELP
 from cachecd.errors import InvalidRequest
@@ -110,7 +111,7 @@ def register(sub: Any) -> None:
     p.add_argument("--output", metavar="FILE",
                    help="write here instead of stdout (png needs it; default: stdout)")
     add_trace_flag(p, "weigh coverage by this routing trace (default: the daemon's counts)")
-    p.add_argument("--top", type=int, default=20, help="how many most-wanted missing experts")
+    p.add_argument("--top", type=count(1), default=20, help="how many most-wanted missing experts")
     add_common_arguments(p)
     p.set_defaults(func=coverage)
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cachecd.cli_help import number
 from cachecd.config import add_common_arguments, load_settings
 from cachecd.errors import DaemonUnavailable, StopTimedOut
 
@@ -28,7 +29,7 @@ _POLL_S = 0.05
 def register(sub: Any) -> None:
     p = sub.add_parser("stop", help="stop the daemon (it drains fetches in flight, then exits)")
     add_common_arguments(p)
-    p.add_argument("--wait", type=float, metavar="SECONDS",
+    p.add_argument("--wait", type=number(0), metavar="SECONDS",
                    help="how long to wait for it to exit (default: the drain timeout, "
                         "shutdown_timeout, + 20 s)")
     p.set_defaults(func=stop)

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from cachecd.cli_help import count
 from cachecd.config import add_common_arguments, parse_size
 from cachecd.ctl import MODEL_HELP
 from cachecd.ctl.coverage import (
@@ -72,19 +73,19 @@ def register(sub: Any) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", metavar="FILE", help="one prompt a line (or JSON lines with \"prompt\")")
     add_trace_flag(src, "a routing trace (cachecd run --trace)")
-    src.add_argument("--top", type=int, metavar="N", help="the N most-used missing experts")
+    src.add_argument("--top", type=count(1), metavar="N", help="the N most-used missing experts")
     src.add_argument("--bytes", metavar="SIZE", help="the most-used missing experts up to SIZE, e.g. 20GB")
-    p.add_argument("--max-tokens", "--max-new", dest="max_new", type=int, default=4,
+    p.add_argument("--max-tokens", "--max-new", dest="max_new", type=count(1), default=4,
                    help="tokens generated per prompt (--prompts)")
-    p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
+    p.add_argument("--prefill-step-size", type=count(1), default=PREFILL_STEP,
                    help="prompt tokens per prefill step (--prompts; default %(default)s, as "
                         "cachecd run)")
     p.add_argument("--save-trace", metavar="FILE",
                    help="keep the routing of --prompts as a trace (default: not kept)")
     add_chat_flag(p)
     add_trust_flag(p)
-    p.add_argument("--parallel", type=int, default=2, help="requests in flight to the daemon")
-    p.add_argument("--batch", type=int, default=16, help="experts per request (one layer each)")
+    p.add_argument("--parallel", type=count(1), default=2, help="requests in flight to the daemon")
+    p.add_argument("--batch", type=count(1), default=16, help="experts per request (one layer each)")
     p.add_argument("--allow-evict", action="store_true",
                    help="go past the free room under the budget (the daemon evicts by policy)")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")

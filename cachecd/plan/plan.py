@@ -13,12 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from cachecd import constants
+from cachecd.cli_help import count, number
 from cachecd.config import parse_size
 from cachecd.errors import InvalidRequest
 from cachecd.manifest.manifest import Manifest
@@ -35,10 +38,11 @@ PREFILL_STEP = 2048  # mlx-lm's prefill_step_size
 
 def register(sub: Any) -> None:
     p = sub.add_parser("plan", help="project tok/s and the disk a model needs on this machine")
-    p.add_argument("--model", required=True,
+    p.add_argument("--model",
                    help="a manifest file, a repo whose manifest cachecd ships, a repo the "
                         "running daemon serves, or any Hub repo ORG/NAME[@REV] (planned from "
-                        "its config.json and its shards' headers: nothing else downloaded)")
+                        "its config.json and its shards' headers: nothing else downloaded); "
+                        "default: the one model the daemon has registered")
     p.add_argument("--endpoint", help="the Hub for a model not installed (default: the "
                    "configured one)")
     p.add_argument("--trace", action="append", metavar="FILE",
@@ -50,25 +54,25 @@ def register(sub: Any) -> None:
                    help="a doctor's figures (cachecd doctor --json > FILE); default: measure now")
     p.add_argument("--cache-dir", help="the cache dir to measure, or to read from --doctor "
                    f"(default: the doctor's first; measured: {constants.DEFAULT_CACHE_DIR})")
-    p.add_argument("--compute-ms", type=float,
+    p.add_argument("--compute-ms", type=number(0),
                    help="compute per token in ms (default: measured: a decode token of the "
                         "model built from its config.json, random weights, this machine)")
-    p.add_argument("--call-ms", type=float, nargs=2, metavar=("CALL", "MISS"),
+    p.add_argument("--call-ms", type=number(0), nargs=2, metavar=("CALL", "MISS"),
                    help="the engine's own ms per MoE layer call, and what a call with misses "
                         "adds (default: measured with the engine's streamed layer)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="the probes' dtype (default: the checkpoint's, as cachecd run computes)")
-    p.add_argument("--top-k", type=int, help="experts routed per token per layer (default: "
+    p.add_argument("--top-k", type=count(1), help="experts routed per token per layer (default: "
                    "the traces', else the model's config.json's)")
-    p.add_argument("--tokens", type=int, default=FLAT_TOKENS,
+    p.add_argument("--tokens", type=count(1), default=FLAT_TOKENS,
                    help="tokens a run generates, from a fresh pool, under flat routing "
                         "(default %(default)s, as cachecd run --max-tokens)")
-    p.add_argument("--prompt-tokens", type=int, metavar="N",
+    p.add_argument("--prompt-tokens", type=count(1), metavar="N",
                    help="project the time to the first token of a prompt of N tokens, "
                         "prefilled layer by layer (cold, warm, from the pool); default: none, no prompt projected")
-    p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
+    p.add_argument("--prefill-step-size", type=count(1), default=PREFILL_STEP,
                    help="prompt tokens per prefill step (default %(default)s, as cachecd run)")
-    p.add_argument("--prefill-ms", type=float,
+    p.add_argument("--prefill-ms", type=number(0),
                    help="the prompt's compute in ms (default: the probe's routed experts "
                         "for one step's rows, scaled by the prompt's tokens)")
     p.add_argument("--socket", help="the daemon's socket, for a model it serves (default: "
@@ -82,9 +86,16 @@ def register(sub: Any) -> None:
 def plan_command(args: argparse.Namespace) -> int:
     from cachecd.plan import model_source
     from cachecd.plan.render import render_png, render_table
+    from cachecd_client import resolve_model
 
+    say = Progress()
+    args.model = resolve_model(args.model, args.socket)
     need = args.compute_ms is None or (args.top_k is None and not args.trace)
+    say(f"reading {args.model}'s manifest and config.json")
     model = model_source.load(args.model, args.socket, args.endpoint, need_config=need)
+    if not args.doctor:
+        say("measuring the disk, memory and daemon as cachecd doctor does (--doctor FILE "
+            "reuses its figures)")
     doctor = _doctor(args)
     result = build_plan(
         model.manifest, doctor, traces=args.trace or [], top_k=args.top_k, tokens=args.tokens,
@@ -93,7 +104,8 @@ def plan_command(args: argparse.Namespace) -> int:
         budgets=[parse_size(args.budget, "--budget")] if args.budget else [],
         pools=[parse_size(args.pool, "--pool")] if args.pool else [],
         prompt=PromptArgs(args.prompt_tokens, args.prefill_step_size, args.prefill_ms)
-        if args.prompt_tokens else None, config=model.config)
+        if args.prompt_tokens else None, config=model.config, say=say)
+    say("done")
     result["model"].update(model.describe())
     if args.png:
         Path(args.png).write_bytes(render_png(result))
@@ -109,6 +121,22 @@ def _doctor(args: argparse.Namespace) -> dict[str, Any]:
     return doctor.measure([args.cache_dir or str(constants.DEFAULT_CACHE_DIR)],
                           parse_size(doctor.DEFAULT_SIZE), doctor._block_default(),
                           socket=args.socket)
+
+
+class Progress:
+    """The plan's long steps on stderr as they start, with the seconds so far: a plan measures
+    the disk and the compute and simulates every budget, a minute or more in silence else."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __call__(self, step: str) -> None:
+        print(f"plan: {time.perf_counter() - self.t0:5.1f} s: {step}", file=sys.stderr,
+              flush=True)
+
+
+def _quiet(step: str) -> None:
+    pass
 
 
 @dataclass
@@ -135,9 +163,11 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
                cache_dir: str | None = None, budgets: list[int] | None = None,
                pools: list[int] | None = None, seed: int = 0,
                prompt: PromptArgs | None = None,
-               config: dict[str, Any] | None = None) -> dict[str, Any]:
+               config: dict[str, Any] | None = None,
+               say: Callable[[str], None] = _quiet) -> dict[str, Any]:
     """``config``: the model's config.json, where known: its top-k, and the compute of a whole
-    token (``token_probe``); without it the compute is the routed experts' (``probe``)."""
+    token (``token_probe``); without it the compute is the routed experts' (``probe``).
+    ``say``: told each long step as it starts."""
     from cachecd.plan.simulate import slot_bytes
     from cachecd.plan.speed import Machine, first_token_s
     from cachecd.plan.token_probe import checkpoint_dtype
@@ -148,17 +178,22 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
     dtype = dtype or checkpoint_dtype(config or {}, manifest)
     socket = (doctor.get("daemon") or {}).get("socket")  # the daemon the doctor reached
     dirs = [d["path"] for d in doctor["disks"]]
+    if compute_ms is None or call_ms is None:
+        say("measuring the compute: the engine's streamed MoE layer and a decode token of the "
+            "model built from its config.json (random weights)")
     compute_s, costs, compute_src = _costs(manifest, top_k, compute_ms, call_ms, dtype,
                                            machine, socket, dirs, config)
     pool = recommended_pool(machine, manifest)
     inputs = Inputs(manifest, machine, compute_s, pool, slot_bytes(manifest), costs)
     total = manifest.expert_bytes_total
     budget_list = sorted({int(total * s) for s in BUDGET_SHARES} | set(budgets or []))
+    pool_list = sorted({max(1, int(pool * s)) for s in POOL_SHARES} | set(pools or []))
+    say(f"simulating the workload's {len(work.calls)} layer calls at {len(budget_list)} disk "
+        f"budgets and {len(pool_list)} pool sizes")
     rows = [project_row(inputs, work, pool, b, seed) for b in budget_list]
     free = _free_bytes(doctor, cache_dir)
     best = _recommend(rows, free, min(pool, total))
-    pool_rows = [project_row(inputs, work, p, best["budget"], seed) for p in
-                 sorted({max(1, int(pool * s)) for s in POOL_SHARES} | set(pools or []))]
+    pool_rows = [project_row(inputs, work, p, best["budget"], seed) for p in pool_list]
     token_bytes = int(rows[0]["bytes_per_token"])
     first = first_token_s(compute_s, token_bytes, len(manifest.shards), machine)
     result = {
@@ -186,6 +221,7 @@ def build_plan(manifest: Manifest, doctor: dict[str, Any], *, traces: list[str],
                         "tok_s_cold": best["tok_s_cold"], "tok_s_warm": best["tok_s_warm"]},
     }
     if prompt is not None:
+        say(f"projecting a {prompt.tokens}-token prompt's first token")
         result["prompt"] = project_prompt(inputs, top_k, prompt, (pools or [pool])[0], dtype)
     result["elapsed_s"] = round(time.perf_counter() - t0, 3)
     return result

@@ -56,7 +56,21 @@ def render_table(plan: dict[str, Any]) -> str:
               f"{_tps(rec['tok_s_warm'])} warm"]
     if plan.get("prompt"):
         lines += ["", *prompt_lines(plan["prompt"])]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *LEGEND])
+
+
+# What the table's figures mean, printed under it (docs/plan.md says how each is projected).
+LEGEND = (
+    "how to read it:",
+    "  disk budget  the expert cache's size on disk (setup/serve --budget)",
+    "  pool hits    routed experts found in the pool of expert slots in memory (run --ram)",
+    "  disk hits    of those not in the pool, the share the disk cache held",
+    "  local        of the bytes read into the pool, the share from disk (the rest: the Hub)",
+    "  tok/s cold   decode speed reading the disk cold from the SSD; warm: from the page cache",
+    "  slots        experts the pool holds at once (its size / one expert's bytes)",
+    "  first token  nothing cached: every expert it routes to comes from the Hub",
+    "  n/a          not measured here (the Hub's rate: cachecd doctor --network REPO)",
+)
 
 
 def _origin(m: dict[str, Any]) -> list[str]:

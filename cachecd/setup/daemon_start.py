@@ -18,19 +18,28 @@ from cachecd import constants
 from cachecd.config import Settings
 from cachecd.errors import DaemonUnavailable
 from cachecd.service.render import sharing_arguments
+from cachecd.setup.lock import held
 
 
 def ensure_daemon(settings: Settings, args: argparse.Namespace) -> Any:
+    """A client of the daemon on the socket: the one answering, else one started now. Setups
+    of other models at once ask one at a time (``lock.held``): the second finds the first's."""
     from cachecd_client import Client
 
-    client = Client(settings.socket)
-    try:
-        client.health()
-        return client
-    except DaemonUnavailable:
-        if args.no_start:
-            raise
     log_path = daemon_log_path(settings.socket)
+    client = Client(settings.socket)
+    with held(log_path.with_suffix(".start.lock"), "another setup is starting a daemon on "
+              f"{settings.socket}"):
+        try:
+            client.health()
+            return client
+        except DaemonUnavailable:
+            if args.no_start:
+                raise
+        return _start(settings, client, log_path)
+
+
+def _start(settings: Settings, client: Any, log_path: Path) -> Any:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "cachecd.cli", "serve", "--socket", str(settings.socket),
            "--endpoint", settings.endpoint, "--models-dir", str(settings.models_dir)]

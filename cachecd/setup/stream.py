@@ -29,7 +29,7 @@ from cachecd.errors import (
 )
 from cachecd.manifest.repo_ref import is_commit, parse_ref
 from cachecd.manifest.sha256 import file_sha256
-from cachecd.setup import pipeline, preflight, record
+from cachecd.setup import lock, model_check, pipeline, preflight, record
 from cachecd.setup.daemon_start import ensure_daemon
 from cachecd.setup.delta import compare, copy_if_same, installed_before
 from cachecd.setup.manifest_choice import choose_manifest
@@ -173,6 +173,7 @@ def text_model_tensors(manifest: Any, local: Path) -> set[str]:
     from cachecd_engine.sanitize_keep import kept_names
 
     config = json.loads((local / "config.json").read_text())
+    model_check.check_model_type(config, manifest.key)  # offline, the first config seen
     keep = kept_names(config, manifest.resident)
     skipped = [t for t in manifest.resident if t.name not in keep]
     if skipped:
@@ -213,8 +214,19 @@ def run(args: argparse.Namespace) -> int:
         preflight.check_writable(settings.cache_dirs)
     preflight.check_endpoint(settings, status)
     repo, rev = parse_ref(args.stream)
+    with lock.model_lock(settings.models_dir, repo):
+        return install(args, given, settings, status, repo, rev)
+
+
+def install(args: argparse.Namespace, given: dict[str, Any], settings: Settings,
+            status: dict[str, Any] | None, repo: str, rev: str) -> int:
+    """The setup of ``repo@rev`` (``run``'s, under the model's lock)."""
     rank = pipeline.parse_rank(args.pipeline) if getattr(args, "pipeline", None) else None
     commit = resolve_commit(repo, rev, settings.endpoint, settings.offline)
+    config = model_check.hub_config(repo, commit, settings.endpoint, settings.offline,
+                                    settings.models_dir / repo / commit)
+    if config is not None:  # before a manifest build reads the whole revision
+        model_check.check_model_type(config, f"{repo}@{commit[:12]}")
     manifest_path, manifest, origin = choose_manifest(args, repo, commit, settings)
     if origin not in ("built", "shipped"):
         print(f"its hashes are its maker's word ({manifest.made or 'how it was made is not recorded'}"
@@ -241,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
     for line in delta.lines() if delta else []:
         print(line)
     reuse = delta.old_resident if delta else None
+    model_check.check_room(local, model_check.resident_need(manifest, local, keep),
+                           "the resident install", "pass --models-dir on a disk with room")
     resident = asyncio.run(fetch_resident(manifest, local, settings, keep, reuse))
     make_private(settings.models_dir, repo)  # what hf_hub_download and copies wrote: 0600
     client = ensure_daemon(settings, args)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cachecd.cli_help import count
 from cachecd.sizes import format_size
 
 REPO = "cachecd/tiny-k3"
@@ -28,7 +29,7 @@ DEFAULT_PROMPT = "The cache warms to the workload because"
 def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="stream a tiny K3 through a local hub and a daemon, end to end")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt the demo generates from")
-    p.add_argument("--max-tokens", "--max-new", dest="max_new", type=int, default=32, help="tokens to generate")
+    p.add_argument("--max-tokens", "--max-new", dest="max_new", type=count(1), default=32, help="tokens to generate")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (hub, cache, logs)")
     p.set_defaults(func=run)
 

@@ -48,13 +48,13 @@ LAYERS: dict[str, set[str]] = {
     "cachecd_engine.formats": _BASE | {"cachecd.manifest"},
     # The pool's room: nothing in it imports the model wrapper, the sources or the front doors.
     "cachecd_engine.pool": _BASE | {"cachecd.store", "cachecd_engine.formats"},
-    "cachecd_engine": _BASE | {"cachecd.durable", "cachecd.sizes", "cachecd.config", "cachecd.manifest",
+    "cachecd_engine": _BASE | {"cachecd.durable", "cachecd.sizes", "cachecd.cli_help", "cachecd.config", "cachecd.manifest",
                                "cachecd.store", "cachecd_client", "cachecd_engine.formats",
                                "cachecd_engine.pool"},
     "cachecd.daemon": _BASE | {"cachecd.secrets", "cachecd.durable", "cachecd.config", "cachecd.protocol",
                                "cachecd.manifest", "cachecd.store", "cachecd.upstream",
                                "cachecd.report"},
-    "cachecd.ctl": _BASE | {"cachecd.sizes", "cachecd.config", "cachecd.manifest", "cachecd.store",
+    "cachecd.ctl": _BASE | {"cachecd.sizes", "cachecd.cli_help", "cachecd.config", "cachecd.manifest", "cachecd.store",
                             "cachecd.report", "cachecd_client", "cachecd_engine",
                             "cachecd_engine.pool"},
     "cachecd.service": _BASE | {"cachecd.durable", "cachecd.config", "cachecd.daemon",
@@ -63,10 +63,10 @@ LAYERS: dict[str, set[str]] = {
                               "cachecd.upstream", "cachecd.report", "cachecd.service", "cachecd_client",
                               "cachecd_engine"},
     "cachecd.lanhub": _BASE | {"cachecd.secrets", "cachecd.manifest", "cachecd.xet"},
-    "cachecd.plan": _BASE | {"cachecd.durable", "cachecd.sizes", "cachecd.config", "cachecd.manifest",
+    "cachecd.plan": _BASE | {"cachecd.durable", "cachecd.sizes", "cachecd.cli_help", "cachecd.config", "cachecd.manifest",
                              "cachecd.store", "cachecd.report", "cachecd_client",
                              "cachecd_engine", "cachecd_engine.pool", "cachecd_engine.formats"},
-    "cachecd.testbed": _BASE | {"cachecd.sizes", "cachecd.config", "cachecd.manifest", "cachecd_client"},
+    "cachecd.testbed": _BASE | {"cachecd.sizes", "cachecd.cli_help", "cachecd.config", "cachecd.manifest", "cachecd_client"},
     "cachecd.cli": _BASE | {"cachecd.secrets", "cachecd", "cachecd.hub_errors", "cachecd.cli_help"},  # names its command modules as strings (importlib)
 }
 
