@@ -16,7 +16,7 @@ import sys
 import traceback
 
 from cachecd import __version__
-from cachecd.cli_help import Parser, add_exit_codes, group_commands
+from cachecd.cli_help import Parser, add_debug_flag, add_exit_codes, group_commands
 from cachecd.errors import EXIT_INTERRUPTED, EXIT_USAGE, exit_codes
 from cachecd.hub_errors import translate
 
@@ -44,7 +44,8 @@ _COMMAND_MODULES: tuple[str, ...] = (
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="cachecd", description="Run a frontier MoE model on a machine too small for it.")
     parser.add_argument("--version", action="version", version=f"cachecd {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    parser.add_argument("-v", "--verbose", dest="debug", action="store_true",
+                        help="debug logging on stderr (before or after the command)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         try:
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(sub)
+    add_debug_flag(parser)
     add_exit_codes(parser, exit_codes)
     group_commands(parser, sub)
     return parser
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             code = 1
         else:
             raise
-        if args.verbose:
+        if args.debug:
             traceback.print_exception(exc)
         print(f"cachecd: {line}", file=sys.stderr)
         return code
@@ -100,7 +102,7 @@ def log_level(args: argparse.Namespace) -> int:
     """DEBUG with -v; INFO on a terminal; else WARNING, so that a command whose stderr goes to a
     file or a pipe writes what went wrong there, not its progress. A command that is a server
     (``serve``, ``hub serve``, ``openai``) sets its own level: its log is what it writes."""
-    if args.verbose:
+    if args.debug:
         return logging.DEBUG
     return logging.INFO if sys.stderr.isatty() else logging.WARNING
 
