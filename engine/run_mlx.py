@@ -60,12 +60,13 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     """mlx_lm.generate's options beyond those ``cachecd run`` defines itself (the prompt, the
     model, sampling, the seed, the prefill step, trusting remote code)."""
     p.add_argument("--system-prompt", default=None,
-                   help="a system message before the prompt, in the chat template")
+                   help="a system message before the prompt, in the chat template (default: none)")
     p.add_argument("--prefill-response", default=None,
-                   help="the start of the answer, which the model continues (chat template)")
+                   help="the start of the answer, which the model continues (chat template; default: "
+                        "none)")
     p.add_argument("--chat-template-config", default=None,
                    help="more arguments for the chat template, as a JSON object, e.g. "
-                        "'{\"enable_thinking\": false}'")
+                        "'{\"enable_thinking\": false}' (default: none)")
     p.add_argument("--ignore-chat-template", "--no-chat", dest="ignore_chat_template",
                    action="store_true",
                    help="the prompt as it is, without the tokenizer's chat template")
@@ -78,7 +79,7 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
                         "only the answer, printed when it is complete (as mlx_lm.generate)")
     p.add_argument("--max-kv-size", type=int, default=None,
                    help="the KV cache's size, for models without their own cache (K3 has one, "
-                        "so it changes nothing there, as in mlx-lm)")
+                        "so it changes nothing there, as in mlx-lm; default: none)")
     p.add_argument("--xtc-probability", type=float, default=XTC_PROBABILITY,
                    help="XTC sampling: the chance to apply it at each token")
     p.add_argument("--xtc-threshold", type=float, default=XTC_THRESHOLD,
@@ -87,7 +88,7 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
                    help="the fewest tokens min-p sampling keeps")
     p.add_argument("--adapter-path", type=str, default=None,
                    help="a LoRA adapter (mlx_lm.lora's) on the resident weights; one on the "
-                        "routed experts is refused")
+                        "routed experts is refused (default: none)")
     p.add_argument("--quantize-activations", "-qa", action="store_true",
                    help="quantize activations as the layer's weights (nvfp4 and mxfp8 "
                         "layers, as in mlx-lm)")
