@@ -95,7 +95,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cachecd: {line}", file=sys.stderr)
         return code
     except KeyboardInterrupt:
+        if getattr(args, "resumes", False):
+            print(f"\ncachecd: interrupted; run `{rerun(argv)}` again to resume where it "
+                  "stopped (what is fetched and verified is kept)", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def rerun(argv: list[str] | None) -> str:
+    """The command line as the user typed it, quoted for a shell."""
+    import shlex
+
+    return shlex.join(["cachecd", *(sys.argv[1:] if argv is None else argv)])
 
 
 def log_level(args: argparse.Namespace) -> int:

@@ -80,12 +80,16 @@ def test_run_within_a_small_expert_memory_bound(installed):
 
 
 def test_demo_runs_end_to_end():
-    """In $TMPDIR (kept with --keep, where it says), saying that the weights are random."""
+    """In $TMPDIR (kept with --keep, where it says), saying that the weights are random; nothing
+    left in the user's ~/.config/cachecd (setup's record of its settings is the demo's own)."""
     from tests.harness import short_tmp
 
     tmp = short_tmp("cdtmp")
-    out = run_cli("demo", "--max-new", "8", "--keep", env={"TMPDIR": str(tmp)},
-                  timeout=600).stdout
+    home = tmp / "home"
+    home.mkdir()
+    env = {"TMPDIR": str(tmp), "HOME": str(home), "CACHECD_CONFIG": "", "XDG_CONFIG_HOME": ""}
+    out = run_cli("demo", "--max-new", "8", "--keep", env=env, timeout=600).stdout
+    assert not (home / ".config").exists(), list((home / ".config").rglob("*"))
     lines = [line for line in out.splitlines() if line.strip()]
     kept = Path(lines[-1].removeprefix("kept "))
     assert kept.parent == tmp and kept.name.startswith("cachecd-demo-"), out
