@@ -32,8 +32,9 @@ REFUSED: tuple[tuple[tuple[str, ...], Any, str], ...] = (
     (("--draft-model",), None, "speculative decoding with a draft model is not supported: "
      "K3's linear-attention caches cannot be trimmed back after a rejected draft"),
     (("--num-draft-tokens",), 3, "it goes with --draft-model, which is not supported"),
-    (("--kv-bits",), None, "a quantized KV cache is not yet checked against mlx-lm's on a "
-     "layer-by-layer prefill"),
+    (("--kv-bits",), None, "kimi_k3's attention reads its compressed KV cache as plain arrays "
+     "(mlx-lm fails on a quantized one), and a quantized cache is not checked against mlx-lm's "
+     "on a layer-by-layer prefill"),
     (("--kv-group-size",), 64, "it goes with --kv-bits, which is not supported"),
     (("--quantized-kv-start",), 5000, "it goes with --kv-bits, which is not supported"),
 )
