@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 from tests.exactness import assert_bitwise, run_logits
-from tests.harness import TINY_REPO, run_cli
+from tests.harness import CACHECD, TINY_REPO, run_cli
 
 PROMPT = "Experts stream from the hub into a verified cache, layer after layer."
 
@@ -87,8 +89,12 @@ def test_demo_runs_end_to_end():
     tmp = short_tmp("cdtmp")
     home = tmp / "home"
     home.mkdir()
-    env = {"TMPDIR": str(tmp), "HOME": str(home), "CACHECD_CONFIG": "", "XDG_CONFIG_HOME": ""}
-    out = run_cli("demo", "--max-new", "8", "--keep", env=env, timeout=600).stdout
+    # The user's own config location: no CACHECD_CONFIG (the suite's) nor XDG_CONFIG_HOME.
+    env = {k: v for k, v in os.environ.items() if k not in ("CACHECD_CONFIG", "XDG_CONFIG_HOME")}
+    proc = subprocess.run([*CACHECD, "demo", "--max-new", "8", "--keep"], capture_output=True,
+                          text=True, timeout=600, env={**env, "TMPDIR": str(tmp), "HOME": str(home)})
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
     assert not (home / ".config").exists(), list((home / ".config").rglob("*"))
     lines = [line for line in out.splitlines() if line.strip()]
     kept = Path(lines[-1].removeprefix("kept "))
