@@ -89,8 +89,8 @@ class Terminal:
 
 class RunSession:
     """One ``cachecd run``: the ``load`` and ``generate`` mlx_lm.generate's main() calls, and
-    what the run shows. ``--verbose F``: only the answer (main() prints it); ``--json``: only the
-    JSON; a pipelined rank other than 0 prints no text."""
+    what the run shows. ``--verbose F``: only the answer (main() prints it); ``--json``: the JSON
+    on stdout; a pipelined rank other than 0 prints no text, only its own notices."""
 
     def __init__(self, args: argparse.Namespace, group: Any, load: Callable[..., Any],
                  engine: dict[str, Any]) -> None:
@@ -100,8 +100,9 @@ class RunSession:
         self._load, self.engine = load, engine
         self.prefix = f"rank {group.rank()}: " if group is not None else ""
         self.quiet = group is not None and group.rank() != 0
-        self.chatty = bool(args.verbose) and not self.quiet
-        self.streams = self.chatty and not args.json
+        # Every rank says its own notices (prefixed); rank 0 alone prints the text.
+        self.chatty = bool(args.verbose)
+        self.streams = self.chatty and not args.json and not self.quiet
         self.terminal = Terminal()
         self.model: Any = None
         self.records: list[dict[str, Any]] = []
@@ -157,7 +158,7 @@ class RunSession:
             if watch(model, progress.layer):
                 progress.deferral = model.deferral
             options["prompt_progress_callback"] = progress
-            # a cold layer's wait on the Hub, about once a second
+        if self.chatty and not self.quiet:  # a cold layer's wait on the Hub, about once a second
             client.on_wait(lambda p: say(self.prefix + wait_line(p)))
         records: list[dict[str, Any]] = []
         t0, last, fetched = time.perf_counter(), None, client.upstream_fetches
