@@ -16,7 +16,7 @@ import sys
 import traceback
 
 from cachecd import __version__
-from cachecd.cli_help import Parser, add_exit_codes, group_commands
+from cachecd.cli_help import Parser, add_debug_flag, add_exit_codes, group_commands
 from cachecd.errors import EXIT_INTERRUPTED, EXIT_USAGE, exit_codes
 from cachecd.hub_errors import translate
 from cachecd.secrets import install as scrub_logs
@@ -46,7 +46,8 @@ _COMMAND_MODULES: tuple[str, ...] = (
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="cachecd", description="Run a frontier MoE model on a machine too small for it.")
     parser.add_argument("--version", action="version", version=f"cachecd {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    parser.add_argument("-v", "--verbose", dest="debug", action="store_true",
+                        help="debug logging on stderr (before or after the command)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         try:
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(sub)
+    add_debug_flag(parser)
     add_exit_codes(parser, exit_codes)
     group_commands(parser, sub)
     return parser
@@ -91,19 +93,29 @@ def main(argv: list[str] | None = None) -> int:
             code = 1
         else:
             raise
-        if args.verbose:
+        if args.debug:
             traceback.print_exception(exc)
         print(f"cachecd: {scrub(line)}", file=sys.stderr)
         return code
     except KeyboardInterrupt:
+        if getattr(args, "resumes", False):
+            print(f"\ncachecd: interrupted; run `{rerun(argv)}` again to resume where it "
+                  "stopped (what is fetched and verified is kept)", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def rerun(argv: list[str] | None) -> str:
+    """The command line as the user typed it, quoted for a shell."""
+    import shlex
+
+    return shlex.join(["cachecd", *(sys.argv[1:] if argv is None else argv)])
 
 
 def log_level(args: argparse.Namespace) -> int:
     """DEBUG with -v; INFO on a terminal; else WARNING, so that a command whose stderr goes to a
     file or a pipe writes what went wrong there, not its progress. A command that is a server
     (``serve``, ``hub serve``, ``openai``) sets its own level: its log is what it writes."""
-    if args.verbose:
+    if args.debug:
         return logging.DEBUG
     return logging.INFO if sys.stderr.isatty() else logging.WARNING
 

@@ -54,11 +54,52 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose help, and its subcommands' help, uses :class:`HelpFormatter`."""
+    """An ArgumentParser whose help, and its subcommands' help, uses :class:`HelpFormatter`, and
+    whose unknown arguments are refused by the (sub)command that got them: its own usage, and the
+    closest of its options."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        # argparse hands a subcommand's leftovers up to the top parser, which would print the
+        # top-level usage; refusing them here prints the usage of the command they were given to.
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(unknown_arguments(self, extras))
+        return parsed, extras
+
+
+def unknown_arguments(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """argparse's message for ``extras``, with the closest option of ``parser`` to each unknown
+    flag (``--max-token=5``: ``--max-tokens``)."""
+    import difflib
+
+    # Compared without the dashes, which every long option shares.
+    known = {s[2:]: s for s in parser._option_string_actions if s.startswith("--")}
+    hints = []
+    for extra in extras:
+        flag = extra.split("=", 1)[0]
+        close = difflib.get_close_matches(flag[2:], known, n=1) if flag.startswith("--") else []
+        if close:
+            hints.append(f"did you mean {known[close[0]]}?")
+    return "; ".join([f"unrecognized arguments: {' '.join(extras)}", *hints])
+
+
+def add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    """``-v``/``--verbose`` (debug logging) after any subcommand too, as before it, where the
+    command has no option of that name of its own (``status -v`` lists pins; ``run --verbose`` is
+    mlx_lm.generate's). Unset unless given, so ``cachecd -v CMD`` is not undone by CMD's default."""
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for child in action.choices.values():
+            free = [s for s in ("-v", "--verbose") if s not in child._option_string_actions]
+            if free:
+                child.add_argument(*free, dest="debug", action="store_true",
+                                   default=argparse.SUPPRESS, help="debug logging on stderr")
+            add_debug_flag(child)
 
 
 ExitTable = Callable[[str], list[tuple[int, str]]]

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     from cachecd_engine.openai_server import serve
 
     args.model = resolve_model(args.model, args.socket)
-    logging.getLogger().setLevel(logging.DEBUG if args.verbose else args.log_level)
+    logging.getLogger().setLevel(logging.DEBUG if args.debug else args.log_level)
     try:
         serve(server_args(args), engine_options(args))
     except CachecdError as exc:  # printed as cli.main would, then the exit below

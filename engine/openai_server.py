@@ -233,7 +233,7 @@ class CachecdHandler(DaemonAnswers, APIHandler):
         if (down := daemon_down(self.provider.daemon_socket())) is not None:
             self._error(down.http_status, down.message, down.code)  # it would wait for nothing
             return
-        if not self._installed_model(self.requested_model):
+        if not self._one_choice() or not self._installed_model(self.requested_model):
             return
         self.window = self.provider.views.open()
         try:
@@ -262,6 +262,17 @@ class CachecdHandler(DaemonAnswers, APIHandler):
         prompt cache held, in ``prompt_tokens_details``, were not prefilled again)."""
         cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
         return self.provider.views.view(self.window, usage["prompt_tokens"], cached)
+
+    def _one_choice(self) -> bool:
+        """mlx-lm's server answers one choice whatever ``n`` asks; asked for more, say so rather
+        than answer fewer than asked."""
+        n = self.body.get("n", 1)
+        if n is None or n == 1:
+            return True
+        self._error(400, f"n={n} is not supported: cachecd openai answers one choice a "
+                         "request; send n=1 (the default), or send the request n times",
+                    "invalid_request")
+        return False
 
     def _installed_model(self, name: str) -> bool:
         """Whether ``name`` can be served; if not, answered with an error that says why. Checked

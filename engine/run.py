@@ -1,8 +1,9 @@
 """``cachecd run``: generation through the daemon as ``mlx_lm.generate`` does it, with per-token stats.
 
-Greedy unless asked to sample (``--temp``, ``--top-p``, ``--top-k``, ``--min-p``, ``--seed``: the
-defaults are mlx_lm.generate's). The prompt goes in the model's chat template when the tokenizer
-has one, as mlx_lm.generate does (``--no-chat`` sends it as it is). Before a prefill the user is
+Takes mlx_lm.generate's flags with their meanings (``run_mlx``: its own ``main()`` builds the
+prompt, the chat template with a system prompt or a prefilled response, and the sampler; greedy
+unless asked to sample). The prompt goes in the model's chat template when the tokenizer has one
+(``--ignore-chat-template``, alias ``--no-chat``, sends it as it is). Before a prefill the user is
 told what a cold cache costs: a long prompt can route to nearly every expert of every layer, and
 each missing one is fetched from the Hub first; a prefill longer than one step prints its
 progress: layers done of all (it runs layer by layer, ``prefill_defer``), experts read and
@@ -17,15 +18,16 @@ each rank's own figures (gathered once generation is over).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from cachecd.cli_help import count, number
 from cachecd.config import add_common_arguments
-from cachecd.sizes import format_size
+from cachecd_engine.run_mlx import add_generate_flags, call_main
+from cachecd_engine.run_session import cold_cost_notice
+
+__all__ = ["cold_cost_notice", "load", "run"]  # cold_cost_notice: cachecd openai's too
 
 # mlx_lm.generate's defaults (DEFAULT_TEMP, ...): literals so `cachecd --help` needs no mlx
 # import; tests/unit/test_openai_cli.py holds them equal to mlx-lm's.
@@ -81,10 +83,11 @@ MODEL_HELP = ("ORG/NAME[@REV], installed with setup --stream (default: the one m
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("run", help="generate through the daemon (greedy unless --temp)")
+    p = sub.add_parser("run", help="generate through the daemon (mlx_lm.generate's flags)")
     p.add_argument("--model", help=MODEL_HELP)
-    p.add_argument("--prompt", required=True, help="the prompt; '-' reads it from standard input")
-    p.add_argument("--max-tokens", "--max-new", dest="max_tokens", type=count(1), default=64,
+    p.add_argument("--prompt", "-p", required=True,
+                   help="the prompt; '-' reads it from standard input")
+    p.add_argument("--max-tokens", "-m", "--max-new", dest="max_tokens", type=count(1), default=64,
                    help="tokens to generate (default 64)")
     p.add_argument("--temp", type=number(0), default=TEMP, help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=number(0, 1), default=TOP_P, help="nucleus sampling top-p")
@@ -96,7 +99,7 @@ def register(sub: Any) -> None:
                    help="prompt tokens per prefill step (progress is printed after each)")
     add_engine_flags(p)
     add_trust_flag(p)
-    add_chat_flag(p)
+    add_generate_flags(p)
     p.add_argument("--stats", action="store_true", help="per-token stats on stderr")
     p.add_argument("--json", action="store_true", help="print token ids and per-token stats as JSON")
     p.add_argument("--trace", metavar="FILE",
@@ -126,87 +129,46 @@ def prompt_input(tokenizer: Any, text: str, chat: bool | None) -> str | list[int
     return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
-def cold_cost_notice(client: Any, repo: str) -> str:
-    cov = client.coverage(repo)
-    missing = cov["bytes_total"] - cov["bytes_cached"]
-    if not missing:
-        return f"cache: every expert of {repo} is local"
-    return (f"cache: {format_size(cov['bytes_cached'])} of {format_size(cov['bytes_total'])} of experts "
-            f"are local; a long prefill can route to any expert, so up to {format_size(missing)} may "
-            f"be fetched first (warm it ahead: cachecd warm)")
-
-
-class PrefillProgress:
-    """mlx-lm's ``prompt_progress_callback``: a stderr line after each step of a prefill longer
-    than one step (after each layer when it runs layer by layer: ``prefill_progress``), with the
-    experts read through the daemon and fetched from the Hub so far."""
-
-    def __init__(self, stats: Any, client: Any, step: int, prefix: str = "") -> None:
-        from cachecd_engine.prefill_progress import LayerFigures
-
-        self.stats, self.client, self.step, self.prefix = stats, client, step, prefix
-        self.deferral: Any = None  # the model's, when its prefill runs layer by layer
-        self.t0 = time.perf_counter()
-        self.fetched0 = client.upstream_fetches
-        self.figures = LayerFigures(stats, client)
-
-    def __call__(self, done: int, total: int) -> None:
-        # A held-back step has not run yet; during a pass the layer lines say where it is.
-        busy = self.deferral is not None and (self.deferral.held or self.deferral.running)
-        if total <= self.step or done == 0 or busy:
-            return
-        s = self.stats
-        print(f"{self.prefix}prefill {done}/{total} tokens: {s.source_hits} experts read "
-              f"through the daemon ({format_size(s.source_bytes)}), "
-              f"{self.client.upstream_fetches - self.fetched0} fetched from the Hub, "
-              f"{time.perf_counter() - self.t0:.1f} s", file=sys.stderr, flush=True)
-
-    def layer(self, done: int, layers: int) -> None:
-        """A layer-by-layer prefill (``prefill_defer``): a line after each layer."""
-        if done == 0:
-            self.figures.start()
-        else:
-            print(self.prefix + self.figures.line(done, layers), file=sys.stderr, flush=True)
-
-
 def run(args: argparse.Namespace) -> int:
-    import mlx.core as mx
-
     from cachecd_client import resolve_model
     from cachecd_engine.kernels import compiling_notice
-    from cachecd_engine.pipeline import launched_group, shared_seed
-    from cachecd_engine.pool.bank import EngineStats
 
     compiling = compiling_notice()  # asked before the load, which may compile a kernel too
     args.model = resolve_model(args.model, args.socket)
+    daemon_answers(args.socket)  # before mlx loads: no daemon is a one-line error at once
+
+    from cachecd_engine.pipeline import launched_group, shared_seed
+    from cachecd_engine.run_session import RunSession
+
     group = launched_group()
-    prefix = f"rank {group.rank()}: " if group is not None else ""
-    stats = EngineStats()
-    # Seeded before the load, as mlx_lm.generate seeds: building the model draws from the PRNG
-    # (its layers' initial weights), so seeding after would sample other text than it does.
-    seed = args.seed if args.seed is not None or group is None else shared_seed(group)
-    if seed is not None:
-        mx.random.seed(seed)
-    model, tokenizer = load(args.model, stats=stats, trace=args.trace, pipeline=group or False,
-                            trust_remote_code=args.trust_remote_code, **engine_options(args))
-    bank_source = model.bank.source
+    # mlx_lm.generate's main() seeds before it loads, as it must: building the model draws from
+    # the PRNG (its layers' initial weights). Pipelined, every rank samples with one seed.
+    if args.seed is None and group is not None:
+        args.seed = shared_seed(group)
+    session = RunSession(args, group, load, engine_options(args))
     try:
-        print(prefix + cold_cost_notice(bank_source.client, args.model), file=sys.stderr)
-        if compiling is not None:
-            print(prefix + compiling, file=sys.stderr)
-        records, last = _generate(args, model, tokenizer, stats, prefix,
-                                  quiet=group is not None and group.rank() != 0)
+        session.compiling = compiling
+        call_main(session.main_args(), session.load, session.generate)
         settle()
+        records = session.records
         if group is not None:
             records = merge_ranks(group, records)
     finally:
-        model.bank.close()
-        bank_source.close()
-        if model.bank.trace is not None:
-            model.bank.trace.close()
+        session.close()
     if group is None or group.rank() == 0:
-        _summary(args, records, last)
+        session.summary(records)
     return 0
+
+
+def daemon_answers(socket: str | None) -> None:
+    """``DaemonUnavailable`` now if nothing answers on ``socket`` (a pipelined rank's
+    ``{rank}`` socket is its own, checked when that rank loads)."""
+    from cachecd_client import Client
+
+    if "{rank}" in str(socket or ""):
+        return
+    with Client(socket, timeout=10) as client:
+        client.health()
 
 
 def settle() -> None:
@@ -246,73 +208,7 @@ def _unscale(value: int, scale: int) -> float | int:
     return value / scale if scale != 1 else value
 
 
-def _prompt(args: argparse.Namespace, tokenizer: Any) -> str | list[int]:
-    return prompt_input(tokenizer, sys.stdin.read() if args.prompt == "-" else args.prompt,
-                        args.chat)
-
-
-def _generate(args: argparse.Namespace, model: Any, tokenizer: Any, stats: Any, prefix: str = "",
-              quiet: bool = False) -> tuple[list[dict[str, Any]], Any]:
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    from cachecd_engine.prefill_progress import wait_line, watch
-
-    client = model.bank.source.client
-    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
-    progress = PrefillProgress(stats, client, args.prefill_step_size, prefix)
-    if watch(model, progress.layer):
-        progress.deferral = model.deferral
-    if not quiet:  # a cold layer's wait on the Hub, about once a second
-        client.on_wait(lambda p: print(prefix + wait_line(p), file=sys.stderr, flush=True))
-    records: list[dict[str, Any]] = []
-    t0, last, fetched = time.perf_counter(), None, client.upstream_fetches
-    try:
-        for resp in stream_generate(model, tokenizer, _prompt(args, tokenizer),
-                                    max_tokens=args.max_tokens, sampler=sampler,
-                                    prefill_step_size=args.prefill_step_size,
-                                    prompt_progress_callback=progress):
-            now = time.perf_counter()
-            step = {"token": int(resp.token), "text": resp.text, "s": round(now - t0, 6),
-                    "logprob": float(resp.logprobs[resp.token].item()),  # type: ignore[arg-type]
-                    **stats.snapshot(), "fetched_upstream": client.upstream_fetches - fetched}
-            fetched = client.upstream_fetches
-            stats.reset()
-            t0, last = now, resp
-            records.append(step)
-            if not args.json and not quiet:
-                sys.stdout.write(resp.text)
-                sys.stdout.flush()
-            if args.stats and not args.json:
-                print(prefix + _stat_line(len(records), step), file=sys.stderr)
-    except BaseException:  # Ctrl-C or an error mid-text: the text's line ends before the error
-        if records and not args.json and not quiet:
-            print(flush=True)
-        raise
-    return records, last
-
-
-def _summary(args: argparse.Namespace, records: list[dict[str, Any]], last: Any) -> None:
-    if args.json:
-        print(json.dumps({"model": args.model, "tokens": [r["token"] for r in records],
-                          "text": "".join(r["text"] for r in records), "per_token": records,
-                          "prompt_tps": last.prompt_tps if last else 0.0,
-                          "generation_tps": last.generation_tps if last else 0.0}))
-        return
-    print()
-    if last is not None:
-        print(f"prompt {last.prompt_tokens} tokens at {last.prompt_tps:.1f} tok/s, generated "
-              f"{last.generation_tokens} at {last.generation_tps:.1f} tok/s", file=sys.stderr)
-
-
 def _size(value: str, flag: str) -> int | None:
     from cachecd.config import parse_size
 
     return None if value == "auto" else parse_size(value, flag)
-
-
-def _stat_line(i: int, s: dict[str, Any]) -> str:
-    return (f"token {i}: routed {s['experts_routed']} RAM hits {s['ram_hits']} read ahead "
-            f"{s['staged_hits']} daemon {s['source_hits']} of which fetched upstream "
-            f"{s['fetched_upstream']} ({format_size(s['source_bytes'])}) waited for experts "
-            f"{s['wait_s'] * 1000:.1f} ms total {s['s'] * 1000:.1f} ms")

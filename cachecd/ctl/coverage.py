@@ -108,6 +108,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser("coverage", help="per-layer coverage, workload hit rate, heatmap")
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--format", choices=FORMATS, default="table", help="how to show it")
+    # --json, as `cachecd status --json` takes it.
+    p.add_argument("--json", dest="format", action="store_const", const="json",
+                   help="the same as --format json")
     p.add_argument("--output", metavar="FILE",
                    help="write here instead of stdout (png needs it; default: stdout)")
     add_trace_flag(p, "weigh coverage by this routing trace (default: the daemon's counts)")

@@ -45,7 +45,7 @@ from cachecd.ctl.coverage import (
     trace_access,
     trace_label,
 )
-from cachecd.ctl.warm_batches import Outcome, plan_batches, run_batches
+from cachecd.ctl.warm_batches import BAR_FORMAT, Outcome, plan_batches, run_batches
 from cachecd.errors import CachecdError, InvalidRequest
 from cachecd.report.coverage import access_array, served_mask, trace_weighted, warm_order
 from cachecd.sizes import format_size
@@ -251,7 +251,8 @@ def _warm_prompts(args: argparse.Namespace, client: Any, before: Snapshot) -> in
     model.bank.trace = recorder
     start_bytes = client.stats()["counters"].get("fetched_bytes", 0)
     outcome, t0 = Outcome(), time.monotonic()
-    bar = tqdm(total=len(prompts), unit="prompt", desc="warm", disable=None, file=sys.stderr)
+    bar = tqdm(total=len(prompts), unit="prompt", desc="warm", disable=None, file=sys.stderr,
+               bar_format=BAR_FORMAT)
     beside = LayerPostfix(stats, model.bank.source.client, bar)  # a pass in layer order
     watch(model, beside)
     model.bank.source.client.on_wait(beside.wait)  # and a layer's wait on the Hub

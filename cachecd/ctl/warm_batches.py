@@ -79,6 +79,11 @@ def interrupt_flag() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
+# The bar keeps a width of its own: tqdm would shrink it to one character to fit a long
+# postfix (warm --prompts' layer line), which is cut at the terminal's edge instead.
+BAR_FORMAT = "{l_bar}{bar:24}{r_bar}"
+
+
 def run_batches(make_client: Callable[[], Any], model: str, batches: list[Batch], total: int,
                 parallel: int) -> Outcome:
     """Send the batches to the daemon (``parallel`` in flight), with a bytes progress bar. On
@@ -99,7 +104,7 @@ def run_batches(make_client: Callable[[], Any], model: str, batches: list[Batch]
         return _send_with_retries(local.client, model, batch)
 
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="warm",
-               disable=None, file=sys.stderr)
+               disable=None, file=sys.stderr, bar_format=BAR_FORMAT)
     pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="cachecd-warm")
     try:
         with interrupt_flag() as interrupted:

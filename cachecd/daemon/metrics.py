@@ -67,9 +67,10 @@ _STORE_COUNTERS = {  # key -> (name after cachecd_store_, HELP)
     "missing_on_open": ("missing_on_open", "Blobs found missing, short or not a file when "
                                            "opened (their rows dropped)."),
 }
-# The store's "hits" and "misses" are the eviction policy's uses, by whether the blob was still
-# cached when the use was recorded: not the requests' hits (cachecd_expert_hits_total).
-_POLICY_USES = {"hits": "cached", "misses": "gone"}
+# The store's "uses_cached" and "uses_gone" are the eviction policy's uses, by whether the blob
+# was still cached when the use was recorded (after the answer: a miss fetched and committed by
+# then is a cached use): not the requests' hits (cachecd_expert_hits_total).
+_POLICY_USES = {"uses_cached": "cached", "uses_gone": "gone"}
 # status()["counters"]: the daemon's own counts, all counters; ``fetch_error_<code>`` is labelled.
 _DAEMON_COUNTERS = {
     "expert_requests": "Distinct experts asked for, per request.",

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if args.log_file:
         log_to_file(args.log_file, parse_size(args.log_max_bytes, "--log-max-bytes"))
-    logging.getLogger().setLevel(logging.DEBUG if args.verbose else settings.log_level)
+    logging.getLogger().setLevel(logging.DEBUG if args.debug else settings.log_level)
     logging.getLogger("aiohttp.server").addFilter(_MalformedRequestLine())
     return asyncio.run(serve(settings))
 

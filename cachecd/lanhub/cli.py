@@ -33,7 +33,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from cachecd.lanhub.server import serve_until_signal
 
     # A server: its log is what it writes, on a terminal or not (cli quiets other commands).
-    logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    logging.getLogger().setLevel(logging.DEBUG if args.debug else logging.INFO)
 
     return asyncio.run(serve_until_signal(args))
 

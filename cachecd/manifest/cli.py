@@ -40,7 +40,7 @@ def register(sub: Any) -> None:
                    help="where finished shards are kept until the manifest is written, so a build "
                         "that stops resumes there (default: OUTPUT.parts)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
-    b.set_defaults(func=_build)
+    b.set_defaults(func=_build, resumes=True)  # finished shards are kept: a rerun resumes
     v = msub.add_parser("verify", help="check a manifest against the Hub and print a summary")
     v.add_argument("file", metavar="FILE|hf://...", help="a manifest file, or one published in a "
                    "Hub repo: hf://[datasets/]ORG/REPO/PATH[@REV]")

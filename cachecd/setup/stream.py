@@ -75,7 +75,9 @@ def register(sub: Any) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="the tokenizer runs code its repo ships (Kimi's tokenization_kimi.py): "
                         "load it once now, as pinned by sha256 in the manifest")
-    p.set_defaults(func=run)
+    # Ctrl-C: cli says to run it again, which resumes (verified files kept, the resident file
+    # from its progress record, a manifest build from its finished shards).
+    p.set_defaults(func=run, resumes=True)
     p.epilog = ("What setup is told (--endpoint, --cache-dir, --models-dir, --budget, --share, "
                 "--peer and their token files) is recorded beside the config file for the "
                 "daemon on --socket: every later start of it (a bare `cachecd serve`, `cachecd "
@@ -93,16 +95,31 @@ def revision_names(rev: str, commit: str) -> list[str]:
     return [] if commit.startswith(rev) else [rev]
 
 
-def resolve_commit(repo: str, rev: str, endpoint: str, offline: bool) -> str:
+def resolve_commit(repo: str, rev: str, endpoint: str, offline: bool,
+                   models_dir: Path | None = None) -> str:
     if is_commit(rev):
         return rev
     if offline:
-        raise Offline(f"{repo}@{rev}: HF_HUB_OFFLINE is set, so the Hub cannot say which commit "
-                      f"{rev!r} is; name the commit of a revision installed before "
-                      f"(--stream {repo}@<40-hex commit>), or unset HF_HUB_OFFLINE")
+        return offline_commit(repo, rev, models_dir)
     from cachecd.manifest.hub_check import model_info  # its answer read within bounds
 
     return str(model_info(repo, rev, endpoint=endpoint, files=False).sha)
+
+
+def offline_commit(repo: str, rev: str, models_dir: Path | None) -> str:
+    """Offline, the Hub cannot say which commit a branch is: ``main`` (a revision not named) is
+    the one revision installed, if exactly one is; anything else is refused, naming those."""
+    base = models_dir / repo if models_dir is not None else None
+    installed = sorted(p.name for p in base.iterdir() if is_commit(p.name)) \
+        if base is not None and base.is_dir() else []
+    if rev == "main" and len(installed) == 1:
+        print(f"offline (HF_HUB_OFFLINE): {repo} is taken at {installed[0]}, the one revision "
+              f"installed")
+        return installed[0]
+    have = f" (installed: {', '.join(installed)})" if installed else ""
+    raise Offline(f"{repo}@{rev}: HF_HUB_OFFLINE is set, so the Hub cannot say which commit "
+                  f"{rev!r} is; name the commit of a revision installed before "
+                  f"(--stream {repo}@<40-hex commit>){have}, or unset HF_HUB_OFFLINE")
 
 
 def fetch_small_files(manifest: Any, local: Path, endpoint: str,
@@ -222,7 +239,7 @@ def install(args: argparse.Namespace, given: dict[str, Any], settings: Settings,
             status: dict[str, Any] | None, repo: str, rev: str) -> int:
     """The setup of ``repo@rev`` (``run``'s, under the model's lock)."""
     rank = pipeline.parse_rank(args.pipeline) if getattr(args, "pipeline", None) else None
-    commit = resolve_commit(repo, rev, settings.endpoint, settings.offline)
+    commit = resolve_commit(repo, rev, settings.endpoint, settings.offline, settings.models_dir)
     config = model_check.hub_config(repo, commit, settings.endpoint, settings.offline,
                                     settings.models_dir / repo / commit)
     if config is not None:  # before a manifest build reads the whole revision

@@ -62,7 +62,7 @@ class Ledger:
         self.unlinking: dict[str, threading.Event] = {}
         self.inserted: list[threading.Event] = []  # each set when a blob comes in (the scrub's)
         self.counters = dict.fromkeys(
-            ("hits", "misses", "inserts", "evictions", "bytes_evicted", "quarantined",
+            ("uses_cached", "uses_gone", "inserts", "evictions", "bytes_evicted", "quarantined",
              "verified_on_open", "bit_rot_on_open", "missing_on_open", "bit_rot_on_read",
              "rechecked_good"), 0
         )
@@ -179,9 +179,9 @@ class Ledger:
         with self.mu:
             if digest in self.entries:
                 self.policy.on_access(digest)
-                self.counters["hits"] += 1
+                self.counters["uses_cached"] += 1
             else:
-                self.counters["misses"] += 1
+                self.counters["uses_gone"] += 1
 
     def snapshot(self) -> dict[str, Any]:
         with self.mu:

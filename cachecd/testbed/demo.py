@@ -94,15 +94,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"serving it as an HF-compatible hub at {hub.url}")
         _step(f"cachecd setup --stream {REPO}")
         common = ["--socket", str(socket)]
-        # The daemon setup starts logs in the temp dir too, not in the user's log dir.
+        # Everything the demo makes stays in its temp dir: the daemon's logs, and the settings
+        # setup records beside the config file (an empty one of the demo's own, not the user's).
+        (tmp / "config.toml").write_text("")
+        env = {"CACHECD_LOG_DIR": str(tmp / "logs"), "CACHECD_CONFIG": str(tmp / "config.toml")}
         _cli("setup", "--stream", REPO, "--endpoint", hub.url, *common, "--cache-dir",
-             str(tmp / "cache"), "--models-dir", str(tmp / "models"),
-             env={"CACHECD_LOG_DIR": str(tmp / "logs")})
+             str(tmp / "cache"), "--models-dir", str(tmp / "models"), env=env)
         _step(f"cachecd run --prompt {args.prompt!r} --max-tokens {args.max_new}")
         print("(the tiny model's weights are random numbers, so its text is gibberish: what the "
               "demo shows is each expert it routes to, streamed from the hub, verified, cached)",
               flush=True)
-        _cli("run", "--model", REPO, "--prompt", args.prompt, "--max-tokens", str(args.max_new), *common)
+        _cli("run", "--model", REPO, "--prompt", args.prompt, "--max-tokens", str(args.max_new),
+             *common, env=env)
         _step("what the daemon fetched")
         _summary(socket)
     finally:

@@ -185,3 +185,27 @@ def test_fsck_of_a_cache_dir_that_is_not_there_checks_nothing_and_says_so(tmp_pa
     assert proc.returncode == 4, proc.stderr  # nothing could be verified
     assert f"no cache dir at {none}" in proc.stderr and "Traceback" not in proc.stderr
     assert not none.exists()  # not made by looking
+
+
+def test_offline_takes_the_one_installed_revision(hub: HubProcess, home: Path,
+                                                  tiny_manifest: object,
+                                                  tiny_manifest_path: Path) -> None:
+    """Offline, a setup that names no revision (``main``) takes the one revision installed
+    before; a branch or tag name is still refused, listing what is installed."""
+    from tests.harness import Installed
+
+    commit = tiny_manifest.revision  # type: ignore[attr-defined]
+    inst = Installed.setup(hub.url, tiny_manifest_path)
+    try:
+        args = ["setup", "--stream", TINY_REPO, "--endpoint", hub.url, "--socket",
+                str(inst.socket), "--cache-dir", str(inst.base / "cache"), "--models-dir",
+                str(inst.base / "models")]
+        offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(home / "hf")}
+        again = run_cli(*args, env=offline, check=False)
+        assert again.returncode == 0, again.stderr
+        assert f"{TINY_REPO} is taken at {commit}, the one revision installed" in again.stdout
+        args[2] = f"{TINY_REPO}@v2"
+        line = one_line(run_cli(*args, env=offline, check=False), "offline")
+        assert f"(installed: {commit})" in line
+    finally:
+        inst.cleanup()

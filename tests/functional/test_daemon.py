@@ -128,7 +128,7 @@ def test_a_miss_is_answered_once_verified_before_its_blob_is_durable(
             stats = c.stats()
             assert stats["store"]["entries"] == 1 and blob.exists()
             # The policy counts the use that caused the fetch once the blob is in, as for any use.
-            assert (stats["store"]["hits"], stats["store"]["misses"]) == (2, 0)
+            assert (stats["store"]["uses_cached"], stats["store"]["uses_gone"]) == (2, 0)
             assert stats["counters"]["expert_misses"] == 1
             assert stats["counters"]["expert_hits"] == 1
             assert stats["counters"]["fetched_experts"] == 1

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 from tests.exactness import assert_bitwise, run_logits
-from tests.harness import TINY_REPO, run_cli
+from tests.harness import CACHECD, TINY_REPO, run_cli
 
 PROMPT = "Experts stream from the hub into a verified cache, layer after layer."
 
@@ -80,12 +82,20 @@ def test_run_within_a_small_expert_memory_bound(installed):
 
 
 def test_demo_runs_end_to_end():
-    """In $TMPDIR (kept with --keep, where it says), saying that the weights are random."""
+    """In $TMPDIR (kept with --keep, where it says), saying that the weights are random; nothing
+    left in the user's ~/.config/cachecd (setup's record of its settings is the demo's own)."""
     from tests.harness import short_tmp
 
     tmp = short_tmp("cdtmp")
-    out = run_cli("demo", "--max-new", "8", "--keep", env={"TMPDIR": str(tmp)},
-                  timeout=600).stdout
+    home = tmp / "home"
+    home.mkdir()
+    # The user's own config location: no CACHECD_CONFIG (the suite's) nor XDG_CONFIG_HOME.
+    env = {k: v for k, v in os.environ.items() if k not in ("CACHECD_CONFIG", "XDG_CONFIG_HOME")}
+    proc = subprocess.run([*CACHECD, "demo", "--max-new", "8", "--keep"], capture_output=True,
+                          text=True, timeout=600, env={**env, "TMPDIR": str(tmp), "HOME": str(home)})
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert not (home / ".config").exists(), list((home / ".config").rglob("*"))
     lines = [line for line in out.splitlines() if line.strip()]
     kept = Path(lines[-1].removeprefix("kept "))
     assert kept.parent == tmp and kept.name.startswith("cachecd-demo-"), out

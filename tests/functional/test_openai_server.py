@@ -123,14 +123,19 @@ def test_cold_request_counts_its_hub_fetches(client: Any, installed_module: Inst
     assert warm.choices[0].text == cold.choices[0].text
 
 
-def test_unknown_model_and_browser_origin_are_refused(client: Any) -> None:
+def test_unknown_model_browser_origin_and_n_above_1_are_refused(client: Any) -> None:
     with pytest.raises(openai.NotFoundError, match="cachecd setup --stream nobody/nothing"):
         client.completions.create(model="nobody/nothing", prompt="x", max_tokens=2)
     page = client.with_options(default_headers={"Origin": "https://example.com"})
     with pytest.raises(openai.PermissionDeniedError, match="--allowed-origins"):
         page.completions.create(model=TINY_REPO, prompt="x", max_tokens=2)
+    for create, ask in ((client.completions.create, {"prompt": "x"}),
+                        (client.chat.completions.create,
+                         {"messages": [{"role": "user", "content": "x"}]})):
+        with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
+            create(model=TINY_REPO, max_tokens=2, n=2, **ask)
     # the served model stayed loaded
-    assert client.completions.create(model=TINY_REPO, prompt="x", max_tokens=2).choices
+    assert client.completions.create(model=TINY_REPO, prompt="x", max_tokens=2, n=1).choices
 
 
 def test_what_cannot_be_served_fails_at_start(installed_module: Installed, server: OpenAIServer) -> None:

@@ -189,3 +189,29 @@ def test_layer_by_layer_prefill_bitwise_mxfp4(installed_module: Installed, tiny_
             want = mlx_lm_logprobs(model, tokenizer, text, step, 4)
             got = cachecd_run_logprobs(installed_module.socket, TINY_REPO, text, step, 4)
             assert got == want, f"step {step} x {steps}"
+
+
+def test_stats_lines_start_their_own_line_on_a_terminal(installed_module: Installed) -> None:
+    """``--stats`` on a terminal (stdout and stderr one file): each token's line starts a line,
+    never glued after the text."""
+    import pty
+
+    main, term = pty.openpty()
+    proc = subprocess.Popen([*CACHECD, "run", "--model", TINY_REPO, "--socket",
+                             str(installed_module.socket), "-p", PROMPT, "-m", "3", "--stats"],
+                            stdout=term, stderr=term)
+    os.close(term)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # the terminal's other end closed: the child is done
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(main)
+    assert proc.wait(timeout=300) == 0, seen.decode(errors="replace")
+    shown = seen.decode(errors="replace").replace("\r\n", "\n")
+    assert len(re.findall(r"token \d+: routed", shown)) == 3, shown
+    assert len(re.findall(r"(?m)^token \d+: routed", shown)) == 3, shown

@@ -163,7 +163,7 @@ def test_warm_trace_then_coverage_of_that_trace(daemon, tiny_manifest, tmp_path)
     with daemon.client() as c:
         assert _detail(c, m)[1].sum() == 0  # replaying a trace records no use
     out = run_cli("coverage", "--model", TINY_REPO, "--socket", str(daemon.socket), "--trace",
-                  str(trace), "--format", "json").stdout
+                  str(trace), "--json").stdout  # --json: the same as --format json
     report = json.loads(out)
     assert report["workload_coverage"] == 1.0 and report["accesses"] == 12
     assert report["experts_cached"] == 10 and report["workload"] == f"trace {trace}"

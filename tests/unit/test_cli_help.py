@@ -30,7 +30,7 @@ def option_problems(parser: argparse.ArgumentParser, path: str) -> list[str]:
     # One of these must be given: none has a default to show.
     one_of = {a for g in parser._mutually_exclusive_groups if g.required for a in g._group_actions}
     for a in parser._actions:
-        if isinstance(a, _SKIP):
+        if isinstance(a, _SKIP) or a.help == argparse.SUPPRESS:  # not shown: a refused option
             continue
         where = f"{path} {'/'.join(a.option_strings) or a.dest}"
         if not a.help:

@@ -272,7 +272,7 @@ def test_models_and_access_counts_persist(tmp_path: Path) -> None:
             store.touch(digest, "org/m@" + "a" * 40, 4, 17)
         store.touch(blob(9)[0], "org/m@" + "a" * 40, 4, 18)  # a miss counts for coverage too
         assert store.access_counts("org/m@" + "a" * 40)[(4, 17)][0] == 3
-        assert store.stats()["hits"] == 3 and store.stats()["misses"] == 1
+        assert store.stats()["uses_cached"] == 3 and store.stats()["uses_gone"] == 1
         await store.close()
         again = await Store.open([tmp_path])
         counts = again.access_counts("org/m@" + "a" * 40)
