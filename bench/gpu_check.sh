@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The engine's CUDA check in one command per lent machine (issue 48, item 3), run on the GPU machine
-# after ../shared/gpu/README.md's first call (part00 staged in /root/stage), with .gpu/p2, .gpu/whl and
+# after ../shared/gpu/README.md's first call (it stages part00 on that machine), with .gpu/p2, .gpu/whl and
 # .gpu/setup.sh carried:
 #   bash bench/gpu_check.sh tests   # the engine's exactness files in ONE pytest process, to the end
 #   bash bench/gpu_check.sh bench   # k3_decode at K3's depth (93 layers), every copy/defer/read-ahead case
