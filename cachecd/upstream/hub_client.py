@@ -36,7 +36,7 @@ from cachecd.upstream.source import Consumer, UseChecks, offline_error
 log = logging.getLogger(__name__)
 
 _REDIRECTS = (301, 302, 303, 307, 308)
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+_SHA256 = _XET_HASH = re.compile(r"[0-9a-f]{64}")
 _EXPIRY_MARGIN_S = 60.0
 # aiohttp pauses the socket when its buffer passes 2x this; 64 KiB (the default) stalls fast streams.
 READ_BUFSIZE = 1 << 20
@@ -47,6 +47,8 @@ class Location:
     url: str
     redirected: bool  # True: a CDN URL (no token); False: the resolve URL itself (token)
     expires_at: float  # time.monotonic()
+    # The Hub's Xet hash of the file at the pinned commit (X-Xet-Hash), when it stores it in Xet.
+    xet_hash: str | None = None
 
 
 class _CdnForbidden(Exception):
@@ -213,17 +215,19 @@ class HubClient:
                 self.count("ratelimit_waits")
                 self._retry.pause(url, spent)
             target = resp.headers.get("Location") if resp.status in _REDIRECTS else None
+            xet = (resp.headers.get("X-Xet-Hash") or "").lower()
+            xet_hash = xet if _XET_HASH.fullmatch(xet) else None
         # DEBUG: routine, once per file; `setup` would print one line per shard between its bars.
         log.debug("resolved repo=%s file=%s redirected=%s", manifest.repo, file, target is not None)
         if target is None:
-            return Location(url, False, time.monotonic() + self.signed_url_ttl)
+            return Location(url, False, time.monotonic() + self.signed_url_ttl, xet_hash)
         target = urljoin(url, target)
         wall_expiry = hh.signed_url_expiry(target)
         ttl = self.signed_url_ttl if wall_expiry is None else wall_expiry - time.time()
         # A minute's margin on the Hub's hour; a tenth of a shorter life, so a URL that lives
         # seconds is still used for those seconds rather than resolved again at every request.
         margin = min(_EXPIRY_MARGIN_S, ttl / 10)
-        return Location(target, True, time.monotonic() + max(0.0, ttl - margin))
+        return Location(target, True, time.monotonic() + max(0.0, ttl - margin), xet_hash)
 
     # -- range GET ---------------------------------------------------------------------------
     async def get_range(

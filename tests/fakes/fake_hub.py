@@ -102,6 +102,7 @@ class FakeHub:
         app = web.Application(middlewares=[_stamp_arrival])
         app.router.add_route("*", "/{org}/{name}/resolve/{rev}/{file:.+}", self._resolve)
         app.router.add_route("*", "/cdn/{org}/{name}/{rev}/{file:.+}", self._cdn)
+        self.add_routes(app.router)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", port)
@@ -109,6 +110,9 @@ class FakeHub:
         sock = site._server.sockets[0]  # type: ignore[union-attr]
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         return self.url
+
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        """More routes, for a subclass (``fake_xet``'s content store)."""
 
     async def close(self) -> None:
         self._closing.set()
