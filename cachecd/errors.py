@@ -118,6 +118,22 @@ class BadUpstreamRange(CachecdError):
     code, http_status = "bad_upstream_range", 502
 
 
+class XetFormatError(CachecdError):
+    """A Xet answer is malformed: a chunk header cut short or out of bounds, a chunk that does not
+    decompress to its stated size, a hash that is not 64 hex digits. Nothing of it is kept; the
+    endpoint (or what is between) sent bytes the protocol does not allow."""
+
+    code, http_status = "xet_invalid", 502
+
+
+class XetProofError(CachecdError):
+    """A range's bytes and the content store's proof do not recompute the file's xet hash (a
+    changed chunk, a wrong tree node, a proof for another offset, a window that does not cover
+    the range). Nothing of it is kept: the bytes are not the file's at the pinned commit."""
+
+    code, http_status = "xet_proof_mismatch", 502
+
+
 class UpstreamError(CachecdError):
     code, http_status, retryable = "upstream_error", 502, True
 

@@ -60,6 +60,7 @@ from cachecd.lanhub.repo import (
     snapshot,
     valid_relpath,
 )
+from cachecd.lanhub.xet_routes import CAS_PREFIX, XORB_PREFIX, XetSide
 from cachecd.manifest.repo_ref import REVISION, valid_part
 
 log = logging.getLogger("cachecd.lanhub.server")
@@ -78,8 +79,10 @@ class _Hub:
     """Request handlers over one root folder."""
 
     def __init__(self, root: Path, token: str | None, signer: UrlSigner, hashes: HashCache,
-                 gated: frozenset[str] = frozenset(), limit: ResolveLimit | None = None) -> None:
+                 gated: frozenset[str] = frozenset(), limit: ResolveLimit | None = None,
+                 xet: XetSide | None = None) -> None:
         self.root = root.resolve()
+        self.xet = xet  # None: the LFS route only (repos not on Xet)
         self.limit = limit
         self.token = token
         self.gated = gated
@@ -107,6 +110,8 @@ class _Hub:
                                        _repo_key(request), rev)
         if snap is None:
             raise hf_error(web.HTTPNotFound, "RepoNotFound", f"Repository {repo_id!r} not found")
+        if self.xet is not None:
+            snap = await asyncio.to_thread(self.xet.annotate, snap)
         return snap
 
     def _snapshot_at(self, repo_dir: Path, repo_id: str, key: str,
@@ -189,7 +194,8 @@ class _Hub:
         snap = await self.snapshot(request, request.match_info["rev"])
         f = self.entry(snap, request.match_info["path"])
         key = _repo_key(request)
-        headers = {"ETag": f'"{f.sha256}"', **self.file_headers(snap, f)}
+        headers = {"ETag": f'"{f.sha256}"', **self.file_headers(snap, f),
+                   **XetSide.file_headers(request, snap, f)}
         if etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
             raise web.HTTPNotModified(headers=headers)
         self.remember(key, snap)
@@ -211,7 +217,7 @@ class _Hub:
             request.headers.get("Range"), f.size
         ):
             raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{f.size}"})
-        headers = self.file_headers(snap, f)
+        headers = {**self.file_headers(snap, f), **XetSide.file_headers(request, snap, f)}
         etag = f'"{f.git_oid or f.sha256}"'
         if etag_matches(request.headers.get("If-None-Match"), etag):
             raise web.HTTPNotModified(headers={**headers, "ETag": etag})
@@ -250,6 +256,12 @@ class _Hub:
         while len(self.signed) > _SIGNED_SNAPSHOTS:
             self.signed.popitem(last=False)
 
+    async def xet_token(self, request: web.Request) -> StreamResponse:
+        """A CAS read token scoped to the repo at ``rev`` (which must exist)."""
+        assert self.xet is not None
+        snap = await self.snapshot(request, request.match_info["rev"])
+        return self.xet.token_answer(request, _repo_key(request), snap.commit)
+
     async def model_info(self, request: web.Request) -> StreamResponse:
         snap = await self.snapshot(request, request.match_info.get("rev", "main"))
         return web.json_response(model_info_json(snap))
@@ -285,7 +297,9 @@ class _Hub:
 
     @web.middleware
     async def auth(self, request: web.Request, handler: _Handler) -> StreamResponse:
-        if self.token is None or request.path.startswith("/_cdn/"):
+        # The CDN's URLs are signed; the CAS's calls carry a Xet token (checked by XetSide).
+        if self.token is None or request.path.startswith(("/_cdn/", CAS_PREFIX + "/",
+                                                          XORB_PREFIX + "/")):
             return await handler(request)
         given = request.headers.get("Authorization", "")
         if not given:
@@ -313,10 +327,12 @@ def build_app(
     hashes: HashCache | None = None,
     gated: frozenset[str] = frozenset(),
     limit: ResolveLimit | None = None,
+    xet: XetSide | None = None,
 ) -> web.Application:
     """The hub over ``root``. Servers share the process-wide sha256 cache unless given their own,
-    so a server restarted in the same process does not hash again."""
-    hub = _Hub(root, token, UrlSigner(url_ttl_s), hashes or SHARED_HASHES, gated, limit)
+    so a server restarted in the same process does not hash again. ``xet``: serve large files
+    through Xet as well (None: the LFS route only)."""
+    hub = _Hub(root, token, UrlSigner(url_ttl_s), hashes or SHARED_HASHES, gated, limit, xet)
     app = web.Application(middlewares=[hub.auth])
     app[HUB_KEY] = hub
     routes = GitRoutes(hub)
@@ -330,6 +346,12 @@ def build_app(
         app.router.add_get(api + "{slash:/?}", hub.model_info)
         app.router.add_get(api + "/revision/{rev}{slash:/?}", hub.model_info)
         routes.add(app, repo, api)
+        if xet is not None:
+            app.router.add_get(api + "/xet-read-token/{rev}{slash:/?}", hub.xet_token)
+    if xet is not None:
+        app.router.add_get(CAS_PREFIX + "/{v:v[12]}/reconstructions/{hash}", xet.reconstruction)
+        app.router.add_get(CAS_PREFIX + "/v2/file-chunk-hashes/{hash}", xet.chunk_hashes)
+        app.router.add_get(XORB_PREFIX + "/{hash}", xet.xorb)
     return app
 
 

@@ -20,6 +20,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             flag = "--" + name.replace("_", "-")
             raise InvalidRequest(f"{flag} must be positive, got {getattr(args, name)}: give "
                                  "a number above 0, or leave the limit out (no limit)")
+    if args.no_xet and args.xet_fault:
+        raise InvalidRequest("--xet-fault needs Xet served: drop --no-xet")
+    if args.xet_fault:
+        from cachecd.lanhub.xet_faults import XetFaults
+
+        try:
+            for spec in args.xet_fault:
+                XetFaults().set(spec)
+        except ValueError as exc:
+            raise InvalidRequest(f"--xet-fault: {exc}") from exc
     from cachecd.lanhub.server import serve_until_signal
 
     # A server: its log is what it writes, on a terminal or not (cli quiets other commands).
@@ -63,4 +73,30 @@ def register(sub: Any) -> None:
         help="answer for this repo as the Hub does for a gated repo the caller has no access to "
              "(403 GatedRepo); repeatable (default: none)",
     )
+    _xet_options(serve)
     serve.set_defaults(func=_cmd_serve)
+
+
+def _xet_options(serve: Any) -> None:
+    serve.add_argument(
+        "--no-xet", action="store_true",
+        help="serve the LFS route only, as the Hub does for a repo not on Xet (default: large "
+             "files are also served through Xet: X-Xet-Hash, xet-read-token, a CAS under /_xet)")
+    serve.add_argument(
+        "--xet-scheme", choices=("lz4", "none", "bg4", "mixed"), default="lz4",
+        help="how chunks are stored in xorbs: LZ4 where it shrinks them, none, byte grouping "
+             "then LZ4, or mixed (each scheme in turn, for tests) (default: lz4)")
+    serve.add_argument(
+        "--xet-token-ttl", type=float, default=3600.0, metavar="SECONDS",
+        help="how long a Xet CAS token lives (default: 3600)")
+    serve.add_argument(
+        "--xet-url-ttl", type=float, default=3600.0, metavar="SECONDS",
+        help="how long a signed xorb URL lives; 403 after (default: 3600)")
+    serve.add_argument(
+        "--xorb-bytes", type=int, default=64 * 1024 * 1024, metavar="N",
+        help="the most bytes a xorb holds (default: the spec's 64 MiB; less gives a small file "
+             "several xorbs, for tests)")
+    serve.add_argument(
+        "--xet-fault", action="append", metavar="NAME[=VALUE]",
+        help="for tests of a Xet client: flip_xorb_byte, bad_chunk_header, proof_node_flip, "
+             "proof_offset=N, swap_xorb, times=N (how many answers); repeatable (default: none)")

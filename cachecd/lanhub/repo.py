@@ -49,6 +49,7 @@ class RepoFile:
     mtime_ns: int
     sha256: str
     git_oid: str | None = None  # a small file the Hub keeps in git (hf download's record): no LFS
+    xet_hash: str | None = None  # a large file's Xet hash, where the hub serves Xet (xet_routes)
 
 
 @dataclass(frozen=True)
@@ -355,13 +356,16 @@ def file_entry(f: RepoFile) -> dict[str, Any]:
     if f.git_oid is not None:
         return {"type": "file", "oid": f.git_oid, "size": f.size, "path": f.relpath}
     blob_id, lfs = _lfs_fields(f)
-    return {
+    entry = {
         "type": "file",
         "oid": blob_id,
         "size": f.size,
         "path": f.relpath,
         "lfs": {**lfs, "oid": f.sha256},
     }
+    if f.xet_hash is not None:
+        entry["xetHash"] = f.xet_hash
+    return entry
 
 
 def _tree_oid(path: str, members: list[RepoFile]) -> str:

@@ -39,6 +39,8 @@ from cachecd.lanhub.app import (
 from cachecd.lanhub.limits import ResolveLimit
 from cachecd.lanhub.mirror import sidecar_path
 from cachecd.lanhub.repo import HashCache, repo_commit, snapshot
+from cachecd.lanhub.xet_routes import DEFAULT_TOKEN_TTL_S, DEFAULT_XORB_URL_TTL_S, XetSide
+from cachecd.lanhub.xet_store import XetStore
 from cachecd.manifest.repo_ref import valid_part
 
 __all__ = ["HashCache", "HubServer", "repo_commit", "serve_in_thread", "spawn_hub", "start_hub"]
@@ -62,10 +64,19 @@ class HubServer:
         hashes: HashCache | None = None,
         gated: frozenset[str] = frozenset(),
         limit: ResolveLimit | None = None,
+        xet: bool = True,
+        xet_scheme: str = "lz4",
+        xet_token_ttl_s: float = DEFAULT_TOKEN_TTL_S,
+        xet_url_ttl_s: float = DEFAULT_XORB_URL_TTL_S,
+        xorb_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self.root, self.host, self.port = Path(root), host, port
+        side = None
+        if xet:  # the xorbs live beside the sha256 sidecars, under the resolved root
+            store = XetStore(self.root.resolve(), scheme=xet_scheme, xorb_bytes=xorb_bytes)
+            side = XetSide(store, token_ttl_s=xet_token_ttl_s, url_ttl_s=xet_url_ttl_s)
         self.app = build_app(self.root, token=token, url_ttl_s=url_ttl_s, hashes=hashes,
-                             gated=gated, limit=limit)
+                             gated=gated, limit=limit, xet=side)
         self.runner = web.AppRunner(
             self.app,
             access_log_class=AccessLog,
@@ -184,7 +195,14 @@ async def serve_until_signal(args: argparse.Namespace) -> int:
         args.dir, host=args.host, port=args.port, token=args.token,
         url_ttl_s=DEFAULT_URL_TTL_S if args.url_ttl is None else args.url_ttl,
         gated=frozenset(args.gated or ()), limit=_limit(args),
+        xet=not args.no_xet, xet_scheme=args.xet_scheme,
+        xet_token_ttl_s=args.xet_token_ttl, xet_url_ttl_s=args.xet_url_ttl,
+        xorb_bytes=args.xorb_bytes,
     )
+    side = server.app[HUB_KEY].xet
+    for spec in args.xet_fault or ():
+        assert side is not None  # cli refuses --xet-fault with --no-xet
+        side.faults.set(spec)
     base_url = await server.start()
     if args.prehash:
         hashes = server.app[HUB_KEY].hashes

@@ -37,9 +37,10 @@ LAYERS: dict[str, set[str]] = {
     "cachecd.protocol": {"cachecd.errors"},
     "cachecd.hub_errors": {"cachecd.errors"},
     "cachecd.cli_help": set(),
+    "cachecd.xet": _BASE,
     "cachecd.manifest": _BASE | {"cachecd.durable", "cachecd.hub_errors", "cachecd.sizes"},
     "cachecd.store": _BASE | {"cachecd.durable"},
-    "cachecd.upstream": _BASE | {"cachecd.manifest"},  # a source's check on use
+    "cachecd.upstream": _BASE | {"cachecd.manifest", "cachecd.xet"},  # a source's check on use
     "cachecd.config": _BASE | {"cachecd.store"},
     "cachecd.report": _BASE | {"cachecd.sizes", "cachecd.config", "cachecd.manifest"},
     "cachecd_client": _BASE | {"cachecd.config", "cachecd.protocol"},
@@ -60,7 +61,7 @@ LAYERS: dict[str, set[str]] = {
     "cachecd.setup": _BASE | {"cachecd.durable", "cachecd.sizes", "cachecd.config", "cachecd.manifest",
                               "cachecd.upstream", "cachecd.report", "cachecd.service", "cachecd_client",
                               "cachecd_engine"},
-    "cachecd.lanhub": _BASE | {"cachecd.manifest"},
+    "cachecd.lanhub": _BASE | {"cachecd.manifest", "cachecd.xet"},
     "cachecd.plan": _BASE | {"cachecd.durable", "cachecd.sizes", "cachecd.config", "cachecd.manifest",
                              "cachecd.store", "cachecd.report", "cachecd_client",
                              "cachecd_engine", "cachecd_engine.pool", "cachecd_engine.formats"},
