@@ -185,7 +185,7 @@ class CasReader:
                           f"window {length}")
         return out
 
-    def _decode(self, fetch: XorbFetch, bodies: list[bytes]) -> dict[tuple[str, int], Chunk]:
+    def _decode(self, fetch: XorbFetch, bodies: list[bytearray]) -> dict[tuple[str, int], Chunk]:
         """On a worker thread: each range's chunks decoded (headers, LZ4, byte grouping) and
         hashed with the chunk key."""
         out: dict[tuple[str, int], Chunk] = {}
@@ -193,7 +193,7 @@ class CasReader:
         for r, body in zip(fetch.ranges, bodies, strict=True):
             n = r.chunk_end - r.chunk_start
             try:
-                datas = xorb.decode_chunks(body, expect=n)
+                datas = xorb.decode_chunks(memoryview(body), expect=n)
             except Exception as exc:  # XetFormatError, or any decoder failure on bad bytes
                 raise Refused(f"xorb {fetch.xorb[:12]} bytes {r.byte_start}-{r.byte_end}: "
                               f"{exc}") from None
@@ -206,12 +206,12 @@ class CasReader:
         self._counters["xet_hash_us"] += int(hashing_s * 1e6)
         return out
 
-    async def _fetch(self, fetch: XorbFetch, deadline: float) -> list[bytes]:
+    async def _fetch(self, fetch: XorbFetch, deadline: float) -> list[bytearray]:
         """The bytes of each of ``fetch``'s ranges: one GET with all of them, as signed."""
         spec = ",".join(f"{r.byte_start}-{r.byte_end}" for r in fetch.ranges)
         what = f"xorb {fetch.xorb[:12]} bytes {spec[:60]}"
 
-        async def once() -> list[bytes]:
+        async def once() -> list[bytearray]:
             self._counters["requests_xet_xorb"] += 1
             headers = {**self._plain, "Range": f"bytes={spec}", "Accept-Encoding": "identity"}
             async with self._session().get(fetch.url, headers=headers, allow_redirects=False,
@@ -231,13 +231,13 @@ class CasReader:
                     return [await self._single(resp, fetch.ranges[0], what)]
                 return await self._multipart(resp, fetch.ranges, what)
 
-        bodies: list[bytes] = await self._run(fetch.url, once, "xet_xorb", deadline)
+        bodies: list[bytearray] = await self._run(fetch.url, once, "xet_xorb", deadline)
         n = sum(len(b) for b in bodies)
         self._counters["bytes"] += n
         self._counters["xet_xorb_bytes"] += n
         return bodies
 
-    async def _single(self, resp: aiohttp.ClientResponse, r: XorbRange, what: str) -> bytes:
+    async def _single(self, resp: aiohttp.ClientResponse, r: XorbRange, what: str) -> bytearray:
         got = hh.parse_content_range(resp.headers.get("Content-Range"))
         if got is None or got[:2] != (r.byte_start, r.byte_end + 1):
             resp.close()
@@ -247,10 +247,10 @@ class CasReader:
         return await _exactly(resp.content.iter_chunked(READ_STEP), r.length, what, resp.close)
 
     async def _multipart(self, resp: aiohttp.ClientResponse, ranges: tuple[XorbRange, ...],
-                         what: str) -> list[bytes]:
+                         what: str) -> list[bytearray]:
         """A multipart/byteranges answer: each part matched to its range by Content-Range."""
         wanted = {(r.byte_start, r.byte_end + 1): i for i, r in enumerate(ranges)}
-        out: list[bytes | None] = [None] * len(ranges)
+        out: list[bytearray | None] = [None] * len(ranges)
         reader = aiohttp.MultipartReader(resp.headers, resp.content)
         while (part := await reader.next()) is not None:
             if not isinstance(part, aiohttp.BodyPartReader):
@@ -274,7 +274,7 @@ class _Absent(Exception):
     """``/v2`` is not served here (404, 501): ask ``/v1``."""
 
 
-async def _exactly(chunks: Any, length: int, what: str, close: Callable[[], None]) -> bytes:
+async def _exactly(chunks: Any, length: int, what: str, close: Callable[[], None]) -> bytearray:
     buf = bytearray()
     async for chunk in chunks:
         if len(buf) + len(chunk) > length:
@@ -283,7 +283,7 @@ async def _exactly(chunks: Any, length: int, what: str, close: Callable[[], None
         buf += chunk
     if len(buf) != length:
         raise _short(what, f"a body of {len(buf)} of {length} bytes", close)
-    return bytes(buf)
+    return buf
 
 
 def _short(what: str, detail: str, close: Callable[[], None]) -> Transient:
