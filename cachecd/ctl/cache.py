@@ -109,6 +109,8 @@ def render_status(info: dict[str, Any]) -> str:
         lines += _pinned_lines(m)
         if "manifest_origin" in m:
             lines.append(manifest_line(m))
+        if "route" in m:
+            lines.append(route_line(m["route"]))
         lines += endpoint_lines(m, info)
     for repo, why in info.get("refused_models", {}).items():
         lines.append(f"refused     {repo}: {why}")
@@ -182,6 +184,20 @@ def manifest_line(m: dict[str, Any]) -> str:
     layout = ("layout checked against the shards' headers" if m.get("layout_checked") else
               "layout NOT checked yet: no expert is served until it is")
     return f"  manifest  {how}; {layout}"
+
+
+_ROUTES = {
+    "xet": "Xet: each range proven against the Hub's own hash of its file at the commit",
+    "lfs": "LFS: exact Range requests, each expert checked against the manifest's xxh3",
+    "xet+lfs": "Xet where the Hub keeps the file there (proven against its hash), LFS for the "
+               "others (the manifest's xxh3)",
+}
+
+
+def route_line(route: str | None) -> str:
+    """How a model's bytes are read from the Hub (docs/streaming.md)."""
+    return "  route     " + _ROUTES.get(route or "", "decided at its first fetch since the daemon "
+                                         "started (Xet where the Hub keeps the file there)")
 
 
 def _cached_line(m: dict[str, Any]) -> str:

@@ -332,12 +332,20 @@ class Daemon:
             "upstream": self.upstream.stats(),
             "share": self.sharing.status() if self.sharing is not None else None,
             "peers": self.upstream.peers.describe() if self.upstream.peers is not None else [],
-            "models": [m.describe() for m in self.registry.all()],
+            "models": [self._describe(m) for m in self.registry.all()],
             "refused_models": dict(self.registry.refused),
             "starting": sorted(self.registry.starting),  # --manifest paths not registered yet
             "scrub": self.scrub.status(),
             "debug": {**_process_counts(), "blob_fds": len(self.blob_fds)},
         }
+
+    def _describe(self, model: RegisteredModel) -> dict[str, Any]:
+        """A model for status, with the route its files are read by where the source has
+        several (``xet_source.routes``): None until one was read since the daemon started."""
+        routes = getattr(self.upstream.source, "routes", None)
+        if routes is None:  # a source with one route (a local folder)
+            return model.describe()
+        return model.describe() | {"route": routes().get(f"{model.repo}@{model.manifest.revision}")}
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:

@@ -20,9 +20,10 @@ Token = str | bool | None
 
 
 def _hub(settings: Any, token: Token) -> ExpertSource:
-    from cachecd.upstream.hub_client import HubClient
+    # The Hub: files it keeps in Xet read through it and proven, the others by exact Range GETs.
+    from cachecd.upstream.xet_source import XetSource
 
-    return HubClient.from_settings(settings, token)
+    return XetSource.from_settings(settings, token)
 
 
 def _local_folder(settings: Any, token: Token) -> ExpertSource:

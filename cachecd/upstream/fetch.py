@@ -326,6 +326,8 @@ class Upstream:
                     entry.expert,
                     attempt,
                 )
+                if _proven(self.source, manifest, entry):
+                    raise _manifest_wrong(manifest, entry) from None
                 last = exc
         raise errors.ChecksumMismatch(
             f"{last.message} ({self.checksum_refetches + 1} downloads, all wrong; nothing stored "
@@ -344,3 +346,21 @@ class Upstream:
         if len(parts) == 1:
             return memoryview(parts[0])
         return memoryview(bytearray().join(parts))
+
+
+def _proven(source: ExpertSource, manifest: Any, entry: EntryLike) -> bool:
+    """Whether every byte of ``entry`` came proven against the Hub's own hash of its file
+    (``xet_source``): then refetching cannot help, the manifest is what is wrong."""
+    proven = getattr(source, "proven", None)
+    return proven is not None and all(proven(manifest, r.file) for r in entry.ranges)
+
+
+def _manifest_wrong(manifest: Any, entry: EntryLike) -> errors.ManifestMismatch:
+    files = ", ".join(sorted({r.file for r in entry.ranges}))
+    return errors.ManifestMismatch(
+        f"expert layer={entry.layer} expert={entry.expert}: its bytes from {files} at "
+        f"{manifest.revision} are proven against the Hub's own Xet hash of the file, and their "
+        f"xxh3 is not the one the manifest ({getattr(manifest, 'source', manifest.repo)}) gives: "
+        "the manifest is wrong about this expert, which is refused (nothing stored or served, "
+        "not fetched again). A manifest you did not build is its maker's word: `cachecd setup "
+        f"--stream {manifest.repo}@{manifest.revision} --build-manifest` makes your own")

@@ -5,7 +5,8 @@ Invariants (``fetch.Upstream`` builds on them):
 - ``get_range`` returns exactly ``end - start`` bytes taken from a 206 whose Content-Range is
   exactly ``bytes start-(end-1)/size``; anything else is a fault, retried, then an error.
 - One ``/resolve`` per (repo, revision, file) until the signed Location expires or the CDN answers
-  403; concurrent resolves of one file share one request.
+  403; concurrent resolves of one file share one request. The Location keeps the resolve's
+  ``X-Xet-Hash`` (the file's hash in Xet at that commit), which ``xet_source`` reads by.
 - The Authorization header is built for the endpoint's ``/resolve`` only; the token is found
   again before each resolve and after a 401 (``hub_auth``), so a login needs no restart.
 - Each request goes through the proxy the environment names for its URL (``hub_http.proxy_for``).
@@ -37,7 +38,7 @@ from cachecd.upstream.source import Consumer, UseChecks, offline_error
 log = logging.getLogger(__name__)
 
 _REDIRECTS = (301, 302, 303, 307, 308)
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+_SHA256 = _XET_HASH = re.compile(r"[0-9a-f]{64}")
 _EXPIRY_MARGIN_S = 60.0
 # aiohttp pauses the socket when its buffer passes 2x this; 64 KiB (the default) stalls fast streams.
 READ_BUFSIZE = 1 << 20
@@ -48,6 +49,8 @@ class Location:
     url: str
     redirected: bool  # True: a CDN URL (no token); False: the resolve URL itself (token)
     expires_at: float  # time.monotonic()
+    # The Hub's Xet hash of the file at the pinned commit (X-Xet-Hash), when it stores it in Xet.
+    xet_hash: str | None = None
 
 
 class _CdnForbidden(Exception):
@@ -214,10 +217,12 @@ class HubClient:
                 self.count("ratelimit_waits")
                 self._retry.pause(url, spent)
             target = resp.headers.get("Location") if resp.status in _REDIRECTS else None
+            xet = (resp.headers.get("X-Xet-Hash") or "").lower()
+            xet_hash = xet if _XET_HASH.fullmatch(xet) else None
         # DEBUG: routine, once per file; `setup` would print one line per shard between its bars.
         log.debug("resolved repo=%s file=%s redirected=%s", manifest.repo, file, target is not None)
         if target is None:
-            return Location(url, False, time.monotonic() + self.signed_url_ttl)
+            return Location(url, False, time.monotonic() + self.signed_url_ttl, xet_hash)
         # Only to http(s), and to a loopback or link-local host only from one (never a blind GET
         # of a cloud's metadata service, nor a file:// URL).
         target = check_redirect(self.endpoint, urljoin(url, target),
@@ -227,7 +232,7 @@ class HubClient:
         # A minute's margin on the Hub's hour; a tenth of a shorter life, so a URL that lives
         # seconds is still used for those seconds rather than resolved again at every request.
         margin = min(_EXPIRY_MARGIN_S, ttl / 10)
-        return Location(target, True, time.monotonic() + max(0.0, ttl - margin))
+        return Location(target, True, time.monotonic() + max(0.0, ttl - margin), xet_hash)
 
     # -- range GET ---------------------------------------------------------------------------
     async def get_range(

@@ -40,9 +40,11 @@ def _fetch_checked(d: DaemonProcess, manifest: Any, tiny_dir: Any, ids: list[int
 
 
 def _hub_requests(proxy: ForwardProxy, hub_url: str) -> list[tuple[str, str]]:
-    """What went through the proxy to the hub: resolves (HEAD) and range GETs of its CDN."""
+    """What went through the proxy to the hub: resolves (HEAD), range GETs of its CDN, and its
+    Xet content store's requests (the hub keeps the shards in Xet)."""
     return [(m, u) for m, u in proxy.requests
-            if u.startswith(hub_url) and ("/resolve/" in u or "/_cdn/" in u)]
+            if u.startswith(hub_url) and any(p in u for p in ("/resolve/", "/_cdn/", "/_xet/",
+                                                                "/_xorb/"))]
 
 
 def test_expert_fetches_go_through_the_environments_proxy(
@@ -61,7 +63,7 @@ def test_expert_fetches_go_through_the_environments_proxy(
         print("through the proxy:", *proxy.requests, sep="\n  ")
     assert counters["fetched_experts"] == 2
     assert any(m == "HEAD" and "/resolve/" in u for m, u in through), proxy.requests
-    assert any(m == "GET" and "/_cdn/" in u for m, u in through), proxy.requests
+    assert any(m == "GET" and "/_xorb/" in u for m, u in through), proxy.requests
 
 
 def test_no_proxy_names_hosts_that_bypass_it(

@@ -124,8 +124,10 @@ def test_metric_names_follow_prometheus_conventions(daemon, tiny_manifest) -> No
     assert 0 < _sample(families, "cachecd_hit_latency_seconds", "_sum") < 5
     upstream = "cachecd_upstream_request_duration_seconds"
     assert families[upstream].type == "histogram"
-    assert (_sample(families, upstream, "_count", kind="range")
-            == status["upstream"]["requests_range"] > 0)
+    # The hub keeps the shards in Xet: the experts came as signed xorb ranges, proven.
+    assert (_sample(families, upstream, "_count", kind="xet_xorb")
+            == status["upstream"]["requests_xet_xorb"] > 0)
+    assert _value(families, "cachecd_upstream_xet_windows") == status["upstream"]["xet_windows"]
     assert (_sample(families, upstream, "_count", kind="resolve")
             == status["upstream"]["requests_resolve"] > 0)
     assert not any(s.name.endswith("_created") for f in families.values() for s in f.samples)

@@ -115,6 +115,7 @@ def test_a_peers_redirect_is_not_followed(redirecting, logged_hub, tiny_manifest
             up = c.stats()["upstream"]
         assert view.tobytes() == expert_bytes_from_files(tiny_dir, tiny_manifest.expert(layer, 6))
         assert peer.requests == 1 and target.requests == 0  # asked, and its redirect not taken
-        assert up["peer_faults_refused"] == 1 and up["requests_range"] >= 1
+        assert up["peer_faults_refused"] == 1
+        assert up.get("requests_range", 0) + up.get("requests_xet_xorb", 0) >= 1  # the hub's
     finally:
         b.cleanup()

@@ -40,9 +40,10 @@ def token_file(text: str = TOKEN, mode: int = 0o600) -> Path:
 
 
 def range_requests(hub: LoggedHub, since: int) -> list[tuple[str, str, int]]:
-    """Requests for file bytes that reached the hub (GETs of a file or its CDN redirect)."""
-    return [r for r in hub.requests(since)
-            if r[0] == "GET" and ("/resolve/" in r[1] or r[1].startswith("/_cdn/"))]
+    """Requests for file bytes that reached the hub (GETs of a file, its CDN redirect, or a
+    signed xorb range of its Xet store)."""
+    return [r for r in hub.requests(since) if r[0] == "GET" and (
+        "/resolve/" in r[1] or r[1].startswith(("/_cdn/", "/_xorb/")))]
 
 
 def ask(url: str, token: str | None = TOKEN, data: bytes | None = None) -> tuple[int, Any, bytes]:
@@ -120,6 +121,7 @@ def test_b_runs_the_prompt_from_its_peer_with_zero_hub_ranges_and_bitwise_logits
             peers = c.stats()["peers"]
         assert [p["url"] for p in peers] == [sharer.share_url]  # setup passed them on
         assert up["peer_experts"] > 0 and up.get("requests_range", 0) == 0
+        assert up.get("requests_xet_xorb", 0) == 0
         status = run_cli("status", "--socket", str(sock)).stdout
         assert f"peer        {sharer.share_url} asked before the Hub" in status
     finally:
@@ -251,7 +253,7 @@ def test_a_peer_down_or_stalling_costs_at_most_its_deadline(how, logged_hub, tin
         assert view.tobytes() == expert_bytes_from_files(tiny_dir, tiny_manifest.expert(layer, 5))
         assert took < 0.5 + 5.0
         assert up[f"peer_faults_{'timeout' if how == 'stalls' else 'connect'}"] == 1
-        assert up["requests_range"] >= 1
+        assert up.get("requests_range", 0) + up.get("requests_xet_xorb", 0) >= 1
         # status says so: down and skipped for a while, not "asked before the Hub"
         status = run_cli("status", "--socket", str(b.socket)).stdout
         why = "no answer within its deadline" if how == "stalls" else "could not connect"
@@ -414,8 +416,9 @@ def test_a_peer_asked_for_an_aliased_digest_serves_nothing_for_it(sharer, logged
                                                                  tiny_dir, tmp_path):
     """B's manifest gives expert (L, 0) the digest of (L, 1), which A has cached (verified as
     (L, 1)'s bytes): A serves it only as (L, 1), so B's (L, 0) is checked against its own ranges
-    at the Hub, and refused naming the manifest."""
-    from cachecd.errors import ChecksumMismatch
+    at the Hub (read through Xet and proven there, so the manifest is named as what is wrong),
+    and refused naming the manifest."""
+    from cachecd.errors import ManifestMismatch
     from tests import tampered
 
     layer = tiny_manifest.moe_layers[1]
@@ -425,7 +428,7 @@ def test_a_peer_asked_for_an_aliased_digest_serves_nothing_for_it(sharer, logged
     b = peer_daemon(logged_hub, bad, sharer.share_url)
     try:
         with b.client() as c:
-            with pytest.raises(ChecksumMismatch) as info:
+            with pytest.raises(ManifestMismatch) as info:
                 c.expert(TINY_REPO, layer, 0)
             assert str(bad) in info.value.message
             assert f"layer={layer} expert=0" in info.value.message
