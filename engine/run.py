@@ -133,9 +133,9 @@ def run(args: argparse.Namespace) -> int:
     from cachecd_client import resolve_model
     from cachecd_engine.kernels import compiling_notice
 
-    compiling = compiling_notice()  # asked before the load, which may compile a kernel too
     args.model = resolve_model(args.model, args.socket)
     daemon_answers(args.socket)  # before mlx loads: no daemon is a one-line error at once
+    compiling = compiling_notice()  # asked before the load, which may compile a kernel too
 
     from cachecd_engine.pipeline import launched_group, shared_seed
     from cachecd_engine.run_session import RunSession

@@ -41,11 +41,18 @@ def hub_config(repo: str, commit: str, endpoint: str, offline: bool,
         path = installed / "config.json"
         return json.loads(path.read_text()) if path.is_file() else None
     from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, RevisionNotFoundError
+
+    from cachecd.manifest.bounds import loads
 
     with tempfile.TemporaryDirectory(prefix="cachecd-config-") as tmp:
-        got = hf_hub_download(repo, "config.json", revision=commit, endpoint=endpoint,
-                              local_dir=tmp)
-        return dict(json.loads(Path(got).read_text()))
+        try:
+            got = hf_hub_download(repo, "config.json", revision=commit, endpoint=endpoint,
+                                  local_dir=tmp)
+        except (EntryNotFoundError, RevisionNotFoundError):
+            return None  # the manifest's check says what is wrong with this commit, in its words
+        config = loads(Path(got).read_bytes(), f"{repo}@{commit[:12]}/config.json", "config")
+        return dict(config) if isinstance(config, dict) else None
 
 
 def check_room(where: Path, need: int, what: str, instead: str) -> None:
