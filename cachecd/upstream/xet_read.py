@@ -66,7 +66,7 @@ class Refused(Exception):
 
 @dataclass(frozen=True)
 class Chunk:
-    data: bytes
+    data: bytes | memoryview  # a stored chunk: a view of the fetched xorb range
     hash: bytes
 
 

@@ -105,13 +105,13 @@ def parse_header(buf: bytes | memoryview, pos: int) -> ChunkHeader:
     return head
 
 
-def _decompress(payload: bytes, head: ChunkHeader, pos: int) -> bytes:
+def _decompress(payload: bytes | memoryview, head: ChunkHeader, pos: int) -> bytes | memoryview:
     if head.scheme == NONE:
-        return payload
+        return payload  # a view of the fetched range: a stored chunk is not copied
     try:
         # max_length bounds the output, so a hostile frame cannot expand past the header's size.
         dctx = lz4.frame.LZ4FrameDecompressor()
-        raw = dctx.decompress(payload, max_length=head.size + 1)
+        raw = dctx.decompress(bytes(payload), max_length=head.size + 1)
         complete = dctx.eof
     except RuntimeError as exc:
         raise XetFormatError(f"chunk at byte {pos}: LZ4 data does not decode ({exc})") from exc
@@ -121,10 +121,12 @@ def _decompress(payload: bytes, head: ChunkHeader, pos: int) -> bytes:
     return ungroup4(raw) if head.scheme == BG4_LZ4 else raw
 
 
-def decode_chunks(buf: bytes | memoryview, expect: int | None = None) -> list[bytes]:
+def decode_chunks(buf: bytes | memoryview,
+                  expect: int | None = None) -> list[bytes | memoryview]:
     """Every chunk in ``buf`` (a fetched xorb range: headers and payloads back to back), each
-    decompressed; ``expect``: how many chunks the range must hold exactly."""
-    out: list[bytes] = []
+    decompressed; ``expect``: how many chunks the range must hold exactly. A stored chunk of a
+    memoryview ``buf`` is a view of it (kept alive by the view), not a copy."""
+    out: list[bytes | memoryview] = []
     pos = 0
     while pos < len(buf):
         if expect is not None and len(out) == expect:
@@ -135,7 +137,7 @@ def decode_chunks(buf: bytes | memoryview, expect: int | None = None) -> list[by
         if start + head.compressed > len(buf):
             raise XetFormatError(f"chunk at byte {pos}: payload of {head.compressed} bytes cut "
                                  f"short ({len(buf) - start} left)")
-        out.append(_decompress(bytes(buf[start:start + head.compressed]), head, pos))
+        out.append(_decompress(buf[start:start + head.compressed], head, pos))
         pos = start + head.compressed
     if expect is not None and len(out) != expect:
         raise XetFormatError(f"xorb range holds {len(out)} chunks, {expect} expected")
