@@ -26,6 +26,7 @@ from cachecd.config import (
 from cachecd.errors import (
     ManifestMismatch,
     Offline,
+    XetProofError,
 )
 from cachecd.manifest.repo_ref import is_commit, parse_ref
 from cachecd.manifest.sha256 import file_sha256
@@ -188,6 +189,7 @@ async def fetch_resident(manifest: Any, local: Path, settings: Settings,
     from huggingface_hub import get_token
     from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
+    from cachecd.setup.from_hub import share_kept
     from cachecd.setup.resident import ResidentWriter
     from cachecd.upstream.choose import open_upstream
 
@@ -195,11 +197,26 @@ async def fetch_resident(manifest: Any, local: Path, settings: Settings,
     if writer.done():
         return 0
     upstream = await asyncio.to_thread(open_upstream, settings, get_token())
+    share_kept(upstream)
     total = writer.nbytes
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="resident weights", disable=None)
+
+    async def fetch(file: str, start: int, end: int) -> bytearray:
+        data = await upstream.fetch_range(manifest, file, start, end)
+        proven = getattr(upstream.source, "proven", None)
+        if writer.learns and not (proven is not None and proven(manifest, file)):
+            raise XetProofError(f"{file} of {manifest.key}: served without an Xet hash, so its "
+                                "resident tensors cannot be proven; pass --manifest or "
+                                "--build-manifest")
+        return data
+
     try:
-        return await writer.run(lambda f, s, e: upstream.fetch_range(manifest, f, s, e), bar.update,
-                                reuse=reuse)
+        got = await writer.run(fetch, bar.update, reuse=reuse)
+        if writer.repaired:
+            print(f"repaired {len(writer.repaired)} resident tensors the install held with bytes "
+                  f"the Hub did not vouch for: {', '.join(writer.repaired[:4])}"
+                  f"{' ...' if len(writer.repaired) > 4 else ''}")
+        return got
     finally:
         bar.close()
         await upstream.close()
@@ -215,14 +232,19 @@ def run(args: argparse.Namespace) -> int:
     repo, rev = parse_ref(args.stream)
     rank = pipeline.parse_rank(args.pipeline) if getattr(args, "pipeline", None) else None
     commit = resolve_commit(repo, rev, settings.endpoint, settings.offline)
-    manifest_path, manifest, origin = choose_manifest(args, repo, commit, settings)
-    if origin not in ("built", "shipped"):
-        print(f"its hashes are its maker's word ({manifest.made or 'how it was made is not recorded'}"
-              f"): a wrong one makes the daemon refuse that expert's bytes (checksum_mismatch), "
-              f"never serve them; --build-manifest makes them your own")
     local = settings.models_dir / repo / commit
     if rank is not None:
         local = pipeline.rank_dir(local, *rank)
+    manifest_path, manifest, origin = choose_manifest(args, repo, commit, settings, local)
+    if origin == "headers":
+        print(f"no manifest: {manifest.n_experts} experts mapped from the shards' headers, proven "
+              f"through Xet against the Hub's hash of each shard at {commit[:12]}; config and "
+              "tokenizer files checked against the commit's tree; each expert's digest is "
+              "learnt from its proven bytes on its first fetch")
+    elif origin not in ("built", "shipped"):
+        print(f"its hashes are its maker's word ({manifest.made or 'how it was made is not recorded'}"
+              f"): a wrong one makes the daemon refuse that expert's bytes (checksum_mismatch), "
+              f"never serve them; --build-manifest makes them your own")
     make_private(settings.models_dir, repo)  # before any weight lands; fixes an older install
     local.mkdir(mode=0o700, parents=True, exist_ok=True)
     print(f"{repo}@{commit}: {manifest.n_experts} experts "
