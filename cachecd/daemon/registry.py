@@ -236,7 +236,11 @@ class Registry:
             legacy = None
         before = self._store.get_model(key) or legacy or {}
         known: list[str] = list(before.get("names") or ())
-        checked = await self._check_on_use(manifest, before.get("layout_checked") == content)
+        # Setup made this one from the shards' headers, each proven through Xet (``origin``
+        # "headers" is setup's own word, never a file's): its layout is those headers.
+        made_here = origin == "headers" and manifest.learns
+        checked = await self._check_on_use(
+            manifest, made_here or before.get("layout_checked") == content)
         self._dir.mkdir(parents=True, exist_ok=True)
         name = f"{manifest.repo.replace('/', '--')}--{manifest.revision}.manifest"
         path = self._dir / name

@@ -93,7 +93,11 @@ def on_xet_at(repo: str, commit: str, endpoint: str) -> bool:
     """Whether every shard of ``repo@commit`` is in Xet (the Hub's tree says)."""
     from huggingface_hub import get_token
 
-    return on_xet(listed(repo, commit, endpoint, get_token()))
+    try:
+        return on_xet(listed(repo, commit, endpoint, get_token()))
+    except Exception as exc:  # an endpoint without the tree API: it cannot say, so not proven
+        log.info("event=tree_unavailable repo=%s err=%r", repo, exc)
+        return False
 
 
 def fetch_small(repo: str, commit: str, endpoint: str, files: list[Any], local: Path) -> dict[str, str]:

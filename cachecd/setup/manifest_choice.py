@@ -119,20 +119,20 @@ def stored_manifest(settings: Settings, repo: str, commit: str) -> tuple[Path, s
     """The manifest of ``repo@commit`` an earlier setup left, with where it came from (what
     ``status`` tells): built into the models dir, or registered with the daemon (which keeps its
     own copy and its origin). It is checked like any other."""
-    path = settings.models_dir / "manifests" / manifest_name(repo, commit)
-    if path.is_file():
-        from cachecd.manifest.manifest import Manifest
-
-        if Manifest.load(path).learns:  # the daemon's copy of one made from headers
-            return path, "headers"
-        print(f"manifest {path} (stored by an earlier setup)")
-        return path, "built"
     from cachecd_client import Client
 
+    built = settings.models_dir / "manifests" / manifest_name(repo, commit)
     try:
         with Client(settings.socket, timeout=10) as client:
             info = client.model(f"{repo}@{commit}")
     except CachecdError:  # no daemon, or the repo is not registered with it
+        info = {}
+    # The daemon keeps its copy where setup builds: its record says whose word the copy is.
+    registered = info.get("revision") == commit and Path(info.get("manifest") or "") == built
+    if built.is_file() and not (registered and info.get("manifest_origin") != "built"):
+        print(f"manifest {built} (stored by an earlier setup)")
+        return built, "built"
+    if not info:
         return None
     path = Path(info.get("manifest") or "")
     if info.get("revision") != commit or not path.is_file():

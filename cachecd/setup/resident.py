@@ -113,7 +113,8 @@ def skipped_summary(skipped: Iterable[str], kept: Iterable[str], most: int = 4) 
 
 
 class ResidentWriter:
-    def __init__(self, manifest: Any, out_dir: Path, keep: Collection[str] | None = None) -> None:
+    def __init__(self, manifest: Any, out_dir: Path, keep: Collection[str] | None = None,
+                 proven: bool = False) -> None:
         self.manifest = manifest
         self.final = out_dir / RESIDENT_FILE
         self.partial = out_dir / (RESIDENT_FILE + ".partial")
@@ -121,7 +122,10 @@ class ResidentWriter:
         self.tensors = [t for t in manifest.resident if keep is None or t.name in keep]
         meta = {"format": "mlx", "cachecd_repo": manifest.repo, "cachecd_revision": manifest.revision}
         self.header, self.offsets = safetensors_header(self.tensors, meta)
-        self.learns: bool = bool(getattr(manifest, "learns", False))
+        # ``proven``: the shards are in Xet, so every tensor is taken from proven bytes and a
+        # manifest's digests are only compared with them (``disagree``), never obeyed.
+        self.learns: bool = bool(getattr(manifest, "learns", False)) or proven
+        self.disagree: list[str] = []  # tensors whose proven bytes the manifest misnames
         self.proven_path = out_dir / (RESIDENT_FILE + ".proven")
         self.learnt: dict[str, str] = {}  # tensor name -> xxh3-128 hex of its proven bytes
         self.repaired: list[str] = []  # tensors an installed file held that did not match
@@ -275,7 +279,10 @@ class ResidentWriter:
             t = self.tensors[i]
             piece = data[t.offset - base:t.offset - base + t.nbytes]
             if self.learns:  # ``fetch`` handed on only proven bytes: their digest is learnt
-                self.learnt[t.name] = digest(piece).hex()
+                got = digest(piece)
+                self.learnt[t.name] = got.hex()
+                if not getattr(self.manifest, "learns", False) and got != t.xxh3:
+                    self.disagree.append(t.name)
             elif digest(piece) != t.xxh3:
                 raise ChecksumMismatch(f"resident tensor {t.name} from {t.file} does not match the manifest")
             os.pwrite(fd, piece, self.offsets[i])

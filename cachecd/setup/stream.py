@@ -33,6 +33,7 @@ from cachecd.manifest.sha256 import file_sha256
 from cachecd.setup import pipeline, preflight, record
 from cachecd.setup.daemon_start import ensure_daemon
 from cachecd.setup.delta import compare, copy_if_same, installed_before
+from cachecd.setup.from_hub import on_xet_at
 from cachecd.setup.manifest_choice import choose_manifest
 from cachecd.setup.resident import make_private
 from cachecd.sizes import format_size
@@ -185,7 +186,8 @@ def text_model_tensors(manifest: Any, local: Path) -> set[str]:
 
 
 async def fetch_resident(manifest: Any, local: Path, settings: Settings,
-                         keep: set[str] | None = None, reuse: Path | None = None) -> int:
+                         keep: set[str] | None = None, reuse: Path | None = None,
+                         proven: bool = False) -> int:
     from huggingface_hub import get_token
     from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
@@ -193,7 +195,7 @@ async def fetch_resident(manifest: Any, local: Path, settings: Settings,
     from cachecd.setup.resident import ResidentWriter
     from cachecd.upstream.choose import open_upstream
 
-    writer = ResidentWriter(manifest, local, keep)
+    writer = ResidentWriter(manifest, local, keep, proven)
     if writer.done():
         return 0
     upstream = await asyncio.to_thread(open_upstream, settings, get_token())
@@ -212,6 +214,11 @@ async def fetch_resident(manifest: Any, local: Path, settings: Settings,
 
     try:
         got = await writer.run(fetch, bar.update, reuse=reuse)
+        if writer.disagree:
+            print(f"the manifest ({manifest.source}) names other bytes than the Hub's, proven "
+                  f"through Xet, for {len(writer.disagree)} resident tensors: "
+                  f"{', '.join(writer.disagree[:4])}{' ...' if len(writer.disagree) > 4 else ''}"
+                  "; the Hub's were installed, the manifest's word was not taken")
         if writer.repaired:
             print(f"repaired {len(writer.repaired)} resident tensors the install held with bytes "
                   f"the Hub did not vouch for: {', '.join(writer.repaired[:4])}"
@@ -263,7 +270,9 @@ def run(args: argparse.Namespace) -> int:
     for line in delta.lines() if delta else []:
         print(line)
     reuse = delta.old_resident if delta else None
-    resident = asyncio.run(fetch_resident(manifest, local, settings, keep, reuse))
+    proven = origin == "headers" or (not settings.offline and on_xet_at(
+        repo, commit, settings.endpoint))
+    resident = asyncio.run(fetch_resident(manifest, local, settings, keep, reuse, proven))
     make_private(settings.models_dir, repo)  # what hf_hub_download and copies wrote: 0600
     client = ensure_daemon(settings, args)
     with client:
