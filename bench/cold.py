@@ -153,7 +153,8 @@ def measure(served: Served, *, ids: list[int], rounds: int, parallel: int) -> Co
                 stats = client.stats()
                 if stats["counters"].get("fetched_experts") != len(ids):
                     raise SystemExit("ours: the daemon did not fetch every expert cold")
-                sent[:] = [int(stats["upstream"].get("requests_range", 0))]
+                up = stats["upstream"]  # Range GETs, or xorb GETs where the hub serves Xet
+                sent[:] = [int(up.get("requests_range", 0) + up.get("requests_xet_xorb", 0))]
         finally:
             served.drop(d)
         return t

@@ -63,8 +63,10 @@ def measure(served: Served, ids: list[int], rounds: int) -> dict[str, Any]:
                 client.experts(served.repo, layer, ids, out=bufs)
                 t = time.perf_counter() - t0
                 up = client.stats()["upstream"]
-            got = up.get("peer_experts", 0) if want == "peer" else up.get("requests_range", 0)
-            if not got or (want == "peer" and up.get("requests_range", 0)):
+            # The hub's byte requests: Range GETs, or signed xorb GETs where it serves Xet.
+            hub_gets = up.get("requests_range", 0) + up.get("requests_xet_xorb", 0)
+            got = up.get("peer_experts", 0) if want == "peer" else hub_gets
+            if not got or (want == "peer" and hub_gets):
                 raise SystemExit(f"{want}: the experts did not come from the {want} ({up})")
         finally:
             served.drop(d)

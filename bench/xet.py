@@ -34,6 +34,7 @@ from _common import (
     alternate,
     median,
     paired_ratio,
+    proc_cpu_s,
     served_checkpoint,
 )
 
@@ -55,6 +56,7 @@ class XetResult:
     window_extra_bytes_per_expert: float
     hash_ms_per_expert: float
     xorb_bytes_per_expert: float
+    cpu_ms_per_expert: dict[str, float]  # median CPU a round, per expert: {route}_{bench,hub}
 
 
 class _Sink:
@@ -76,17 +78,23 @@ def measure(served: Served, rounds: int) -> XetResult:
     xet = Upstream(XetSource(HubClient(served.hub.url, False)))
     plain = Upstream(HubClient(served.hub.url, False))
 
-    def run(up: Upstream) -> float:
+    cpu: dict[str, list[float]] = {}
+    me, hub = os.getpid(), served.hub.proc.pid
+
+    def run(up: Upstream, name: str) -> float:
         sink = _Sink()
-        t0 = time.perf_counter()
+        c0, h0, t0 = proc_cpu_s(me), proc_cpu_s(hub), time.perf_counter()
         failures = loop.run_until_complete(up.fetch_experts(manifest, entries, sink))
         took = time.perf_counter() - t0
+        cpu.setdefault(f"{name}_bench", []).append((proc_cpu_s(me) - c0) / len(entries) * 1e3)
+        cpu.setdefault(f"{name}_hub", []).append((proc_cpu_s(hub) - h0) / len(entries) * 1e3)
         assert not failures and sink.n == nbytes, failures
         return nbytes / took / 1e6
 
     try:
         before = xet.stats()
-        out = alternate({"xet": lambda: run(xet), "plain": lambda: run(plain)}, rounds,
+        out = alternate({"xet": lambda: run(xet, "xet"), "plain": lambda: run(plain, "plain")},
+                        rounds,
                         lambda k, v: f"{k}_mbs={v:.0f}")
         after = xet.stats()
     finally:
@@ -103,7 +111,8 @@ def measure(served: Served, rounds: int) -> XetResult:
         ratio=paired_ratio(out["xet"], out["plain"]), experts=len(entries),
         expert_bytes=entries[0].nbytes, proof_bytes_per_expert=per("xet_proof_bytes"),
         window_extra_bytes_per_expert=per("xet_window_bytes") - nbytes / len(entries),
-        hash_ms_per_expert=per("xet_hash_us") / 1000, xorb_bytes_per_expert=per("xet_xorb_bytes"))
+        hash_ms_per_expert=per("xet_hash_us") / 1000, xorb_bytes_per_expert=per("xet_xorb_bytes"),
+        cpu_ms_per_expert={k: median(v[1:]) for k, v in cpu.items()})  # not the warm-up
 
 
 def report(res: XetResult) -> None:
@@ -114,6 +123,8 @@ def report(res: XetResult) -> None:
           f"window_extra_bytes_per_expert={res.window_extra_bytes_per_expert:.0f} "
           f"xorb_bytes_per_expert={res.xorb_bytes_per_expert:.0f} "
           f"hash_ms_per_expert={res.hash_ms_per_expert:.2f}")
+    print("cpu_ms_per_expert " + " ".join(f"{k}={v:.1f}"
+                                          for k, v in sorted(res.cpu_ms_per_expert.items())))
     print(f"ratio={res.ratio:.3f}")
 
 

@@ -68,8 +68,9 @@ def run_cli(
 class HubProcess:
     """`cachecd hub serve ROOT` on 127.0.0.1, port chosen by the OS."""
 
-    def __init__(self, root: Path, token: str | None = None) -> None:
-        args = ["hub", "serve", str(root), "--port", "0"] + (["--token", token] if token else [])
+    def __init__(self, root: Path, token: str | None = None, extra: list[str] = ()) -> None:  # type: ignore[assignment]
+        args = (["hub", "serve", str(root), "--port", "0"] + (["--token", token] if token else [])
+                + list(extra))
         self.proc = subprocess.Popen(
             [*CACHECD, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
         )

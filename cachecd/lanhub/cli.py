@@ -99,4 +99,5 @@ def _xet_options(serve: Any) -> None:
     serve.add_argument(
         "--xet-fault", action="append", metavar="NAME[=VALUE]",
         help="for tests of a Xet client: flip_xorb_byte, bad_chunk_header, proof_node_flip, "
-             "proof_offset=N, swap_xorb, times=N (how many answers); repeatable (default: none)")
+             "proof_offset=N, swap_xorb, expired_url, expired_token, times=N (how many "
+             "answers); repeatable (default: none)")

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from aiohttp import web
 
@@ -122,12 +122,14 @@ def serve_in_thread(
     host: str = "127.0.0.1",
     port: int = 0,
     hashes: HashCache | None = None,
+    **options: Any,
 ) -> Iterator[str]:
-    """The hub on its own event loop thread, for synchronous callers; yields the base URL."""
+    """The hub on its own event loop thread, for synchronous callers; yields the base URL.
+    ``options``: more of :class:`HubServer`'s settings (``xet=False``, ``xet_url_ttl_s``...)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="hub-server", daemon=True)
     thread.start()
-    server = HubServer(root, host=host, port=port, token=token, hashes=hashes)
+    server = HubServer(root, host=host, port=port, token=token, hashes=hashes, **options)
     try:
         yield asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
     finally:

@@ -12,7 +12,8 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field, fields
 
-FLAGS = ("flip_xorb_byte", "bad_chunk_header", "proof_node_flip", "swap_xorb")
+FLAGS = ("flip_xorb_byte", "bad_chunk_header", "proof_node_flip", "swap_xorb", "expired_url",
+         "expired_token")
 
 
 @dataclass
@@ -22,6 +23,8 @@ class XetFaults:
     proof_node_flip: bool = False  # /v2/file-chunk-hashes: one node hash of a gap tree changed
     proof_offset: int = 0  # /v2/file-chunk-hashes answered for the range moved by this many bytes
     swap_xorb: bool = False  # /v{1,2}/reconstructions: the first two terms in swapped order
+    expired_url: bool = False  # /v{1,2}/reconstructions: every xorb URL signed already expired
+    expired_token: bool = False  # xet-read-token: a token already expired (exp in the past)
     times: int | None = None
     # Requests seen, by kind (token, reconstruction_v1/_v2, xorb, chunk_hashes, and the
     # refusals: xorb_expired, token_refused).

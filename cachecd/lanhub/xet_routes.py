@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import logging
 import re
 import secrets
 import time
@@ -40,6 +41,8 @@ from cachecd.lanhub.repo import RepoFile, RepoSnapshot
 from cachecd.lanhub.xet_faults import XetFaults
 from cachecd.lanhub.xet_store import XetFile, XetStore
 from cachecd.xet import hashing, proof, xorb
+
+log = logging.getLogger("cachecd.lanhub.server")
 
 DEFAULT_TOKEN_TTL_S = 3600.0
 DEFAULT_XORB_URL_TTL_S = 3600.0
@@ -65,7 +68,11 @@ class XetSide:
         files = {}
         for path, f in snap.files.items():
             if f.git_oid is None and f.size > 0 and f.xet_hash is None:
-                f = dataclasses.replace(f, xet_hash=self.store.xet_hash(f.real, f.sha256, f.size))
+                try:
+                    f = dataclasses.replace(
+                        f, xet_hash=self.store.xet_hash(f.real, f.sha256, f.size))
+                except OSError as exc:  # served by the LFS route alone until a build succeeds
+                    log.warning("xet build failed file=%s error=%s: LFS route only", path, exc)
             files[path] = f
         return dataclasses.replace(snap, files=files)
 
@@ -87,7 +94,8 @@ class XetSide:
         return hmac.new(self._secret, "\n".join(parts).encode(), hashlib.sha256).hexdigest()
 
     def issue(self, repo_key: str, commit: str) -> tuple[str, int]:
-        exp = int(time.time() + self.token_ttl_s)
+        ttl = -1.0 if self.faults.fire("expired_token") else self.token_ttl_s
+        exp = int(time.time() + ttl)
         claim = base64.urlsafe_b64encode(json.dumps([repo_key, commit, exp]).encode()).decode()
         return f"xet_{claim}.{self._mac('token', claim)}", exp
 
@@ -134,6 +142,7 @@ class XetSide:
         if len(pieces) >= 2 and self.faults.fire("swap_xorb"):
             pieces[0], pieces[1] = pieces[1], pieces[0]
         origin = str(request.url.origin())
+        ttl = -1.0 if self.faults.fire("expired_url") else self.url_ttl_s
         terms: list[dict[str, Any]] = []
         fetch: dict[tuple[str, int, int], tuple[int, int]] = {}
         for span, a, b in pieces:
@@ -144,7 +153,7 @@ class XetSide:
                                 "terms": terms}
         entries: dict[str, list[dict[str, Any]]] = {}
         for (name, a, b), (lo, hi) in fetch.items():
-            url = self.sign(origin, name, lo, hi)
+            url = self.sign(origin, name, lo, hi, ttl)
             if version == "v2":
                 entries.setdefault(name, []).append({"url": url, "ranges": [
                     {"chunks": {"start": a, "end": b}, "bytes": {"start": lo, "end": hi}}]})
@@ -170,9 +179,9 @@ class XetSide:
 
     # ------------------------------------------------------------ signed xorb ranges
 
-    def sign(self, origin: str, name: str, lo: int, hi: int) -> str:
+    def sign(self, origin: str, name: str, lo: int, hi: int, ttl: float) -> str:
         signed = f"bytes={lo}-{hi}"
-        expires = str(int(time.time() + self.url_ttl_s))
+        expires = str(int(time.time() + ttl))
         sig = self._mac("xorb", name, signed, expires)
         return (f"{origin}{XORB_PREFIX}/{name}?X-Xet-Signed-Range={quote(signed, safe='')}"
                 f"&Expires={expires}&Signature={sig}")

@@ -1,9 +1,9 @@
 """The hub's Xet store: each large file cut into chunks and packed into xorbs, once, on disk.
 
-Layout, beside the sha256 sidecars (``DIR/.cache/cachecd/``, a path no route reaches):
-``xet/xorbs/{xorb hash}`` the serialized xorbs (chunk headers and payloads, no footer),
-``xet/files/{xet hash}.json`` a file's chunks (hash, size) and its xorbs (hash, chunk count,
-each chunk's byte offset), ``xet/sha/{sha256}-{size}`` the xet hash of the file with that sha256.
+Layout, beside the sha256 sidecars (``DIR/.cache/cachecd/``, a path no route reaches), under
+``xet/{scheme}-{xorb bytes}/`` (one folder per way of packing): ``xorbs/{xorb hash}`` the serialized xorbs (chunk headers and payloads, no footer),
+``files/{xet hash}.json`` a file's chunks (hash, size) and its xorbs (hash, chunk count,
+each chunk's byte offset), ``sha/{sha256}-{size}`` the xet hash of the file with that sha256.
 
 Invariants:
 - A file is built at most once per (sha256, size), one build at a time per file, in a thread;
@@ -13,16 +13,18 @@ Invariants:
 - Cuts, chunk hashes and the file hash are ``cachecd.xet``'s (checked against hf_xet in tests);
   a file is read in 64 MiB blocks and re-cut from the last cut of each block, which gives the
   one-pass cuts because the chunker restarts at every cut.
-- Cost: one read of the file, the gear hash (numpy, ~100-200 MB/s here), BLAKE3 and LZ4 per
-  chunk: seconds per GB, so a 5 GB shard is about a minute the first time it is asked for, and
-  its xorbs take about its size again on disk (less where LZ4 shrinks chunks).
+- Cost: one read of the file, the gear hash (numpy on one core: 20-40 MB/s measured on a loaded
+  2-core machine, the slow part), BLAKE3 and LZ4 per chunk: a 5 GB shard takes minutes the first
+  time it is asked for, and its xorbs about its size again on disk (less where LZ4 shrinks).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
+import shutil
 import tempfile
 import threading
 from collections import OrderedDict
@@ -91,6 +93,7 @@ def _writable(path: Path) -> Path:
         return path
     except OSError as exc:
         fallback = Path(tempfile.mkdtemp(prefix="cachecd-xet-"))
+        atexit.register(shutil.rmtree, fallback, True)
         log.warning("xet store not writable path=%s error=%s: using %s", path, exc, fallback)
         return fallback
 
@@ -139,9 +142,10 @@ class XetStore:
                  xorb_bytes: int = xorb.MAX_XORB_BYTES) -> None:
         if scheme not in SCHEMES:
             raise ValueError(f"xet scheme {scheme!r}: one of {', '.join(SCHEMES)}")
-        self.dir = _writable(root / XET_DIR)
         self.scheme = scheme
         self.xorb_bytes = min(xorb_bytes, xorb.MAX_XORB_BYTES)
+        # One folder per way of building: the same file packed otherwise has other xorbs.
+        self.dir = _writable(root / XET_DIR / f"{scheme}-{self.xorb_bytes}")
         self._guard = threading.Lock()
         self._locks: dict[str, threading.Lock] = {}
         self._memo: dict[tuple[str, int], str] = {}

@@ -5,7 +5,8 @@ Invariants (``fetch.Upstream`` builds on them):
 - ``get_range`` returns exactly ``end - start`` bytes taken from a 206 whose Content-Range is
   exactly ``bytes start-(end-1)/size``; anything else is a fault, retried, then an error.
 - One ``/resolve`` per (repo, revision, file) until the signed Location expires or the CDN answers
-  403; concurrent resolves of one file share one request.
+  403; concurrent resolves of one file share one request. The Location keeps the resolve's
+  ``X-Xet-Hash`` (the file's hash in Xet at that commit), which ``xet_source`` reads by.
 - The Authorization header is built for the endpoint's ``/resolve`` only; the token is found
   again before each resolve and after a 401 (``hub_auth``), so a login needs no restart.
 - Each request goes through the proxy the environment names for its URL (``hub_http.proxy_for``).

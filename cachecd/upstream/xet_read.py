@@ -244,7 +244,7 @@ class CasReader:
             raise Transient(errors.BadUpstreamRange(
                 f"{what}: Content-Range {resp.headers.get('Content-Range')!r} is not what was "
                 "asked"), "xet_content_range")
-        return await _exactly(resp.content.iter_chunked(READ_STEP), r.length, what, resp.close)
+        return await _exactly(resp.content.iter_any(), r.length, what, resp.close)
 
     async def _multipart(self, resp: aiohttp.ClientResponse, ranges: tuple[XorbRange, ...],
                          what: str) -> list[bytearray]:
@@ -275,14 +275,17 @@ class _Absent(Exception):
 
 
 async def _exactly(chunks: Any, length: int, what: str, close: Callable[[], None]) -> bytearray:
-    buf = bytearray()
+    """Exactly ``length`` bytes from ``chunks``, into one buffer allocated once."""
+    buf, pos = bytearray(length), 0
+    for_write = memoryview(buf)
     async for chunk in chunks:
-        if len(buf) + len(chunk) > length:
+        if pos + len(chunk) > length:
             close()
             raise _short(what, f"a body longer than the {length} bytes asked", close)
-        buf += chunk
-    if len(buf) != length:
-        raise _short(what, f"a body of {len(buf)} of {length} bytes", close)
+        for_write[pos : pos + len(chunk)] = chunk
+        pos += len(chunk)
+    if pos != length:
+        raise _short(what, f"a body of {pos} of {length} bytes", close)
     return buf
 
 

@@ -225,8 +225,9 @@ class XetSource:
         if known is None:
             loc = await self.hub.location(manifest, file)
             known = self._files[key] = loc.xet_hash or ""
-            log.info("event=route repo=%s file=%s route=%s", manifest.repo, file,
-                     "xet" if known else "lfs")
+            # DEBUG, as the resolve's own line: setup would print one per shard between its bars.
+            log.debug("event=route repo=%s file=%s route=%s", manifest.repo, file,
+                      "xet" if known else "lfs")
         return known
 
     async def _proven(self, manifest: Any, file: str, file_hash: str, start: int,

@@ -5,7 +5,7 @@ are zero, never before 8 KiB into a chunk and always at 128 KiB; ``h`` restarts 
 cut. Because of the shift, ``h`` at a byte depends only on the last 64 bytes: at a testable
 position (8 KiB or more into a chunk) the window lies inside the chunk, so the restart never
 changes a decision there. That lets the hash of every position be computed at once with numpy,
-as six doubling steps over the whole buffer (window 1, 2, 4 ... 64), in blocks of a few MiB,
+as six doubling steps over the whole buffer (window 1, 2, 4 ... 64), in cache-sized blocks,
 and only the few candidate positions walked in order. The cut points are the spec's; the tests
 check them against hf_xet's hashes.
 """
@@ -18,8 +18,9 @@ MIN_CHUNK = 8 * 1024
 MAX_CHUNK = 128 * 1024
 MASK = 0xFFFF_0000_0000_0000
 WINDOW = 64
-# Positions per numpy block: bounds the working memory (a few uint64 arrays of this length).
-_BLOCK = 4 * 1024 * 1024
+# Positions per numpy block: its uint64 arrays (512 KiB) stay in the CPU's cache, which measured
+# several times faster than MiB blocks (memory-bound passes).
+_BLOCK = 64 * 1024
 
 # The gear table of rust-gearhash (the spec's TABLE[256], a protocol constant).
 TABLE = np.array([
@@ -97,10 +98,9 @@ def _window_hashes(block: np.ndarray, prefix: np.ndarray) -> np.ndarray:
     h = TABLE[data]
     width = 1
     while width < WINDOW:
-        # h[i] covered bytes (i-width, i]; add the window before it, shifted past them.
-        shifted = np.zeros_like(h)
-        shifted[width:] = h[:-width] << np.uint64(width)
-        h += shifted
+        # h[i] covered bytes (i-width, i]; add the window before it, shifted past them (the
+        # shifted copy is taken before the add, so the overlap reads old values).
+        h[width:] += h[:-width] << np.uint64(width)
         width *= 2
     return h[len(prefix):]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cachecd.errors import ChecksumMismatch, ManifestInvalid, ManifestMismatch, ManifestUnchecked
+from cachecd.errors import ManifestInvalid, ManifestMismatch, ManifestUnchecked
 from cachecd.manifest.manifest import Manifest
 from tests import tampered
 from tests.harness import (
@@ -150,7 +150,9 @@ def test_published_and_built_manifests_install_and_status_says_which(
 def test_a_wrong_hash_is_refused_naming_the_manifest(
         layout_hub: tuple[HubProcess, Path], tiny_manifest_path: Path, tmp_path: Path,
         env: dict[str, str]) -> None:
-    """Its layout is right, so it installs; the one wrong hash refuses that expert's bytes."""
+    """Its layout is right, so it installs; the one wrong hash refuses that expert's bytes (read
+    through Xet and proven against the hub's hash of the shard, so the manifest is named as
+    wrong, not the hub, and not fetched again)."""
     proc_hub, _ = layout_hub
     m = Manifest.load(tiny_manifest_path)
     row = m.row(3, 7)
@@ -161,10 +163,10 @@ def test_a_wrong_hash_is_refused_naming_the_manifest(
                 str(inst.socket), "--cache-dir", str(inst.base / "cache"), "--models-dir",
                 str(inst.base / "models"), "--manifest", str(bad), env=env)
         with inst.client() as c:
-            with pytest.raises(ChecksumMismatch) as info:
+            with pytest.raises(ManifestMismatch) as info:
                 c.expert(TINY_REPO, 3, 7)
             message = info.value.message
-            assert str(bad) in message and "the manifest's hashes are wrong" in message
+            assert str(bad) in message and "the manifest is wrong about this expert" in message
             assert "nothing stored or served" in message and "--build-manifest" in message
             assert c.coverage(TINY_REPO)["experts_cached"] == 0
             assert c.expert(TINY_REPO, 3, 6).nbytes == m.expert(3, 6).nbytes  # the rest flows

@@ -36,8 +36,8 @@ MOVED = re.compile(r"layer (\d+): waiting (\d+) s on the daemon for (\d+) expert
 
 
 class HoldingProxy(CountingProxy):
-    """Holds range reads of the shards while ``holding`` is set, but for ``let_through`` of
-    them; ``held`` counts those held."""
+    """Holds range reads of the shards (or of their xorbs: the hub keeps them in Xet) while
+    ``holding`` is set, but for ``let_through`` of them; ``held`` counts those held."""
 
     def __init__(self, target: str) -> None:
         super().__init__(target)
@@ -46,7 +46,8 @@ class HoldingProxy(CountingProxy):
         self.let_through = 0
 
     async def _forward(self, request: web.BaseRequest) -> web.StreamResponse:
-        if request.headers.get("Range") and request.path.endswith(".safetensors"):
+        if request.headers.get("Range") and (request.path.endswith(".safetensors")
+                                             or request.path.startswith("/_xorb/")):
             if self.holding.is_set():
                 self.held += 1
             while self.holding.is_set() and not self.let_through:

@@ -80,3 +80,18 @@ def test_a_tampering_hub_is_refused_and_nothing_stored(served, tiny_manifest):
     d.stop()
     fsck = run_cli("fsck", "--cache-dir", str(d.cache_dir))
     assert "corrupt=0" in fsck.stdout, fsck.stdout
+
+
+@pytest.mark.parametrize(("served", "refused"), [
+    (["--xet-fault", "expired_url", "--xet-fault", "times=1"], ("/_xorb/", 403)),
+    (["--xet-fault", "expired_token", "--xet-fault", "times=1"], ("/_xet/", 401)),
+], indirect=["served"])
+def test_an_expired_url_or_token_is_renewed(served, refused, tiny_manifest, tiny_dir):
+    hub, d = served
+    layer = tiny_manifest.moe_layers[2]
+    with d.client() as c:
+        got = c.expert(TINY_REPO, layer, 3)
+    assert got.tobytes() == expert_bytes_from_files(tiny_dir, tiny_manifest.expert(layer, 3))
+    prefix, status = refused
+    seen = [s for _, p, s in hub.requests() if p.startswith(prefix)]
+    assert status in seen and seen[-1] in (200, 206), seen

@@ -98,6 +98,14 @@ def test_peer_core(served) -> None:  # type: ignore[no-untyped-def]
     assert not served.daemons, "the bench must stop the sharing daemon and every round's"
 
 
+def test_xet_core(served) -> None:  # type: ignore[no-untyped-def]
+    """Both routes read the same layer from the smoke checkpoint's hub, which keeps it in Xet."""
+    res = _load("xet").measure(served, rounds=1)
+    _finite_positive(res.xet_mbs, res.plain_mbs, res.ratio, res.proof_bytes_per_expert,
+                     res.xorb_bytes_per_expert)
+    assert res.experts == served.manifest.experts_per_layer
+
+
 def test_overhead_script_ends_with_ratio(capsys: pytest.CaptureFixture[str]) -> None:
     _load("overhead").main(["--calls", "2", "--ids", "3", "--rounds", "1", "--readers", "2"])
     assert RATIO_LINE.match(_last_line(capsys))

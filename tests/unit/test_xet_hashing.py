@@ -12,16 +12,30 @@ import random
 from pathlib import Path
 
 import hf_xet
+import numpy as np
 import pytest
 
 from cachecd.errors import XetFormatError
 from cachecd.xet import chunking, hashing
 
 
+def _mask_hit() -> bytes:
+    """64 bytes whose gear hash passes the mask (so a chunk can end on their last byte)."""
+    data = np.frombuffer(random.Random(45).randbytes(1 << 20), dtype=np.uint8)
+    hits = np.flatnonzero((chunking._window_hashes(data, data[:0]) & np.uint64(chunking.MASK))
+                          == 0)
+    end = int(hits[hits >= 63][0])
+    return data[end - 63:end + 1].tobytes()
+
+
 def _files() -> dict[str, bytes]:
     rnd = random.Random(44)
     rand = rnd.randbytes
+    hit = _mask_hit()
     return {
+        # A mask hit on the minimum chunk's last byte cuts there; one a byte earlier does not.
+        "cut_at_min": rand(chunking.MIN_CHUNK - 64) + hit + rand(50_000),
+        "hit_before_min": rand(chunking.MIN_CHUNK - 65) + hit + rand(50_000),
         "empty": b"",
         "one_byte": b"\x07",
         "under_min": rand(5000),
@@ -48,6 +62,11 @@ def test_file_hash_equals_hf_xet(name: str, reference: dict[str, str]) -> None:
     data = _files()[name]
     leaves = hashing.hash_chunks(data, chunking.cut_points(data))
     assert hashing.to_hex(hashing.file_hash(leaves)) == reference[name]
+
+
+def test_the_minimum_chunk_is_inclusive() -> None:
+    assert chunking.cut_points(_files()["cut_at_min"])[0] == chunking.MIN_CHUNK
+    assert chunking.cut_points(_files()["hit_before_min"])[0] != chunking.MIN_CHUNK - 1
 
 
 def test_cuts_keep_the_size_bounds() -> None:

@@ -19,7 +19,7 @@ import pytest
 from cachecd.errors import XetProofError
 from cachecd.xet import chunking, hashing, proof
 from cachecd.xet.hashing import Node
-from cachecd.xet.subtree import Subtree, merge
+from cachecd.xet.subtree import Subtree, find_stable_end, find_stable_start, merge
 
 DATA = random.Random(3).randbytes(3_000_000)
 ENDS = chunking.cut_points(DATA)
@@ -54,6 +54,12 @@ def test_honest_proofs_verify(want: tuple[int, int]) -> None:
     proof.verify_window(FILE_HASH, answer, start, _window_leaves(start, end), want=want)
 
 
+def test_stable_sizes_are_xet_cores() -> None:
+    """[2 x min chunk, max chunk - min chunk): 16 KiB to 120 KiB (xorb_object/constants.rs)."""
+    assert [proof.is_stable_size(n) for n in (16383, 16384, 122879, 122880)] == [
+        False, True, True, False]
+
+
 def test_the_window_ends_after_two_stable_chunks() -> None:
     """xet-core's rule: widened to chunk bounds, then on until two consecutive chunks both
     have a stable size (16 KiB to 120 KiB)."""
@@ -67,6 +73,31 @@ def test_the_window_ends_after_two_stable_chunks() -> None:
     assert proof.is_stable_size(sizes[after[-1]]) and proof.is_stable_size(sizes[after[-2]])
     assert not any(proof.is_stable_size(sizes[a]) and proof.is_stable_size(sizes[b])
                    for a, b in zip(after[:-2], after[1:-1], strict=False))
+
+
+def _group_ends(nodes: list[Node]) -> set[int]:
+    ends, pos = set(), 0
+    while pos < len(nodes):
+        pos += hashing.next_group(nodes[pos:pos + hashing.MAX_GROUP])
+        ends.add(pos)
+    return ends
+
+
+def test_a_stable_start_is_a_group_boundary_whatever_precedes() -> None:
+    """xet-core's own check of find_stable_start/_end: random prefixes (suffixes) never move it."""
+    rnd = random.Random(9)
+    tested = 0
+    for _ in range(300):
+        nodes = [(rnd.randbytes(32), 1) for _ in range(rnd.randint(15, 60))]
+        start, end = find_stable_start(nodes), find_stable_end(nodes)
+        for _ in range(20):
+            more = [(rnd.randbytes(32), 1) for _ in range(rnd.randint(1, 20))]
+            if start is not None:
+                assert len(more) + start in _group_ends(more + nodes)
+            if end is not None:
+                assert end in _group_ends(nodes + more)
+        tested += start is not None
+    assert tested > 100
 
 
 def test_subtrees_merge_to_the_root_anywhere() -> None:
@@ -155,6 +186,29 @@ def test_a_proof_for_another_offset_is_refused() -> None:
     shifted["windows"][0]["dirtyByteRange"] = [start, start + (o_end - o_start)]
     with pytest.raises(XetProofError):
         proof.verify_window(FILE_HASH, shifted, start, _window_leaves(o_start, o_end))
+
+
+def test_the_same_bytes_elsewhere_in_the_file_are_refused(tmp_path: Path) -> None:
+    """A file holding one run of bytes twice: an honest proof of the second copy, its window
+    moved to the first, recomputes the root from the first copy's bytes. Only the gap sizes
+    say the proof is of another offset, so the bytes are not proven to be where they were read."""
+    rnd = random.Random(17)
+    run = rnd.randbytes(600_000)
+    data = run + rnd.randbytes(300_001) + run
+    leaves = hashing.hash_chunks(data, chunking.cut_points(data))
+    name = hashing.file_hash(leaves)
+    second = len(data) - len(run)
+    want = (second + 300_000, second + 300_100)
+    answer = json.loads(json.dumps(proof.build_answer(leaves, len(data), want)))
+    start, end = proof.answer_window(answer, *want)
+    window = hashing.hash_chunks(data[start:end], chunking.cut_points(data[start:end]))
+    proof.verify_window(name, answer, start, window, want=want)
+    moved = copy.deepcopy(answer)
+    first = start - second
+    assert data[first:first + end - start] == data[start:end]
+    moved["windows"][0]["dirtyByteRange"] = [first, first + end - start]
+    with pytest.raises(XetProofError, match="before the window cover"):
+        proof.verify_window(name, moved, first, window, want=(want[0] - second, want[1] - second))
 
 
 def test_a_window_short_of_the_range_is_refused() -> None:
