@@ -119,7 +119,8 @@ def test_b_runs_the_prompt_from_its_peer_with_zero_hub_ranges_and_bitwise_logits
             peers = c.stats()["peers"]
         assert [p["url"] for p in peers] == [sharer.share_url]  # setup passed them on
         assert up["peer_experts"] > 0 and up.get("requests_range", 0) == 0
-        assert up.get("requests_xet_xorb", 0) == 0
+        # The content store was read only for the layout check's headers, proven at registration.
+        assert up.get("requests_xet_xorb", 0) <= 2 * up.get("xet_proven_headers", 0)
         status = run_cli("status", "--socket", str(sock)).stdout
         assert f"peer        {sharer.share_url} asked before the Hub" in status
     finally:
