@@ -51,7 +51,7 @@ from cachecd.upstream.xet_cache import ChunkCache
 from cachecd.upstream.xet_read import CasReader, Chunk, Refused, TokenRefused, UrlExpired
 from cachecd.upstream.xet_token import XetTokens
 from cachecd.upstream.xet_wire import Token
-from cachecd.xet import hashing, proof
+from cachecd.xet import chunking, hashing, proof
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +218,46 @@ class XetSource:
             consumer.feed(view, pos)  # type: ignore[arg-type]  # a memoryview: no copy
             pos += len(view)
         return bytearray()
+
+    async def prove_range(self, manifest: Any, file: str, start: int, end: int,
+                          data: memoryview) -> bool:
+        """Prove bytes [start, end) of ``file`` that came from elsewhere (a peer): the content
+        store's proof for the range, the window's widening read here (plain ranges: the proof
+        checks them too), the window re-cut into its chunks (it starts on a stored cut) and
+        hashed, the root against the file's Xet hash. True when proven; False when the file is
+        not in Xet (nothing to prove against); ``XetProofError`` when they do not prove."""
+        file_hash = await self._xet_hash(manifest, file)
+        if not file_hash:
+            return False
+        info = manifest.files.get(file)
+        deadline = time.monotonic() + self.hub.total_timeout
+        window = await self._with_token(manifest, lambda tok: self.reader.window(
+            tok, file_hash, start, end, size=info.size if info else None, slack=self.slack,
+            deadline=deadline))
+        before = await self._plain(manifest, file, file_hash, window.start, start)
+        after = await self._plain(manifest, file, file_hash, end, window.end)
+        whole = bytes(before) + bytes(data) + bytes(after)
+
+        def check() -> list[Chunk]:
+            ends = chunking.cut_points(whole)
+            leaves = hashing.hash_chunks(whole, ends)
+            proof.verify_window(hashing.from_hex(file_hash), window.answer, window.start, leaves,
+                                want=(start, end))
+            return [Chunk(whole[a:b], h) for a, b, (h, _) in zip([0, *ends], ends, leaves,
+                                                                  strict=False)]
+
+        # Proven now: its chunks are kept, so a neighbour's widening is not read again.
+        self.kept.add(file_hash, window.start, await asyncio.to_thread(check))
+        self._counters["xet_proven_elsewhere"] += 1
+        return True
+
+    async def _plain(self, manifest: Any, file: str, file_hash: str, a: int, b: int) -> bytes:
+        if a >= b:
+            return b""
+        kept = self.kept.covering(file_hash, a, b)
+        if kept is not None:
+            return b"".join(_cut(*kept, a, b))
+        return bytes(await self.hub.get_range(manifest, file, a, b))
 
     async def _xet_hash(self, manifest: Any, file: str) -> str:
         key = (manifest.repo, manifest.revision, file)
