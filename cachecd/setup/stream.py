@@ -33,7 +33,6 @@ from cachecd.manifest.sha256 import file_sha256
 from cachecd.setup import pipeline, preflight, record
 from cachecd.setup.daemon_start import ensure_daemon
 from cachecd.setup.delta import compare, copy_if_same, installed_before
-from cachecd.setup.from_hub import on_xet_at
 from cachecd.setup.manifest_choice import choose_manifest
 from cachecd.setup.resident import make_private
 from cachecd.sizes import format_size
@@ -270,6 +269,8 @@ def run(args: argparse.Namespace) -> int:
     for line in delta.lines() if delta else []:
         print(line)
     reuse = delta.old_resident if delta else None
+    from cachecd.setup.from_hub import on_xet_at  # aiohttp: only when setup runs
+
     proven = origin == "headers" or (not settings.offline and on_xet_at(
         repo, commit, settings.endpoint))
     resident = asyncio.run(fetch_resident(manifest, local, settings, keep, reuse, proven))
