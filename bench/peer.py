@@ -63,10 +63,13 @@ def measure(served: Served, ids: list[int], rounds: int) -> dict[str, Any]:
                 client.experts(served.repo, layer, ids, out=bufs)
                 t = time.perf_counter() - t0
                 up = client.stats()["upstream"]
-            # The hub's byte requests: Range GETs, or signed xorb GETs where it serves Xet.
+            # The hub's byte requests: Range GETs, or signed xorb GETs where it serves Xet. A
+            # peer's experts are proven against the content store's proof for their ranges (the
+            # windows' widening read from the hub), and the layout check proves the headers.
             hub_gets = up.get("requests_range", 0) + up.get("requests_xet_xorb", 0)
             got = up.get("peer_experts", 0) if want == "peer" else hub_gets
-            if not got or (want == "peer" and hub_gets):
+            from_hub = up.get("xet_windows", 0) - up.get("xet_proven_headers", 0)
+            if not got or (want == "peer" and (from_hub > 0 or up.get("peer_unproven", 0))):
                 raise SystemExit(f"{want}: the experts did not come from the {want} ({up})")
         finally:
             served.drop(d)

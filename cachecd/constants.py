@@ -133,6 +133,9 @@ BLOB_FDS_IDLE_S = float(os.environ.get("CACHECD_BLOB_FDS_IDLE_S") or 1.0)  # env
 # A blob is hashed again when it is opened and its last hash is older than this: rot that sets
 # in while the daemon runs is caught within a day of it (at the blob's next open).
 REVERIFY_AFTER_S = float(os.environ.get("CACHECD_REVERIFY_AFTER_S") or 86400.0)  # env: tests only
+# Proven Xet chunks kept in memory (upstream.xet_cache); 0 keeps none. env: tests only (the fault
+# suite's tampers must reach chunks no earlier window proved).
+XET_KEEP_BYTES = int(os.environ.get("CACHECD_XET_KEEP_BYTES") or 64 << 20)
 BLOB_FDS_SWEEP_S = 0.25
 # The background scrub (store.scrub) re-hashes every cached blob in turn, continuously, at this
 # many bytes a second (0: off). 4 MiB/s scrubs a full K3 cache (1.446 TB) in 4 days and a 500 GB

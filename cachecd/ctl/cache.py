@@ -177,6 +177,9 @@ def manifest_line(m: dict[str, Any]) -> str:
         how = "built on this machine by a full pass: its hashes are the revision's own"
     elif origin == "shipped":
         how = "shipped with cachecd"
+    elif origin == "headers":
+        how = ("none: the expert map from the shards' headers proven through Xet, each expert's "
+               "digest learnt from its proven bytes on its first fetch")
     else:
         how = (f"{origin or 'registered without saying where it came from'}, made "
                f"{made or '(not recorded)'} by its maker's word: a wrong hash is refused, never "

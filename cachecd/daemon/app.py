@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from cachecd import constants
 from cachecd.config import Settings, settings_summary
+from cachecd.daemon.learn import Learner
 from cachecd.daemon.metrics import Latencies
 from cachecd.daemon.misses import MissFiller, flight_key
 from cachecd.daemon.registry import RegisteredModel, Registry
@@ -90,6 +91,7 @@ class Daemon:
         checks = upstream.source.use_checks(keep_dir(settings.models_dir), settings.total_timeout)
         self.registry = Registry(store, settings.models_dir, checks.metadata, checks.layout)
         self.misses = MissFiller(store, upstream)
+        self.learner = Learner(store, upstream)  # digests of a manifest made from headers
         self.latency = Latencies()
         upstream.observe_requests(self.latency.upstream_request)
         self.counters: Counter[str] = Counter()
@@ -197,7 +199,7 @@ class Daemon:
         model = self.model(repo)
         if not model.layout_checked:
             model = await self.serving(repo)
-        entries = self.entries(model, layer, ids)
+        entries = await self.learner.entries(model, self.entries(model, layer, ids))
         digests = [e.digest_hex for e in entries]
         # Spared from eviction until opened: under a tight budget the other requests' fetches
         # would otherwise evict what this one fetched, or found, before it opens them.
@@ -313,7 +315,11 @@ class Daemon:
         model = self.model(repo)
         if model.other_endpoint(self.settings.endpoint) and not self.settings.allow_other_endpoint:
             return 0  # a hint is no word to fetch from elsewhere; a demand says why not
-        return self.misses.prefetch(model, self.entries(model, layer, ids))
+        entries = self.entries(model, layer, ids)
+        unlearnt = self.learner.unlearnt(model, entries)
+        if unlearnt:  # no digest to fetch by yet: learnt (fetched, proven) in the background
+            return self.learner.prefetch(model, unlearnt)
+        return self.misses.prefetch(model, entries)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -328,7 +334,8 @@ class Daemon:
             "settings": settings_summary(self.settings),
             "store": self.store.stats(),
             "inflight": self.misses.inflight,
-            "counters": dict(self.counters) | dict(self.misses.counters),
+            "counters": dict(self.counters) | dict(self.misses.counters)
+            | dict(self.learner.counters),
             "upstream": self.upstream.stats(),
             "share": self.sharing.status() if self.sharing is not None else None,
             "peers": self.upstream.peers.describe() if self.upstream.peers is not None else [],

@@ -22,7 +22,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cachecd.errors import CachecdError, Gated, ManifestMismatch, ManifestUnchecked, Unauthorized
+from cachecd.errors import (
+    CachecdError,
+    Gated,
+    ManifestMismatch,
+    ManifestUnchecked,
+    Unauthorized,
+    XetFormatError,
+    XetProofError,
+)
 from cachecd.manifest.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -81,8 +89,8 @@ class LayoutGate:
             if self._check is None:
                 raise CachecdError("no layout check is configured")
             await in_thread(self._check, m)
-        except (ManifestMismatch, Unauthorized):
-            raise
+        except (ManifestMismatch, Unauthorized, XetProofError, XetFormatError):
+            raise  # a header that does not prove is the content store's fault: said as such
         except Gated as exc:  # as the daemon's own fetches answer a refused login
             raise Unauthorized(exc.message) from exc
         except CachecdError as exc:

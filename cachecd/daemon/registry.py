@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from cachecd.daemon import model_names
+from cachecd.daemon import learn, model_names
 from cachecd.daemon.layout_gate import LayoutGate, in_thread
 from cachecd.durable import write_atomic
 from cachecd.errors import (
@@ -91,7 +91,7 @@ def check_restriction(layers: Any, pipeline: Any) -> tuple[tuple[int, int] | Non
 
 def _label(origin: str | None, path: str) -> str:
     """How messages name a manifest: what the user gave (a file, an hf:// URL), else its path."""
-    return origin if origin and origin not in ("built", "shipped") else path
+    return origin if origin and origin not in ("built", "shipped", "headers") else path
 
 
 _PAIR_RULES = {"layers": "[start, end] with 0 <= start < end", "pipeline": "[rank, size] with "
@@ -215,6 +215,7 @@ class Registry:
                                 endpoint=record.get("endpoint"),
                                 names=tuple(record.get("names") or ()))
         manifest.source = _label(model.origin, str(path))
+        await asyncio.to_thread(learn.load, model)
         model.layout_checked = record.get("layout_checked") == await asyncio.to_thread(
             manifest.content_sha256)
         self._models[(manifest.repo, manifest.revision)] = model
@@ -242,7 +243,11 @@ class Registry:
             legacy = None
         before = self._store.get_model(key) or legacy or {}
         known: list[str] = list(before.get("names") or ())
-        checked = await self._check_on_use(manifest, before.get("layout_checked") == content)
+        # Setup made this one from the shards' headers, each proven through Xet (``origin``
+        # "headers" is setup's own word, never a file's): its layout is those headers.
+        made_here = origin == "headers" and manifest.learns
+        checked = await self._check_on_use(
+            manifest, made_here or before.get("layout_checked") == content)
         self._dir.mkdir(parents=True, exist_ok=True)
         name = f"{manifest.repo.replace('/', '--')}--{manifest.revision}.manifest"
         path = self._dir / name
@@ -266,6 +271,7 @@ class Registry:
         model = RegisteredModel(manifest, path, Path(local_dir) if local_dir else None, layers,
                                 pipeline, origin, checked, record_key=key, endpoint=endpoint,
                                 names=tuple(dict.fromkeys([*given, *known])))
+        await asyncio.to_thread(learn.load, model)
         self._models[(manifest.repo, manifest.revision)] = model
         self.refused.pop(key, None)
         self.refused.pop(manifest.repo, None)

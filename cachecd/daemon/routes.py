@@ -287,8 +287,10 @@ async def warm(request: web.Request) -> web.Response:
     body = await _json_body(request)
     model = await d.serving(_repo(request))
     entries = d.entries(model, body.get("layer"), list(body.get("ids") or []))
-    missing = d.misses.missing(entries)
-    await d.misses.ensure(model, missing)
+    learnt = d.learner.unlearnt(model, entries)  # fetched (proven) now to learn their digests
+    entries = await d.learner.entries(model, entries)
+    missing = d.misses.missing(entries) + learnt
+    await d.misses.ensure(model, d.misses.missing(entries))
     await d.misses.settled()
     d.counters["warm_fetched_experts"] += len(missing)
     return web.json_response({"requested": len(entries), "fetched": len(missing),
@@ -309,6 +311,7 @@ async def _pin(request: web.Request, on: bool) -> web.Response:
     model = await d.serving(_repo(request)) if on else d.model(_repo(request))
     entries = d.entries(model, body.get("layer"), list(body.get("ids") or []))
     if on:
+        entries = await d.learner.entries(model, entries)
         await d.ensure(model, entries)
         await d.misses.settled()
     for e in entries:

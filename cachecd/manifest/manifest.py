@@ -88,7 +88,13 @@ class Manifest:
         self.layer_ids: np.ndarray = c.arrays["exp_layer"]
         self.expert_ids: np.ndarray = c.arrays["exp_expert"]
         self.sizes: np.ndarray = c.arrays["exp_nbytes"]
-        self.digests: np.ndarray = c.arrays["exp_xxh3"]
+        # A manifest made from headers knows no expert's digest: each is learnt (``learn``) from
+        # the expert's proven bytes. Its own copy, so the content (``content_sha256``) stays put.
+        self.learns: bool = meta.get("made") == "headers"
+        self.digests: np.ndarray = (c.arrays["exp_xxh3"].copy() if self.learns
+                                    else c.arrays["exp_xxh3"])
+        self._learnt: np.ndarray | None = (np.zeros(len(self.digests), dtype=bool)
+                                           if self.learns else None)
         self.moe_layers: tuple[int, ...] = tuple(int(x) for x in np.unique(self.layer_ids))
         self._layer_base = {
             layer: i * self.experts_per_layer for i, layer in enumerate(self.moe_layers)
@@ -241,6 +247,20 @@ class Manifest:
 
     def digest_hex(self, row: int) -> str:
         return self.digests[row].tobytes().hex()
+
+    # -- digests learnt from proven bytes (a manifest made from headers) -------------------
+    def unlearnt(self, row: int) -> bool:
+        """Whether the expert at ``row`` has no digest yet: its placeholder must never verify."""
+        return self._learnt is not None and not self._learnt[row]
+
+    def learn(self, row: int, digest: bytes) -> None:
+        """The expert at ``row`` has ``digest`` (xxh3-128 of its bytes, proven against the Hub's
+        hash of its file by whoever calls this)."""
+        if self._learnt is None:
+            raise errors.Internal(f"{self.key}: its digests are its maker's, not learnt")
+        self.digests[row] = np.frombuffer(digest, dtype=np.uint8)
+        self._learnt[row] = True
+        self._cache.pop(row, None)
 
     # -- persistence -----------------------------------------------------------------------
     def to_bytes(self) -> bytes:

@@ -26,6 +26,9 @@ HEX64 = re.compile(r"[0-9a-f]{64}")
 MADE = {
     "full-pass": "by a full pass (cachecd manifest build): every tensor's and expert's xxh3-128 "
                  "computed from the shards' bytes, each shard's sha256 in the same pass",
+    "headers": "by setup from the shards' safetensors headers, each proven through Xet against "
+               "the Hub's hash of its shard at the commit: no expert's digest is known until its "
+               "bytes are proven on their first fetch (the daemon learns it then)",
 }
 META_TYPES: dict[str, type | tuple[type, ...]] = {
     "format": str,

@@ -14,3 +14,9 @@ def file_sha256(path: Path) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def git_blob_id(data: bytes) -> str:
+    """The id git gives ``data`` as a blob (sha1 of ``blob <size>\\0`` and the bytes): what a
+    commit's tree pins for a file kept in git, not LFS (the Hub's tree ``oid``)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()

@@ -18,18 +18,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
 from cachecd.manifest.build_plan import (
     Plan,
     SourceFile,
     make_plan,
     parse_config,
-    quant_format_of,
     read_small,
     shard_files,
 )
-from cachecd.manifest.entries import FileInfo, TensorInfo
+from cachecd.manifest.from_headers import manifest_from_plan
 from cachecd.manifest.manifest import Manifest
 from cachecd.manifest.safetensors_header import header_length
 
@@ -123,22 +120,4 @@ def _header(source: _Counted, f: SourceFile) -> bytes:
 
 def _manifest(source: _Counted, config: dict[str, Any], config_bytes: bytes,
               files: list[SourceFile], plan: Plan) -> Manifest:
-    from cachecd.manifest.build import _expert_entry
-
-    def digest(name: str) -> bytes:  # a placeholder: distinct per tensor, never a hash of bytes
-        return xxhash.xxh3_128_digest(name.encode())
-
-    digests = {t.name: digest(t.name) for s in plan.shards for t in s.tensors}
-    header = {s.file.name: s.header_len for s in plan.shards}
-    infos = [FileInfo(f.name, f.size, f.sha256 or "0" * 64, header.get(f.name, 0))
-             for f in files]
-    resident = [TensorInfo(t.name, t.dtype, t.shape, s.file.name, t.start, t.nbytes,
-                           digests[t.name])
-                for s in plan.shards for t in s.tensors if plan.owner[t.name] is None]
-    experts = [_expert_entry(key, parts, digests, digest(f"expert {key}"))
-               for key, parts in plan.expert_tensors.items()]
-    return Manifest.from_entries(
-        repo=source.repo, revision=source.revision, model_type=config["model_type"],
-        quant_format=quant_format_of(config),
-        config_sha256=hashlib.sha256(config_bytes).hexdigest(), files=infos, experts=experts,
-        resident=resident)
+    return manifest_from_plan(source.repo, source.revision, config, config_bytes, files, plan)

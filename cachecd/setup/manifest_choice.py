@@ -16,10 +16,12 @@ from cachecd.errors import CachecdError, ManifestInvalid, Offline
 
 
 def choose_manifest(args: argparse.Namespace, repo: str, commit: str,
-                    settings: Settings) -> tuple[Path, Any, str]:
-    """The manifest file to use: --manifest FILE or hf://..., the shipped one, or one built now;
-    it must pin ``repo@commit`` and agree with the Hub's metadata and the shards' headers at that
-    commit. With it, where it came from: ``built``, ``shipped`` or what --manifest named."""
+                    settings: Settings, local: Path | None = None) -> tuple[Path, Any, str]:
+    """The manifest file to use: --manifest FILE or hf://..., the shipped one, one made now from
+    the shards' headers proven through Xet (``from_hub``; its small files into ``local``), or one
+    built now; it must pin ``repo@commit`` and agree with the Hub's metadata and the shards'
+    headers at that commit. With it, where it came from: ``built``, ``shipped``, ``headers`` or
+    what --manifest named."""
     from cachecd.manifest import published
     from cachecd.manifest.manifest import Manifest, shipped_manifest
 
@@ -38,8 +40,16 @@ def choose_manifest(args: argparse.Namespace, repo: str, commit: str,
         path = shipped_manifest(repo)
         stale = path if path is not None and Manifest.load(path).revision != commit else None
         path = None if stale else path
-        if path is None:  # a re-run reuses what an earlier setup built or registered
-            path, origin = stored_manifest(settings, repo, commit) or (None, "built")
+        stored = stored_manifest(settings, repo, commit) if path is None else None
+        if stored is not None and stored[1] == "built":  # a re-run reuses what it built here
+            path, origin = stored
+        if path is None and not args.build_manifest and local is not None and not settings.offline:
+            # Where the shards are in Xet, nobody's word is needed: the map from proven headers.
+            made = _from_headers(repo, commit, settings, local)
+            if made is not None:
+                return made
+        if path is None:  # else what an earlier setup registered
+            path, origin = stored or (None, "built")
         if path is None and not args.build_manifest:
             raise _no_manifest(repo, commit, stale)
     if path is None:
@@ -80,6 +90,26 @@ def check_on_use(manifest: Any, settings: Settings) -> None:
           f"every expert's byte ranges against the shards' safetensors headers")
 
 
+def _from_headers(repo: str, commit: str, settings: Settings,
+                  local: Path) -> tuple[Path, Any, str] | None:
+    """The manifest made from the shards' proven headers, saved beside the built ones (the
+    daemon registers it from there); None where the repo's shards are not in Xet."""
+    from cachecd.setup.from_hub import manifest_from_hub, on_xet_at
+    from cachecd.setup.resident import make_private
+
+    if not on_xet_at(repo, commit, settings.endpoint):
+        return None
+    make_private(settings.models_dir, repo)  # before the small files land
+    local.mkdir(mode=0o700, parents=True, exist_ok=True)
+    manifest = manifest_from_hub(repo, commit, settings, local)
+    if manifest is None:
+        return None
+    path = settings.models_dir / "manifests" / (manifest_name(repo, commit) + ".headers")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    manifest.save(path)
+    return path, manifest, "headers"
+
+
 def manifest_name(repo: str, commit: str) -> str:
     """The file name setup builds to and the daemon stores its copy under (``registry``)."""
     return f"{repo.replace('/', '--')}--{commit}.manifest"
@@ -89,16 +119,20 @@ def stored_manifest(settings: Settings, repo: str, commit: str) -> tuple[Path, s
     """The manifest of ``repo@commit`` an earlier setup left, with where it came from (what
     ``status`` tells): built into the models dir, or registered with the daemon (which keeps its
     own copy and its origin). It is checked like any other."""
-    path = settings.models_dir / "manifests" / manifest_name(repo, commit)
-    if path.is_file():
-        print(f"manifest {path} (stored by an earlier setup)")
-        return path, "built"
     from cachecd_client import Client
 
+    built = settings.models_dir / "manifests" / manifest_name(repo, commit)
     try:
         with Client(settings.socket, timeout=10) as client:
             info = client.model(f"{repo}@{commit}")
     except CachecdError:  # no daemon, or the repo is not registered with it
+        info = {}
+    # The daemon keeps its copy where setup builds: its record says whose word the copy is.
+    registered = info.get("revision") == commit and Path(info.get("manifest") or "") == built
+    if built.is_file() and not (registered and info.get("manifest_origin") != "built"):
+        print(f"manifest {built} (stored by an earlier setup)")
+        return built, "built"
+    if not info:
         return None
     path = Path(info.get("manifest") or "")
     if info.get("revision") != commit or not path.is_file():

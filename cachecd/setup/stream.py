@@ -26,6 +26,7 @@ from cachecd.config import (
 from cachecd.errors import (
     ManifestMismatch,
     Offline,
+    XetProofError,
 )
 from cachecd.manifest.repo_ref import is_commit, parse_ref
 from cachecd.manifest.sha256 import file_sha256
@@ -202,22 +203,44 @@ def text_model_tensors(manifest: Any, local: Path) -> set[str]:
 
 
 async def fetch_resident(manifest: Any, local: Path, settings: Settings,
-                         keep: set[str] | None = None, reuse: Path | None = None) -> int:
+                         keep: set[str] | None = None, reuse: Path | None = None,
+                         proven: bool = False) -> int:
     from huggingface_hub import get_token
     from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
+    from cachecd.setup.from_hub import share_kept
     from cachecd.setup.resident import ResidentWriter
     from cachecd.upstream.choose import open_upstream
 
-    writer = ResidentWriter(manifest, local, keep)
+    writer = ResidentWriter(manifest, local, keep, proven)
     if writer.done():
         return 0
     upstream = await asyncio.to_thread(open_upstream, settings, get_token())
+    share_kept(upstream)
     total = writer.nbytes
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="resident weights", disable=None)
+
+    async def fetch(file: str, start: int, end: int) -> bytearray:
+        data = await upstream.fetch_range(manifest, file, start, end)
+        proven = getattr(upstream.source, "proven", None)
+        if writer.learns and not (proven is not None and proven(manifest, file)):
+            raise XetProofError(f"{file} of {manifest.key}: served without an Xet hash, so its "
+                                "resident tensors cannot be proven; pass --manifest or "
+                                "--build-manifest")
+        return data
+
     try:
-        return await writer.run(lambda f, s, e: upstream.fetch_range(manifest, f, s, e), bar.update,
-                                reuse=reuse)
+        got = await writer.run(fetch, bar.update, reuse=reuse)
+        if writer.disagree:
+            print(f"the manifest ({manifest.source}) names other bytes than the Hub's, proven "
+                  f"through Xet, for {len(writer.disagree)} resident tensors: "
+                  f"{', '.join(writer.disagree[:4])}{' ...' if len(writer.disagree) > 4 else ''}"
+                  "; the Hub's were installed, the manifest's word was not taken")
+        if writer.repaired:
+            print(f"repaired {len(writer.repaired)} resident tensors the install held with bytes "
+                  f"the Hub did not vouch for: {', '.join(writer.repaired[:4])}"
+                  f"{' ...' if len(writer.repaired) > 4 else ''}")
+        return got
     finally:
         bar.close()
         await upstream.close()
@@ -244,14 +267,19 @@ def install(args: argparse.Namespace, given: dict[str, Any], settings: Settings,
                                     settings.models_dir / repo / commit)
     if config is not None:  # before a manifest build reads the whole revision
         model_check.check_model_type(config, f"{repo}@{commit[:12]}")
-    manifest_path, manifest, origin = choose_manifest(args, repo, commit, settings)
-    if origin not in ("built", "shipped"):
-        print(f"its hashes are its maker's word ({manifest.made or 'how it was made is not recorded'}"
-              f"): a wrong one makes the daemon refuse that expert's bytes (checksum_mismatch), "
-              f"never serve them; --build-manifest makes them your own")
     local = settings.models_dir / repo / commit
     if rank is not None:
         local = pipeline.rank_dir(local, *rank)
+    manifest_path, manifest, origin = choose_manifest(args, repo, commit, settings, local)
+    if origin == "headers":
+        print(f"no manifest: {manifest.n_experts} experts mapped from the shards' headers, proven "
+              f"through Xet against the Hub's hash of each shard at {commit[:12]}; config and "
+              "tokenizer files checked against the commit's tree; each expert's digest is "
+              "learnt from its proven bytes on its first fetch")
+    elif origin not in ("built", "shipped"):
+        print(f"its hashes are its maker's word ({manifest.made or 'how it was made is not recorded'}"
+              f"): a wrong one makes the daemon refuse that expert's bytes (checksum_mismatch), "
+              f"never serve them; --build-manifest makes them your own")
     make_private(settings.models_dir, repo)  # before any weight lands; fixes an older install
     local.mkdir(mode=0o700, parents=True, exist_ok=True)
     print(f"{repo}@{commit}: {manifest.n_experts} experts "
@@ -272,7 +300,11 @@ def install(args: argparse.Namespace, given: dict[str, Any], settings: Settings,
     reuse = delta.old_resident if delta else None
     model_check.check_room(local, model_check.resident_need(manifest, local, keep),
                            "the resident install", "pass --models-dir on a disk with room")
-    resident = asyncio.run(fetch_resident(manifest, local, settings, keep, reuse))
+    from cachecd.setup.from_hub import on_xet_at  # aiohttp: only when setup runs
+
+    proven = origin == "headers" or (not settings.offline and on_xet_at(
+        repo, commit, settings.endpoint))
+    resident = asyncio.run(fetch_resident(manifest, local, settings, keep, reuse, proven))
     make_private(settings.models_dir, repo)  # what hf_hub_download and copies wrote: 0600
     client = ensure_daemon(settings, args)
     with client:

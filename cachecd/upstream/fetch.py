@@ -167,8 +167,8 @@ class Upstream:
         unique = list({(e.layer, e.expert): e for e in entries}.values())
         failures: dict[ExpertKey, errors.CachecdError] = {}
         if self.peers is not None and self.peers.urls:
-            unique = await self._from_peers(unique, on_peer_verified or on_verified, failures,
-                                            spool)
+            unique = await self._from_peers(manifest, unique, on_peer_verified or on_verified,
+                                            failures, spool)
             if not unique:
                 return failures
         states = [_Assembly(e) for e in unique]
@@ -227,18 +227,45 @@ class Upstream:
 
     async def _from_peers(
         self,
+        manifest: Any,
         entries: list[EntryLike],
         on_verified: OnVerified,
         failures: dict[ExpertKey, errors.CachecdError],
         spool: Spool | None,
     ) -> list[EntryLike]:
-        """Hand over what peers served (verified there); return the entries still wanted."""
+        """Hand over what peers served (verified there); return the entries still wanted.
+        Where the source proves ranges (``xet_source``), a peer's bytes are proven as the
+        Hub's are, against the content store's proof for each range: a digest is only the
+        peer's word, and one it does not prove is refused and asked of the source."""
+        prove = getattr(self.source, "prove_range", None)
+        refused: set[ExpertKey] = set()
 
         async def hand(entry: EntryLike, got: memoryview | VectorWriter) -> None:
-            await _contained((entry.layer, entry.expert), failures, lambda: on_verified(entry, got))
+            key = (entry.layer, entry.expert)
+            if prove is not None and not await self._peer_proven(manifest, entry, got, prove):
+                refused.add(key)
+                return
+            await _contained(key, failures, lambda: on_verified(entry, got))
 
-        got = await self.peers.fetch(entries, hand, spool, self._pool())  # type: ignore[union-attr]
-        return [e for e in entries if (e.layer, e.expert) not in got]
+        # Proving reads the bytes back: gathered in memory, not spooled, then.
+        got = await self.peers.fetch(entries, hand, spool if prove is None else None,  # type: ignore[union-attr]
+                                     self._pool())
+        return [e for e in entries if (e.layer, e.expert) not in got
+                or (e.layer, e.expert) in refused]
+
+    async def _peer_proven(self, manifest: Any, entry: EntryLike, got: Any,
+                           prove: Callable[..., Awaitable[bool]]) -> bool:
+        view, pos = memoryview(got), 0
+        try:
+            for r in entry.ranges:
+                await prove(manifest, r.file, r.start, r.end, view[pos:pos + r.end - r.start])
+                pos += r.end - r.start
+            return True
+        except Exception as exc:  # disproven, or not provable now: the source serves it
+            self.source.count("peer_unproven")
+            log.warning("event=peer_unproven repo=%s layer=%d expert=%d why=%r", manifest.repo,
+                        entry.layer, entry.expert, exc)
+            return False
 
     def _stream_for(
         self, req: RangeRequest, states: list[_Assembly], spool: Spool | None

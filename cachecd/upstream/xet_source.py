@@ -42,14 +42,16 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from cachecd import constants, errors
+from cachecd.manifest.safetensors_header import header_length
 from cachecd.upstream import hub_http as hh
 from cachecd.upstream.hub_client import READ_BUFSIZE, HubClient
 from cachecd.upstream.retry import Retrier
 from cachecd.upstream.source import Consumer, UseChecks
+from cachecd.upstream.xet_cache import ChunkCache
 from cachecd.upstream.xet_read import CasReader, Chunk, Refused, TokenRefused, UrlExpired
 from cachecd.upstream.xet_token import XetTokens
 from cachecd.upstream.xet_wire import Token
-from cachecd.xet import hashing, proof
+from cachecd.xet import chunking, hashing, proof
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class XetSource:
         self._session: aiohttp.ClientSession | None = None
         self._proxies: dict[str, str | None] = {}
         self._files: dict[tuple[str, str, str], str] = {}  # -> its Xet hash, "" when not in Xet
+        self.kept = ChunkCache(constants.XET_KEEP_BYTES)  # proven chunks: none read twice
         self._retry = Retrier(self._counters, max_parallel=hub.max_parallel,
                               max_retries=max_retries, backoff_base=backoff_base,
                               backoff_cap=backoff_cap, read_timeout=hub.read_timeout,
@@ -97,7 +100,46 @@ class XetSource:
 
     # -- what ExpertSource asks besides ranges ----------------------------------------------
     def use_checks(self, keep: Path, deadline_s: float) -> UseChecks:
-        return self.hub.use_checks(keep, deadline_s)
+        """The Hub client's, but the layout of a manifest whose shards are all in Xet is checked
+        against headers read through Xet and proven (``proven_headers``), never against an
+        unproven answer or one kept from earlier (docs/trust.md: a lying header kept once
+        approved a pair-swapped manifest against the honest Hub)."""
+        plain = self.hub.use_checks(keep, deadline_s)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return plain
+        if self.offline:
+            return plain
+
+        def layout(manifest: Any) -> None:
+            from cachecd.manifest.layout_check import check_layout
+
+            run = asyncio.run_coroutine_threadsafe(self.proven_headers(manifest), loop)
+            headers = run.result(deadline_s)
+            if headers is None:
+                plain.layout(manifest)
+                return
+            check_layout(manifest, headers)
+
+        return UseChecks(plain.metadata, layout)
+
+    async def _header(self, manifest: Any, file: str) -> bytearray:
+        """The first 8 + N bytes of ``file``, N as its own first 8 bytes say (not the manifest)."""
+        size = manifest.files[file].size
+        head = await self.get_range(manifest, file, 0, min(size, 8))
+        n = header_length(bytes(head), file)
+        return await self.get_range(manifest, file, 0, min(size, 8 + n))
+
+    async def proven_headers(self, manifest: Any) -> dict[str, bytes] | None:
+        """Each shard's first 8 + N bytes (N: the manifest's header length), read through Xet
+        and proven; None where a shard is not in Xet."""
+        hashes = await asyncio.gather(*(self._xet_hash(manifest, f) for f in manifest.shards))
+        if not all(hashes):
+            return None
+        got = await asyncio.gather(*(self._header(manifest, f) for f in manifest.shards))
+        self._counters["xet_proven_headers"] += len(got)
+        return {f: bytes(data) for f, data in zip(manifest.shards, got, strict=True)}
 
     def stats(self) -> dict[str, int]:
         out = self.hub.stats()
@@ -160,7 +202,12 @@ class XetSource:
         file_hash = await self._xet_hash(manifest, file)
         if not file_hash:
             return await self.hub.get_range(manifest, file, start, end, consumer)
-        chunks, origin = await self._proven(manifest, file, file_hash, start, end)
+        kept = self.kept.covering(file_hash, start, end)
+        if kept is None:
+            chunks, origin = await self._proven(manifest, file, file_hash, start, end)
+        else:
+            chunks, origin = kept
+            self._counters["xet_window_reuses"] += 1
         views = _cut(chunks, origin, start, end)
         self._counters["xet_range_bytes"] += end - start
         if consumer is None:
@@ -171,6 +218,46 @@ class XetSource:
             consumer.feed(view, pos)  # type: ignore[arg-type]  # a memoryview: no copy
             pos += len(view)
         return bytearray()
+
+    async def prove_range(self, manifest: Any, file: str, start: int, end: int,
+                          data: memoryview) -> bool:
+        """Prove bytes [start, end) of ``file`` that came from elsewhere (a peer): the content
+        store's proof for the range, the window's widening read here (plain ranges: the proof
+        checks them too), the window re-cut into its chunks (it starts on a stored cut) and
+        hashed, the root against the file's Xet hash. True when proven; False when the file is
+        not in Xet (nothing to prove against); ``XetProofError`` when they do not prove."""
+        file_hash = await self._xet_hash(manifest, file)
+        if not file_hash:
+            return False
+        info = manifest.files.get(file)
+        deadline = time.monotonic() + self.hub.total_timeout
+        window = await self._with_token(manifest, lambda tok: self.reader.window(
+            tok, file_hash, start, end, size=info.size if info else None, slack=self.slack,
+            deadline=deadline))
+        before = await self._plain(manifest, file, file_hash, window.start, start)
+        after = await self._plain(manifest, file, file_hash, end, window.end)
+        whole = bytes(before) + bytes(data) + bytes(after)
+
+        def check() -> list[Chunk]:
+            ends = chunking.cut_points(whole)
+            leaves = hashing.hash_chunks(whole, ends)
+            proof.verify_window(hashing.from_hex(file_hash), window.answer, window.start, leaves,
+                                want=(start, end))
+            return [Chunk(whole[a:b], h) for a, b, (h, _) in zip([0, *ends], ends, leaves,
+                                                                  strict=False)]
+
+        # Proven now: its chunks are kept, so a neighbour's widening is not read again.
+        self.kept.add(file_hash, window.start, await asyncio.to_thread(check))
+        self._counters["xet_proven_elsewhere"] += 1
+        return True
+
+    async def _plain(self, manifest: Any, file: str, file_hash: str, a: int, b: int) -> bytes:
+        if a >= b:
+            return b""
+        kept = self.kept.covering(file_hash, a, b)
+        if kept is not None:
+            return b"".join(_cut(*kept, a, b))
+        return bytes(await self.hub.get_range(manifest, file, a, b))
 
     async def _xet_hash(self, manifest: Any, file: str) -> str:
         key = (manifest.repo, manifest.revision, file)
@@ -213,11 +300,17 @@ class XetSource:
                       size: int | None, deadline: float) -> tuple[list[Chunk], int]:
         window = await self._with_token(manifest, lambda tok: self.reader.window(
             tok, file_hash, start, end, size=size, slack=self.slack, deadline=deadline))
+        # The window's first and last chunks kept from earlier proven windows are not read again.
+        head, a = self.kept.run_from(file_hash, window.start, window.end)
+        tail, b = self.kept.run_to(file_hash, window.end, a)
         for _ in range(URL_RENEWALS + 1):
+            if a >= b:
+                chunks = head + tail
+                break
             rec = await self._with_token(manifest, lambda tok: self.reader.reconstruction(
-                tok, file_hash, window.start, window.end, deadline))
+                tok, file_hash, a, b, deadline))
             try:
-                chunks = await self.reader.chunks(rec, window.end - window.start, deadline)
+                chunks = head + await self.reader.chunks(rec, b - a, deadline) + tail
                 break
             except UrlExpired:  # the signatures outlived: a new reconstruction signs anew
                 self._counters["xet_urls_expired"] += 1
@@ -228,6 +321,8 @@ class XetSource:
         leaves = [(c.hash, len(c.data)) for c in chunks]
         await asyncio.to_thread(proof.verify_window, hashing.from_hex(file_hash), window.answer,
                                 window.start, leaves, want=(start, end))
+        self.kept.add(file_hash, window.start, chunks)
+        self._counters["xet_kept_chunk_bytes"] += (a - window.start) + (window.end - b)
         self._counters["xet_windows"] += 1
         self._counters["xet_window_bytes"] += window.end - window.start
         return chunks, window.start

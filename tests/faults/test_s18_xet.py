@@ -28,7 +28,8 @@ class XetHub(XetFakeHub, RecordingHub):
 @pytest.fixture(scope="module")
 def xet(module_pool: Any, small: Model) -> Iterator[tuple[HubThread, FaultDaemon]]:
     t = module_pool.hub_thread(small, XetHub)
-    yield t, module_pool.daemon(t.hub, [small])
+    # No proven chunk kept: each tamper must reach the chunks of its own expert's window.
+    yield t, module_pool.daemon(t.hub, [small], env={"CACHECD_XET_KEEP_BYTES": "0"})
 
 
 def _blobs(d: FaultDaemon, entry: Any) -> list[Path]:

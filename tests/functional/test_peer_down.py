@@ -37,7 +37,8 @@ def test_a_stalled_peer_is_asked_once_then_skipped_while_the_hub_serves(
         assert after["upstream"]["peer_requests"] == 1
         assert after["upstream"]["peer_faults_timeout"] == 1
         assert after["peers"][0]["in_flight"] == 0
-        assert len(range_requests(logged_hub, mark)) >= 1 + len(later)
+        assert len(range_requests(logged_hub, mark)) >= 1  # (neighbours' proven chunks kept)
+        assert after["counters"]["fetched_experts"] == 1 + len(later)  # the source's
         assert f"peer        {proxy.url} SKIPPED for " in status and WHY in status, status
         assert "1 fault in a row); the Hub serves meanwhile" in status, status
     finally:
