@@ -188,6 +188,13 @@ class Client:
         answer = self._control.request("POST", f"/v1/models/{model}/recheck", body)
         return {int(e["expert"]): str(e["verdict"]) for e in answer["experts"]}
 
+    def digests(self, model: str, layer: int, ids: Sequence[int]) -> list[bytes | None]:
+        """Each expert's xxh3-128 as the daemon verifies its blob (a manifest made from headers:
+        learnt from the expert's proven bytes), None for one not learnt yet."""
+        q = f"layer={int(layer)}&ids={','.join(str(int(i)) for i in ids)}"
+        answer = self._control.request("GET", f"/v1/models/{model}/digests?{q}")
+        return [None if d is None else bytes.fromhex(d) for d in answer["digests"]]
+
     # data ------------------------------------------------------------------------------------
     def expert(self, model: str, layer: int, expert: int) -> np.ndarray:
         """One expert's bytes (its tensors as they lie in the checkpoint) as a uint8 array."""
@@ -219,7 +226,7 @@ class Client:
     def experts_into(self, model: str, layer: int, ids: Sequence[int],
                      targets: Sequence[Target],
                      landed: Landed | None = None, *,
-                     ahead: bool = False, digests: Sequence[bytes] | None = None) -> list[int]:
+                     ahead: bool = False, digests: Sequence[bytes | None] | None = None) -> list[int]:
         """Read several experts of one layer straight into the caller's memory; their sizes.
 
         ``targets[i]`` is a writable buffer of at least the expert's size, or a list of buffers
@@ -230,7 +237,7 @@ class Client:
         while the rest are still being read (``transport.parallel_preadv``). ``ahead``: a read of
         guessed experts (read-ahead), on threads demand reads never share.
 
-        ``digests[i]``: expert ``ids[i]``'s xxh3-128 (its manifest's). Each expert's bytes are
+        ``digests[i]``: expert ``ids[i]``'s xxh3-128 (its manifest's; None: not checked). Each expert's bytes are
         then hashed on the reader threads as they land; one that fails is rechecked by the
         daemon (``recheck``: a rotten blob is quarantined), read again (fetched again) into the
         same target, its ``landed`` calls starting again from its first bytes (``n`` falls
@@ -262,7 +269,7 @@ class Client:
                       targets: Callable[[list[int], int], list[Target]],
                       landed: Landed | None = None,
                       pool: ThreadPoolExecutor | None = None,
-                      digests: Sequence[bytes] | None = None) -> None:
+                      digests: Sequence[bytes | None] | None = None) -> None:
         if digests is not None and len(digests) != len(ids):
             raise InvalidRequest(f"{len(digests)} digests for {len(ids)} experts")
         for start in range(0, len(ids), MAX_FDS_PER_FRAME):
@@ -274,7 +281,7 @@ class Client:
 
     def _read_frame(self, model: str, layer: int, chunk: list[int],
                     targets: Callable[[list[int]], list[Target]], landed: Landed | None,
-                    pool: ThreadPoolExecutor | None, want: list[bytes] | None) -> None:
+                    pool: ThreadPoolExecutor | None, want: list[bytes | None] | None) -> None:
         got: list[tuple[list[int], list[Target]]] = []
 
         def outs(sizes: list[int]) -> list[Target]:
@@ -288,7 +295,7 @@ class Client:
 
     def _read_chunk(self, model: str, layer: int, chunk: list[int],
                     outs: Callable[[list[int]], list[Target]], landed: Landed | None,
-                    pool: ThreadPoolExecutor | None, want: list[bytes] | None) -> list[int]:
+                    pool: ThreadPoolExecutor | None, want: list[bytes | None] | None) -> list[int]:
         """One frame's experts read into ``outs(sizes)``; the positions whose bytes failed."""
         frame = {"op": "experts", "model": model, "layer": int(layer), "ids": chunk}
         if self.warming:
@@ -309,7 +316,7 @@ class Client:
 
     def _read_again(self, model: str, layer: int, chunk: list[int], bad: list[int],
                     first: tuple[list[int], list[Target]], landed: Landed | None,
-                    pool: ThreadPoolExecutor | None, want: list[bytes]) -> None:
+                    pool: ThreadPoolExecutor | None, want: list[bytes | None]) -> None:
         """The experts at ``bad`` read wrong: the daemon hashes their blobs again (quarantining
         rot, so this read fetches them again), then they are read into the same targets and
         checked once more."""

@@ -218,7 +218,7 @@ class _Check:
 def parallel_preadv(pool: ThreadPoolExecutor, fds: Sequence[int], sizes: Sequence[int],
                     outs: Sequence[Target],
                     landed: Callable[[int, int], None] | None = None,
-                    digests: Sequence[bytes] | None = None) -> list[int]:
+                    digests: Sequence[bytes | None] | None = None) -> list[int]:
     """Fill ``outs[i]`` with the first ``sizes[i]`` bytes of ``fds[i]``: 4 MiB windows of the
     file across the pool, small reads grouped into one job, and all of them inline when they fit
     in one job. Returns the outs whose bytes failed their digest (none without ``digests``).
@@ -294,11 +294,11 @@ def _plan(fds: Sequence[int], sizes: Sequence[int], outs: Sequence[Target],
 
 
 def _failed(checks: list[_Check] | None, sizes: Sequence[int],
-            digests: Sequence[bytes] | None) -> list[int]:
+            digests: Sequence[bytes | None] | None) -> list[int]:
     if checks is None or digests is None:
         return []
     return [i for i, (c, n, want) in enumerate(zip(checks, sizes, digests, strict=True))
-            if c.digest(n) != bytes(want)]
+            if want is not None and c.digest(n) != bytes(want)]
 
 
 def _window(spans: list[tuple[memoryview, int]], start: int, end: int) -> list[memoryview]:

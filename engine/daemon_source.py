@@ -88,12 +88,20 @@ class DaemonSource:
         return self._checked(layer, ids, self.client.experts_into(
             self.repo, layer, ids, targets, ahead=True, digests=self._digests(layer, ids)))
 
-    def _digests(self, layer: int, ids: list[int]) -> list[bytes] | None:
-        """The experts' xxh3-128 as the manifest has them; None with ``verify`` off."""
+    def _digests(self, layer: int, ids: list[int]) -> list[bytes | None] | None:
+        """The experts' xxh3-128 as the manifest has them; None with ``verify`` off. A manifest
+        made from headers has none of its own: the digests the daemon has learnt from proven
+        bytes are asked for (and kept) the first time an expert is read; one it has not learnt
+        yet is being fetched and proven for this very read, and is checked from the next."""
         if not self.verify:
             return None
         m = self.manifest
-        return [m.digests[m.row(layer, e)].tobytes() for e in ids]
+        rows = [m.row(layer, e) for e in ids]
+        if m.learns and (ask := [e for e, r in zip(ids, rows, strict=True) if m.unlearnt(r)]):
+            for e, digest in zip(ask, self.client.digests(self.repo, layer, ask), strict=True):
+                if digest is not None:
+                    m.learn(m.row(layer, e), digest)
+        return [None if m.unlearnt(r) else m.digests[r].tobytes() for r in rows]
 
     def _while_down(self, read: Callable[[], list[int]]) -> list[int]:
         """``read()``, sent again once a daemon that stopped answering is back, within

@@ -311,6 +311,14 @@ class Daemon:
         found = dict(zip(digests, verdicts, strict=True))
         return [{"expert": e.expert, "verdict": found[e.digest_hex]} for e in entries]
 
+    def digests(self, repo: str, layer: Any, ids: list[Any]) -> list[str | None]:
+        """The xxh3-128 (hex) these experts' blobs are verified as: the manifest's, or for a
+        model whose manifest was made from headers the one learnt from its proven bytes; None
+        for one not learnt yet (a reader checks that one's bytes once it is)."""
+        m = self.model(repo).manifest
+        return [None if m.unlearnt(m.row(e.layer, e.expert)) else e.digest_hex
+                for e in self.entries(self.model(repo), layer, ids, served_only=False)]
+
     def prefetch(self, repo: str, layer: Any, ids: list[Any]) -> int:
         model = self.model(repo)
         if model.other_endpoint(self.settings.endpoint) and not self.settings.allow_other_endpoint:

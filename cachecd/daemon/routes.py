@@ -261,6 +261,19 @@ async def recheck(request: web.Request) -> web.Response:
     return web.json_response({"experts": verdicts})
 
 
+async def digests(request: web.Request) -> web.Response:
+    """``?layer=L&ids=1,2``: each expert's digest as the daemon verifies its blob, or null where
+    it is not learnt yet (``Daemon.digests``)."""
+    q = request.rel_url.query
+    try:
+        layer = int(q.get("layer", ""))
+        ids = [int(i) for i in q.get("ids", "").split(",") if i]
+    except ValueError:
+        raise InvalidRequest("digests: ?layer=L&ids=1,2 with whole numbers") from None
+    found = request.app[DAEMON].digests(_repo(request), layer, ids)
+    return web.json_response({"digests": found})
+
+
 async def coverage(request: web.Request) -> web.Response:
     """The coverage report; ``?detail=1`` adds the per-expert arrays (``coverage.pack_detail``)."""
     d = request.app[DAEMON]
@@ -357,6 +370,7 @@ def build_app(daemon: Any, client_max_size: int, door: Any = None) -> web.Applic
     app.router.add_get(base + "/experts/{layer}", expert_batch)
     app.router.add_post(base + "/prefetch", prefetch)
     app.router.add_post(base + "/recheck", recheck)
+    app.router.add_get(base + "/digests", digests)
     app.router.add_get(base + "/coverage", coverage)
     app.router.add_post(base + "/warm", warm)
     app.router.add_post(base + "/pin", pin)

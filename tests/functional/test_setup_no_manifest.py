@@ -82,6 +82,13 @@ def test_setup_needs_no_manifest_and_runs_bitwise(installed: NoManifest, model_d
         ref, toks = run_logits(reference, PROMPT, steps=4)
         got, _ = run_logits(model, PROMPT, toks, steps=4)
         assert_bitwise(ref, got)
+        # The engine checks what it reads off the disk (rot) against the digests the daemon
+        # learnt from proven bytes, asked for as it reads: a later token's reads were checked.
+        m = model.bank.source.manifest
+        checked = [r for r in range(len(m.digests)) if not m.unlearnt(r)]
+        assert checked and model.bank.source.client.checksum_mismatches == 0
+        engine_learnt = {(int(m.layer_ids[r]), int(m.expert_ids[r])): m.digests[r].tobytes()
+                         for r in checked}
     finally:
         model.bank.source.close()
     from cachecd_client import Client
@@ -97,6 +104,7 @@ def test_setup_needs_no_manifest_and_runs_bitwise(installed: NoManifest, model_d
     assert len(rows) == learnt
     routed = [built.expert(int(r[0]), int(r[1])) for r in rows]
     assert [r[3] for r in rows] == [e.digest_hex for e in routed]
+    assert all(built.expert(*k).xxh3 == d for k, d in engine_learnt.items())
     # What the hub served: the resident model, the routed experts, the headers and small files,
     # and the proofs' answers, within 10% (each window's widening is the rest).
     seen = installed.proxy.seen
