@@ -134,7 +134,8 @@ class XetSource:
     async def proven_headers(self, manifest: Any) -> dict[str, bytes] | None:
         """Each shard's first 8 + N bytes (N: the manifest's header length), read through Xet
         and proven; None where a shard is not in Xet."""
-        hashes = await asyncio.gather(*(self._xet_hash(manifest, f) for f in manifest.shards))
+        hashes = await asyncio.gather(*(self._xet_hash(manifest, f, keep=False)
+                                        for f in manifest.shards))
         if not all(hashes):
             return None
         got = await asyncio.gather(*(self._header(manifest, f) for f in manifest.shards))
@@ -259,11 +260,16 @@ class XetSource:
             return b"".join(_cut(*kept, a, b))
         return bytes(await self.hub.get_range(manifest, file, a, b))
 
-    async def _xet_hash(self, manifest: Any, file: str) -> str:
+    async def _xet_hash(self, manifest: Any, file: str, keep: bool = True) -> str:
+        """``file``'s Xet hash at the manifest's commit ("" where it is not in Xet), from its
+        resolve. ``keep`` off (the layout check): the resolve's signed location is not kept for
+        the fetches, so a file read through the LFS route is resolved when first fetched, its
+        answer (a refusal included) that fetch's, as without the check."""
         key = (manifest.repo, manifest.revision, file)
         known = self._files.get(key)
         if known is None:
-            loc = await self.hub.location(manifest, file)
+            loc = await (self.hub.location(manifest, file) if keep
+                         else self.hub._resolve(manifest, file))
             known = self._files[key] = loc.xet_hash or ""
             # DEBUG, as the resolve's own line: setup would print one per shard between its bars.
             log.debug("event=route repo=%s file=%s route=%s", manifest.repo, file,
