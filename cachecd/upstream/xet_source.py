@@ -37,13 +37,11 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import aiohttp
 
 from cachecd import constants, errors
 from cachecd.manifest.safetensors_header import header_length
-from cachecd.upstream import hub_http as hh
 from cachecd.upstream.hub_client import READ_BUFSIZE, HubClient
 from cachecd.upstream.retry import Retrier
 from cachecd.upstream.source import Consumer, UseChecks
@@ -75,7 +73,6 @@ class XetSource:
         self.refetches, self.slack = refetches, slack
         self._counters: Counter[str] = Counter()
         self._session: aiohttp.ClientSession | None = None
-        self._proxies: dict[str, str | None] = {}
         self._files: dict[tuple[str, str, str], str] = {}  # -> its Xet hash, "" when not in Xet
         self.kept = ChunkCache(constants.XET_KEEP_BYTES)  # proven chunks: none read twice
         self._retry = Retrier(self._counters, max_parallel=hub.max_parallel,
@@ -87,11 +84,11 @@ class XetSource:
                                         sock_read=hub.read_timeout)
         self.tokens = XetTokens(hub.endpoint, hub.auth, self._get_session,
                                 lambda url, once, kind: self._retry.run(url, once, kind=kind),
-                                self._proxy, timeout)
+                                hub._proxy, timeout)
         self.reader = CasReader(
             self._get_session,
             lambda url, once, kind, deadline: self._retry.run(url, once, deadline, kind=kind),
-            self._proxy, self._counters, connect_timeout=hub.connect_timeout,
+            hub._proxy, self._counters, connect_timeout=hub.connect_timeout,
             read_timeout=hub.read_timeout, user_agent=hub.auth.plain)
 
     @classmethod
@@ -186,13 +183,6 @@ class XetSource:
             self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                                   read_bufsize=READ_BUFSIZE)
         return self._session
-
-    def _proxy(self, url: str) -> str | None:
-        parts = urlsplit(url)
-        key = f"{parts.scheme}://{parts.netloc}"
-        if key not in self._proxies:
-            self._proxies[key] = hh.proxy_for(url, constants.PROXIES)
-        return self._proxies[key]
 
     # -- ranges ------------------------------------------------------------------------------
     async def get_range(
